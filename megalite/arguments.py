@@ -1,0 +1,156 @@
+"""Megatron-LM compatible command line, generated from the dataclasses in ``config``.
+
+Everything here is pure Python: validation runs before any process group exists, so
+a bad layout is a one-line error instead of a hang on 64 GPUs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import MISSING
+from typing import Optional, Sequence
+
+from megalite.config import SECTIONS, MegaliteConfig, all_fields, field_flag
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the flag and the fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump, never a SystemExit traceback
+        raise ConfigError(f"{message} (see --help)")
+
+
+_SECTION_TITLES = {
+    "model": "model shape and architecture",
+    "parallel": "parallelism (DP is derived: world / (TP*PP*CP))",
+    "optimizer": "optimizer, precision and learning-rate schedule",
+    "data": "data and tokenizer",
+    "training": "batch sizes, iterations, evaluation and recomputation",
+    "logging": "logging and metrics",
+    "checkpoint": "checkpoints",
+}
+
+
+def _parse_bool(text: str) -> bool:
+    return str(text).lower() in ("1", "true", "yes", "on")
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, allow_abbrev=False,
+                     description="megalite: Megatron-style pretraining. Flags follow Megatron-LM.")
+    general = parser.add_argument_group("general")
+    general.add_argument("--config", metavar="FILE", default=None,
+                         help="YAML file of settings; flags given on the command line override it.")
+    general.add_argument("--world-size", type=int, default=None,
+                         help="World size for --dry-run / planning (default: from torchrun or SLURM).")
+    groups = {name: parser.add_argument_group(title) for name, title in _SECTION_TITLES.items()}
+    for section, f in all_fields():
+        meta = f.metadata
+        flags = [field_flag(f), *meta.get("aliases", ())]
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        kwargs = {"dest": f.name, "help": meta.get("help") or None, "default": default}
+        action = meta.get("action")
+        if action:
+            kwargs["action"] = action
+        else:
+            kwargs["type"] = _field_type(f)
+            if meta.get("choices"):
+                kwargs["choices"] = meta["choices"]
+            if meta.get("nargs"):
+                kwargs["nargs"] = meta["nargs"]
+        groups[section].add_argument(*flags, **kwargs)
+    return parser
+
+
+def _field_type(f):
+    t = str(f.type)
+    if "list" in t:
+        return str
+    for name, conv in (("float", float), ("int", int), ("bool", _parse_bool)):
+        if name in t:
+            return conv
+    return str
+
+
+def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
+    """Map a YAML file (flat or sectioned; dashes or underscores) onto parser dests."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file '{path}' does not exist")
+    with open(path) as fh:
+        raw = yaml.safe_load(fh) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config: '{path}' must hold a mapping of setting: value")
+    flat = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    by_dest = {a.dest: a for a in parser._actions}
+    by_flag = {s.lstrip("-").replace("-", "_"): a for a in parser._actions for s in a.option_strings}
+    out = {}
+    for key, value in flat.items():
+        k = str(key).replace("-", "_")
+        if k in by_flag and isinstance(by_flag[k], (argparse._StoreTrueAction,
+                                                    argparse._StoreFalseAction)):
+            a = by_flag[k]
+            value = a.const if _parse_bool(value) else a.default
+            out[a.dest] = value
+        elif k in by_dest and k not in ("help", "config"):
+            out[k] = value
+        else:
+            raise ConfigError(f"--config: unknown setting '{key}' in {path}; "
+                              "use the flag names of --help")
+    return out
+
+
+def env_world_size() -> int:
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(var):
+            return int(os.environ[var])
+    return 1
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.py",
+               defaults: Optional[dict] = None, validate_config: bool = True) -> MegaliteConfig:
+    """Parse flags (and an optional YAML file) into a validated ``MegaliteConfig``.
+
+    ``defaults`` lets an entry point (pretrain_moe.py) change defaults without new flags.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    if defaults:
+        parser.set_defaults(**defaults)
+    config_path = None
+    for i, tok in enumerate(argv):
+        if tok == "--config" and i + 1 < len(argv):
+            config_path = argv[i + 1]
+        elif tok.startswith("--config="):
+            config_path = tok.split("=", 1)[1]
+    if config_path:
+        parser.set_defaults(**_yaml_defaults(config_path, parser))
+    ns = vars(parser.parse_args(argv))
+    world = ns.pop("world_size") or env_world_size()
+    ns.pop("config", None)
+    sections = {}
+    for section, f in all_fields():
+        sections.setdefault(section, {})[f.name] = ns[f.name]
+    cfg = MegaliteConfig(world_size=world, **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+    if validate_config:
+        from megalite.validation import validate
+        validate(cfg)
+    return cfg
+
+
+def run_cli(main, argv=None):
+    """Run ``main(argv)``; a ConfigError becomes one line on stderr and exit status 2."""
+    try:
+        return main(argv)
+    except ConfigError as exc:
+        print(f"megalite: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,166 @@
+"""Every torch.distributed collective and p2p call goes through here.
+
+Two reasons: gloo and NCCL differ (gloo has no AVG reduction and no bf16 reductions on
+CPU), and counting bytes per (group, op) in one place lets tests and benchmarks check
+communication volume against theory (TP: 4 all-reduces per layer per micro-batch, ...).
+
+Accounting convention: ``elements`` is the size of the *full* logical tensor of the
+collective -- the all-reduced tensor, the gathered output, the reduce-scattered input,
+the all-to-all input, the p2p message -- so that an all-reduce counts the same as the
+reduce-scatter + all-gather that implement it.  Calls on a group of size 1 are skipped
+and not counted.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megalite.parallel_state import Group
+
+
+class CommCounter:
+    """calls / elements / bytes per (group name, op)."""
+
+    def __init__(self):
+        self.enabled = True
+        self.reset()
+
+    def reset(self):
+        self.table = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
+
+    def add(self, group: str, op: str, tensor: torch.Tensor):
+        if self.enabled:
+            row = self.table[(group, op)]
+            row["calls"] += 1
+            row["elements"] += tensor.numel()
+            row["bytes"] += tensor.numel() * tensor.element_size()
+
+    def get(self, group: str, op: str) -> dict:
+        return dict(self.table.get((group, op), {"calls": 0, "elements": 0, "bytes": 0}))
+
+    def total_bytes(self, group: Optional[str] = None) -> int:
+        return sum(r["bytes"] for (g, _), r in self.table.items() if group in (None, g))
+
+    def snapshot(self) -> dict:
+        return {f"{g}/{op}": dict(r) for (g, op), r in sorted(self.table.items())}
+
+
+counter = CommCounter()
+
+
+@contextmanager
+def counting(enabled: bool = True):
+    """Temporarily switch byte counting on or off (e.g. around a warm-up)."""
+    old, counter.enabled = counter.enabled, enabled
+    try:
+        yield counter
+    finally:
+        counter.enabled = old
+
+
+def _is_gloo(group: Group) -> bool:
+    return dist.get_backend(group.handle) == "gloo"
+
+
+def _needs_fp32(group: Group, tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.bfloat16, torch.float16) and _is_gloo(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce; ``op`` is sum, avg or max."""
+    if group.size == 1:
+        return tensor
+    counter.add(group.name, "all_reduce", tensor)
+    work = tensor.float() if _needs_fp32(group, tensor) else tensor
+    reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+                 "max": dist.ReduceOp.MAX}[op]
+    dist.all_reduce(work, op=reduce_op, group=group.handle)
+    if op == "avg":
+        work.div_(group.size)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group):
+    """Concatenate every rank's ``input`` along dim 0 into ``output``."""
+    if group.size == 1:
+        output.copy_(input)
+        return output
+    counter.add(group.name, "all_gather", output)
+    dist.all_gather_into_tensor(output, input.contiguous(), group=group.handle)
+    return output
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group):
+    """Sum ``input`` over ranks; this rank keeps its dim-0 slice in ``output``."""
+    if group.size == 1:
+        output.copy_(input)
+        return output
+    counter.add(group.name, "reduce_scatter", input)
+    if _needs_fp32(group, input):
+        out32 = output.float()
+        dist.reduce_scatter_tensor(out32, input.float().contiguous(), group=group.handle)
+        output.copy_(out32)
+    else:
+        dist.reduce_scatter_tensor(output, input.contiguous(), group=group.handle)
+    return output
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
+                      output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None):
+    if group.size == 1:
+        output.copy_(input)
+        return output
+    counter.add(group.name, "all_to_all", input)
+    dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes,
+                           group=group.handle)
+    return output
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
+    """Broadcast from global rank ``src``."""
+    if group.size == 1:
+        return tensor
+    counter.add(group.name, "broadcast", tensor)
+    dist.broadcast(tensor, src=src, group=group.handle)
+    return tensor
+
+
+def all_gather_object(obj, group: Group) -> list:
+    if group.size == 1:
+        return [obj]
+    out = [None] * group.size
+    dist.all_gather_object(out, obj, group=group.handle)
+    return out
+
+
+def barrier(group: Optional[Group] = None):
+    if group is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+    elif group.size > 1:
+        dist.barrier(group=group.handle)
+
+
+def batch_send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group):
+    """Post sends ``(tensor, dst)`` and receives ``(tensor, src)`` together and wait.
+
+    Posting both directions at once is what keeps two neighbouring pipeline stages from
+    deadlocking when each sends before it receives.  Ranks are global.
+    """
+    ops = []
+    for tensor, peer in sends:
+        counter.add(group.name, "send", tensor)
+        ops.append(dist.P2POp(dist.isend, tensor.contiguous(), peer, group=group.handle))
+    for tensor, peer in recvs:
+        counter.add(group.name, "recv", tensor)
+        ops.append(dist.P2POp(dist.irecv, tensor, peer, group=group.handle))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

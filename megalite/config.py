@@ -1,0 +1,296 @@
+"""Configuration dataclasses: the single source of truth for every setting.
+
+Each field carries its Megatron-LM flag name and help text in ``metadata`` so that
+``megalite.arguments`` can generate the command line from these classes instead of
+keeping a second list of options in sync by hand.  Fields whose names already match
+Megatron's flag (underscores -> dashes) need no explicit ``flag``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
+        choices: Optional[list] = None, action: Optional[str] = None,
+        nargs: Optional[str] = None, aliases: tuple = ()):
+    """A dataclass field that knows how to present itself on the command line."""
+    meta = {"help": help, "flag": flag, "choices": choices, "action": action,
+            "nargs": nargs, "aliases": aliases}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: list(default) if isinstance(default, list)
+                     else dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    """Network shape and architecture switches (Megatron's 'network size' group)."""
+    num_layers: Optional[int] = opt(None, "Number of transformer layers.")
+    hidden_size: Optional[int] = opt(None, "Transformer hidden size.")
+    ffn_hidden_size: Optional[int] = opt(
+        None, "MLP hidden size; default 4*hidden, or Llama's 8/3*hidden rounded when --swiglu.")
+    num_attention_heads: Optional[int] = opt(None, "Number of attention heads.")
+    group_query_attention: bool = opt(False, "Use grouped-query attention.", action="store_true")
+    num_query_groups: Optional[int] = opt(
+        None, "Number of key/value head groups with --group-query-attention.")
+    kv_channels: Optional[int] = opt(None, "Per-head dimension; default hidden/heads.")
+    seq_length: Optional[int] = opt(None, "Sequence length of each training sample.")
+    max_position_embeddings: Optional[int] = opt(
+        None, "Size of the learned position table; default --seq-length.")
+    vocab_size: Optional[int] = opt(
+        None, "Vocabulary size (NullTokenizer / mock data); otherwise taken from the tokenizer.")
+    make_vocab_size_divisible_by: int = opt(
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.")
+    normalization: str = opt("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = opt(1e-5, "Epsilon of the normalization layers.")
+    position_embedding_type: str = opt(
+        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+    rotary_base: int = opt(10000, "Base period of rotary position embeddings.")
+    swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU).", action="store_true")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "Give the output layer its own weight instead of the input embedding.",
+        action="store_true")
+    add_bias_linear: bool = opt(True, "Disable biases in linear layers.",
+                                flag="--disable-bias-linear", action="store_false")
+    init_method_std: float = opt(0.02, "Std of the normal initialization.")
+    hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
+    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
+    # Mixture of experts.
+    num_experts: Optional[int] = opt(None, "Number of routed experts (MoE); none = dense.")
+    moe_router_topk: int = opt(2, "Experts each token is routed to.")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "Hidden size of each expert MLP.")
+    moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient.")
+    moe_layer_freq: int = opt(1, "Every n-th layer is an MoE layer.")
+    transformer_impl: str = opt(
+        "auto", "Hot-layer implementation: 'local' (pure PyTorch), 'transformer_engine', or "
+        "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"])
+
+    # ---- derived values -------------------------------------------------------------
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:  # Llama's rule: 2/3 of 4h, rounded up to a multiple of 64.
+            return int(math.ceil(int(8 * self.hidden_size / 3) / 64) * 64)
+        return 4 * self.hidden_size
+
+    def resolved_kv_channels(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def resolved_query_groups(self) -> int:
+        if self.group_query_attention and self.num_query_groups:
+            return self.num_query_groups
+        return self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Megatron's rule: round the vocabulary up to a multiple of divisor * TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of every parallel dimension; DP is derived from the world size."""
+    tensor_model_parallel_size: int = opt(1, "Tensor-parallel size (TP).", aliases=("--tp",))
+    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel size (PP).", aliases=("--pp",))
+    num_layers_per_virtual_pipeline_stage: Optional[int] = opt(
+        None, "Layers per virtual pipeline stage (interleaved 1F1B).")
+    num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
+        None, "Virtual pipeline stages per rank (VPP); alternative to the flag above.")
+    decoder_first_pipeline_num_layers: Optional[int] = opt(
+        None, "Layers on the first pipeline stage (uneven split).")
+    decoder_last_pipeline_num_layers: Optional[int] = opt(
+        None, "Layers on the last pipeline stage (uneven split).")
+    pipeline_schedule: str = opt(
+        "auto", "Pipeline schedule: auto picks 1F1B, or interleaved with virtual stages.",
+        choices=["auto", "1f1b", "interleaved", "zero-bubble"])
+    context_parallel_size: int = opt(1, "Context-parallel size (CP).", aliases=("--cp",))
+    cp_comm_type: str = opt("p2p", "Context-parallel communication: ring (p2p) or all-to-all.",
+                            choices=["p2p", "a2a"])
+    expert_model_parallel_size: int = opt(1, "Expert-parallel size (EP).", aliases=("--ep",))
+    expert_tensor_parallel_size: Optional[int] = opt(
+        None, "Tensor-parallel size inside experts; default = --tensor-model-parallel-size.")
+    sequence_parallel: bool = opt(False, "Shard norms/dropout along the sequence over TP ranks.",
+                                  action="store_true")
+    use_distributed_optimizer: bool = opt(
+        False, "Shard optimizer states (and gradients) over data-parallel ranks (ZeRO-1/2).",
+        action="store_true")
+    distributed_backend: str = opt("auto", "Collective backend; auto = nccl on CUDA, gloo on CPU.",
+                                   choices=["auto", "nccl", "gloo"])
+    distributed_timeout_minutes: float = opt(
+        10, "Timeout of collectives: a hung peer becomes an error after this long.")
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def virtual_stages(self, num_layers: Optional[int]) -> int:
+        """VPP size (1 when not interleaving)."""
+        if self.num_virtual_stages_per_pipeline_rank:
+            return self.num_virtual_stages_per_pipeline_rank
+        if self.num_layers_per_virtual_pipeline_stage and num_layers:
+            return num_layers // (self.pp * self.num_layers_per_virtual_pipeline_stage)
+        return 1
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, mixed precision, clipping and the learning-rate schedule."""
+    optimizer: str = opt("adam", "Optimizer (AdamW).", choices=["adam", "sgd"])
+    lr: Optional[float] = opt(None, "Peak learning rate.")
+    min_lr: float = opt(0.0, "Learning rate floor after decay.")
+    lr_decay_style: str = opt("linear", "Decay style.",
+                              choices=["constant", "linear", "cosine", "WSD"])
+    lr_decay_iters: Optional[int] = opt(None, "Iterations to decay over; default --train-iters.")
+    lr_warmup_iters: int = opt(0, "Linear warmup iterations.")
+    lr_warmup_fraction: Optional[float] = opt(None, "Warmup as a fraction of decay iterations.")
+    lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: iterations of the final decay phase.")
+    lr_wsd_decay_style: str = opt("linear", "WSD: shape of the final decay.",
+                                  choices=["linear", "cosine", "exponential"])
+    weight_decay: float = opt(0.01, "Weight decay (not applied to norms and biases).")
+    clip_grad: float = opt(1.0, "Clip the global gradient norm to this; 0 disables.")
+    adam_beta1: float = opt(0.9, "Adam beta1.")
+    adam_beta2: float = opt(0.999, "Adam beta2.")
+    adam_eps: float = opt(1e-8, "Adam epsilon.")
+    bf16: bool = opt(False, "bf16 compute with fp32 master weights.", action="store_true")
+    fp16: bool = opt(False, "fp16 is not supported; use --bf16.", action="store_true")
+
+
+@dataclass
+class DataConfig:
+    """Tokenizer and datasets."""
+    data_path: list = opt([], "Dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...",
+                          nargs="*")
+    split: str = opt("969, 30, 1", "Train/valid/test proportions.")
+    mock_data: bool = opt(False, "Train on deterministic random tokens.", action="store_true")
+    tokenizer_type: Optional[str] = opt(
+        None, "Tokenizer.", choices=["SentencePieceTokenizer", "ByteLevelTokenizer",
+                                     "CharacterTokenizer", "NullTokenizer"])
+    tokenizer_model: Optional[str] = opt(None, "Tokenizer model file.")
+    data_cache_path: Optional[str] = opt(None, "Where dataset index caches are written.")
+    eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",
+                              action="store_true")
+
+
+@dataclass
+class TrainingConfig:
+    """Batch sizes, iterations, evaluation, recomputation, seeds."""
+    micro_batch_size: int = opt(1, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: Optional[int] = opt(
+        None, "Samples per iteration over all data-parallel ranks; default micro*DP.")
+    train_iters: Optional[int] = opt(None, "Training iterations.")
+    train_samples: Optional[int] = opt(None, "Training samples (alternative to --train-iters).")
+    eval_interval: int = opt(1000, "Evaluate every this many iterations.")
+    eval_iters: int = opt(100, "Iterations per evaluation.")
+    skip_train: bool = opt(False, "Only evaluate (a loaded checkpoint).", action="store_true")
+    seed: int = opt(1234, "Random seed.")
+    recompute_granularity: Optional[str] = opt(
+        None, "Activation recomputation.", choices=["full", "selective"])
+    recompute_method: Optional[str] = opt(None, "Full recompute: which layers.",
+                                          choices=["uniform", "block"])
+    recompute_num_layers: int = opt(1, "Full recompute: layers per chunk (uniform) or count (block).")
+    recompute_modules: list = opt(["core_attn"], "Selective recompute: modules.", nargs="*")
+    exit_interval: Optional[int] = opt(None, "Exit after this iteration.")
+    device: str = opt("auto", "Device: auto (cuda if present), cpu or cuda.",
+                      choices=["auto", "cpu", "cuda"])
+    dry_run: bool = opt(False, "Validate, print the rank layout and exit.", action="store_true")
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = opt(100, "Log every this many iterations.")
+    metrics_file: Optional[str] = opt(None, "Write one JSON object per iteration here.")
+    tensorboard_dir: Optional[str] = opt(None, "TensorBoard log directory.")
+    wandb_project: Optional[str] = opt(None, "Weights & Biases project (offline unless configured).")
+    wandb_exp_name: Optional[str] = opt(None, "Weights & Biases run name.")
+    pipeline_timeline: Optional[str] = opt(None, "Write a Chrome-trace of the pipeline schedule.")
+    loss_plot: Optional[str] = opt(None, "Write a loss-curve PNG at the end of training.")
+    no_progress_bar: bool = opt(False, "Disable the progress bar.", action="store_true")
+
+
+@dataclass
+class CheckpointConfig:
+    save: Optional[str] = opt(None, "Directory to save checkpoints to.")
+    load: Optional[str] = opt(None, "Directory to load a checkpoint from.")
+    save_interval: Optional[int] = opt(None, "Save every this many iterations.")
+    no_load_optim: bool = opt(False, "Do not load optimizer state.", action="store_true")
+    no_load_rng: bool = opt(False, "Do not load RNG state.", action="store_true")
+    finetune: bool = opt(False, "Load weights only and reset the iteration count.",
+                         action="store_true")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+@dataclass
+class MegaliteConfig:
+    """Everything a run needs; one attribute per section."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    world_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.parallel.data_parallel_size(self.world_size)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.training.global_batch_size // (
+            self.training.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return self.model.padded_vocab_size(self.parallel.tp)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MegaliteConfig":
+        kwargs = {name: klass(**d.get(name, {})) for name, klass in SECTIONS.items()}
+        return cls(world_size=d.get("world_size", 1), **kwargs)
+
+
+def field_flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def all_fields():
+    """(section, field) for every configurable field, in CLI order."""
+    for section, klass in SECTIONS.items():
+        for f in dataclasses.fields(klass):
+            yield section, f

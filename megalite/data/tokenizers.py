@@ -1,0 +1,282 @@
+"""Tokenizers behind one small interface, selected by Megatron's ``--tokenizer-type`` names.
+
+Every tokenizer exposes ``vocab_size``, ``eod`` (the id appended between documents),
+``tokenize(text) -> list[int]`` and ``detokenize(ids) -> str``. The preprocessing tool
+and the training loop only ever talk to that interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable, Sequence
+
+__all__ = [
+    "TOKENIZER_TYPES",
+    "ByteLevelTokenizer",
+    "CharacterTokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+    "SentencePieceTokenizer",
+    "build_tokenizer",
+    "train_char_tokenizer",
+    "train_sentencepiece",
+]
+
+
+def _require_file(path: str | None, tokenizer_type: str, hint: str = "") -> str:
+    """Fail early, naming the flag, instead of deep inside a third-party loader."""
+    if not path:
+        raise FileNotFoundError(
+            f"{tokenizer_type} needs a tokenizer file: pass --tokenizer-model PATH{hint}"
+        )
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"--tokenizer-model {path!r} does not exist (needed by {tokenizer_type}){hint}"
+        )
+    return path
+
+
+class ByteLevelTokenizer:
+    """UTF-8 bytes as ids 0..255 plus an end-of-document id 256; needs no file."""
+
+    name = "ByteLevelTokenizer"
+
+    def __init__(self) -> None:
+        self.vocab_size = 257
+        self.eod = 256
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+
+class CharacterTokenizer:
+    """One id per character of a fixed alphabet (nanoGPT's shakespeare-char style).
+
+    The alphabet lives in a small JSON file made by :func:`train_char_tokenizer`, so ids are
+    stable across runs. Ids: alphabet ``0..n-1``, ``eod = n``, ``unk = n + 1`` (any character
+    not in the alphabet).
+    """
+
+    name = "CharacterTokenizer"
+
+    def __init__(self, vocab_file: str | None) -> None:
+        path = _require_file(
+            vocab_file,
+            self.name,
+            " (build one with: python -m megalite.data.train_tokenizer --type char ...;"
+            " or use --tokenizer-type ByteLevelTokenizer, which needs no file)",
+        )
+        try:
+            with open(path, encoding="utf-8") as f:
+                spec = json.load(f)
+            chars = spec["chars"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f"--tokenizer-model {path!r} is not a character-tokenizer JSON file "
+                f"(expected an object with a 'chars' list): {e}"
+            ) from None
+        if not isinstance(chars, list) or any(not isinstance(c, str) or len(c) != 1 for c in chars):
+            raise ValueError(f"--tokenizer-model {path!r}: 'chars' must be a list of single characters")
+        if len(set(chars)) != len(chars):
+            raise ValueError(f"--tokenizer-model {path!r}: 'chars' has duplicates")
+        self.chars = list(chars)
+        self._ids = {c: i for i, c in enumerate(self.chars)}
+        self.eod = len(self.chars)
+        self.unk = len(self.chars) + 1
+        self.vocab_size = len(self.chars) + 2
+
+    def tokenize(self, text: str) -> list[int]:
+        ids, unk = self._ids, self.unk
+        return [ids.get(c, unk) for c in text]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if 0 <= i < self.eod:
+                out.append(self.chars[i])
+            elif i == self.unk:
+                out.append("\ufffd")
+        return "".join(out)
+
+
+class NullTokenizer:
+    """Text is already token ids separated by spaces (Megatron's NullTokenizer).
+
+    ``vocab_size`` is the given size and the last id is the end-of-document id. (Megatron
+    instead reserves one extra id past ``--vocab-size``; here the model vocab is exactly
+    ``--vocab-size``.)
+    """
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int | None) -> None:
+        if vocab_size is None or int(vocab_size) < 2:
+            raise ValueError("NullTokenizer needs --vocab-size N (N >= 2)")
+        self.vocab_size = int(vocab_size)
+        self.eod = self.vocab_size - 1
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            return [int(x) for x in text.split()]
+        except ValueError:
+            raise ValueError(
+                "NullTokenizer expects text made of integer token ids separated by spaces"
+            ) from None
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class SentencePieceTokenizer:
+    """A sentencepiece ``.model`` file.
+
+    ``eod`` is the model's ``</s>`` (eos) id. A model trained without eos gets one extra id
+    past its pieces (``vocab_size = pieces + 1``) so documents can still be separated.
+    """
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file: str | None) -> None:
+        import sentencepiece as spm
+
+        path = _require_file(model_file, self.name)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except (OSError, RuntimeError) as e:
+            raise ValueError(f"--tokenizer-model {path!r} is not a sentencepiece model: {e}") from None
+        self._pieces = self.sp.get_piece_size()
+        eos = self.sp.eos_id()
+        if 0 <= eos < self._pieces:
+            self.eod = eos
+            self.vocab_size = self._pieces
+        else:
+            self.eod = self._pieces
+            self.vocab_size = self._pieces + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self.sp.decode([int(i) for i in ids if 0 <= int(i) < self._pieces])
+
+
+class HuggingFaceTokenizer:
+    """A local Hugging Face tokenizer directory (``AutoTokenizer.from_pretrained``).
+
+    Imported lazily so megalite never needs ``transformers`` unless this type is used.
+    ``eod`` is the tokenizer's eos id (else an extra id past its vocab).
+    """
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, model_path: str | None) -> None:
+        path = _require_file(model_path, self.name)
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ImportError("HuggingFaceTokenizer needs the 'transformers' package") from None
+        self.tok = AutoTokenizer.from_pretrained(path)
+        n = len(self.tok)
+        eos = self.tok.eos_token_id
+        if eos is not None and 0 <= eos < n:
+            self.eod, self.vocab_size = int(eos), n
+        else:
+            self.eod, self.vocab_size = n, n + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids if int(i) < len(self.tok)])
+
+
+TOKENIZER_TYPES = (
+    "SentencePieceTokenizer",
+    "CharacterTokenizer",
+    "ByteLevelTokenizer",
+    "NullTokenizer",
+    "HuggingFaceTokenizer",
+)
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None):
+    """Build a tokenizer from Megatron-style ``--tokenizer-type/--tokenizer-model/--vocab-size``."""
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "CharacterTokenizer":
+        return CharacterTokenizer(tokenizer_model)
+    if tokenizer_type == "ByteLevelTokenizer":
+        return ByteLevelTokenizer()
+    if tokenizer_type == "NullTokenizer":
+        return NullTokenizer(vocab_size)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    raise ValueError(
+        f"unknown --tokenizer-type {tokenizer_type!r}; choose one of: {', '.join(TOKENIZER_TYPES)}"
+    )
+
+
+def _check_inputs(files: Sequence[str]) -> list[str]:
+    if isinstance(files, (str, os.PathLike)):
+        files = [files]
+    files = [os.fspath(f) for f in files]
+    if not files:
+        raise ValueError("no input files given")
+    for f in files:
+        if not os.path.isfile(f):
+            raise FileNotFoundError(f"input file {f!r} does not exist")
+    return files
+
+
+def train_char_tokenizer(text_files: Sequence[str], out_path: str) -> CharacterTokenizer:
+    """Write the sorted set of characters seen in ``text_files`` as a CharacterTokenizer JSON."""
+    chars: set[str] = set()
+    for path in _check_inputs(text_files):
+        with open(path, encoding="utf-8") as f:
+            while True:
+                block = f.read(1 << 20)
+                if not block:
+                    break
+                chars.update(block)
+    if not chars:
+        raise ValueError(f"input {list(text_files)} is empty: no characters to build a vocabulary from")
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(out_path, "w", encoding="utf-8") as f:
+        json.dump({"type": "CharacterTokenizer", "chars": sorted(chars)}, f, ensure_ascii=False)
+        f.write("\n")
+    return CharacterTokenizer(out_path)
+
+
+def train_sentencepiece(
+    input_files: Sequence[str], model_prefix: str, vocab_size: int, model_type: str = "bpe"
+) -> SentencePieceTokenizer:
+    """Train a sentencepiece model on plain-text files; writes ``{model_prefix}.model/.vocab``.
+
+    Ids follow sentencepiece defaults (unk 0, bos 1, eos 2), so ``eod`` is 2.
+    """
+    import sentencepiece as spm
+
+    files = _check_inputs(input_files)
+    if model_type not in ("bpe", "unigram", "char", "word"):
+        raise ValueError(f"unknown sentencepiece model type {model_type!r}")
+    out_dir = os.path.dirname(os.path.abspath(model_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        spm.SentencePieceTrainer.train(
+            input=",".join(files),
+            model_prefix=model_prefix,
+            vocab_size=int(vocab_size),
+            model_type=model_type,
+            character_coverage=1.0,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        raise ValueError(f"sentencepiece training failed (vocab size {vocab_size}): {e}") from None
+    return SentencePieceTokenizer(model_prefix + ".model")

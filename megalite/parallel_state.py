@@ -1,0 +1,301 @@
+"""The rank grid and every process group, as one explicit object.
+
+Ranks are laid out with Megatron-Core's order string ``tp-cp-ep-dp-pp``: TP has stride 1
+(so a TP group is consecutive ranks inside one node) and PP the largest stride.  The
+arithmetic (``RankGrid``) is pure Python so ``--dry-run`` and the planner can use it
+without any process group; ``ParallelState`` adds the torch.distributed handles.
+
+Run ``python -m megalite.parallel_state --world-size 16 --tp 2 --cp 2 --pp 2`` to see
+which ranks share each group.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Dict, List, Optional
+
+ORDER = "tp-cp-ep-dp-pp"
+
+# group name -> (grid, token of the dimensions it spans)
+GROUP_TOKENS = {
+    "tp": ("dense", "tp"),
+    "cp": ("dense", "cp"),
+    "dp": ("dense", "dp"),
+    "pp": ("dense", "pp"),
+    "dp-cp": ("dense", "dp-cp"),
+    "tp-cp": ("dense", "tp-cp"),
+    "mp": ("dense", "tp-pp"),          # model-parallel group (grad-norm reduction)
+    "tp-dp-cp": ("dense", "tp-dp-cp"),
+    "ep": ("expert", "ep"),
+    "expert-tp": ("expert", "tp"),
+    "expert-dp": ("expert", "dp"),
+    "tp-ep": ("expert", "tp-ep"),      # expert model-parallel group
+}
+
+
+def _prefix_product(values, start=1):
+    out = [start]
+    for v in values:
+        start *= v
+        out.append(start)
+    return out
+
+
+def _decompose(index, shape):
+    """Mixed-radix digits of ``index`` with the first dimension varying fastest."""
+    digits = []
+    for size in shape:
+        digits.append(index % size)
+        index //= size
+    return digits
+
+
+def orthogonal_groups(sizes: List[int], mask: List[bool]) -> List[List[int]]:
+    """All groups that vary the masked dimensions while the others stay fixed.
+
+    ``sizes`` are in order-string order (stride 1 first).  Groups are listed with the
+    first unmasked dimension varying fastest, members with the first masked dimension
+    varying fastest -- the same enumeration as Megatron-Core's RankGenerator.
+    """
+    strides = _prefix_product(sizes)[:-1]
+    masked = [(s, d) for s, d, m in zip(sizes, strides, mask) if m]
+    unmasked = [(s, d) for s, d, m in zip(sizes, strides, mask) if not m]
+    group_size = _prefix_product([s for s, _ in masked])[-1]
+    num_groups = _prefix_product([s for s, _ in unmasked])[-1]
+    groups = []
+    for g in range(num_groups):
+        base = sum(i * d for i, (_, d) in zip(_decompose(g, [s for s, _ in unmasked]), unmasked))
+        groups.append([base + sum(i * d for i, (_, d) in
+                                  zip(_decompose(r, [s for s, _ in masked]), masked))
+                       for r in range(group_size)])
+    return groups
+
+
+class RankGrid:
+    """Pure-Python rank arithmetic for the dense and the expert grid."""
+
+    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 etp: Optional[int] = None, vpp: int = 1):
+        etp = etp or tp
+        if world_size % (tp * pp * cp) or world_size % (etp * ep * pp):
+            raise ValueError(f"world size {world_size} does not fit tp={tp} cp={cp} pp={pp} "
+                             f"(expert: etp={etp} ep={ep})")
+        self.world_size, self.vpp = world_size, vpp
+        self.dims = {"dense": dict(tp=tp, cp=cp, ep=1, dp=world_size // (tp * cp * pp), pp=pp),
+                     "expert": dict(tp=etp, cp=1, ep=ep, dp=world_size // (etp * ep * pp), pp=pp)}
+        self._cache: Dict[str, List[List[int]]] = {}
+
+    def size(self, name: str) -> int:
+        return len(self.groups(name)[0])
+
+    def groups(self, name: str) -> List[List[int]]:
+        if name not in self._cache:
+            if name == "embedding":
+                self._cache[name] = [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+            else:
+                grid, token = GROUP_TOKENS[name]
+                order = ORDER.split("-")
+                sizes = [self.dims[grid][d] for d in order]
+                wanted = token.split("-")
+                self._cache[name] = orthogonal_groups(sizes, [d in wanted for d in order])
+        return self._cache[name]
+
+    def group_of(self, name: str, rank: int) -> List[int]:
+        for g in self.groups(name):
+            if rank in g:
+                return g
+        raise KeyError(rank)
+
+    def coords(self, rank: int) -> Dict[str, int]:
+        """Position of ``rank`` in every group (its index inside the group)."""
+        return {name: self.group_of(name, rank).index(rank) for name in GROUP_TOKENS}
+
+    def describe(self) -> str:
+        d, e = self.dims["dense"], self.dims["expert"]
+        lines = [f"world {self.world_size}: TP={d['tp']} CP={d['cp']} DP={d['dp']} PP={d['pp']}"
+                 f" | expert grid: ETP={e['tp']} EP={e['ep']} EDP={e['dp']} PP={e['pp']}"
+                 f" | order {ORDER}"]
+        for name in [*GROUP_TOKENS, "embedding"]:
+            groups = self.groups(name)
+            shown = " ".join(str(g).replace(" ", "") for g in groups[:16])
+            more = f" ... (+{len(groups) - 16})" if len(groups) > 16 else ""
+            lines.append(f"  {name:<10} size {len(groups[0]):<4} {shown}{more}")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_config(cls, cfg) -> "RankGrid":
+        p = cfg.parallel
+        return cls(cfg.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
+                   vpp=p.virtual_stages(cfg.model.num_layers))
+
+
+@dataclass
+class Group:
+    """One process group as this rank sees it."""
+    name: str
+    ranks: List[int]
+    handle: object = None  # torch ProcessGroup; None when the group is this rank alone
+    global_rank: int = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.global_rank)
+
+
+# Process groups keyed by member ranks, shared by every ParallelState of this process so
+# that rebuilding a state (tests, restarts) reuses handles instead of opening new ones.
+_HANDLE_CACHE: Dict[tuple, object] = {}
+
+
+@dataclass
+class ParallelState:
+    """This rank's view of the grid: a ``Group`` per dimension plus pipeline position."""
+    grid: RankGrid
+    rank: int
+    groups: Dict[str, Group] = field(default_factory=dict)
+    virtual_pipeline_rank: int = 0
+
+    @classmethod
+    def build(cls, grid: RankGrid, rank: int, create_groups: bool = True) -> "ParallelState":
+        """Create every group.  All ranks must call this with the same grid."""
+        state = cls(grid=grid, rank=rank)
+        for name in [*GROUP_TOKENS, "embedding"]:
+            for ranks in grid.groups(name):
+                handle = None
+                if create_groups and len(ranks) > 1:
+                    handle = _new_group(ranks)  # collective over the world: every rank calls
+                if rank in ranks:
+                    state.groups[name] = Group(name, ranks, handle, rank)
+        return state
+
+    def __getitem__(self, name: str) -> Group:
+        return self.groups[name]
+
+    # -- convenience queries ----------------------------------------------------------
+    def size(self, name: str) -> int:
+        return self.groups[name].size
+
+    def local_rank(self, name: str) -> int:
+        return self.groups[name].rank
+
+    @property
+    def tp(self) -> Group:
+        return self.groups["tp"]
+
+    @property
+    def pp(self) -> Group:
+        return self.groups["pp"]
+
+    @property
+    def dp(self) -> Group:
+        return self.groups["dp"]
+
+    @property
+    def cp(self) -> Group:
+        return self.groups["cp"]
+
+    @property
+    def vpp_size(self) -> int:
+        return self.grid.vpp
+
+    def is_first_stage(self, ignore_virtual: bool = False) -> bool:
+        if not ignore_virtual and self.vpp_size > 1 and self.virtual_pipeline_rank != 0:
+            return False
+        return self.pp.rank == 0
+
+    def is_last_stage(self, ignore_virtual: bool = False) -> bool:
+        if not ignore_virtual and self.vpp_size > 1 and \
+                self.virtual_pipeline_rank != self.vpp_size - 1:
+            return False
+        return self.pp.rank == self.pp.size - 1
+
+    def next_stage_rank(self) -> int:
+        return self.pp.ranks[(self.pp.rank + 1) % self.pp.size]
+
+    def prev_stage_rank(self) -> int:
+        return self.pp.ranks[(self.pp.rank - 1) % self.pp.size]
+
+
+def _new_group(ranks: List[int]):
+    import torch.distributed as dist
+
+    key = tuple(ranks)
+    if key not in _HANDLE_CACHE:
+        _HANDLE_CACHE[key] = dist.new_group(ranks)
+    return _HANDLE_CACHE[key]
+
+
+# -- process launch ------------------------------------------------------------------------
+
+@dataclass
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def launch_env() -> LaunchEnv:
+    """Rank/world/local rank from torchrun's variables, else SLURM's, else a single process."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return LaunchEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]),
+                         int(env.get("SLURM_LOCALID", 0)))
+    return LaunchEnv(0, 1, 0)
+
+
+def pick_device_and_backend(device: str = "auto", backend: str = "auto"):
+    """cuda + nccl when CUDA is present, otherwise cpu + gloo."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    return device, backend
+
+
+def initialize(cfg) -> ParallelState:
+    """Start torch.distributed (if needed) and build every group for ``cfg``."""
+    import torch
+    import torch.distributed as dist
+
+    env = launch_env()
+    device, backend = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
+    if device == "cuda":
+        torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend=backend, rank=env.rank, world_size=env.world_size,
+            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+    grid = RankGrid.from_config(cfg)
+    return ParallelState.build(grid, dist.get_rank())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Print which ranks share each process group.")
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
+    ap.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
+    ap.add_argument("--cp", "--context-parallel-size", type=int, default=1)
+    ap.add_argument("--ep", "--expert-model-parallel-size", type=int, default=1)
+    ap.add_argument("--etp", "--expert-tensor-parallel-size", type=int, default=None)
+    a = ap.parse_args(argv)
+    try:
+        grid = RankGrid(a.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, etp=a.etp)
+    except ValueError as exc:
+        ap.exit(2, f"megalite: error: {exc}\n")
+    print(grid.describe())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Checks on a ``MegaliteConfig`` that must pass before any process group is created.
+
+Every message names the flag(s) at fault and the fix, on one line.  The planner reuses
+``validate_layout`` to enumerate only legal layouts.
+"""
+from __future__ import annotations
+
+import os
+
+from megalite.arguments import ConfigError
+from megalite.config import MegaliteConfig
+
+_REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                   ("num_attention_heads", "--num-attention-heads"),
+                   ("seq_length", "--seq-length"))
+
+
+def _positive(value, flag):
+    if value is not None and value <= 0:
+        raise ConfigError(f"{flag} must be a positive integer, got {value}")
+
+
+def validate_layout(cfg: MegaliteConfig) -> None:
+    """Parallel sizes against the world size and the model shape (no files, no I/O)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.training
+    world = cfg.world_size
+    for value, flag in ((p.tp, "--tensor-model-parallel-size"),
+                        (p.pp, "--pipeline-model-parallel-size"),
+                        (p.cp, "--context-parallel-size"),
+                        (p.ep, "--expert-model-parallel-size"),
+                        (p.expert_tensor_parallel_size, "--expert-tensor-parallel-size"),
+                        (p.num_layers_per_virtual_pipeline_stage,
+                         "--num-layers-per-virtual-pipeline-stage"),
+                        (p.num_virtual_stages_per_pipeline_rank,
+                         "--num-virtual-stages-per-pipeline-rank"),
+                        (t.micro_batch_size, "--micro-batch-size"),
+                        (t.global_batch_size, "--global-batch-size"),
+                        (world, "world size"),
+                        (m.num_layers, "--num-layers"), (m.hidden_size, "--hidden-size"),
+                        (m.num_attention_heads, "--num-attention-heads"),
+                        (m.num_query_groups, "--num-query-groups"),
+                        (m.seq_length, "--seq-length"), (m.ffn_hidden_size, "--ffn-hidden-size"),
+                        (m.kv_channels, "--kv-channels"), (m.num_experts, "--num-experts"),
+                        (m.vocab_size, "--vocab-size"), (t.train_iters, "--train-iters"),
+                        (m.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by")):
+        _positive(value, flag)
+    for attr, flag in _REQUIRED_MODEL:
+        if getattr(m, attr) is None:
+            raise ConfigError(f"{flag} is required")
+
+    model_parallel = p.tp * p.pp * p.cp
+    if world % model_parallel:
+        raise ConfigError(
+            f"world size {world} is not divisible by --tensor-model-parallel-size ({p.tp}) x "
+            f"--pipeline-model-parallel-size ({p.pp}) x --context-parallel-size ({p.cp}) = "
+            f"{model_parallel}; change the sizes or launch a multiple of {model_parallel} processes")
+    expert_grid = p.etp * p.ep * p.pp
+    if world % expert_grid:
+        raise ConfigError(
+            f"world size {world} is not divisible by --expert-tensor-parallel-size ({p.etp}) x "
+            f"--expert-model-parallel-size ({p.ep}) x --pipeline-model-parallel-size ({p.pp}) = "
+            f"{expert_grid}; pick expert sizes whose product with PP divides the world")
+    dp = world // model_parallel
+
+    # Pipeline split.
+    if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
+        raise ConfigError("give only one of --num-layers-per-virtual-pipeline-stage and "
+                          "--num-virtual-stages-per-pipeline-rank")
+    interleaved = bool(p.num_layers_per_virtual_pipeline_stage or
+                       p.num_virtual_stages_per_pipeline_rank)
+    if interleaved and p.pp == 1:
+        raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1; "
+                          "drop the virtual-stage flag or raise PP")
+    vpp = p.virtual_stages(m.num_layers)
+    if p.pipeline_schedule == "interleaved" and vpp == 1:
+        raise ConfigError("--pipeline-schedule interleaved needs "
+                          "--num-virtual-stages-per-pipeline-rank > 1")
+    if p.pipeline_schedule == "zero-bubble" and interleaved:
+        raise ConfigError("--pipeline-schedule zero-bubble does not combine with virtual stages; "
+                          "drop --num-virtual-stages-per-pipeline-rank")
+    uneven = p.decoder_first_pipeline_num_layers is not None or \
+        p.decoder_last_pipeline_num_layers is not None
+    if uneven:
+        if interleaved:
+            raise ConfigError("--decoder-first/last-pipeline-num-layers do not combine with "
+                              "virtual pipeline stages")
+        if p.pp == 1:
+            raise ConfigError("--decoder-first/last-pipeline-num-layers need "
+                              "--pipeline-model-parallel-size > 1")
+        first = p.decoder_first_pipeline_num_layers or 0
+        last = p.decoder_last_pipeline_num_layers or 0
+        middle_stages = p.pp - (p.decoder_first_pipeline_num_layers is not None) - \
+            (p.decoder_last_pipeline_num_layers is not None)
+        rest = m.num_layers - first - last
+        if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % middle_stages):
+            raise ConfigError(
+                f"--num-layers ({m.num_layers}) minus --decoder-first/last-pipeline-num-layers "
+                f"({first}+{last}) must split evenly over the other {middle_stages} stages")
+    elif m.num_layers % (p.pp * vpp):
+        raise ConfigError(
+            f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
+            f"({p.pp}) x virtual stages ({vpp}); change the layer count or give an uneven split "
+            "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
+
+    # Attention shape.
+    if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"--hidden-size ({m.hidden_size}) is not divisible by "
+                          f"--num-attention-heads ({m.num_attention_heads}); set --kv-channels or "
+                          "change one of them")
+    if m.num_attention_heads % p.tp:
+        raise ConfigError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
+                          f"--tensor-model-parallel-size ({p.tp})")
+    if m.group_query_attention:
+        if not m.num_query_groups:
+            raise ConfigError("--group-query-attention needs --num-query-groups")
+        if m.num_attention_heads % m.num_query_groups:
+            raise ConfigError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible "
+                              f"by --num-query-groups ({m.num_query_groups})")
+        if m.num_query_groups % p.tp:
+            raise ConfigError(f"--num-query-groups ({m.num_query_groups}) is not divisible by "
+                              f"--tensor-model-parallel-size ({p.tp}); use a TP that divides it")
+    if m.position_embedding_type == "rope" and m.resolved_kv_channels() % 2:
+        raise ConfigError("rotary embeddings need an even head dimension (--kv-channels)")
+
+    # Batch sizes.
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(
+            f"--global-batch-size ({t.global_batch_size}) is not divisible by --micro-batch-size "
+            f"({t.micro_batch_size}) x data-parallel size ({dp}); make it a multiple of "
+            f"{t.micro_batch_size * dp}")
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if vpp > 1 and num_micro % p.pp:
+        raise ConfigError(
+            f"the interleaved schedule needs the number of micro-batches ({num_micro} = global "
+            f"batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size "
+            f"({p.pp}); change --global-batch-size or --micro-batch-size")
+
+    # Sequence.
+    if p.sequence_parallel and p.tp == 1:
+        p.sequence_parallel = False  # Megatron's rule: SP is meaningless without TP.
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        raise ConfigError(f"--seq-length ({m.seq_length}) must be divisible by 2 x "
+                          f"--context-parallel-size ({2 * p.cp}) for load-balanced CP")
+    if p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
+        raise ConfigError(f"--sequence-parallel needs --seq-length ({m.seq_length}) / CP to be "
+                          f"divisible by --tensor-model-parallel-size ({p.tp})")
+    if m.max_position_embeddings is not None and m.position_embedding_type == "learned_absolute" \
+            and m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) is smaller "
+                          f"than --seq-length ({m.seq_length})")
+
+    # Experts.
+    if m.num_experts:
+        if m.num_experts % p.ep:
+            raise ConfigError(f"--num-experts ({m.num_experts}) is not divisible by "
+                              f"--expert-model-parallel-size ({p.ep})")
+        if m.moe_router_topk > m.num_experts:
+            raise ConfigError(f"--moe-router-topk ({m.moe_router_topk}) exceeds --num-experts")
+    elif p.ep > 1:
+        raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
+    if m.vocab_size is not None and m.vocab_size <= 0:
+        raise ConfigError("--vocab-size must be positive")
+
+
+def validate_files(cfg: MegaliteConfig) -> None:
+    """Data and tokenizer files exist (skipped by the planner)."""
+    d = cfg.data
+    if d.tokenizer_type in ("SentencePieceTokenizer", "CharacterTokenizer"):
+        if not d.tokenizer_model:
+            raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE")
+        if not os.path.isfile(d.tokenizer_model):
+            raise ConfigError(f"--tokenizer-model: file '{d.tokenizer_model}' does not exist")
+    if d.tokenizer_type == "NullTokenizer" and cfg.model.vocab_size is None:
+        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    if cfg.training.skip_train and not cfg.checkpoint.load:
+        raise ConfigError("--skip-train evaluates a loaded checkpoint: give --load DIR")
+    if d.mock_data:
+        if cfg.model.vocab_size is None and d.tokenizer_type is None:
+            raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type)")
+        return
+    if not d.data_path:
+        raise ConfigError("--data-path is required (or use --mock-data)")
+    if d.tokenizer_type is None:
+        raise ConfigError("--tokenizer-type is required with --data-path")
+    for prefix in d.data_path:
+        try:
+            float(prefix)
+            continue  # a blending weight
+        except ValueError:
+            pass
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise ConfigError(f"--data-path: '{prefix}{ext}' does not exist; run "
+                                  "tools/preprocess_data.py to create it")
+
+
+def validate_training(cfg: MegaliteConfig) -> None:
+    o, t = cfg.optimizer, cfg.training
+    if o.fp16:
+        raise ConfigError("--fp16 is not supported; use --bf16 (fp32 master weights)")
+    if not t.skip_train and not t.dry_run:
+        if t.train_iters is None and t.train_samples is None:
+            raise ConfigError("give --train-iters or --train-samples")
+        if t.train_iters is not None and t.train_samples is not None:
+            raise ConfigError("give only one of --train-iters and --train-samples")
+        if o.lr is None:
+            raise ConfigError("--lr is required")
+    if t.recompute_method and t.recompute_granularity != "full":
+        raise ConfigError("--recompute-method needs --recompute-granularity full")
+    allowed = {"core_attn", "mlp", "layernorm"}
+    bad = set(t.recompute_modules or []) - allowed
+    if bad:
+        raise ConfigError(f"--recompute-modules: unknown {sorted(bad)}; choose from {sorted(allowed)}")
+
+
+def validate(cfg: MegaliteConfig) -> None:
+    validate_layout(cfg)
+    if not cfg.training.dry_run:
+        validate_files(cfg)
+    validate_training(cfg)

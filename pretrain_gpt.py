@@ -1,0 +1,8 @@
+#!/usr/bin/env python
+"""Pretrain a GPT / Llama-style model. Flags follow Megatron-LM; see --help."""
+import sys
+
+from megalite.training import main
+
+if __name__ == "__main__":
+    sys.exit(main())

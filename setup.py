@@ -1,0 +1,27 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="Megatron-style LLM pretraining: TP, PP, DP, CP and EP as flags; runs on CPU too.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megalite", "megalite.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "pyyaml",
+        "sentencepiece",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "transformers>=4.40", "matplotlib"],
+        "te": ["transformer-engine[pytorch]"],
+        "wandb": ["wandb"],
+        "plot": ["matplotlib"],
+        "tensorboard": ["tensorboard"],
+    },
+    entry_points={"console_scripts": ["megalite=megalite.cli:main"]},
+)
