@@ -186,7 +186,8 @@ class DataConfig:
     mock_data: bool = opt(False, "Train on deterministic random tokens.", action="store_true")
     tokenizer_type: Optional[str] = opt(
         None, "Tokenizer.", choices=["SentencePieceTokenizer", "ByteLevelTokenizer",
-                                     "CharacterTokenizer", "NullTokenizer"])
+                                     "CharacterTokenizer", "NullTokenizer",
+                                     "HuggingFaceTokenizer"])
     tokenizer_model: Optional[str] = opt(None, "Tokenizer model file.")
     data_cache_path: Optional[str] = opt(None, "Where dataset index caches are written.")
     eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",

@@ -259,7 +259,8 @@ def train_sentencepiece(
 ) -> SentencePieceTokenizer:
     """Train a sentencepiece model on plain-text files; writes ``{model_prefix}.model/.vocab``.
 
-    Ids follow sentencepiece defaults (unk 0, bos 1, eos 2), so ``eod`` is 2.
+    Ids follow sentencepiece defaults (unk 0, bos 1, eos 2), so ``eod`` is 2. Text round-trips
+    exactly (newlines and runs of spaces included); the vocab must hold every character seen.
     """
     import sentencepiece as spm
 
@@ -275,6 +276,11 @@ def train_sentencepiece(
             vocab_size=int(vocab_size),
             model_type=model_type,
             character_coverage=1.0,
+            # lossless: keep newlines and repeated spaces, no unicode normalization
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            user_defined_symbols=["\n"],
+            allow_whitespace_only_pieces=True,
             minloglevel=2,
         )
     except RuntimeError as e:

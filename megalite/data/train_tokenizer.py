@@ -17,7 +17,8 @@ from megalite.data.tokenizers import train_char_tokenizer, train_sentencepiece
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megalite.data.train_tokenizer", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m megalite.data.train_tokenizer",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="plain-text file(s)")
     p.add_argument("--model-prefix", required=True, help="output path without extension")
     p.add_argument("--vocab-size", type=int, default=None, help="required for bpe/unigram")

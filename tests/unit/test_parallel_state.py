@@ -1,0 +1,99 @@
+"""Group tables equal Megatron-Core's RankGenerator layout for order tp-cp-ep-dp-pp.
+
+The reference here is written independently of megalite's enumeration: ranks form a
+C-ordered array of shape (pp, dp, ep, cp, tp); a group over a set of dimensions is read
+off by moving those dimensions last (reversed so the first order-string dimension
+varies fastest) -- Megatron-Core's masked-orthogonal enumeration.
+"""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megalite.parallel_state import GROUP_TOKENS, ORDER, RankGrid
+
+ORDER_DIMS = ORDER.split("-")  # stride-1 dimension first
+
+
+def reference_groups(world, sizes: dict, token: str):
+    shape = [sizes[d] for d in reversed(ORDER_DIMS)]  # C order: last axis = tp = stride 1
+    ranks = np.arange(world).reshape(shape)
+    axes = list(reversed(ORDER_DIMS))
+    wanted = token.split("-")
+    masked = [a for a in ORDER_DIMS if a in wanted]
+    unmasked = [a for a in ORDER_DIMS if a not in wanted]
+    perm = [axes.index(a) for a in reversed(unmasked)] + [axes.index(a) for a in reversed(masked)]
+    group_size = int(np.prod([sizes[a] for a in masked]))
+    return ranks.transpose(perm).reshape(-1, group_size).tolist()
+
+
+LAYOUTS = [  # (world, tp, cp, pp, ep, etp)
+    (8, 2, 1, 2, 1, None),
+    (16, 2, 2, 2, 1, None),      # tp2 cp2 dp2 pp2
+    (16, 2, 1, 4, 1, None),      # Megatron's documented 16-GPU example
+    (64, 8, 1, 2, 1, None),      # tp8 with pp and dp
+    (64, 8, 1, 4, 1, None),
+    (64, 8, 2, 2, 1, None),
+    (32, 4, 1, 2, 4, 1),         # ep with expert-TP != TP
+    (64, 4, 2, 2, 8, 2),
+    (64, 2, 1, 4, 4, 4),         # expert-TP larger than TP
+    (24, 2, 3, 2, 1, None),
+    (48, 4, 1, 3, 2, 2),
+    (64, 1, 8, 1, 4, 2),
+    (8, 1, 1, 8, 1, None),
+]
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp", LAYOUTS)
+def test_groups_match_megatron_core_layout(world, tp, cp, pp, ep, etp):
+    grid = RankGrid(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
+    etp = etp or tp
+    dense = dict(tp=tp, cp=cp, ep=1, dp=world // (tp * cp * pp), pp=pp)
+    expert = dict(tp=etp, cp=1, ep=ep, dp=world // (etp * ep * pp), pp=pp)
+    for name, (which, token) in GROUP_TOKENS.items():
+        sizes = dense if which == "dense" else expert
+        assert grid.groups(name) == reference_groups(world, sizes, token), name
+    # Both grids give identical pipeline groups, and every group partitions the world.
+    assert reference_groups(world, expert, "pp") == grid.groups("pp")
+    for name in [*GROUP_TOKENS, "embedding"]:
+        flat = sorted(r for g in grid.groups(name) for r in g)
+        if name != "embedding":
+            assert flat == list(range(world)), name
+    assert grid.groups("embedding") == [sorted({g[0], g[-1]}) for g in grid.groups("pp")]
+
+
+def test_documented_16_gpu_example():
+    # Megatron-LM's parallel_state docstring: 16 GPUs, TP=2, PP=4 -> DP=2.
+    grid = RankGrid(16, tp=2, pp=4)
+    assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13],
+                                 [14, 15]]
+    assert grid.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14],
+                                 [13, 15]]
+    assert grid.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert grid.groups("mp")[0] == [0, 1, 4, 5, 8, 9, 12, 13]
+
+
+def test_tp_stays_inside_a_node():
+    grid = RankGrid(64, tp=8, pp=4, cp=1)
+    for g in grid.groups("tp"):
+        assert len({r // 8 for r in g}) == 1
+
+
+def test_coords_and_bad_sizes():
+    grid = RankGrid(16, tp=2, cp=2, pp=2)
+    c = grid.coords(13)
+    assert grid.groups("tp")[13 // 2][c["tp"]] == 13
+    with pytest.raises(ValueError):
+        RankGrid(12, tp=8)
+
+
+def test_module_cli_prints_groups():
+    out = subprocess.run([sys.executable, "-m", "megalite.parallel_state", "--world-size", "16",
+                          "--tp", "2", "--cp", "2", "--pp", "2"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "TP=2 CP=2 DP=2 PP=2" in out
+    assert "[0,1] [2,3]" in out and "pp" in out and "embedding" in out
+    bad = subprocess.run([sys.executable, "-m", "megalite.parallel_state", "--world-size", "6",
+                          "--tp", "4"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "error" in bad.stderr

@@ -1,0 +1,287 @@
+"""Tokenize a corpus into Megatron's ``.bin/.idx`` format (same flags as Megatron's tool).
+
+    python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type SentencePieceTokenizer --tokenizer-model tok.model --append-eod --workers 2
+
+writes ``data/corpus_text_document.bin/.idx`` (one pair per ``--json-keys`` key); pass
+``--data-path data/corpus_text_document`` to training.
+
+Input format rule: a file ending in ``.jsonl``/``.json``, or whose first non-empty line is a
+JSON object, is JSON lines (one document per line, text under each ``--json-keys`` key; blank
+lines are skipped). Anything else is plain text, split by ``--text-docs``: ``file`` (default:
+the whole file is one document, as nanoGPT treats it), ``paragraph`` (blank-line separated
+blocks) or ``line``. Plain text is written under the first ``--json-keys`` key.
+A document whose text tokenizes to nothing is left out (of that key's output).
+Bad input exits with status 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, _ROOT)
+
+import numpy as np  # noqa: E402
+
+from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+PROG = "preprocess_data.py"
+
+
+class InputError(Exception):
+    """A problem with the user's input: reported as one line, exit status 2."""
+
+
+def get_args(argv=None):
+    p = argparse.ArgumentParser(prog=PROG, description="Tokenize a corpus into Megatron .bin/.idx files.")
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", required=True, help="JSON-lines or plain-text file")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
+    g.add_argument("--text-docs", choices=("file", "paragraph", "line"), default="file",
+                   help="plain text only: what one document is (default: the whole file)")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", default=None,
+                   help="tokenizer file (sentencepiece .model, char .json, HF dir)")
+    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
+    args = p.parse_args(argv)
+    if args.workers < 1:
+        p.error("--workers must be >= 1")
+    if args.log_interval < 1:
+        p.error("--log-interval must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------------------
+# workers: parse + tokenize one document; errors come back as values so order is kept
+# ---------------------------------------------------------------------------------------
+_W: dict = {}
+
+
+def _init_worker(tokenizer_type, tokenizer_model, vocab_size, keys, is_json, append_eod):
+    _W["tok"] = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+    _W.update(keys=keys, is_json=is_json, append_eod=append_eod)
+
+
+def _encode(item):
+    """``(lineno, raw bytes)`` -> ``(lineno, {key: int64 tokens}, error or None, bytes read)``."""
+    lineno, raw = item
+    lineno, out, error = _encode_text(lineno, raw)
+    return lineno, out, error, len(raw)
+
+
+def _encode_text(lineno, raw):
+    tok, keys = _W["tok"], _W["keys"]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return lineno, None, f"not UTF-8 text ({e.reason} at byte {e.start})"
+    if _W["is_json"]:
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            return lineno, None, f"malformed JSON ({e})"
+        if not isinstance(obj, dict):
+            return lineno, None, f"expected a JSON object, got {type(obj).__name__}"
+        texts = {}
+        for k in keys:
+            if k not in obj:
+                return lineno, None, f"missing key {k!r} (see --json-keys)"
+            if not isinstance(obj[k], str):
+                return lineno, None, f"key {k!r} is {type(obj[k]).__name__}, expected a string"
+            texts[k] = obj[k]
+    else:
+        texts = {keys[0]: text}
+    out = {}
+    for k, t in texts.items():
+        try:
+            ids = tok.tokenize(t)
+        except ValueError as e:
+            return lineno, None, str(e)
+        arr = np.asarray(ids, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+            return lineno, None, f"token id {int(arr.max())} outside the vocab of {tok.vocab_size}"
+        if _W["append_eod"] and arr.size:
+            arr = np.append(arr, tok.eod)
+        out[k] = arr
+    return lineno, out, None
+
+
+# ---------------------------------------------------------------------------------------
+# reading the input
+# ---------------------------------------------------------------------------------------
+def detect_json_lines(path: str) -> bool:
+    if path.endswith((".jsonl", ".json")):
+        return True
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    return isinstance(json.loads(line.decode("utf-8")), dict)
+                except ValueError:
+                    return False
+    return False
+
+
+def iter_documents(path: str, is_json: bool, text_docs: str):
+    """Yield ``(line number, raw bytes)`` per document."""
+    if is_json:
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    if text_docs == "file":
+        yield 1, data
+        return
+    lines = data.split(b"\n")
+    if text_docs == "line":
+        for lineno, line in enumerate(lines, 1):
+            if line.strip():
+                yield lineno, line.rstrip(b"\r")
+        return
+    buf, first = [], 0
+    for lineno, line in enumerate(lines + [b""], 1):
+        if line.strip():
+            first = first or lineno
+            buf.append(line.rstrip(b"\r"))
+        elif buf:  # a blank line closes the paragraph
+            yield first, b"\n".join(buf)
+            buf, first = [], 0
+
+
+class Progress:
+    """tqdm bar for big inputs on a terminal, else a log line every ``interval`` documents."""
+
+    def __init__(self, total_bytes: int, interval: int) -> None:
+        self.total, self.interval, self.start = total_bytes, interval, time.time()
+        self.bytes = self.docs = 0
+        self.bar = None
+        if total_bytes >= (1 << 20) and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr)
+
+    def doc(self, nbytes: int) -> None:
+        self.docs += 1
+        self.bytes += nbytes
+        if self.bar is not None:
+            self.bar.update(min(nbytes, self.total - self.bar.n))
+        if self.bar is None and self.docs % self.interval == 0:
+            dt = max(time.time() - self.start, 1e-9)
+            print(f"processed {self.docs} documents ({self.docs / dt:.1f} docs/s, "
+                  f"{self.bytes / dt / 2**20:.2f} MB/s)", file=sys.stderr, flush=True)
+
+    def close(self, done: bool = False) -> None:
+        if self.bar is not None:
+            if done:  # blank lines and separators were never counted
+                self.bar.update(self.total - self.bar.n)
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------
+def run(args) -> list[str]:
+    if not os.path.exists(args.input):
+        raise InputError(f"input file {args.input!r} does not exist")
+    if not os.path.isfile(args.input):
+        raise InputError(f"input {args.input!r} is not a file")
+    size = os.path.getsize(args.input)
+    if size == 0:
+        raise InputError(f"input file {args.input!r} is empty")
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    except (OSError, ValueError, ImportError) as e:
+        raise InputError(str(e)) from None
+    is_json = detect_json_lines(args.input)
+    keys = args.json_keys if is_json else args.json_keys[:1]
+    dtype = best_dtype(tokenizer.vocab_size)
+
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in keys}
+    builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
+    written = {k: [] for k in keys}
+    init = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, keys, is_json, args.append_eod)
+    progress = Progress(size, args.log_interval)
+    pool = None
+    n_docs = n_skipped = n_tokens = 0
+    ok = False
+    try:
+        docs = iter_documents(args.input, is_json, args.text_docs)
+        if args.workers > 1:
+            pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=init)
+            results = pool.imap(_encode, docs, chunksize=64)
+        else:
+            _init_worker(*init)
+            results = map(_encode, docs)
+        for lineno, encoded, error, nbytes in results:
+            if error is not None:
+                where = f"line {lineno}" if is_json or args.text_docs != "file" else "input"
+                raise InputError(f"{args.input}: {where}: {error}")
+            for k, arr in encoded.items():
+                if arr.size == 0:  # empty for this key: skipped in this key's output only
+                    n_skipped += 1
+                    continue
+                builders[k].add_item(arr)
+                builders[k].end_document()
+                n_tokens += int(arr.size)
+            n_docs += 1
+            progress.doc(nbytes)
+        if n_tokens == 0:
+            raise InputError(f"input file {args.input!r} has no text to tokenize (empty after parsing)")
+        for k, p in prefixes.items():
+            builders[k].finalize(p + ".idx")
+            written[k] = [p + ".bin", p + ".idx"]
+        ok = True
+    finally:
+        progress.close(done=ok)
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if not ok:  # never leave a half-written dataset behind
+            for k, p in prefixes.items():
+                builders[k]._file.close()
+                for path in (p + ".bin", p + ".idx"):
+                    if os.path.exists(path):
+                        os.remove(path)
+    dt = time.time() - progress.start
+    skipped = f", skipped {n_skipped} empty texts" if n_skipped else ""
+    print(f"{PROG}: {n_docs} documents{skipped}, {n_tokens} tokens ({np.dtype(dtype).name}) in {dt:.1f}s; "
+          f"tokenizer {args.tokenizer_type} (vocab {tokenizer.vocab_size}, eod {tokenizer.eod})")
+    for k, p in prefixes.items():
+        print(f"  --data-path {p}")
+    return [p for k in keys for p in written[k]]
+
+
+def main(argv=None) -> int:
+    args = get_args(argv)
+    try:
+        run(args)
+    except InputError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
