@@ -1,0 +1,59 @@
+"""Sum gradients over the data-parallel group, coalesced into a few flat buffers.
+
+Each micro-batch loss is already divided by the number of tokens of the *global* batch,
+so the data-parallel reduction is a plain sum: the result equals the single-process
+gradient whatever the DP size.  Gradients are reduced in dtype-homogeneous buckets of at
+most ``bucket_elements`` so a large model never needs one giant temporary.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from megalite import comm
+from megalite.parallel_state import Group
+
+
+def allreduce_gradients(grads: List[torch.Tensor], group: Group,
+                        bucket_elements: int = 40_000_000) -> None:
+    if group.size == 1 or not grads:
+        return
+    bucket: List[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        nonlocal bucket, size
+        if bucket:
+            flat = _flatten_dense_tensors(bucket)
+            comm.all_reduce(flat, group)
+            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(synced)
+        bucket, size = [], 0
+
+    for g in grads:
+        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() > bucket_elements):
+            flush()
+        bucket.append(g)
+        size += g.numel()
+    flush()
+
+
+def finalize_gradients(params, grad_of, state) -> None:
+    """Every reduction a gradient needs after the last micro-batch's backward, in order:
+
+    1. sequence-parallel replicated params (norms, ...) summed over TP, since each TP rank
+       saw only its sequence shard;
+    2. tied word embeddings summed over the first+last stage ("embedding" group);
+    3. everything summed over data parallel (dp-cp; expert params over expert-dp).
+    """
+    sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
+    allreduce_gradients(sp, state.tp)
+    tied = [grad_of(p) for p in params if getattr(p, "shared_embedding", False)]
+    if tied and state.pp.size > 1:
+        allreduce_gradients(tied, state["embedding"])
+    dense = [grad_of(p) for p in params if not getattr(p, "expert_parallel", False)]
+    experts = [grad_of(p) for p in params if getattr(p, "expert_parallel", False)]
+    allreduce_gradients(dense, state["dp-cp"])
+    allreduce_gradients(experts, state["expert-dp"])

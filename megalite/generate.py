@@ -1,0 +1,96 @@
+"""Sample text from a megalite checkpoint in one process (any saved TP/PP layout).
+
+    python -m megalite.generate --load CKPT_DIR --prompt "ROMEO:" --max-new-tokens 200
+
+The checkpoint's metadata carries the model config and tokenizer, so no other flag is
+needed; weights saved at any TP/PP are resharded to TP=1, PP=1 on load.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+
+def _latest_meta(root: str) -> dict:
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as fh:
+        it = int(fh.read().strip())
+    with open(os.path.join(root, f"iter_{it:07d}", "metadata.json")) as fh:
+        return json.load(fh)
+
+
+def load_for_inference(root: str):
+    """(model, tokenizer, cfg) on one CPU process, weights from ``root``."""
+    from megalite.checkpointing.model_io import load_model_shards
+    from megalite.config import MegaliteConfig, ModelConfig
+    from megalite.data import build_tokenizer
+    from megalite.models.gpt import build_model
+    from megalite.parallel_state import ParallelState, RankGrid
+
+    meta = _latest_meta(root)
+    cfg = MegaliteConfig()
+    cfg.model = ModelConfig(**meta["model"])
+    cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
+    tok_meta = meta.get("extra", {}).get("tokenizer", {})
+    tokenizer = None
+    if tok_meta.get("tokenizer_type"):
+        tokenizer = build_tokenizer(tok_meta["tokenizer_type"], tok_meta.get("tokenizer_model"),
+                                    tok_meta.get("vocab_size"))
+    state = ParallelState.build(RankGrid(1), 0, create_groups=False)
+    model = build_model(cfg, state)
+    load_model_shards(root, [model], cfg, state)
+    model.eval()
+    return model, tokenizer, cfg
+
+
+@torch.no_grad()
+def generate(model, prompt_ids, max_new_tokens: int, seq_length: int, temperature: float = 0.8,
+             top_k: int = 40, vocab_size: int | None = None, seed: int = 0) -> list:
+    """Autoregressive sampling (full recompute of the window each step: simple, small models)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        window = torch.tensor([ids[-seq_length:]], dtype=torch.long)
+        logits = model(window)[0, -1].float()
+        if vocab_size:
+            logits = logits[:vocab_size]  # drop the padded vocabulary columns
+        if temperature <= 0:
+            nxt = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits[logits < kth] = -float("inf")
+            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+        ids.append(nxt)
+    return ids
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--load", required=True, help="checkpoint directory (--save of training)")
+    ap.add_argument("--prompt", default="\n")
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-k", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(a.load, "latest_checkpointed_iteration.txt")):
+        print(f"megalite: error: --load: no checkpoint in '{a.load}'", file=sys.stderr)
+        return 2
+    model, tokenizer, cfg = load_for_inference(a.load)
+    if tokenizer is None:
+        print("megalite: error: the checkpoint records no tokenizer", file=sys.stderr)
+        return 2
+    prompt = tokenizer.tokenize(a.prompt)
+    out = generate(model, prompt, a.max_new_tokens, cfg.model.seq_length, a.temperature,
+                   a.top_k, vocab_size=tokenizer.vocab_size, seed=a.seed)
+    print(tokenizer.detokenize(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

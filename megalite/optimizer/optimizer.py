@@ -1,0 +1,140 @@
+"""AdamW with fp32 master weights and a global gradient norm over model-parallel ranks.
+
+Under ``--bf16`` the model holds bf16 parameters; each gets an fp32 ``main_grad`` that a
+post-accumulate hook fills (so accumulation over micro-batches happens in fp32) and the
+optimizer steps fp32 master copies, then writes them back -- apex-free mixed precision.
+In fp32 the optimizer steps the parameters themselves.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List
+
+import torch
+
+from megalite import comm
+
+
+def _uses_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """No weight decay on norms and biases (all 1-D parameters), as Megatron does."""
+    return param.ndim > 1 and not name.endswith(".bias")
+
+
+def counts_toward_norm(param, tp_rank: int) -> bool:
+    """Count a parameter once across TP (replicated ones only on TP rank 0) and once across
+    the first/last stage copies of a tied embedding."""
+    if getattr(param, "is_embedding_copy", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+class MixedPrecisionOptimizer:
+    def __init__(self, named_params: Iterable, cfg, state):
+        o = cfg.optimizer
+        self.state = state
+        self.bf16 = o.bf16
+        self.clip_grad = o.clip_grad
+        self.params: List[torch.nn.Parameter] = []
+        names = []
+        for name, p in named_params:
+            if p.requires_grad:
+                self.params.append(p)
+                names.append(name)
+        self.masters = []
+        for p in self.params:
+            if self.bf16:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
+                master = p.detach().float().clone().requires_grad_(True)
+            else:
+                master = p
+            self.masters.append(master)
+        decay = [m for n, p, m in zip(names, self.params, self.masters) if _uses_decay(n, p)]
+        no_decay = [m for n, p, m in zip(names, self.params, self.masters)
+                    if not _uses_decay(n, p)]
+        groups = [{"params": decay, "weight_decay": o.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        if o.optimizer == "sgd":
+            self.inner = torch.optim.SGD(groups, lr=o.lr or 0.0, momentum=0.9)
+        else:
+            kwargs = dict(lr=o.lr or 0.0, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+            try:
+                self.inner = torch.optim.AdamW(groups, fused=True, **kwargs)
+            except (RuntimeError, TypeError):
+                self.inner = torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+    # -- gradients ---------------------------------------------------------------------
+    def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The tensor holding ``p``'s accumulated gradient (created as zeros if absent)."""
+        if self.bf16:
+            return p.main_grad
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def grads(self) -> List[torch.Tensor]:
+        return [self.grad(p) for p in self.params]
+
+    def zero_grad(self):
+        for p in self.params:
+            if self.bf16:
+                p.main_grad.zero_()
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def grad_norm(self) -> float:
+        """L2 norm of the full model's gradient, reduced over the model-parallel group."""
+        tp_rank = self.state.tp.rank
+        sq = torch.zeros(1, dtype=torch.float32)
+        for p in self.params:
+            if counts_toward_norm(p, tp_rank):
+                sq += self.grad(p).float().pow(2).sum()
+        comm.all_reduce(sq, self.state["mp"])
+        return sq.sqrt().item()
+
+    # -- update ------------------------------------------------------------------------
+    def step(self, lr: float) -> float:
+        """Clip by the global norm, update, and return the norm before clipping."""
+        norm = self.grad_norm()
+        coef = 1.0
+        if self.clip_grad and self.clip_grad > 0 and norm > self.clip_grad:
+            coef = self.clip_grad / (norm + 1e-6)
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        for p, m in zip(self.params, self.masters):
+            g = self.grad(p)
+            if coef != 1.0:
+                g.mul_(coef)
+            if self.bf16:
+                m.grad = g
+        self.inner.step()
+        if self.bf16:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    p.copy_(m)
+        return norm
+
+    def state_dict(self) -> dict:
+        sd = {"optimizer": self.inner.state_dict()}
+        if self.bf16:
+            sd["masters"] = [m.detach().clone() for m in self.masters]
+        return sd
+
+    def load_state_dict(self, sd: dict):
+        self.inner.load_state_dict(sd["optimizer"])
+        if self.bf16 and "masters" in sd:
+            with torch.no_grad():
+                for m, saved, p in zip(self.masters, sd["masters"], self.params):
+                    m.copy_(saved)
+                    p.copy_(saved)
+
+
+def _accumulate_main_grad(param):
+    param.main_grad.add_(param.grad.float())
+    param.grad = None
+
+
+def build_optimizer(model_chunks, cfg, state) -> MixedPrecisionOptimizer:
+    named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters()]
+    return MixedPrecisionOptimizer(named, cfg, state)

@@ -1,0 +1,71 @@
+"""Save / resume a training run: model shards (any-layout reload) + optimizer + position.
+
+Model weights use ``megalite.checkpointing.model_io`` (per-rank shards keyed by global
+parameter names, reloadable at another TP/PP).  Optimizer state is per rank and only
+reloads at the same layout; at another layout it is skipped with a message (as with
+``--no-load-optim``).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from megalite import comm
+from megalite.checkpointing.model_io import load_model_shards, save_model_shards
+
+
+def _iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _layout(trainer) -> dict:
+    p = trainer.cfg.parallel
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "world_size": trainer.cfg.world_size,
+            "vpp": trainer.state.vpp_size, "bf16": trainer.cfg.optimizer.bf16}
+
+
+def save_training_checkpoint(trainer) -> str:
+    cfg, state = trainer.cfg, trainer.state
+    root = cfg.checkpoint.save
+    d = cfg.data
+    extra = {"consumed_samples": trainer.consumed_samples, "layout": _layout(trainer),
+             "tokenizer": {"tokenizer_type": d.tokenizer_type,
+                           "tokenizer_model": os.path.abspath(d.tokenizer_model)
+                           if d.tokenizer_model else None,
+                           "vocab_size": cfg.model.vocab_size}}
+    save_model_shards(root, trainer.iteration, trainer.model_chunks, cfg, state, extra)
+    path = os.path.join(_iter_dir(root, trainer.iteration), "optim", f"rank_{state.rank:05d}.pt")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"optimizer": trainer.optimizer.state_dict(),
+                "rng": torch.get_rng_state()}, path)
+    comm.barrier()
+    return path
+
+
+def load_training_checkpoint(trainer) -> None:
+    cfg, state = trainer.cfg, trainer.state
+    root = cfg.checkpoint.load
+    iteration = load_model_shards(root, trainer.model_chunks, cfg, state)
+    with open(os.path.join(_iter_dir(root, iteration), "metadata.json")) as fh:
+        meta = json.load(fh)
+    extra = meta.get("extra", {})
+    if cfg.checkpoint.finetune:
+        return
+    trainer.iteration = iteration
+    trainer.consumed_samples = extra.get("consumed_samples", iteration *
+                                         cfg.training.global_batch_size)
+    same_layout = extra.get("layout") == _layout(trainer)
+    path = os.path.join(_iter_dir(root, iteration), "optim", f"rank_{state.rank:05d}.pt")
+    if cfg.checkpoint.no_load_optim:
+        return
+    if not same_layout or not os.path.isfile(path):
+        if state.rank == 0:
+            print(f"> optimizer state not loaded: checkpoint layout {extra.get('layout')} differs "
+                  f"from this run's {_layout(trainer)} (weights were resharded)", flush=True)
+        return
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    trainer.optimizer.load_state_dict(blob["optimizer"])
+    if not cfg.checkpoint.no_load_rng:
+        torch.set_rng_state(blob["rng"])

@@ -1,0 +1,110 @@
+"""What a person watches: a Megatron-style console line, a progress bar on a terminal, a
+JSONL metrics file, TensorBoard and Weights & Biases.  Only the writer rank (last pipeline
+stage, first TP/CP/DP rank -- the rank that holds the loss) writes anything."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+from megalite.arguments import ConfigError
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class TrainingLogger:
+    def __init__(self, cfg, is_writer: bool, total_iters: int, start_iter: int = 0):
+        self.cfg, self.is_writer = cfg, is_writer
+        lg = cfg.logging
+        self.metrics = self.tb = self.wandb = self.bar = None
+        if not is_writer:
+            return
+        if lg.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
+            self.metrics = open(lg.metrics_file, "a", buffering=1)
+        if lg.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError("--tensorboard-dir needs the tensorboard package: "
+                                  "pip install 'megalite[tensorboard]'") from exc
+            self.tb = SummaryWriter(lg.tensorboard_dir)
+        if lg.wandb_project:
+            try:
+                import wandb
+            except ImportError as exc:
+                raise ConfigError("--wandb-project needs the wandb package: "
+                                  "pip install 'megalite[wandb]'") from exc
+            mode = os.environ.get("WANDB_MODE") or (
+                "online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name,
+                                    config=cfg.to_dict(), mode=mode)
+        if not lg.no_progress_bar and sys.stdout.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_iters, initial=start_iter, unit="it", dynamic_ncols=True)
+
+    def _print(self, line: str):
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def info(self, line: str):
+        if self.is_writer:
+            self._print(line)
+
+    def log_train(self, record: dict):
+        if not self.is_writer:
+            return
+        it = record["iteration"]
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+        if self.tb:
+            for k in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "mfu"):
+                self.tb.add_scalar(f"train/{k}", record[k], it)
+        if self.wandb:
+            self.wandb.log({f"train/{k}": v for k, v in record.items()}, step=it)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{record['lm_loss']:.4f}")
+        if it % self.cfg.logging.log_interval == 0 or it == 1:
+            self._print(
+                f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:>8d}/{record['train_iters']:>8d}"
+                f" | consumed samples: {record['consumed_samples']:>10d}"
+                f" | elapsed time per iteration (ms): {record['elapsed_ms']:.1f}"
+                f" | learning rate: {record['lr']:.6E}"
+                f" | global batch size: {self.cfg.training.global_batch_size:>5d}"
+                f" | lm loss: {record['lm_loss']:.6E} | grad norm: {record['grad_norm']:.3f}"
+                f" | tokens/s: {record['tokens_per_sec']:.0f}"
+                f" | TFLOP/s/device: {record['tflops_per_device']:.3f}"
+                f" | MFU: {100 * record['mfu']:.2f}%"
+                f" | peak mem: {_fmt_bytes(record['peak_mem_bytes'])}")
+
+    def log_eval(self, iteration: int, loss: float, split: str = "valid"):
+        if not self.is_writer:
+            return
+        ppl = math.exp(min(loss, 20))
+        rec = {"split": split, "iteration": iteration, "lm_loss": loss, "ppl": ppl}
+        if self.metrics:
+            self.metrics.write(json.dumps(rec) + "\n")
+        if self.tb:
+            self.tb.add_scalar(f"{split}/lm_loss", loss, iteration)
+        if self.wandb:
+            self.wandb.log({f"{split}/lm_loss": loss}, step=iteration)
+        bar = "-" * 80
+        self._print(f"{bar}\n {split} loss at iteration {iteration} | lm loss value: {loss:.6E} "
+                    f"| lm loss PPL: {ppl:.6E}\n{bar}")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics:
+            self.metrics.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()

@@ -1,0 +1,1 @@
+"""Pictures: loss curves, pipeline timelines, memory breakdowns (matplotlib, lazily)."""

@@ -1,0 +1,32 @@
+"""Loss-curve PNG from a --metrics-file (train and validation points)."""
+from __future__ import annotations
+
+import json
+
+
+def plot_loss_curve(metrics_file: str, out_png: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, valid = [], []
+    with open(metrics_file) as fh:
+        for line in fh:
+            rec = json.loads(line)
+            (valid if rec.get("split") == "valid" else train).append(
+                (rec["iteration"], rec["lm_loss"]))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if train:
+        ax.plot(*zip(*train), label="train", lw=1)
+    if valid:
+        ax.plot(*zip(*valid), "o-", label="validation")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title("megalite training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
