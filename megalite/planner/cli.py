@@ -1,0 +1,198 @@
+"""``megalite plan``: size a model on a cluster and print the best layouts and their flags.
+
+Bad input is a one-line error and exit status 2 (megalite.arguments.run_cli).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from typing import List, Optional
+
+from megalite.arguments import ConfigError, run_cli
+from megalite.planner import model_spec as ms
+from megalite.planner import report
+from megalite.planner.estimate import ModelOptions
+from megalite.planner.hardware import GPU_PRESETS, make_cluster
+from megalite.planner.search import RECOMPUTE_ORDER, SearchSpace, search
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise ConfigError(f"{message} (see megalite plan --help)")
+
+
+def _ints(text: str) -> List[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'")
+
+
+def _words(choices):
+    def parse(text: str) -> List[str]:
+        vals = [x for x in text.split(",") if x]
+        bad = [v for v in vals if v not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(choices)}")
+        return vals
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="megalite plan", allow_abbrev=False,
+                description="Pick TP/PP/VPP/DP/CP/EP, micro-batch, recomputation and sharding "
+                "for a model on a cluster. Model: --recipe, --hf-config, or pretrain_gpt.py "
+                "model flags (--num-layers ... --vocab-size ...).")
+    g = p.add_argument_group("model")
+    g.add_argument("--recipe", help=f"built-in model: {', '.join(ms.RECIPES)}")
+    g.add_argument("--hf-config", metavar="PATH", help="Hugging Face config.json (or its folder)")
+    g.add_argument("--list-recipes", action="store_true", help="list built-in models and exit")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--num-gpus", type=int, help="total GPUs (required)")
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpu", default=None, help=f"preset: {', '.join(GPU_PRESETS)} "
+                   "(default h100-80gb unless all four figures below are given)")
+    c.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
+    c.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU")
+    c.add_argument("--intra-node-bandwidth-gbps", type=float, help="GB/s one way per GPU (NVLink)")
+    c.add_argument("--inter-node-bandwidth-gbps", type=float, help="GB/s one way per GPU (network)")
+    c.add_argument("--compute-efficiency", type=float,
+                   help="achieved fraction of peak for the model's kernels (default 0.60)")
+    b = p.add_argument_group("batch")
+    b.add_argument("--seq-length", type=int, help="default: the recipe's")
+    b.add_argument("--global-batch-size", type=int, help="samples per step")
+    b.add_argument("--global-batch-tokens", type=int, help="tokens per step (/ seq length)")
+    s = p.add_argument_group("search space (comma lists pin a dimension)")
+    for name in ("tp", "pp", "cp", "ep", "vpp"):
+        s.add_argument(f"--{name}", type=_ints, metavar="N[,N]")
+    s.add_argument("--micro-batch-sizes", type=_ints, metavar="N[,N]")
+    s.add_argument("--recompute", type=_words(RECOMPUTE_ORDER), default=list(RECOMPUTE_ORDER))
+    s.add_argument("--zero-stages", type=_ints, default=[0, 1], metavar="S[,S]",
+                   help="0 DDP, 1 --use-distributed-optimizer; 2 (grads) and 3 (FSDP) have no "
+                   "megalite flag yet and are advice only (default 0,1)")
+    s.add_argument("--schedules", type=_words(("1f1b", "interleaved", "zero-bubble")),
+                   default=["1f1b", "interleaved"])
+    s.add_argument("--cp-min-seq-length", type=int, default=16384,
+                   help="consider CP only from this sequence length (default 16384)")
+    s.add_argument("--max-micro-batch-size", type=int, default=8)
+    o = p.add_argument_group("cost-model assumptions")
+    o.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="main-gradient dtype (Megatron keeps fp32)")
+    o.add_argument("--fp32", action="store_true", help="fp32 training instead of bf16")
+    o.add_argument("--no-flash-attention", action="store_true",
+                   help="attention stores the s x s scores (Korthikanti's 5as/h term)")
+    o.add_argument("--headroom", type=float, default=0.90, help="usable memory fraction")
+    o.add_argument("--local-layers", action="store_true",
+                   help="model megalite's local (pure PyTorch) layers instead of Transformer "
+                   "Engine's: SP keeps the all-gathered linear inputs rather than re-gathering")
+    o.add_argument("--dp-exposed-fraction", type=float,
+                   help="force this fraction of DP communication to be exposed")
+    o.add_argument("--tp-overlap", type=float, default=0.0,
+                   help="fraction of TP communication hidden behind GEMMs")
+    out = p.add_argument_group("output")
+    out.add_argument("--top", type=int, default=10)
+    out.add_argument("--json", action="store_true")
+    out.add_argument("--explain", action="store_true")
+    out.add_argument("--plot", metavar="PNG", help="compute-vs-communication and memory picture")
+    return p
+
+
+def resolve_model(args, extra: List[str]):
+    chosen = [x for x in (args.recipe, args.hf_config, extra or None) if x]
+    if len(chosen) != 1:
+        raise ConfigError("give exactly one model: --recipe NAME, --hf-config PATH, or "
+                          "pretrain_gpt.py model flags (--num-layers ...)")
+    if args.recipe:
+        m = ms.recipe(args.recipe)
+    elif args.hf_config:
+        m = ms.from_hf_config(args.hf_config)
+    else:
+        m = ms.from_flags(extra)
+        for flag, v in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads)):
+            if not v:
+                raise ConfigError(f"{flag} is required with model flags")
+    if not m.vocab_size:
+        raise ConfigError("the model needs a vocabulary size: add --vocab-size")
+    return m
+
+
+def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.list_recipes:
+        for name in ms.RECIPES:
+            print(f"{name:<14} {ms.describe(ms.recipe(name))}", file=out)
+        return 0
+    m = resolve_model(args, extra)
+    seq = args.seq_length or m.seq_length
+    if not seq or seq <= 0:
+        raise ConfigError("give --seq-length")
+    m = dataclasses.replace(m, seq_length=seq)
+    if args.num_gpus is None:
+        raise ConfigError("--num-gpus is required")
+    explicit = all(v is not None for v in (args.gpu_memory_gb, args.peak_tflops,
+                                           args.intra_node_bandwidth_gbps,
+                                           args.inter_node_bandwidth_gbps))
+    cluster = make_cluster(args.num_gpus, args.gpus_per_node,
+                           args.gpu or (None if explicit else "h100-80gb"),
+                           memory_gb=args.gpu_memory_gb, peak_tflops=args.peak_tflops,
+                           intra_gbps=args.intra_node_bandwidth_gbps,
+                           inter_gbps=args.inter_node_bandwidth_gbps,
+                           compute_efficiency=args.compute_efficiency)
+    gbs = global_batch(args, seq)
+    bad = [z for z in args.zero_stages if z not in (0, 1, 2, 3)]
+    if bad:
+        raise ConfigError(f"--zero-stages: unknown stage(s) {bad}; use 0-3")
+    if not 0 < args.headroom <= 1:
+        raise ConfigError("--headroom must be in (0, 1]")
+    space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp,
+                        micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
+                        zero=tuple(args.zero_stages), schedules=tuple(args.schedules),
+                        cp_min_seq=args.cp_min_seq_length,
+                        max_micro_batch=args.max_micro_batch_size)
+    opts = ModelOptions(grad_bytes=4 if args.grad_dtype == "fp32" else 2, fp32=args.fp32,
+                        flash_attention=not args.no_flash_attention, headroom=args.headroom,
+                        dp_exposed=args.dp_exposed_fraction, tp_overlap=args.tp_overlap,
+                        local_layers=args.local_layers)
+    res = search(m, seq, gbs, cluster, space, opts)
+    if args.json:
+        print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32), file=out)
+    else:
+        print(report.header(m, seq, gbs, cluster, res), file=out)
+        if not res.ranked:
+            raise ConfigError(report.no_fit(res))
+        print(report.table(res, cluster, args.top), file=out)
+        best = next((e for e in res.ranked if e.layout.emittable), None)
+        if best is not None:
+            print("\nbest layout as pretrain_gpt.py flags:", file=out)
+            print(shlex.join(report.winner_flags(best, m, seq, args.fp32)), file=out)
+        if args.explain:
+            print("\n" + report.explain(res, cluster, min(args.top, 5)), file=out)
+    if args.plot:
+        from megalite.planner.plot import plot_plan
+        plot_plan(args.plot, res, m, seq, gbs, cluster, space, opts)
+        if not args.json:
+            print(f"\nwrote {args.plot}", file=out)
+    return 0
+
+
+def global_batch(args, seq: int) -> int:
+    if args.global_batch_size and args.global_batch_tokens:
+        raise ConfigError("give only one of --global-batch-size and --global-batch-tokens")
+    if args.global_batch_tokens:
+        if args.global_batch_tokens % seq:
+            raise ConfigError(f"--global-batch-tokens ({args.global_batch_tokens}) is not a "
+                              f"multiple of --seq-length ({seq})")
+        return args.global_batch_tokens // seq
+    if not args.global_batch_size:
+        raise ConfigError("give --global-batch-size (samples) or --global-batch-tokens")
+    if args.global_batch_size <= 0:
+        raise ConfigError("--global-batch-size must be positive")
+    return args.global_batch_size
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return run_cli(plan, argv)

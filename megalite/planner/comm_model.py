@@ -1,0 +1,225 @@
+"""Communication: what each parallel dimension sends, on which link, and how long it takes.
+
+``events`` lists every collective of one iteration on one rank in megalite.comm's
+accounting convention (elements = the all-reduced tensor, the gathered output, the
+reduce-scattered input, the all-to-all input, the p2p message), so the same list gives
+``predict_comm_volume`` (to check against ``megalite.comm.counter``) and the time model.
+
+Costs are alpha-beta with ring bandwidth terms (Thakur et al. 2005; NCCL's "bus bandwidth"):
+  all-reduce      2(n-1)/n * S / B + 2*ceil(log2 n) * alpha
+  all-gather / reduce-scatter  (n-1)/n * S / B + ceil(log2 n) * alpha
+  all-to-all      (n-1)/n * S / B + (n-1) * alpha
+  p2p             S / B + alpha
+where B is the intra-node link when the group fits in a node; across nodes, ring
+collectives get the NICs of the group's members in one node together (NCCL runs one ring
+per NIC), capped by NVLink, while p2p and all-to-all get the rank's own NIC.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Dict, List
+
+from megalite.config import MegaliteConfig, ModelConfig
+from megalite.planner import model_spec as ms
+from megalite.planner.hardware import Cluster
+from megalite.planner.layout import Layout, layout_from_config
+
+
+@dataclass(frozen=True)
+class Event:
+    group: str
+    op: str           # all_reduce | all_gather | reduce_scatter | all_to_all | send | recv
+    elements: int     # per call, megalite.comm convention
+    calls: float      # per iteration on this rank
+    dtype_bytes: int = 2
+    kind: str = "tp"  # which time bucket: tp, cp, ep, pp, dp, embedding
+
+
+def group_geometry(L: Layout, group: str) -> tuple:
+    """(size, stride) of a group in the tp-cp-ep-dp-pp rank order."""
+    return {"tp": (L.tp, 1), "cp": (L.cp, L.tp), "dp": (L.dp, L.tp * L.cp),
+            "dp-cp": (L.dp * L.cp, L.tp), "ep": (L.ep, L.etp), "expert-tp": (L.etp, 1),
+            "expert-dp": (L.edp, L.etp * L.ep)}[group]
+
+
+def link_of(cluster: Cluster, size: int, stride: int) -> tuple:
+    """(bytes/s, alpha) for a group of ``size`` ranks ``stride`` apart."""
+    gpn = cluster.gpus_per_node
+    if stride * (size - 1) < gpn and (stride * size <= gpn):
+        return cluster.link(stride * size)
+    per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
+    inter_bw, alpha = cluster.link(gpn + 1)
+    intra_bw, _ = cluster.link(1)
+    return min(intra_bw, inter_bw * per_node), alpha
+
+
+def collective_time(op: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
+    if n <= 1:
+        return 0.0
+    steps = math.ceil(math.log2(n))
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * nbytes / bw + 2 * steps * alpha
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n * nbytes / bw + steps * alpha
+    if op == "all_to_all":
+        return (n - 1) / n * nbytes / bw + (n - 1) * alpha
+    return nbytes / bw + alpha                       # send / recv
+
+
+# ---- what is sent ---------------------------------------------------------------------
+
+def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 4,
+           sp_regather: bool = True) -> List[Event]:
+    """Every collective rank ``pp_rank`` of the pipeline issues in one iteration."""
+    out: List[Event] = []
+    mbs, t = L.num_micro_batches, L.tp
+    T = (seq // L.cp) * L.micro_batch
+    h = m.hidden_size
+    n_dense, n_moe = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, L.first_layers,
+                                          L.last_layers)
+    first, last = pp_rank == 0, pp_rank == L.pp - 1
+    n_layers = n_dense + n_moe
+    full = L.recompute == "full"
+    # Tensor parallel: an entry (f) and exit (g) collective around attention and each MLP.
+    # f: forward identity / SP all-gather, backward all-reduce / reduce-scatter; g: the
+    # reverse.  Backward's f-side reduction runs behind the weight-gradient GEMM (Megatron's
+    # async TP) and SP's re-gather of the input for wgrad behind the input-grad GEMM, so
+    # they are "tp_hidden".  Full recomputation repeats the forward's collectives except
+    # each layer's last exit, whose output no saved tensor needs (non-reentrant
+    # checkpointing stops early).
+    if t > 1:
+        mlp_tp = n_layers - n_moe + (n_moe if L.etp > 1 else 0)
+        pairs = n_layers + mlp_tp                       # blocks with a TP entry/exit pair
+        rec_in, rec_out = (pairs, pairs - n_layers) if full else (0, 0)
+        if L.sp:
+            out += [Event("tp", "all_gather", T * h, mbs * (2 * pairs + rec_in)),
+                    Event("tp", "reduce_scatter", T * h, mbs * (pairs + rec_out)),
+                    Event("tp", "reduce_scatter", T * h, mbs * pairs, kind="tp_hidden")]
+            if sp_regather:
+                out.append(Event("tp", "all_gather", T * h, mbs * pairs, kind="tp_hidden"))
+        else:
+            out += [Event("tp", "all_reduce", T * h, mbs * (pairs + rec_out)),
+                    Event("tp", "all_reduce", T * h, mbs * pairs, kind="tp_hidden")]
+        if first:                     # vocab-parallel embedding: reduce (SP: scatter) ...
+            out.append(Event("tp", "reduce_scatter" if L.sp else "all_reduce", T * h, mbs))
+            if L.sp:                  # ... whose backward gathers the gradient again
+                out.append(Event("tp", "all_gather", T * h, mbs))
+        if last:
+            op = ("all_gather", "reduce_scatter") if L.sp else (None, "all_reduce")
+            if op[0]:
+                out.append(Event("tp", op[0], T * h, mbs))
+            out.append(Event("tp", op[1], T * h, mbs))
+            # vocab-parallel cross entropy: the max, then (target logit, sum of exp)
+            out += [Event("tp", "all_reduce", T, mbs, dtype_bytes=4),
+                    Event("tp", "all_reduce", 2 * T, mbs, dtype_bytes=4)]
+    # Context parallel: ring attention passes K and V around (backward: K, V and dK, dV).
+    if L.cp > 1:
+        kv = 2 * T * m.resolved_query_groups() * m.resolved_kv_channels() // t
+        steps = (L.cp - 1) * n_layers * mbs * ((2 if full else 1) + 2)
+        out += [Event("cp", "send", kv, steps, kind="cp"),
+                Event("cp", "recv", kv, steps, kind="cp")]
+    # Expert parallel: dispatch + combine forward, the same backward.
+    if L.ep > 1 and n_moe:
+        copies = T // (t if L.sp else 1) * m.moe_router_topk
+        calls = n_moe * mbs * ((4 if full else 2) + 2)
+        out.append(Event("ep", "all_to_all", copies * h, calls, kind="ep"))
+    # Pipeline: one activation forward and one gradient backward per micro-batch and chunk.
+    if L.pp > 1:
+        msg = T * h // t            # SP shard, or Megatron's scatter/gather split over TP
+        sends = mbs * L.vpp * 2 - (mbs if first else 0) - (mbs if last else 0)
+        out += [Event("pp", "send", msg, sends, kind="pp"),
+                Event("pp", "recv", msg, sends, kind="pp")]
+    # Data parallel: gradients (and parameters for ZeRO >= 1).
+    params = ms.stage_params(m, pp_rank, t, L.pp, L.vpp, L.etp, L.ep, L.first_layers,
+                             L.last_layers)
+    out += _dp_events(params.dense, "dp" if L.cp == 1 else "dp-cp", L, grad_bytes)
+    if params.expert:
+        out += _dp_events(params.expert, "expert-dp", L, grad_bytes)
+    if L.sp and t > 1:          # params that saw a sequence shard: norms, row-parallel
+        per_norm = h * (2 if m.normalization == "LayerNorm" else 1)     # biases, positions
+        n = (2 * n_layers + (1 if last else 0)) * per_norm
+        n += 2 * n_layers * h if m.add_bias_linear else 0
+        if first and m.position_embedding_type == "learned_absolute":
+            n += ms.max_positions(m) * h
+        out.append(Event("tp", "all_reduce", n, 1, dtype_bytes=grad_bytes, kind="dp"))
+    if L.pp > 1 and not m.untie_embeddings_and_output_weights and (first or last):
+        out.append(Event("embedding", "all_reduce", m.padded_vocab_size(t) * h // t, 1,
+                         dtype_bytes=grad_bytes, kind="dp"))
+    return [e for e in out if e.calls > 0 and e.elements > 0]
+
+
+def _dp_events(n: int, group: str, L: Layout, grad_bytes: int) -> List[Event]:
+    size = L.dp * L.cp if group != "expert-dp" else L.edp
+    if size <= 1:
+        return []
+    m = L.num_micro_batches
+    if L.zero == 0:
+        return [Event(group, "all_reduce", n, 1, grad_bytes, "dp")]
+    if L.zero == 1:
+        return [Event(group, "reduce_scatter", n, 1, grad_bytes, "dp"),
+                Event(group, "all_gather", n, 1, 2, "dp")]
+    if L.zero == 2:
+        return [Event(group, "reduce_scatter", n, m, grad_bytes, "dp"),
+                Event(group, "all_gather", n, 1, 2, "dp")]
+    return [Event(group, "all_gather", n, 2 * m, 2, "dp"),      # FSDP: gather fwd and bwd
+            Event(group, "reduce_scatter", n, m, grad_bytes, "dp")]
+
+
+def volume(evts: List[Event]) -> Dict[str, dict]:
+    acc = defaultdict(lambda: {"calls": 0.0, "elements": 0.0, "bytes": 0.0})
+    for e in evts:
+        row = acc[f"{e.group}/{e.op}"]
+        row["calls"] += e.calls
+        row["elements"] += e.elements * e.calls
+        row["bytes"] += e.elements * e.calls * e.dtype_bytes
+    return {k: {kk: int(round(vv)) for kk, vv in v.items()} for k, v in sorted(acc.items())}
+
+
+def predict_comm_volume(cfg: MegaliteConfig, rank: int = 0, *, grad_bytes: int = 4,
+                        zero: int | None = None, sp_regather: bool | None = None
+                        ) -> Dict[str, dict]:
+    """Per-iteration ``{"group/op": {"calls", "elements", "bytes"}}`` for global ``rank``.
+
+    Same keys and convention as ``megalite.comm.counter.snapshot()``; calls on groups of
+    size 1 are skipped there and absent here.  ``sp_regather`` (SP's backward re-gather of
+    linear inputs) defaults to on only with --transformer-impl transformer_engine: megalite's
+    local layers keep the gathered input instead.
+    """
+    if sp_regather is None:
+        sp_regather = cfg.model.transformer_impl == "transformer_engine"
+    L = layout_from_config(cfg, zero)
+    pp_rank = rank // (cfg.world_size // L.pp)
+    return volume(events(cfg.model, L, cfg.model.seq_length, pp_rank, grad_bytes, sp_regather))
+
+
+# ---- how long it takes -----------------------------------------------------------------
+
+def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
+    """Total time of an event over the iteration (all its calls)."""
+    if e.group in ("pp", "embedding"):               # stage neighbours: other nodes unless
+        size = 2                                      # the whole job fits in one node
+        bw, alpha = cluster.link(L.world)
+    elif e.group == "cp":                             # ring steps: p2p, one NIC when the
+        size = 2                                      # group leaves the node
+        bw, alpha = cluster.link(L.cp * L.tp)
+    else:
+        size, stride = group_geometry(L, e.group)
+        bw, alpha = link_of(cluster, size, stride)
+        if e.op == "all_to_all" and stride * size > cluster.gpus_per_node:
+            bw, alpha = cluster.link(stride * size)   # each rank's own NIC carries its share
+    return e.calls * collective_time(e.op, e.elements * e.dtype_bytes, size, bw, alpha)
+
+
+def comm_seconds(evts: List[Event], L: Layout, cluster: Cluster) -> Dict[str, float]:
+    """Seconds per iteration by kind (before any overlap is subtracted).
+
+    p2p sends and receives happen at once on a full-duplex link, so only sends count.
+    """
+    out: Dict[str, float] = defaultdict(float)
+    for e in evts:
+        if e.op == "recv":
+            continue
+        out[e.kind] += event_seconds(e, L, cluster)
+    return dict(out)

@@ -1,0 +1,77 @@
+"""Floating-point operations per iteration (GQA-, SwiGLU- and MoE-aware).
+
+Forward FLOPs per token and layer, counting a multiply-add as 2:
+  QKV 2h(a+2g)d, scores QK^T 2s*a*d, scores x V 2s*a*d, projection 2*a*d*h,
+  MLP 2*h*f*(3 if SwiGLU else 2)  (MoE: router 2hE + top-k experts),
+plus the logits 2hV once per token.  Backward is twice the forward, so training is 3x --
+the same total as Megatron-LM's ``num_floating_point_operations`` (docs/planner.md).
+Recomputation re-runs forwards: full adds one layer forward (4x instead of 3x, Narayanan
+et al. 2021's 96*B*s*l*h^2 formula), selective adds the attention core only.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from megalite.config import ModelConfig
+from megalite.planner import model_spec as ms
+
+
+def layer_forward_flops(m: ModelConfig, layer: int, seq: int) -> Dict[str, float]:
+    """Per-token forward FLOPs of one layer, split into GEMMs and the attention core."""
+    return kind_forward_flops(m, ms.is_moe_layer(m, layer), seq)
+
+
+def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
+        m.resolved_kv_channels()
+    gate = 3 if m.swiglu else 2
+    linear = 2 * h * (a + 2 * g) * d + 2 * a * d * h
+    if moe:
+        linear += 2 * h * m.num_experts + m.moe_router_topk * 2 * h * ms.moe_ffn(m) * gate
+    else:
+        linear += 2 * h * m.resolved_ffn_hidden_size() * gate
+    core = 4 * seq * a * d
+    return {"linear": float(linear), "core": float(core)}
+
+
+def logits_forward_flops(m: ModelConfig) -> float:
+    return 2.0 * m.hidden_size * m.padded_vocab_size(1)
+
+
+def iteration_flops(m: ModelConfig, seq: int, global_batch: int, recompute: str = "none"
+                    ) -> Dict[str, float]:
+    """``model`` FLOPs (what MFU counts) and ``hardware`` FLOPs (plus recomputation)."""
+    tokens = float(seq) * global_batch
+    n_moe = sum(ms.is_moe_layer(m, i) for i in range(m.num_layers)) if m.num_experts else 0
+    lin = core = 0.0
+    for n, moe in ((m.num_layers - n_moe, False), (n_moe, True)):
+        if not n:
+            continue
+        f = kind_forward_flops(m, moe, seq)
+        lin, core = lin + n * f["linear"], core + n * f["core"]
+    model = 3 * tokens * (lin + core + logits_forward_flops(m))
+    extra = {"none": 0.0, "selective": tokens * core, "full": tokens * (lin + core)}[recompute]
+    return {"model": model, "hardware": model + extra}
+
+
+def stage_flops_per_microbatch(m: ModelConfig, kinds, seq: int, micro_batch: int,
+                               last: bool, recompute: str) -> Dict[str, float]:
+    """FLOPs of one micro-batch through a stage (all its ranks together).
+
+    ``fwd``; ``bwd`` = input grads + weight grads (2x forward) + ``recompute``; ``core`` is
+    the attention-core part of the forward (what CP's ring overlaps with).
+    """
+    tokens = float(seq) * micro_batch
+    fwd = bwd = core = rec = 0.0
+    for n, moe in zip(kinds, (False, True)):       # kinds = (dense layers, MoE layers)
+        if not n:
+            continue
+        f = kind_forward_flops(m, moe, seq)
+        one = n * tokens * (f["linear"] + f["core"])
+        fwd += one
+        core += n * tokens * f["core"]
+        rec += {"none": 0.0, "selective": n * tokens * f["core"], "full": one}[recompute]
+    if last:
+        lo = tokens * logits_forward_flops(m)
+        fwd += lo
+    return {"fwd": fwd, "bwd": 2 * fwd + rec, "recompute": rec, "core": core}

@@ -1,0 +1,117 @@
+"""GPU presets and the cluster the planner sizes a run for.
+
+Numbers are per GPU and uni-directional: the planner's collectives move data one way per
+ring step, so the 900 GB/s that NVIDIA quotes for H100 NVLink (both directions) is 450 here.
+Memory is what ``nvidia-smi`` reports as total (not the marketing GB), in bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from megalite.arguments import ConfigError
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    peak_tflops: float          # dense bf16 tensor-core peak
+    intra_node_gbps: float      # GB/s one way per GPU over NVLink / NVSwitch
+    inter_node_gbps: float      # GB/s one way per GPU over the NIC (one NIC per GPU)
+    hbm_gbps: float             # memory bandwidth, for the optimizer step
+
+
+GPU_PRESETS = {
+    "a100-40gb": GPU("a100-40gb", 40960 * MiB, 312.0, 300.0, 25.0, 1555.0),
+    "a100-80gb": GPU("a100-80gb", 81920 * MiB, 312.0, 300.0, 25.0, 2039.0),
+    "h100-80gb": GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 3350.0),
+    "h200-141gb": GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 4800.0),
+    "b200": GPU("b200", 183359 * MiB, 2250.0, 900.0, 50.0, 8000.0),
+}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Calibration constants: the fraction of a peak that real kernels reach.
+
+    ``compute`` is the sustained fraction of the tensor-core peak for a transformer
+    layer's GEMMs and attention (Megatron-LM reports 52-55% of peak end-to-end for large
+    GPT on A100 [Narayanan et al. 2021, Table 1], which includes communication and the
+    bubble; the kernels alone run a few points higher).  ``link`` is NCCL's achieved bus
+    bandwidth over the link's peak (nccl-tests reach ~80% on NVLink and InfiniBand).
+    Latencies are per algorithm step.
+    """
+    compute: float = 0.60
+    link: float = 0.80
+    intra_latency_s: float = 5e-6
+    inter_latency_s: float = 10e-6
+    hbm: float = 0.80
+
+
+@dataclass(frozen=True)
+class Cluster:
+    num_gpus: int
+    gpus_per_node: int
+    gpu: GPU
+    eff: Efficiency = Efficiency()
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_gpus // self.gpus_per_node
+
+    def effective_flops(self) -> float:
+        return self.gpu.peak_tflops * 1e12 * self.eff.compute
+
+    def link(self, span: int) -> tuple:
+        """(bytes/s, latency) of the link a group spanning ``span`` consecutive ranks uses."""
+        if span <= self.gpus_per_node:
+            return self.gpu.intra_node_gbps * 1e9 * self.eff.link, self.eff.intra_latency_s
+        return self.gpu.inter_node_gbps * 1e9 * self.eff.link, self.eff.inter_latency_s
+
+
+def make_cluster(num_gpus: int, gpus_per_node: int = 8, gpu: str | None = "h100-80gb", *,
+                 memory_gb: float | None = None, peak_tflops: float | None = None,
+                 intra_gbps: float | None = None, inter_gbps: float | None = None,
+                 compute_efficiency: float | None = None) -> Cluster:
+    """Build a cluster from a preset, overriding any figure given explicitly."""
+    if num_gpus is None or num_gpus <= 0:
+        raise ConfigError(f"--num-gpus must be a positive integer, got {num_gpus}")
+    if gpus_per_node <= 0:
+        raise ConfigError(f"--gpus-per-node must be a positive integer, got {gpus_per_node}")
+    if num_gpus > gpus_per_node and num_gpus % gpus_per_node:
+        raise ConfigError(f"--num-gpus ({num_gpus}) is not divisible by --gpus-per-node "
+                          f"({gpus_per_node}); use whole nodes")
+    gpus_per_node = min(gpus_per_node, num_gpus)
+    if gpu is None:
+        missing = [f for f, v in (("--gpu-memory-gb", memory_gb), ("--peak-tflops", peak_tflops),
+                                  ("--intra-node-bandwidth-gbps", intra_gbps),
+                                  ("--inter-node-bandwidth-gbps", inter_gbps)) if v is None]
+        if missing:
+            raise ConfigError(f"without --gpu give {', '.join(missing)} (or pick a --gpu preset: "
+                              f"{', '.join(GPU_PRESETS)})")
+        base = GPU("custom", 0, 0.0, 0.0, 0.0, 2000.0)
+    else:
+        key = gpu.lower()
+        if key not in GPU_PRESETS:
+            raise ConfigError(f"--gpu: unknown preset '{gpu}'; choose from "
+                              f"{', '.join(GPU_PRESETS)}")
+        base = GPU_PRESETS[key]
+    over = {}
+    if memory_gb is not None:
+        over["memory_bytes"] = int(memory_gb * GiB)
+    if peak_tflops is not None:
+        over["peak_tflops"] = float(peak_tflops)
+    if intra_gbps is not None:
+        over["intra_node_gbps"] = float(intra_gbps)
+    if inter_gbps is not None:
+        over["inter_node_gbps"] = float(inter_gbps)
+    for k, v in over.items():
+        if v <= 0:
+            raise ConfigError(f"cluster figure {k} must be positive, got {v}")
+    eff = Efficiency() if compute_efficiency is None else Efficiency(compute=compute_efficiency)
+    if not 0 < eff.compute <= 1:
+        raise ConfigError("--compute-efficiency must be in (0, 1]")
+    return Cluster(num_gpus, gpus_per_node, replace(base, **over), eff)

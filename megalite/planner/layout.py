@@ -1,0 +1,135 @@
+"""One candidate layout: every knob the search turns, and its two faces -- a
+``MegaliteConfig`` (so ``validate_layout`` judges legality) and pretrain_gpt.py flags.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+from megalite.config import MegaliteConfig, ModelConfig
+
+ZERO_NAMES = {0: "DDP", 1: "ZeRO-1 (distributed optimizer)", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1            # samples
+    recompute: str = "none"          # none | selective | full
+    zero: int = 0                    # 0 DDP, 1 distributed optimizer, 2 +grads, 3 +weights
+    sp: bool = False
+    schedule: str = "1f1b"           # 1f1b | interleaved | zero-bubble
+    first_layers: Optional[int] = None
+    last_layers: Optional[int] = None
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size (world / (expert-TP x EP x PP))."""
+        return self.world // (self.etp * self.ep * self.pp)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def emittable(self) -> bool:
+        """ZeRO-2/3 have no megalite flag yet: such layouts are advice, not a command."""
+        return self.zero <= 1
+
+    def short(self) -> str:
+        parts = [f"TP{self.tp}" + ("+SP" if self.sp else ""), f"CP{self.cp}", f"PP{self.pp}",
+                 f"DP{self.dp}"]
+        if self.vpp > 1:
+            parts.insert(3, f"VPP{self.vpp}")
+        if self.ep > 1 or self.etp != self.tp:
+            parts.append(f"EP{self.ep}/ETP{self.etp}")
+        if self.first_layers is not None or self.last_layers is not None:
+            parts.append(f"split{self.first_layers}/../{self.last_layers}")
+        return " ".join(parts)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(dp=self.dp, num_micro_batches=self.num_micro_batches)
+        return d
+
+    # ---- the two faces --------------------------------------------------------------
+    def to_config(self, model: ModelConfig, seq_length: int) -> MegaliteConfig:
+        cfg = MegaliteConfig(world_size=self.world)
+        cfg.model = copy.copy(model)
+        cfg.model.seq_length = seq_length
+        p, t = cfg.parallel, cfg.training
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
+        p.context_parallel_size, p.expert_model_parallel_size = self.cp, self.ep
+        p.expert_tensor_parallel_size = self.etp if self.etp != self.tp else None
+        p.num_virtual_stages_per_pipeline_rank = self.vpp if self.vpp > 1 else None
+        p.decoder_first_pipeline_num_layers = self.first_layers
+        p.decoder_last_pipeline_num_layers = self.last_layers
+        p.pipeline_schedule = {"1f1b": "auto", "interleaved": "interleaved",
+                               "zero-bubble": "zero-bubble"}[self.schedule]
+        p.sequence_parallel = self.sp
+        p.use_distributed_optimizer = self.zero >= 1
+        t.micro_batch_size, t.global_batch_size = self.micro_batch, self.global_batch
+        t.recompute_granularity = None if self.recompute == "none" else self.recompute
+        if self.recompute == "full":
+            t.recompute_method = "uniform"
+        cfg.optimizer.bf16 = True
+        return cfg
+
+    def parallel_flags(self) -> List[str]:
+        f = ["--tensor-model-parallel-size", str(self.tp),
+             "--pipeline-model-parallel-size", str(self.pp)]
+        if self.vpp > 1:
+            f += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
+        if self.first_layers is not None:
+            f += ["--decoder-first-pipeline-num-layers", str(self.first_layers)]
+        if self.last_layers is not None:
+            f += ["--decoder-last-pipeline-num-layers", str(self.last_layers)]
+        if self.schedule == "zero-bubble":
+            f += ["--pipeline-schedule", "zero-bubble"]
+        if self.cp > 1:
+            f += ["--context-parallel-size", str(self.cp)]
+        if self.ep > 1:
+            f += ["--expert-model-parallel-size", str(self.ep)]
+        if self.etp != self.tp:
+            f += ["--expert-tensor-parallel-size", str(self.etp)]
+        if self.sp:
+            f.append("--sequence-parallel")
+        if self.zero >= 1:
+            f.append("--use-distributed-optimizer")
+        f += ["--micro-batch-size", str(self.micro_batch),
+              "--global-batch-size", str(self.global_batch)]
+        if self.recompute == "full":
+            f += ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                  "--recompute-num-layers", "1"]
+        elif self.recompute == "selective":
+            f += ["--recompute-granularity", "selective"]
+        return f + ["--bf16"]
+
+
+def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layout:
+    """The layout a (validated) run config describes."""
+    p, t, m = cfg.parallel, cfg.training, cfg.model
+    vpp = p.virtual_stages(m.num_layers)
+    sched = "zero-bubble" if p.pipeline_schedule == "zero-bubble" else \
+        ("interleaved" if vpp > 1 else "1f1b")
+    dp = cfg.world_size // (p.tp * p.cp * p.pp)
+    return Layout(world=cfg.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=vpp,
+                  micro_batch=t.micro_batch_size,
+                  global_batch=t.global_batch_size or t.micro_batch_size * dp,
+                  recompute=t.recompute_granularity or "none",
+                  zero=(1 if p.use_distributed_optimizer else 0) if zero is None else zero,
+                  sp=p.sequence_parallel and p.tp > 1, schedule=sched,
+                  first_layers=p.decoder_first_pipeline_num_layers,
+                  last_layers=p.decoder_last_pipeline_num_layers)

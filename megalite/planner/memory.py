@@ -1,0 +1,212 @@
+"""Bytes on one rank: model states (weights, gradients, optimizer) and activations.
+
+Formulas and their sources are written out in docs/planner.md; the function names follow
+the sections there.  Everything is exact integer arithmetic on the megalite model's shapes
+except activations, which follow Korthikanti et al. 2022 term by term.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+from megalite.config import MegaliteConfig, ModelConfig
+from megalite.planner import model_spec as ms
+from megalite.planner.layout import Layout, layout_from_config
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each model state.
+
+    bf16 mixed precision: 2 (bf16 weight) + g (main gradient: 4 = fp32, Megatron's default;
+    2 = bf16, ZeRO paper's count) + 4 (fp32 master) + 8 (Adam m, v) -> 18 or 16 bytes.
+    fp32 training: 4 + 4 + 0 + 8 = 16 (the weights are the master copy).
+    """
+    weight: int = 2
+    grad: int = 4
+    master: int = 4
+    adam: int = 8
+
+    @property
+    def optimizer(self) -> int:
+        return self.master + self.adam
+
+    @classmethod
+    def bf16(cls, grad_bytes: int = 4) -> "Precision":
+        if grad_bytes not in (2, 4):
+            raise ValueError("grad_bytes must be 2 (bf16) or 4 (fp32)")
+        return cls(2, grad_bytes, 4, 8)
+
+    @classmethod
+    def fp32(cls) -> "Precision":
+        return cls(4, 4, 0, 8)
+
+
+def _shard(n: int, d: int) -> int:
+    return -(-n // d)  # sharded buffers are padded to a multiple of the shard count
+
+
+def state_bytes(params: ms.ParamCount, dense_shards: int, expert_shards: int, zero: int,
+                prec: Precision) -> Dict[str, int]:
+    """Weights / grads / optimizer bytes for ZeRO stage 0..3 (Rajbhandari et al. 2020).
+
+    Stage 1 shards the optimizer (fp32 master + Adam) -> Megatron's "6 + 12/d" with fp32
+    grads; stage 2 also the gradients; stage 3 also the weights ((2+2+12)/d with bf16 grads).
+    Dense parameters shard over DP x CP, routed experts over the expert-DP group.
+    """
+    def part(n: int, shards: int) -> Dict[str, int]:
+        return {"weights": (_shard(n, shards) if zero >= 3 else n) * prec.weight,
+                "grads": (_shard(n, shards) if zero >= 2 else n) * prec.grad,
+                "optimizer": (_shard(n, shards) if zero >= 1 else n) * prec.optimizer}
+    a, b = part(params.dense, dense_shards), part(params.expert, expert_shards)
+    return {k: a[k] + b[k] for k in a}
+
+
+# ---- activations (Korthikanti et al. 2022, generalised to GQA / SwiGLU / MoE / CP) -----
+
+@dataclass(frozen=True)
+class ActivationOptions:
+    flash_attention: bool = True     # no s x s score matrix is stored (FlashAttention)
+    recompute_modules: tuple = ("core_attn",)
+    element_scale: int = 1           # 2 for fp32 training: every 16-bit term doubles
+    # SP: Megatron / Transformer Engine keep the linear layers' inputs sharded and re-gather
+    # them in backward (Korthikanti et al.); megalite's local layers keep them gathered.
+    sp_keeps_gathered: bool = False
+
+
+def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
+                           opts: ActivationOptions = ActivationOptions(),
+                           recompute: Optional[str] = None) -> int:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one rank.
+
+    Without parallelism, GPT (a = heads, dropout on, no flash) this is
+    s*b*h*(34 + 5*a*s/h), the paper's per-layer total.  With TP t and SP every term is /t;
+    TP without SP leaves the 10*s*b*h of norms, their outputs and dropout masks replicated.
+    """
+    recompute = L.recompute if recompute is None else recompute
+    t, T = L.tp, (seq // L.cp) * L.micro_batch      # tokens on this rank
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
+        m.resolved_kv_channels()
+    sp = t if L.sp else 1
+    drop_h = 1 if m.hidden_dropout > 0 else 0
+    drop_a = m.attention_dropout > 0
+    if recompute == "full":
+        return 2 * T * h // sp * opts.element_scale   # only the layer input is checkpointed
+    modules = set(opts.recompute_modules) if recompute == "selective" else set()
+    # Replicated over TP unless SP: two norm inputs, two norm outputs, two dropout masks.
+    norm_in = 2 * 2 * T * h
+    norm_out = 0 if "layernorm" in modules else 2 * 2 * T * h
+    masks = 2 * drop_h * T * h
+    rep = (norm_in + masks) // sp + (norm_out if opts.sp_keeps_gathered else norm_out // sp)
+    # Attention: Q, K, V kept for the core; the core's output feeds the projection.
+    attn = 2 * T * (a * d + 2 * g * d) // t + 2 * T * a * d // t
+    if "core_attn" not in modules:
+        kv_len = seq                               # each query sees the whole (ring) sequence
+        if opts.flash_attention:
+            attn += 4 * a * T // t                 # fp32 log-sum-exp per head and query
+        else:
+            scores = a * T * kv_len // t
+            attn += 2 * scores + ((scores + 2 * scores) if drop_a else 0)
+    # MLP.
+    gate = 2 if m.swiglu else 1
+    if not moe:
+        f = m.resolved_ffn_hidden_size()
+        mlp = 0 if "mlp" in modules else (2 * gate * T * f + 2 * T * f) // t
+    else:
+        fe, k = ms.moe_ffn(m), m.moe_router_topk
+        copies = T * k * L.etp // t                # token copies an expert rank processes
+        mlp = 4 * (T // sp) * m.num_experts        # fp32 router probabilities
+        mlp += 2 * copies * h * 2                  # permuted expert inputs and outputs
+        if "mlp" not in modules:
+            mlp += (2 * gate * copies * fe + 2 * copies * fe) // L.etp
+    return (rep + attn + mlp) * opts.element_scale
+
+
+def in_flight(L: Layout, pp_rank: int) -> float:
+    """Micro-batches whose activations rank ``pp_rank`` holds at its peak.
+
+    1F1B (and ZB-H1): stage i holds min(p - i, m).  Interleaved: Megatron's warm-up of
+    2(p - i - 1) + (v - 1)p + 1 chunks, i.e. p(1 + (p-1)/(pv)) layers-worth on stage 0.
+    """
+    p, m, v = L.pp, L.num_micro_batches, L.vpp
+    if p == 1:
+        return 1.0
+    if v > 1:
+        chunks = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
+        return chunks / v
+    return float(min(p - pp_rank, m))
+
+
+def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
+                     opts: ActivationOptions = ActivationOptions()) -> int:
+    """Peak activation bytes of one rank of pipeline stage ``pp_rank``."""
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, L.first_layers, L.last_layers)
+    per_mb = sum(n * layer_activation_bytes(m, L, moe, seq, opts)
+                 for n, moe in zip(kinds, (False, True)) if n)
+    total = per_mb * in_flight(L, pp_rank)
+    if L.recompute == "full" and sum(kinds):       # one layer re-materialised at a time
+        total += max(layer_activation_bytes(m, L, moe, seq, opts, "none")
+                     for n, moe in zip(kinds, (False, True)) if n)
+    T, h, t = (seq // L.cp) * L.micro_batch, m.hidden_size, L.tp
+    sp = t if L.sp else 1
+    if pp_rank == 0 and m.hidden_dropout > 0:     # embedding dropout mask
+        total += T * h // sp * in_flight(L, pp_rank)
+    if pp_rank == L.pp - 1:                         # final norm in/out + fp32 logits for the loss
+        norm_out = 2 * T * h if opts.sp_keeps_gathered else 2 * T * h // sp
+        total += (2 * T * h // sp + norm_out) * opts.element_scale + \
+            4 * T * m.padded_vocab_size(t) // t
+    return int(total)
+
+
+# ---- the whole rank -------------------------------------------------------------------
+
+def rank_memory(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision,
+                opts: ActivationOptions = ActivationOptions()) -> Dict[str, int]:
+    params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep,
+                             L.first_layers, L.last_layers)
+    out = state_bytes(params, L.dp * L.cp, L.edp, L.zero, prec)
+    if L.zero >= 3:                                 # two all-gathered layers in flight (prefetch)
+        kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, L.first_layers, L.last_layers)
+        biggest = max((ms.kind_params(m, moe, L.tp, L.etp, L.ep).total
+                       for n, moe in zip(kinds, (False, True)) if n), default=0)
+        out["weights"] += 2 * biggest * prec.weight
+    out["activations"] = activation_bytes(m, L, seq, pp_rank, opts)
+    out["params"] = params.total
+    out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
+    return out
+
+
+def peak_rank_memory(m: ModelConfig, L: Layout, seq: int, prec: Precision,
+                     opts: ActivationOptions = ActivationOptions()) -> Dict[str, int]:
+    """The most loaded pipeline stage (the one that decides whether a layout fits)."""
+    # In-flight micro-batches fall with the stage index and only the first and last
+    # stages differ in content, so stages 0, 1 and the last bound the peak.
+    stages = sorted({0, min(1, L.pp - 1), L.pp - 1})
+    best = None
+    for r in stages:
+        cur = rank_memory(m, L, seq, r, prec, opts)
+        if best is None or cur["total"] > best["total"]:
+            best = dict(cur, pp_rank=r)
+    return best
+
+
+def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
+                        zero: Optional[int] = None, flash_attention: bool = True,
+                        local_layers: Optional[bool] = None) -> Dict[str, int]:
+    """Predicted bytes for global ``rank`` of a run described by ``cfg``.
+
+    Returns ``weights`` / ``grads`` / ``optimizer`` (exact for the parameter count: these are
+    numel x bytes of the tensors the rank owns), ``activations`` (Korthikanti's model) and
+    ``total``.  ``zero`` overrides the sharding stage (default: 1 with
+    --use-distributed-optimizer, else 0); ``grad_bytes`` is the main-grad dtype size;
+    ``local_layers`` (default: unless --transformer-impl transformer_engine) models megalite's
+    local layers, which keep SP's gathered linear inputs.
+    """
+    if local_layers is None:
+        local_layers = cfg.model.transformer_impl != "transformer_engine"
+    L = layout_from_config(cfg, zero)
+    prec = Precision.bf16(grad_bytes) if cfg.optimizer.bf16 else Precision.fp32()
+    pp_rank = rank // (cfg.world_size // L.pp)
+    opts = ActivationOptions(flash_attention, tuple(cfg.training.recompute_modules or ()),
+                             1 if cfg.optimizer.bf16 else 2, local_layers)
+    return rank_memory(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts)

@@ -1,0 +1,303 @@
+"""The model the planner sizes: recipes, Hugging Face configs, pretrain_gpt.py flags, and
+exact parameter counts per pipeline stage and rank.
+
+The counts mirror megalite's GPTModel tensor by tensor (see docs/planner.md, "Parameters"),
+so ``stage_params`` is what ``sum(p.numel() for p in model.parameters())`` returns on a rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+from megalite.arguments import ConfigError
+from megalite.config import ModelConfig
+
+_LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+              untie_embeddings_and_output_weights=True, add_bias_linear=False,
+              group_query_attention=True, hidden_dropout=0.0, attention_dropout=0.0,
+              vocab_size=128256, rotary_base=500000, seq_length=8192)
+_GPT = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
+            untie_embeddings_and_output_weights=False, add_bias_linear=True,
+            hidden_dropout=0.1, attention_dropout=0.1, seq_length=2048)
+
+
+def _gpt2021(heads, hidden, layers, tp, pp, gpus, batch, tflops):
+    """A row of Narayanan et al. 2021, Table 1 (A100-80GB, seq 2048, vocab 51200)."""
+    return dict(_GPT, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                vocab_size=51200, ffn_hidden_size=4 * hidden,
+                published=dict(source="Narayanan et al. 2021, Table 1", gpu="a100-80gb",
+                               tp=tp, pp=pp, num_gpus=gpus, global_batch_size=batch,
+                               seq_length=2048, tflops_per_gpu=tflops, recompute="full"))
+
+
+RECIPES = {
+    "llama3-8b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      num_query_groups=8, ffn_hidden_size=14336),
+    "llama3-70b": dict(_LLAMA, num_layers=80, hidden_size=8192, num_attention_heads=64,
+                       num_query_groups=8, ffn_hidden_size=28672),
+    "llama3-405b": dict(_LLAMA, num_layers=126, hidden_size=16384, num_attention_heads=128,
+                        num_query_groups=8, ffn_hidden_size=53248,
+                        published=dict(source="Llama 3 paper (Dubey et al. 2024), Table 4",
+                                       gpu="h100-80gb", tp=8, cp=1, pp=16, dp=128,
+                                       num_gpus=16384, seq_length=8192,
+                                       global_batch_tokens=16 * 1024 * 1024,
+                                       tflops_per_gpu=400)),
+    "gpt3-175b": dict(_GPT, num_layers=96, hidden_size=12288, num_attention_heads=96,
+                      ffn_hidden_size=4 * 12288, vocab_size=50257),
+    "mixtral-8x7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                         num_query_groups=8, ffn_hidden_size=14336, moe_ffn_hidden_size=14336,
+                         num_experts=8, moe_router_topk=2, vocab_size=32000, rotary_base=1000000,
+                         seq_length=4096),
+    "gpt-1.7b": _gpt2021(24, 2304, 24, 1, 1, 32, 512, 137),
+    "gpt-3.6b": _gpt2021(32, 3072, 30, 2, 1, 64, 512, 138),
+    "gpt-7.5b": _gpt2021(32, 4096, 36, 4, 1, 128, 512, 142),
+    "gpt-18.4b": _gpt2021(48, 6144, 40, 8, 1, 256, 1024, 135),
+    "gpt-39.1b": _gpt2021(64, 8192, 48, 8, 2, 512, 1536, 138),
+    "gpt-76.1b": _gpt2021(80, 10240, 60, 8, 4, 1024, 1792, 140),
+    "gpt-145.6b": _gpt2021(96, 12288, 80, 8, 8, 1536, 2304, 148),
+    "gpt-310.1b": _gpt2021(128, 16384, 96, 8, 16, 1920, 2160, 155),
+    "gpt-529.6b": _gpt2021(128, 20480, 105, 8, 35, 2520, 2520, 163),
+    "gpt-1t": _gpt2021(160, 25600, 128, 8, 64, 3072, 3072, 163),
+}
+NARAYANAN_2021 = [k for k in RECIPES if k.startswith("gpt-") and k != "gpt3-175b"]
+
+
+def _model(fields: dict) -> ModelConfig:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in fields.items() if k in names})
+
+
+def recipe(name: str) -> ModelConfig:
+    key = name.lower()
+    if key not in RECIPES:
+        raise ConfigError(f"--recipe: unknown model '{name}'; choose from {', '.join(RECIPES)}")
+    return _model(RECIPES[key])
+
+
+def published(name: str) -> Optional[dict]:
+    return RECIPES.get(name.lower(), {}).get("published")
+
+
+def from_hf_config(path: str) -> ModelConfig:
+    """Llama / Mistral / Mixtral / Qwen2 / Qwen3(-MoE) config.json -> ModelConfig."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--hf-config: file '{path}' does not exist")
+    try:
+        with open(path) as fh:
+            hf = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--hf-config: cannot read '{path}': {exc}") from None
+    hf = hf.get("text_config", hf)
+    need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    missing = [k for k in need if k not in hf]
+    if missing:
+        raise ConfigError(f"--hf-config: '{path}' lacks {', '.join(missing)}; is it a "
+                          "Llama/Mistral/Mixtral/Qwen config.json?")
+    if hf.get("shared_expert_intermediate_size"):
+        raise ConfigError("--hf-config: shared experts (Qwen2-MoE) are not supported by megalite")
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    act = str(hf.get("hidden_act", "silu")).lower()
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    moe_ffn = hf.get("moe_intermediate_size") or (hf.get("intermediate_size") if experts else None)
+    kv = hf.get("head_dim")
+    m = ModelConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+        num_attention_heads=heads, group_query_attention=groups != heads,
+        num_query_groups=groups if groups != heads else None,
+        kv_channels=kv if kv and kv != hf["hidden_size"] // heads else None,
+        ffn_hidden_size=hf.get("intermediate_size"), vocab_size=hf["vocab_size"],
+        seq_length=min(hf.get("max_position_embeddings", 4096), 8192),
+        normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        position_embedding_type="rope", rotary_base=int(hf.get("rope_theta", 10000)),
+        swiglu=act in ("silu", "swish", "swiglu"),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        add_bias_linear=bool(hf.get("attention_bias", False) and hf.get("mlp_bias", False)),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        num_experts=experts or None, moe_ffn_hidden_size=moe_ffn,
+        moe_router_topk=hf.get("num_experts_per_tok", 2),
+        moe_layer_freq=hf.get("decoder_sparse_step", 1) or 1)
+    return m
+
+
+def from_flags(argv: List[str]) -> ModelConfig:
+    """pretrain_gpt.py model flags (--num-layers ...) -> ModelConfig, via megalite's parser."""
+    from megalite.arguments import build_parser
+
+    parser = build_parser("megalite plan")
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    by_flag = {s: a for a in parser._actions for s in a.option_strings}
+    for tok in argv:
+        if tok.startswith("--"):
+            act = by_flag.get(tok.split("=", 1)[0])
+            if act is None:
+                raise ConfigError(f"unrecognized argument {tok} (see megalite plan --help)")
+            if act.dest not in model_fields:
+                raise ConfigError(f"{tok} is not a model flag; the planner chooses the layout "
+                                  "(pin dimensions with --tp/--pp/--cp/--ep/--vpp)")
+    ns = vars(parser.parse_args(argv))
+    return ModelConfig(**{k: ns[k] for k in model_fields})
+
+
+# ---- architecture arithmetic -----------------------------------------------------------
+
+def is_moe_layer(m: ModelConfig, layer: int) -> bool:
+    return bool(m.num_experts) and layer % max(1, m.moe_layer_freq) == 0
+
+
+def moe_ffn(m: ModelConfig) -> int:
+    return m.moe_ffn_hidden_size or m.resolved_ffn_hidden_size()
+
+
+def max_positions(m: ModelConfig) -> int:
+    return m.max_position_embeddings or m.seq_length
+
+
+def layers_per_stage(m: ModelConfig, pp: int, first: Optional[int] = None,
+                     last: Optional[int] = None) -> List[int]:
+    """Layer count on each pipeline rank (all its virtual chunks together)."""
+    L = m.num_layers
+    if pp == 1:
+        return [L]
+    if first is None and last is None:
+        return [L // pp] * pp
+    middle = pp - (first is not None) - (last is not None)
+    rest = L - (first or 0) - (last or 0)
+    each = rest // middle if middle else 0
+    counts = [each] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts
+
+
+def stage_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
+                    first: Optional[int] = None, last: Optional[int] = None) -> List[int]:
+    """Global indices of the layers pipeline rank ``pp_rank`` holds."""
+    if vpp > 1:
+        k = m.num_layers // (pp * vpp)
+        return [(c * pp + pp_rank) * k + j for c in range(vpp) for j in range(k)]
+    counts = layers_per_stage(m, pp, first, last)
+    start = sum(counts[:pp_rank])
+    return list(range(start, start + counts[pp_rank]))
+
+
+@dataclass
+class ParamCount:
+    """Parameters on one rank, split by the data-parallel group that reduces them."""
+    dense: int = 0    # reduced over DP x CP (everything but routed experts)
+    expert: int = 0   # reduced over expert-DP
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+    def __iadd__(self, other: "ParamCount"):
+        self.dense += other.dense
+        self.expert += other.expert
+        return self
+
+
+def _norm(m: ModelConfig, h: int) -> int:
+    return 2 * h if m.normalization == "LayerNorm" else h
+
+
+def stage_layer_kinds(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
+                      first: Optional[int] = None, last: Optional[int] = None) -> tuple:
+    """(dense layers, MoE layers) on a pipeline rank: layers differ only in their MLP."""
+    ids = stage_layer_ids(m, pp, pp_rank, vpp, first, last)
+    n_moe = sum(is_moe_layer(m, i) for i in ids) if m.num_experts else 0
+    return len(ids) - n_moe, n_moe
+
+
+def layer_params(m: ModelConfig, layer: int, tp: int = 1, etp: int = 1, ep: int = 1) -> ParamCount:
+    """One transformer layer's parameters on one rank (TP shards split, the rest replicated)."""
+    return kind_params(m, is_moe_layer(m, layer), tp, etp, ep)
+
+
+def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 1) -> ParamCount:
+    h, a, g = m.hidden_size, m.num_attention_heads, m.resolved_query_groups()
+    d, bias = m.resolved_kv_channels(), m.add_bias_linear
+    qkv_rows = (a + 2 * g) * d
+    n = _norm(m, h) * 2                                  # input norm + pre-MLP norm
+    n += qkv_rows * h // tp + (qkv_rows // tp if bias else 0)       # column-parallel QKV
+    n += h * a * d // tp + (h if bias else 0)                       # row-parallel projection
+    gate = 2 if m.swiglu else 1
+    if not moe:
+        f = m.resolved_ffn_hidden_size()
+        n += gate * f * h // tp + (gate * f // tp if bias else 0)   # fc1
+        n += h * f // tp + (h if bias else 0)                       # fc2
+        return ParamCount(dense=n)
+    fe, local = moe_ffn(m), m.num_experts // ep
+    n += m.num_experts * h                                          # router
+    per_expert = gate * fe * h // etp + (gate * fe // etp if bias else 0) + \
+        h * fe // etp + (h if bias else 0)
+    return ParamCount(dense=n, expert=local * per_expert)
+
+
+def embedding_params(m: ModelConfig, tp: int) -> int:
+    n = m.padded_vocab_size(tp) * m.hidden_size // tp
+    if m.position_embedding_type == "learned_absolute":
+        n += max_positions(m) * m.hidden_size
+    return n
+
+
+def head_params(m: ModelConfig, tp: int, pp: int) -> int:
+    """Final norm plus the output layer (or the tied embedding's copy when PP > 1)."""
+    n = _norm(m, m.hidden_size)
+    if m.untie_embeddings_and_output_weights or pp > 1:
+        n += m.padded_vocab_size(tp) * m.hidden_size // tp
+    return n
+
+
+def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
+                 etp: int = 1, ep: int = 1, first: Optional[int] = None,
+                 last: Optional[int] = None) -> ParamCount:
+    """Exact parameter count on a rank of pipeline stage ``pp_rank``."""
+    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last)
+    out = ParamCount()
+    for n, moe in ((n_dense, False), (n_moe, True)):
+        if n:
+            one = kind_params(m, moe, tp, etp, ep)
+            out += ParamCount(one.dense * n, one.expert * n)
+    if pp_rank == 0:
+        out.dense += embedding_params(m, tp)
+    if pp_rank == pp - 1:
+        out.dense += head_params(m, tp, pp)
+    return out
+
+
+def total_params(m: ModelConfig) -> int:
+    """Unsharded parameter count of the whole model (tied weights counted once)."""
+    return stage_params(m, 0, tp=1, pp=1).total
+
+
+def active_params(m: ModelConfig) -> int:
+    """Parameters a token passes through (MoE: top-k experts instead of all)."""
+    total = total_params(m)
+    if not m.num_experts:
+        return total
+    gate = 2 if m.swiglu else 1
+    fe, bias = moe_ffn(m), m.add_bias_linear
+    per_expert = gate * fe * m.hidden_size + m.hidden_size * fe + \
+        ((gate * fe + m.hidden_size) if bias else 0)
+    moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_layers))
+    return total - moe_layers * (m.num_experts - m.moe_router_topk) * per_expert
+
+
+def describe(m: ModelConfig) -> str:
+    moe = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else ""
+    gqa = f"/{m.resolved_query_groups()} kv" if m.resolved_query_groups() != m.num_attention_heads \
+        else ""
+    n = total_params(m)
+    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+    return (f"{size} params: {m.num_layers} layers, hidden "
+            f"{m.hidden_size}, {m.num_attention_heads}{gqa} heads, ffn "
+            f"{m.resolved_ffn_hidden_size()}{' swiglu' if m.swiglu else ''}, vocab "
+            f"{m.vocab_size}{moe}")

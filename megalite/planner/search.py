@@ -1,0 +1,215 @@
+"""Enumerate legal layouts, drop those that do not fit, rank the rest by step time.
+
+Legality is megalite's own: every candidate becomes a ``MegaliteConfig`` and goes through
+``megalite.validation.validate_layout``.  Pruning keeps 16k-GPU searches to about a second:
+TP is a power of two within a node, PP divides the rank count left by TP x CP, a layout's
+micro-batch / recomputation variants are skipped once its model states alone do not fit,
+and a recomputation level is tried only when the cheaper one does not fit.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Iterator, List, Optional, Sequence
+
+from megalite.arguments import ConfigError
+from megalite.config import ModelConfig
+from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
+from megalite.planner.hardware import Cluster
+from megalite.planner.layout import Layout
+from megalite.validation import validate_layout
+
+RECOMPUTE_ORDER = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may turn; ``None`` = every value the rules allow."""
+    tp: Optional[Sequence[int]] = None
+    pp: Optional[Sequence[int]] = None
+    cp: Optional[Sequence[int]] = None
+    ep: Optional[Sequence[int]] = None
+    vpp: Optional[Sequence[int]] = None
+    micro_batch: Optional[Sequence[int]] = None
+    recompute: Sequence[str] = RECOMPUTE_ORDER
+    zero: Sequence[int] = (0, 1)                  # stages megalite has flags for
+    schedules: Sequence[str] = ("1f1b", "interleaved")
+    cp_min_seq: int = 16384                       # CP only for long sequences
+    max_micro_batch: int = 8
+    max_vpp: int = 8
+    uneven: bool = True                           # Llama-3-style lighter first/last stages
+    sequence_parallel: Optional[bool] = None      # None: try both when TP > 1
+
+
+@dataclass
+class SearchResult:
+    ranked: List[Estimate]
+    rejected: Counter = field(default_factory=Counter)
+    considered: int = 0
+    seconds: float = 0.0
+    best_oom: Optional[Estimate] = None
+
+
+def _pow2_upto(n: int) -> List[int]:
+    return [1 << i for i in range(int(math.log2(n)) + 1)] if n >= 1 else []
+
+
+def _divisors(n: int) -> List[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _pick(values: List[int], allowed: Optional[Sequence[int]]) -> List[int]:
+    return values if allowed is None else [v for v in values if v in set(allowed)]
+
+
+def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
+    """(first, last, vpp) choices for PP: even (with interleaving), or lighter first/last."""
+    L = m.num_layers
+    if pp == 1:
+        yield None, None, 1
+        return
+    if pp > L:
+        return
+    if L % pp == 0:
+        per = L // pp
+        vpps = [v for v in _divisors(per) if v <= space.max_vpp]
+        if "interleaved" not in space.schedules:
+            vpps = [1]
+        for v in _pick(vpps, space.vpp):
+            yield None, None, v
+        return
+    if not space.uneven:
+        return
+    k = -(-L // pp)                                  # middle stages get ceil(L / pp)
+    rest = L - (pp - 2) * k
+    first = rest // 2
+    if first >= 1 and rest - first >= 1:
+        yield first, rest - first, 1
+
+
+def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
+                      space: SearchSpace) -> Iterator[List[Layout]]:
+    """Yield groups of layouts that share model-parallel sizes (micro-batch / recompute /
+    ZeRO variants), so a group can be skipped once its states alone cannot fit."""
+    world, gpn = cluster.num_gpus, cluster.gpus_per_node
+    heads, groups = m.num_attention_heads, m.resolved_query_groups()
+    tps = [t for t in _pow2_upto(min(gpn, heads)) if heads % t == 0 and groups % t == 0]
+    cps = [1] if seq < space.cp_min_seq else [c for c in _pow2_upto(64) if seq % (2 * c) == 0]
+    for tp in _pick(tps, space.tp):
+        for cp in _pick(cps, space.cp):
+            if world % (tp * cp):
+                continue
+            for pp in _pick(_divisors(world // (tp * cp)), space.pp):
+                dp = world // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                for first, last, vpp in pipeline_splits(m, pp, space):
+                    scheds = ["interleaved"] if vpp > 1 else \
+                        [s for s in space.schedules if s in ("1f1b", "zero-bubble")] or ["1f1b"]
+                    if pp == 1:
+                        scheds = ["1f1b"]
+                    for sched in scheds:
+                        for ep, etp in _expert_options(m, tp, pp, world, space):
+                            mbs = [b for b in _pow2_upto(space.max_micro_batch)
+                                   if (global_batch // dp) % b == 0]
+                            for sp in ([False, True] if tp > 1 else [False]):
+                                if space.sequence_parallel is not None and tp > 1 and \
+                                        sp != space.sequence_parallel:
+                                    continue
+                                yield [Layout(world, tp, pp, cp, ep, etp, vpp, mb, global_batch,
+                                              rc, z, sp, sched, first, last)
+                                       for z in space.zero for mb in _pick(mbs, space.micro_batch)
+                                       for rc in space.recompute]
+
+
+def _expert_options(m: ModelConfig, tp: int, pp: int, world: int, space: SearchSpace):
+    if not m.num_experts:
+        yield 1, tp
+        return
+    for ep in _pick(_divisors(m.num_experts), space.ep):
+        for etp in sorted({1, tp}):
+            if world % (etp * ep * pp) == 0:
+                yield ep, etp
+
+
+def _legal(L: Layout, m: ModelConfig, seq: int) -> Optional[str]:
+    try:
+        validate_layout(L.to_config(m, seq))
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def search(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
+           space: SearchSpace = SearchSpace(), opts: ModelOptions = ModelOptions()
+           ) -> SearchResult:
+    start = time.perf_counter()
+    if m.seq_length != seq:                 # learned positions default to the sequence length
+        m = replace(m, seq_length=seq)
+    res = SearchResult([])
+    for group in enumerate_layouts(m, seq, global_batch, cluster, space):
+        # Cheapest-memory member first: if even that does not fit, skip the group.
+        probe = min(group, key=lambda L: (-RECOMPUTE_ORDER.index(L.recompute), L.micro_batch,
+                                          -L.zero))
+        floor = memory_of(m, probe, seq, cluster, opts)
+        if not floor.fits:
+            res.rejected["out of memory"] += len(group)
+            res.considered += len(group)
+            _keep_oom(res, floor)
+            continue
+        reason = _legal(probe, m, seq)
+        if reason and "micro-batch" not in reason and "global-batch" not in reason:
+            res.rejected[_short(reason)] += len(group)
+            res.considered += len(group)
+            continue
+        fitted = set()
+        for L in sorted(group, key=lambda L: RECOMPUTE_ORDER.index(L.recompute)):
+            res.considered += 1
+            key = (L.micro_batch, L.zero)
+            if key in fitted:                  # a cheaper recompute level already fits
+                res.rejected["dominated (less recomputation fits)"] += 1
+                continue
+            est = memory_of(m, L, seq, cluster, opts)
+            if not est.fits:
+                res.rejected["out of memory"] += 1
+                _keep_oom(res, est)
+                continue
+            reason = _legal(L, m, seq)
+            if reason:
+                res.rejected[_short(reason)] += 1
+                continue
+            fitted.add(key)
+            res.ranked.append(estimate(m, L, seq, cluster, opts, est))
+    res.ranked.sort(key=lambda e: rank_key(e, cluster))
+    res.seconds = time.perf_counter() - start
+    return res
+
+
+def _keep_oom(res: SearchResult, est: Estimate):
+    if res.best_oom is None or est.memory["total"] < res.best_oom.memory["total"]:
+        res.best_oom = est
+
+
+def _short(msg: str) -> str:
+    return " ".join(msg.split()[:8])
+
+
+def rank_key(e: Estimate, cluster: Cluster, tolerance: float = 0.005):
+    """Step time in 0.5% bins, then the tie-breakers: TP and EP inside a node, PP across
+    nodes, as much DP as possible, EP before TP for experts, CP only when needed."""
+    L, gpn = e.layout, cluster.gpus_per_node
+    bin_ = math.floor(math.log(e.step) / math.log1p(tolerance))
+    return (bin_, L.tp * L.cp > gpn, L.etp * L.ep > gpn, L.cp, -L.dp, L.etp, L.vpp,
+            not L.emittable, L.zero, RECOMPUTE_ORDER.index(L.recompute), -L.micro_batch, e.step)
+
+
+def evaluate(m: ModelConfig, seq: int, L: Layout, cluster: Cluster,
+             opts: ModelOptions = ModelOptions()) -> Estimate:
+    """Estimate one given layout (no search), e.g. a published one to compare against."""
+    reason = _legal(L, m, seq)
+    if reason:
+        raise ConfigError(reason)
+    return estimate(m, L, seq, cluster, opts)

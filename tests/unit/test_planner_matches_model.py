@@ -1,0 +1,61 @@
+"""The planner's parameter counts equal megalite's GPTModel, rank by rank (meta device).
+
+Skipped until megalite.models exists; then it guards the planner against model drift.
+"""
+import itertools
+
+import pytest
+
+from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.planner import model_spec as ms
+
+gpt = pytest.importorskip("megalite.models.gpt")
+
+
+def model_cfg(arch):
+    d = dict(num_layers=6, hidden_size=64, num_attention_heads=8, seq_length=16,
+             vocab_size=1000, hidden_dropout=0.0, attention_dropout=0.0)
+    if arch == "llama":
+        d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                 ffn_hidden_size=96, add_bias_linear=False, group_query_attention=True,
+                 num_query_groups=4, untie_embeddings_and_output_weights=True)
+    elif arch == "gpt-untied":
+        d.update(untie_embeddings_and_output_weights=True)
+    elif arch == "gqa-swiglu-bias":
+        d.update(group_query_attention=True, num_query_groups=2, swiglu=True, kv_channels=16)
+    return ModelConfig(**d)
+
+
+def real_count(m, tp, pp, pp_rank, vpp=1, first=None, last=None):
+    world = tp * pp
+    cfg = MegaliteConfig(model=m, world_size=world, parallel=ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    state = ParallelState.build(RankGrid(world, tp=tp, pp=pp), pp_rank * tp, create_groups=False)
+    ids = ms.stage_layer_ids(m, pp, pp_rank, vpp, first, last)
+    per_chunk = len(ids) // vpp
+    total = 0
+    for c in range(vpp):                      # one GPTModel per virtual chunk
+        layers = ids[c * per_chunk:(c + 1) * per_chunk]
+        model = gpt.GPTModel(cfg, state, pre_process=pp_rank == 0 and c == 0,
+                             post_process=pp_rank == pp - 1 and c == vpp - 1,
+                             layer_numbers=layers, device="meta", init=False)
+        total += sum(p.numel() for p in model.parameters())
+    return total
+
+
+@pytest.mark.parametrize("arch,tp,pp", list(itertools.product(
+    ["llama", "gpt", "gpt-untied", "gqa-swiglu-bias"], [1, 2], [1, 2, 3])))
+def test_stage_params_equal_model(arch, tp, pp):
+    m = model_cfg(arch)
+    for r in range(pp):
+        assert ms.stage_params(m, r, tp=tp, pp=pp).total == real_count(m, tp, pp, r)
+
+
+def test_interleaved_and_uneven_stages_equal_model():
+    m = model_cfg("llama")
+    for r in range(3):
+        assert ms.stage_params(m, r, tp=2, pp=3, first=1, last=1).total == \
+            real_count(m, 2, 3, r, first=1, last=1)
+    for r in range(3):
+        assert ms.stage_params(m, r, tp=1, pp=3, vpp=2).total == real_count(m, 1, 3, r, vpp=2)

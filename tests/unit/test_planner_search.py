@@ -1,0 +1,102 @@
+"""Layout search: legality comes from megalite.validation, memory filters, ranking rules."""
+import time
+
+import pytest
+
+from megalite.arguments import ConfigError
+from megalite.planner import model_spec as ms
+from megalite.planner import report
+from megalite.planner.estimate import ModelOptions
+from megalite.planner.hardware import make_cluster
+from megalite.planner.layout import Layout
+from megalite.planner.search import SearchSpace, evaluate, search
+from megalite.validation import validate_layout
+
+
+@pytest.fixture(scope="module")
+def llama8b_64():
+    m = ms.recipe("llama3-8b")
+    c = make_cluster(64, 8, "h100-80gb")
+    return m, c, search(m, 8192, 512, c)
+
+
+def test_every_ranked_layout_passes_validation_and_fits(llama8b_64):
+    m, c, res = llama8b_64
+    assert res.ranked
+    for e in res.ranked:
+        validate_layout(e.layout.to_config(m, 8192))
+        assert e.memory["total"] <= e.capacity
+        assert e.layout.tp * e.layout.cp * e.layout.pp * e.layout.dp == 64
+
+
+def test_ranked_by_step_time(llama8b_64):
+    _, c, res = llama8b_64
+    steps = [e.step for e in res.ranked]
+    assert all(b >= a * 0.995 for a, b in zip(steps, steps[1:]))   # 0.5% tie bins
+    best = res.ranked[0]
+    assert best.layout.tp <= 8 and best.layout.cp == 1                # TP in a node, no CP at 8K
+    assert 0.3 < best.mfu(c) < 0.7
+
+
+def test_cp_only_for_long_sequences():
+    m = ms.recipe("llama3-8b")
+    c = make_cluster(64)
+    short = search(m, 8192, 64, c)
+    assert all(e.layout.cp == 1 for e in short.ranked)
+    long = search(m, 65536, 16, c)
+    assert any(e.layout.cp > 1 for e in long.ranked)
+
+
+def test_16k_gpu_search_is_fast():
+    m = ms.recipe("llama3-405b")
+    c = make_cluster(16384, 8, "h100-80gb")
+    t = time.perf_counter()
+    res = search(m, 8192, 2048, c)
+    assert time.perf_counter() - t < 5.0
+    assert res.ranked
+
+
+def test_pins_restrict_the_search():
+    m = ms.recipe("llama3-8b")
+    res = search(m, 4096, 256, make_cluster(32), SearchSpace(tp=[4], pp=[2], recompute=("full",)))
+    assert res.ranked and all(e.layout.tp == 4 and e.layout.pp == 2 for e in res.ranked)
+    assert all(e.layout.recompute == "full" for e in res.ranked)
+
+
+def test_moe_search_uses_expert_parallelism():
+    m = ms.recipe("mixtral-8x7b")
+    res = search(m, 4096, 256, make_cluster(64), SearchSpace(pp=[1, 2], micro_batch=[1]))
+    assert res.ranked
+    assert res.ranked[0].layout.ep > 1
+    for e in res.ranked[:20]:
+        validate_layout(e.layout.to_config(m, 4096))
+
+
+def test_nothing_fits_explains_the_smallest():
+    m = ms.recipe("llama3-405b")
+    res = search(m, 8192, 64, make_cluster(8))
+    assert not res.ranked
+    msg = report.no_fit(res)
+    assert "no layout fits" in msg and "GiB" in msg
+
+
+def test_recompute_tried_only_when_needed():
+    m = ms.recipe("llama3-8b")
+    res = search(m, 8192, 512, make_cluster(64))
+    kinds = {(e.layout.short(), e.layout.micro_batch, e.layout.zero, e.layout.sp,
+              e.layout.schedule): e.layout.recompute for e in res.ranked}
+    assert "none" in kinds.values()
+
+
+def test_evaluate_rejects_illegal_layout():
+    m = ms.recipe("llama3-8b")
+    with pytest.raises(ConfigError):
+        evaluate(m, 8192, Layout(world=64, tp=3, global_batch=512), make_cluster(64))
+
+
+def test_fsdp_layouts_are_advice_only():
+    m = ms.recipe("llama3-70b")
+    res = search(m, 4096, 1024, make_cluster(1024), SearchSpace(zero=(3,), tp=[1], pp=[1]),
+                 ModelOptions())
+    assert res.ranked and not res.ranked[0].layout.emittable
+    assert "--use-distributed-optimizer" in res.ranked[0].layout.parallel_flags()
