@@ -1,0 +1,1 @@
+"""Checkpoints: sharding rules, model shard files, Hugging Face conversion."""

@@ -1,0 +1,260 @@
+"""A simple sharded on-disk model format (until torch.distributed.checkpoint replaces it).
+
+Layout::
+
+    DIR/latest_checkpointed_iteration.txt
+    DIR/iter_0000100/metadata.json                  model config, tp, pp, iteration, extra
+    DIR/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model.pt
+        {"model": {global name: local shard}, "meta": {global name: ParamMeta dict}}
+    DIR/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/extra.pt   (optional, caller's dict)
+
+Every shard file carries the split rule of each tensor, so a checkpoint can be unsharded
+without building a model and reloaded at any TP/PP (``load_model_shards`` reshards on the
+fly; ``full_state_dict_from_checkpoint`` / ``write_checkpoint_from_full`` are the pure,
+single-process halves the converter uses).  Vocabulary tensors are unsharded to the
+logical (unpadded) vocabulary and re-padded for the target TP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from megalite import comm
+from megalite.checkpointing.sharding import ParamMeta, param_meta, shard_tensor, unshard_tensors
+
+LATEST = "latest_checkpointed_iteration.txt"
+FORMAT = "megalite-model-shards-v1"
+
+
+def iteration_dir(directory: str, iteration: int) -> str:
+    return os.path.join(directory, f"iter_{iteration:07d}")
+
+
+def shard_dir(directory: str, iteration: int, tp_rank: int, pp_rank: int) -> str:
+    return os.path.join(iteration_dir(directory, iteration), f"mp_rank_{tp_rank:02d}_{pp_rank:03d}")
+
+
+def _chunks(model_chunks) -> List[nn.Module]:
+    return [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+
+
+def _named(chunks: List[nn.Module]):
+    for chunk in chunks:
+        named = chunk.canonical_named_parameters() if hasattr(chunk, "canonical_named_parameters") \
+            else chunk.named_parameters()
+        yield from named
+
+
+def local_shards(model_chunks) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+    """This rank's shards and split rules, keyed by global name (tied copies once)."""
+    tensors, metas = {}, {}
+    for name, p in _named(_chunks(model_chunks)):
+        if name not in tensors:
+            tensors[name] = p.detach().cpu().clone()
+            metas[name] = param_meta(p).to_dict()
+    return tensors, metas
+
+
+def _atomic_save(obj, path: str) -> None:
+    tmp = path + ".tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_metadata(directory: str, iteration: int, model_cfg: dict, tp: int, pp: int,
+                    extra: Optional[dict] = None) -> None:
+    os.makedirs(iteration_dir(directory, iteration), exist_ok=True)
+    meta = {"format": FORMAT, "iteration": iteration, "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp, "model": model_cfg}
+    if extra is not None:
+        try:
+            meta["extra"] = json.loads(json.dumps(extra))
+        except (TypeError, ValueError):
+            pass  # not JSON: only in the per-rank extra.pt files
+    with open(os.path.join(iteration_dir(directory, iteration), "metadata.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+    with open(os.path.join(directory, LATEST), "w") as f:
+        f.write(str(iteration))
+
+
+def save_model_shards(directory: str, iteration: int, model_chunks, cfg, state,
+                      extra: Optional[dict] = None) -> None:
+    """Write this rank's shards (DP rank 0 and CP rank 0 only); collective over the world.
+
+    ``extra`` is stored per (tp, pp) rank in ``extra.pt`` (see ``load_extra``) and, when it
+    is JSON-serializable, global rank 0's copy also goes into metadata.json["extra"].
+    """
+    if state["dp"].rank == 0 and state["cp"].rank == 0:
+        path = shard_dir(directory, iteration, state.tp.rank, state.pp.rank)
+        os.makedirs(path, exist_ok=True)
+        tensors, metas = local_shards(model_chunks)
+        _atomic_save({"model": tensors, "meta": metas}, os.path.join(path, "model.pt"))
+        if extra is not None:
+            _atomic_save(extra, os.path.join(path, "extra.pt"))
+    comm.barrier()
+    if state.rank == 0:  # latest marker only once every shard is on disk
+        _write_metadata(directory, iteration, dataclasses.asdict(cfg.model), state.tp.size,
+                        state.pp.size, extra)
+    comm.barrier()
+
+
+def read_metadata(directory: str, iteration: Optional[int] = None) -> dict:
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory '{directory}' does not exist")
+    if iteration is None:
+        latest = os.path.join(directory, LATEST)
+        if not os.path.isfile(latest):
+            raise FileNotFoundError(f"'{directory}' has no {LATEST}: not a megalite checkpoint")
+        with open(latest) as f:
+            iteration = int(f.read().strip())
+    path = os.path.join(iteration_dir(directory, iteration), "metadata.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"missing {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+class _Reader:
+    """Lazy, memory-mapped access to every shard file of one saved iteration."""
+
+    def __init__(self, directory: str, iteration: Optional[int] = None):
+        self.meta = read_metadata(directory, iteration)
+        self.iteration = self.meta["iteration"]
+        self.tp = self.meta["tensor_model_parallel_size"]
+        self.pp = self.meta["pipeline_model_parallel_size"]
+        self.dir = directory
+        self._files: Dict[tuple, dict] = {}
+        self.stage_of: Dict[str, int] = {}
+        for pp_rank in range(self.pp):  # tied copies live on two stages: keep the first
+            for name in self.file(0, pp_rank)["model"]:
+                self.stage_of.setdefault(name, pp_rank)
+
+    def file(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._files:
+            path = os.path.join(shard_dir(self.dir, self.iteration, tp_rank, pp_rank), "model.pt")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"missing shard file {path}")
+            self._files[key] = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        return self._files[key]
+
+    def names(self) -> List[str]:
+        return list(self.stage_of)
+
+    def saved_meta(self, name: str) -> ParamMeta:
+        return ParamMeta.from_dict(self.file(0, self.stage_of[name])["meta"][name])
+
+    def full(self, name: str) -> torch.Tensor:
+        stage, meta = self.stage_of[name], self.saved_meta(name)
+        if not meta.tensor_model_parallel:
+            return self.file(0, stage)["model"][name].clone()
+        return unshard_tensors([self.file(t, stage)["model"][name] for t in range(self.tp)], meta)
+
+    def shard(self, name: str, meta: ParamMeta, tp_rank: int, tp_size: int) -> torch.Tensor:
+        saved = self.saved_meta(name)
+        if tuple(saved.full_shape) != tuple(meta.full_shape):
+            raise ValueError(f"checkpoint tensor '{name}' has full shape {saved.full_shape}, "
+                             f"the model expects {meta.full_shape}")
+        if saved == meta and (self.tp == tp_size or not meta.tensor_model_parallel):
+            return self.file(tp_rank if meta.tensor_model_parallel else 0,
+                             self.stage_of[name])["model"][name]
+        return shard_tensor(self.full(name), meta, tp_rank, tp_size)
+
+
+@torch.no_grad()
+def load_model_shards(directory: str, model_chunks, cfg, state,
+                      iteration: Optional[int] = None, strict: bool = True) -> int:
+    """Fill ``model_chunks`` from a checkpoint saved at any TP/PP; returns its iteration."""
+    reader = _Reader(directory, iteration)
+    missing = []
+    for name, p in _named(_chunks(model_chunks)):
+        if name not in reader.stage_of:
+            missing.append(name)
+            continue
+        p.copy_(reader.shard(name, param_meta(p), state.tp.rank, state.tp.size))
+    if missing and strict:
+        raise KeyError(f"checkpoint '{directory}' lacks {len(missing)} parameters, e.g. "
+                       f"{missing[:3]}")
+    return reader.iteration
+
+
+def load_extra(directory: str, state, iteration: Optional[int] = None) -> Optional[dict]:
+    """The ``extra`` dict this (tp, pp) rank saved, or None."""
+    it = read_metadata(directory, iteration)["iteration"]
+    path = os.path.join(shard_dir(directory, it, state.tp.rank, state.pp.rank), "extra.pt")
+    return torch.load(path, map_location="cpu", weights_only=False) \
+        if os.path.isfile(path) else None
+
+
+@torch.no_grad()
+def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], tp_rank: int,
+                         tp_size: int, strict: bool = True) -> None:
+    """Copy full (unpadded) tensors into this rank's shards."""
+    missing = []
+    for name, p in _named(_chunks(model_chunks)):
+        if name not in full_sd:
+            missing.append(name)
+            continue
+        p.copy_(shard_tensor(full_sd[name], param_meta(p), tp_rank, tp_size))
+    if missing and strict:
+        raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+
+
+def full_state_dict_from_checkpoint(directory: str, iteration: Optional[int] = None
+                                    ) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """(model config dict, {global name: full unpadded tensor}); single process."""
+    reader = _Reader(directory, iteration)
+    return reader.meta["model"], {name: reader.full(name) for name in reader.names()}
+
+
+def pipeline_stage_of_layers(num_layers: int, pp: int) -> List[int]:
+    """Even split of layers over stages (remainder to the first stages)."""
+    base, rem = divmod(num_layers, pp)
+    stages = []
+    for stage in range(pp):
+        stages += [stage] * (base + (1 if stage < rem else 0))
+    return stages
+
+
+def _stages_of(name: str, layer_stage: List[int], pp: int, tied: bool) -> List[int]:
+    if name.startswith("decoder.layers."):
+        return [layer_stage[int(name.split(".")[2])]]
+    if name.startswith("embedding."):
+        last = [pp - 1] if (tied and pp > 1 and name.startswith("embedding.word_")) else []
+        return [0] + last
+    return [pp - 1]  # final norm, output layer
+
+
+def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
+                               full_sd: Dict[str, torch.Tensor], tp: int, pp: int,
+                               iteration: int = 0) -> None:
+    """Write a checkpoint at layout (tp, pp) from full tensors; pure, single process."""
+    from megalite.config import ModelConfig
+    from megalite.models.gpt import parameter_metas
+
+    model_cfg = ModelConfig(**model_cfg_dict)
+    metas = parameter_metas(model_cfg)
+    missing = sorted(set(metas) - set(full_sd))
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    if pp > model_cfg.num_layers:
+        raise ValueError(f"pipeline size {pp} exceeds the {model_cfg.num_layers} layers")
+    layer_stage = pipeline_stage_of_layers(model_cfg.num_layers, pp)
+    tied = not model_cfg.untie_embeddings_and_output_weights
+    for tp_rank in range(tp):
+        files = [({}, {}) for _ in range(pp)]
+        for name, meta in metas.items():
+            shard = shard_tensor(full_sd[name].float(), meta, tp_rank, tp)
+            for stage in _stages_of(name, layer_stage, pp, tied):
+                files[stage][0][name] = shard
+                files[stage][1][name] = meta.to_dict()
+        for stage, (tensors, meta_dicts) in enumerate(files):
+            path = shard_dir(directory, iteration, tp_rank, stage)
+            os.makedirs(path, exist_ok=True)
+            _atomic_save({"model": tensors, "meta": meta_dicts}, os.path.join(path, "model.pt"))
+    _write_metadata(directory, iteration, dataclasses.asdict(model_cfg), tp, pp)

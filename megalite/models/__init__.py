@@ -1,0 +1,1 @@
+"""Model definitions built from the tensor-parallel transformer blocks."""

@@ -1,0 +1,208 @@
+"""GPTModel: embedding -> transformer block -> output layer -> per-token loss.
+
+One class covers Llama-style (RMSNorm, RoPE, GQA, SwiGLU, untied, no biases) and GPT-2
+style (LayerNorm, learned positions, GeLU, biases, tied) models, selected by
+``cfg.model`` flags.  A pipeline chunk holds ``layer_numbers`` (global indices), the
+embedding when ``pre_process`` and the final norm + output layer when ``post_process``.
+
+Forward contract (``forward(input_ids, position_ids=None, labels=None)``):
+  * post_process and labels given -> fp32 per-token loss [b, s]
+  * post_process, no labels       -> logits, this rank's vocabulary shard [b, s, v_pad/tp]
+  * otherwise                      -> hidden states [s/tp (with SP) or s, b, h]
+Non-first chunks take their input from ``set_input_tensor``.
+
+Vocabulary padding: tables are padded with zero rows to ``cfg.padded_vocab_size``; the
+vocab-parallel loss ignores columns >= vocab_size, so padding never changes the loss
+and padded rows get zero gradient (logits of padded columns are 0 and stay 0).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.backends import get_layer_spec
+from megalite.checkpointing.sharding import ParamMeta, param_meta
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.layers import VocabParallelEmbedding, make_param
+from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
+from megalite.transformer.block import TransformerBlock
+from megalite.transformer.recompute import configure_recompute
+from megalite.transformer.rotary import RotaryEmbedding
+
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Word (+ learned position) embeddings, output [s, b, h] (or [s/tp, b, h] with SP)."""
+
+    def __init__(self, model_cfg, tp_group, *, sequence_parallel: bool, rng_tracker=None,
+                 device=None, dtype=None):
+        super().__init__()
+        m = model_cfg
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.dropout, self.rng_tracker = m.hidden_dropout, rng_tracker
+        self.word_embeddings = VocabParallelEmbedding(
+            m.vocab_size, m.hidden_size, tp_group=tp_group,
+            pad_multiple=m.make_vocab_size_divisible_by, init_std=m.init_method_std,
+            reduce_scatter=sequence_parallel, device=device, dtype=dtype)
+        self.position_embeddings = None
+        if m.position_embedding_type == "learned_absolute":
+            table = m.max_position_embeddings or m.seq_length
+            self.position_embeddings = nn.Module()
+            # With SP each rank adds only its sequence chunk's positions: grads need a TP sum.
+            self.position_embeddings.weight = make_param(
+                ParamMeta((table, m.hidden_size)), 1, ("normal", m.init_method_std),
+                sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
+        ids = input_ids.t()                                   # [s, b]
+        x = self.word_embeddings(ids)                         # [s(/tp), b, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                pos = torch.arange(ids.shape[0], device=ids.device)[:, None]
+            else:
+                pos = position_ids.t()
+            if self.sequence_parallel:
+                pos = pos.chunk(self.tp_group.size, dim=0)[self.tp_group.rank]
+            x = x + F.embedding(pos, self.position_embeddings.weight)
+        if self.training and self.dropout > 0:
+            fork = self.rng_tracker.fork() if (self.sequence_parallel and self.rng_tracker) \
+                else contextlib.nullcontext()
+            with fork:
+                x = F.dropout(x, self.dropout, training=True)
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg, state, pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: Optional[Sequence[int]] = None, *, rng_tracker=None,
+                 device=None, params_dtype: torch.dtype = torch.float32, init: bool = True):
+        super().__init__()
+        m = cfg.model
+        self.model_cfg = m
+        self.tp_group = state.tp
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
+        self.sequence_parallel = bool(cfg.parallel.sequence_parallel) and state.tp.size > 1
+        self.tied = not m.untie_embeddings_and_output_weights
+        self.vocab_size = m.vocab_size
+        impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
+        spec = get_layer_spec(impl)
+        self.rng_tracker = rng_tracker or model_parallel_tracker(cfg.training.seed, state.tp.rank)
+        kw = dict(device=device, dtype=params_dtype)
+        sp = self.sequence_parallel
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(m, state.tp, sequence_parallel=sp,
+                                                    rng_tracker=self.rng_tracker, **kw)
+        self.rotary = (RotaryEmbedding(m.resolved_kv_channels(), m.rotary_base)
+                       if m.position_embedding_type == "rope" else None)
+        self.decoder = TransformerBlock(m, state.tp, spec, layer_numbers=self.layer_numbers,
+                                        sequence_parallel=sp, post_layer_norm=post_process,
+                                        rng_tracker=self.rng_tracker, **kw)
+        configure_recompute(self.decoder, cfg.training)  # [pipeline/recompute wiring]
+        if post_process:
+            self.output_layer = spec.column_parallel_linear(
+                m.hidden_size, m.vocab_size, tp_group=state.tp, bias=False, gather_output=False,
+                sequence_parallel=sp, init_std=m.init_method_std,
+                pad_multiple=m.make_vocab_size_divisible_by,
+                skip_weight_param=self.tied and pre_process, **kw)
+            if self.tied and not pre_process:
+                # Last-stage copy of the input embedding: same name -> same init and
+                # checkpoint entry; its grad is summed over the 'embedding' group and it is
+                # counted once in the grad norm (``is_embedding_copy``).
+                copy = self.output_layer.weight
+                copy.canonical_name = WORD_EMBEDDING
+                copy.shared_embedding = copy.is_embedding_copy = True
+        if self.tied and pre_process:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+        self.input_tensor: Optional[torch.Tensor] = None
+        if init and (device is None or torch.device(device).type != "meta"):
+            self.initialize(cfg.training.seed)
+
+    # -- parameters ------------------------------------------------------------------------
+    def canonical_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        """(global name, param): names are independent of TP/PP (checkpoints, init seeds)."""
+        for name, p in self.named_parameters():
+            yield getattr(p, "canonical_name", name), p
+
+    def param_metas(self) -> Dict[str, ParamMeta]:
+        return {name: param_meta(p) for name, p in self.canonical_named_parameters()}
+
+    def initialize(self, seed: int) -> None:
+        init_parameters(self.canonical_named_parameters(), seed, self.tp_group.rank,
+                        self.tp_group.size)
+
+    def shared_embedding_weight(self) -> Optional[nn.Parameter]:
+        """The tied word-embedding matrix this chunk holds (None if untied or absent).
+
+        With PP > 1 the first and last stage each hold one (both marked
+        ``param.shared_embedding``; the last stage's also ``is_embedding_copy``); their
+        grads must be summed over ``state['embedding']`` before the optimizer step.  At
+        PP = 1 it is a single Parameter used by both the embedding and the output layer.
+        """
+        if not self.tied:
+            return None
+        if self.pre_process:
+            return self.embedding.word_embeddings.weight
+        if self.post_process:
+            return self.output_layer.weight
+        return None
+
+    def set_input_tensor(self, tensor) -> None:
+        """Input of a non-first pipeline chunk: hidden states [s(/tp), b, h]."""
+        if isinstance(tensor, (list, tuple)):
+            tensor = tensor[0]
+        self.input_tensor = tensor
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, input_ids: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.pre_process:
+            hidden = self.embedding(input_ids, position_ids)
+        else:
+            if self.input_tensor is None:
+                raise RuntimeError("non-first pipeline chunk: call set_input_tensor() first")
+            hidden = self.input_tensor
+        rotary = None
+        if self.rotary is not None:
+            seq = hidden.shape[0] * (self.tp_group.size if self.sequence_parallel else 1)
+            rotary = self.rotary(seq, position_ids, device=hidden.device)
+        hidden = self.decoder(hidden, rotary)
+        if not self.post_process:
+            return hidden
+        weight = self.embedding.word_embeddings.weight if (self.tied and self.pre_process) \
+            else None
+        logits = self.output_layer(hidden, weight=weight)                 # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,
+                                            inplace=True)                 # [s, b]
+        return loss.t()
+
+
+def build_model(cfg, state, **kwargs) -> GPTModel:
+    """The whole model on one pipeline stage (all layers, embedding and head)."""
+    return GPTModel(cfg, state, pre_process=True, post_process=True,
+                    layer_numbers=list(range(cfg.model.num_layers)), **kwargs)
+
+
+def single_rank_state():
+    """A ParallelState of one rank with no process groups (reference models, tools)."""
+    from megalite.parallel_state import ParallelState, RankGrid
+
+    return ParallelState.build(RankGrid(1), 0, create_groups=False)
+
+
+def parameter_metas(model_cfg) -> Dict[str, ParamMeta]:
+    """Global name -> ParamMeta of every parameter of the full model (no allocation)."""
+    from megalite.config import MegaliteConfig
+
+    cfg = MegaliteConfig(model=model_cfg)
+    model = GPTModel(cfg, single_rank_state(), device="meta", init=False)
+    return model.param_metas()

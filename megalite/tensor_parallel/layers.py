@@ -1,0 +1,175 @@
+"""Column/row-parallel linears and the vocabulary-parallel embedding.
+
+Parameters are created *empty* at their local (shard) shape; each carries a
+``shard_meta`` (``megalite.checkpointing.sharding.ParamMeta``: full shape, split dim,
+blocks, vocab padding) and an ``init_spec`` that ``tensor_parallel.random.init_parameters``
+uses to draw the full tensor from a name-seeded generator and slice it.  That is what
+makes the initial weights independent of TP and PP.
+
+Megatron-compatible attributes are also set: ``tensor_model_parallel``,
+``partition_dim``, ``partition_blocks`` and ``sequence_parallel`` (a replicated
+parameter that only sees this rank's sequence shard, whose grad must be summed over TP:
+see ``allreduce_sequence_parallel_grads``).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import comm
+from megalite.checkpointing.sharding import ParamMeta
+from megalite.parallel_state import Group
+from megalite.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sp_region,
+                                               gather_from_tp_region, reduce_from_tp_region,
+                                               reduce_scatter_to_sp_region, scatter_to_tp_region)
+
+
+def make_param(meta: ParamMeta, tp_size: int, init: tuple, *, sequence_parallel: bool = False,
+               device=None, dtype=None) -> nn.Parameter:
+    """An uninitialized local shard described by ``meta``; ``init`` is ("normal", std),
+    ("zeros",) or ("ones",) and is applied to the *full* tensor at init time."""
+    p = nn.Parameter(torch.empty(meta.local_shape(tp_size), device=device,
+                                 dtype=dtype or torch.float32))
+    p.shard_meta = meta
+    p.tensor_model_parallel = meta.tensor_model_parallel
+    p.partition_dim = meta.partition_dim
+    p.partition_blocks = meta.partition_blocks
+    p.init_spec = init
+    p.sequence_parallel = sequence_parallel
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T with A split by rows (output features) over TP: each rank gets Y_i.
+
+    Input: full hidden [s, b, h] (or [s/tp, b, h] with ``sequence_parallel``, all-gathered
+    here).  Output: [s, b, out/tp] unless ``gather_output``.  ``partition_blocks`` > 1 for
+    fused weights whose blocks must each be split (SwiGLU [gate; up]).  ``weight=`` in
+    ``forward`` lets a tied output layer borrow the embedding matrix.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 init_std: float = 0.02, partition_blocks: int = 1,
+                 pad_multiple: Optional[int] = None, skip_weight_param: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        if gather_output and sequence_parallel:
+            raise ValueError("gather_output does not combine with sequence_parallel")
+        self.tp_group, self.gather_output = tp_group, gather_output
+        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+        tp = tp_group.size
+        meta = ParamMeta((output_size, input_size), True, 0, partition_blocks, pad_multiple)
+        self.weight = None if skip_weight_param else make_param(
+            meta, tp, ("normal", init_std), device=device, dtype=dtype)
+        self.bias = None
+        if bias:
+            bmeta = ParamMeta((output_size,), True, 0, partition_blocks, pad_multiple)
+            self.bias = make_param(bmeta, tp, ("zeros",), device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        w = self.weight if weight is None else weight
+        if self.sequence_parallel:
+            x = gather_from_sp_region(x, self.tp_group)
+        else:
+            x = copy_to_tp_region(x, self.tp_group)
+        y = F.linear(x, w, self.bias)
+        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T with A split by columns (input features): partial sums are all-reduced,
+    or reduce-scattered along the sequence with ``sequence_parallel``.
+
+    The bias is replicated and added after the reduction; with sequence parallelism it
+    only sees this rank's tokens, so it is marked ``sequence_parallel``.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Group, bias: bool = True,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False,
+                 init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence_parallel needs input_is_parallel=True")
+        self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+        tp = tp_group.size
+        self.weight = make_param(ParamMeta((output_size, input_size), True, 1), tp,
+                                 ("normal", init_std), device=device, dtype=dtype)
+        self.bias = None
+        if bias:
+            self.bias = make_param(ParamMeta((output_size,)), tp, ("zeros",),
+                                   sequence_parallel=self.sequence_parallel,
+                                   device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.size == 1:
+            return F.linear(x, self.weight, self.bias)  # fused bias, no collective
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sp_region(y, self.tp_group)
+        else:
+            y = reduce_from_tp_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns.
+
+    The table is padded (zero rows) to a multiple of ``pad_multiple * tp``; padded rows are
+    never looked up.  Output partial sums are all-reduced, or reduce-scattered along the
+    sequence (dim 0) when ``reduce_scatter`` (sequence parallelism).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: Group,
+                 pad_multiple: int = 1, init_std: float = 0.02, reduce_scatter: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.tp_group = tp_group
+        self.reduce_scatter = reduce_scatter and tp_group.size > 1
+        meta = ParamMeta((num_embeddings, embedding_dim), True, 0, 1, pad_multiple)
+        self.weight = make_param(meta, tp_group.size, ("normal", init_std),
+                                 device=device, dtype=dtype)
+        self.vocab_start = tp_group.rank * self.weight.shape[0]
+        self.vocab_end = self.vocab_start + self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter:
+            return reduce_scatter_to_sp_region(out, self.tp_group)
+        return reduce_from_tp_region(out, self.tp_group)
+
+
+def _grad_of(p: torch.Tensor):
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
+def allreduce_sequence_parallel_grads(model: Union[nn.Module, Iterable[nn.Module]], state) -> int:
+    """Sum over TP the grads of replicated params that saw only a sequence shard.
+
+    Call after backward (and before clipping / the optimizer) when sequence parallelism is
+    on; uses ``param.main_grad`` when a grad buffer provides one.  One coalesced
+    all-reduce; returns the number of elements reduced.
+    """
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    grads = [g for m in chunks for p in m.parameters()
+             if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
+    if not grads or state.tp.size == 1:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, state.tp)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    return flat.numel()

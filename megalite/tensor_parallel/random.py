@@ -1,0 +1,126 @@
+"""Random state for tensor parallelism: a forkable RNG tracker and name-seeded init.
+
+Dropout must agree across TP ranks where activations are replicated (the default
+generator, seeded the same on every TP rank) and differ where they are split over TP
+(attention heads; sequence shards with sequence parallelism).  ``RNGStatesTracker``
+keeps extra generator states and swaps one in for a region (``fork``), for the CPU
+generator and, when CUDA is available, the current CUDA generator.
+
+``init_parameters`` draws every parameter as its FULL tensor from a generator seeded by
+``crc32("{seed}:{global name}")`` and keeps this rank's shard, so the initial model is
+identical whatever TP, PP or virtual-stage layout holds it.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Dict, Iterable, Tuple
+
+import torch
+from torch import nn
+
+from megalite.checkpointing.sharding import param_meta, shard_tensor
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+TP_SEED_OFFSET = 2718  # Megatron's offset: tp seed = seed + 2718 + tp_rank
+
+
+def _cuda_on() -> bool:
+    return torch.cuda.is_available()
+
+
+class RNGStatesTracker:
+    """Named generator states that can be swapped in for a region of code."""
+
+    def __init__(self):
+        self.states: Dict[str, dict] = {}
+        self._active = set()
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states:
+            raise ValueError(f"RNG state '{name}' already exists")
+        state = {"cpu": torch.Generator().manual_seed(seed).get_state()}
+        if _cuda_on():
+            orig = torch.cuda.get_rng_state()
+            torch.cuda.manual_seed(seed)
+            state["cuda"] = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(orig)
+        self.states[name] = state
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        """Run the body on ``name``'s generator state; re-entrant for the same name."""
+        if name in self._active:
+            yield
+            return
+        if name not in self.states:
+            raise KeyError(f"RNG state '{name}' was never added")
+        saved = {"cpu": torch.get_rng_state()}
+        torch.set_rng_state(self.states[name]["cpu"])
+        if "cuda" in self.states[name]:
+            saved["cuda"] = torch.cuda.get_rng_state()
+            torch.cuda.set_rng_state(self.states[name]["cuda"])
+        self._active.add(name)
+        try:
+            yield
+        finally:
+            self._active.discard(name)
+            self.states[name]["cpu"] = torch.get_rng_state()
+            torch.set_rng_state(saved["cpu"])
+            if "cuda" in saved:
+                self.states[name]["cuda"] = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(saved["cuda"])
+
+    def get_states(self) -> Dict[str, dict]:
+        """Copies of every state (for checkpoints and activation recomputation)."""
+        return {n: {k: v.clone() for k, v in s.items()} for n, s in self.states.items()}
+
+    def set_states(self, states: Dict[str, dict]) -> None:
+        self.states = {n: {k: v.clone() for k, v in s.items()} for n, s in states.items()}
+
+
+def model_parallel_tracker(seed: int, tp_rank: int) -> RNGStatesTracker:
+    """A tracker whose model-parallel state differs per TP rank (seed + 2718 + tp_rank)."""
+    tracker = RNGStatesTracker()
+    tracker.add(MODEL_PARALLEL_RNG, seed + TP_SEED_OFFSET + tp_rank)
+    return tracker
+
+
+def set_seed(seed: int, tp_rank: int) -> RNGStatesTracker:
+    """Seed the default generators identically on TP peers and return a tracker.
+
+    The training loop calls this once per rank (with e.g. ``seed + 100 * pp_rank`` if
+    stages should differ) and passes the tracker to the model.
+    """
+    torch.manual_seed(seed)
+    return model_parallel_tracker(seed, tp_rank)
+
+
+def name_seed(seed: int, name: str) -> int:
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def full_init_tensor(init: tuple, shape, seed: int, name: str) -> torch.Tensor:
+    """The full logical tensor a parameter named ``name`` starts from (fp32, CPU)."""
+    kind = init[0]
+    if kind == "zeros":
+        return torch.zeros(shape)
+    if kind == "ones":
+        return torch.ones(shape)
+    if kind == "normal":
+        gen = torch.Generator().manual_seed(name_seed(seed, name))
+        return torch.empty(shape).normal_(0.0, init[1], generator=gen)
+    raise ValueError(f"unknown init {init!r} for {name}")
+
+
+@torch.no_grad()
+def init_parameters(named_params: Iterable[Tuple[str, nn.Parameter]], seed: int, tp_rank: int,
+                    tp_size: int) -> None:
+    """Fill each parameter with its shard of the name-seeded full tensor."""
+    for name, p in named_params:
+        init = getattr(p, "init_spec", None)
+        if init is None:
+            continue
+        meta = param_meta(p)
+        full = full_init_tensor(init, meta.full_shape, seed, name)
+        p.copy_(shard_tensor(full, meta, tp_rank, tp_size))

@@ -1,0 +1,1 @@
+"""Transformer building blocks in Megatron's [sequence, batch, hidden] layout."""

@@ -1,0 +1,92 @@
+"""Self-attention with grouped query heads split over tensor-parallel ranks.
+
+``linear_qkv`` is one column-parallel matmul whose output rows are grouped per query
+group: [q_g0 (heads_per_group*d), k_g0 (d), v_g0 (d), q_g1, ...].  A contiguous chunk of
+that layout is whole query groups, so TP rank r simply owns groups
+[r*G/tp, (r+1)*G/tp) together with their query heads -- no all-to-all, no duplication.
+``core_attention`` (SDPA, causal) is its own module so it can be recomputed alone.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.transformer.rotary import apply_rotary
+
+# SDPA's enable_gqa arrived in torch 2.5; older versions expand k/v instead.
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class DotProductAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v with a causal mask; q, k, v as [b, heads, s, d].
+
+    Attention-probability dropout draws from the tracker's model-parallel state: the heads
+    are split over TP, so every rank must drop different elements.
+    """
+
+    def __init__(self, model_cfg, rng_tracker=None, layer_number: int = 0):
+        super().__init__()
+        self.dropout = model_cfg.attention_dropout
+        self.rng_tracker = rng_tracker
+        self.layer_number = layer_number
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker) else contextlib.nullcontext()
+        with fork:
+            if k.shape[1] == q.shape[1]:
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            if _SDPA_GQA:  # query heads share k/v heads inside the kernel: no copies
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                                      enable_gqa=True)
+            rep = q.shape[1] // k.shape[1]
+            b, g, s, d = k.shape
+            k = k[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
+            v = v[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+
+
+class SelfAttention(nn.Module):
+    """linear_qkv -> RoPE -> core_attention -> linear_proj, on [s, b, h]."""
+
+    def __init__(self, model_cfg, tp_group, spec, *, sequence_parallel: bool, layer_number: int,
+                 rng_tracker=None, device=None, dtype=None):
+        super().__init__()
+        m = model_cfg
+        tp = tp_group.size
+        self.head_dim = m.resolved_kv_channels()
+        self.num_heads, self.num_groups = m.num_attention_heads, m.resolved_query_groups()
+        if self.num_heads % tp or self.num_groups % tp or self.num_heads % self.num_groups:
+            raise ValueError(f"heads ({self.num_heads}) and query groups ({self.num_groups}) "
+                             f"must be divisible by TP ({tp}), heads by groups")
+        self.heads_per_group = self.num_heads // self.num_groups
+        self.local_groups = self.num_groups // tp
+        qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        std = m.init_method_std
+        kw = dict(tp_group=tp_group, bias=m.add_bias_linear, sequence_parallel=sequence_parallel,
+                  device=device, dtype=dtype)
+        self.linear_qkv = spec.column_parallel_linear(m.hidden_size, qkv_out, init_std=std, **kw)
+        self.core_attention = spec.core_attention(m, rng_tracker, layer_number)
+        self.linear_proj = spec.row_parallel_linear(
+            self.num_heads * self.head_dim, m.hidden_size, input_is_parallel=True,
+            init_std=std / (2.0 * m.num_layers) ** 0.5, **kw)  # Megatron's scaled output init
+
+    def forward(self, hidden: torch.Tensor,
+                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        qkv = self.linear_qkv(hidden)                                  # [s, b, groups*(r+2)*d]
+        s, b = qkv.shape[:2]
+        r, g, d = self.heads_per_group, self.local_groups, self.head_dim
+        qkv = qkv.view(s, b, g, r + 2, d).permute(1, 2, 3, 0, 4)      # [b, g, r+2, s, d]
+        q, k, v = qkv[:, :, :r], qkv[:, :, r], qkv[:, :, r + 1]        # views
+        if rotary is not None:  # rotation writes q, k contiguously: no separate copy
+            cos, sin = rotary                                          # [b|1, 1, s, d]
+            q = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
+            k = apply_rotary(k, cos, sin)
+        q = q.reshape(b, g * r, s, d)                                  # [b, heads, s, d]
+        ctx = self.core_attention(q, k, v)                             # [b, heads, s, d]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
+        return self.linear_proj(ctx)

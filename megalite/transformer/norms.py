@@ -1,0 +1,50 @@
+"""LayerNorm and RMSNorm whose parameters know about sequence parallelism.
+
+With sequence parallelism a norm runs on this rank's sequence shard, so its (replicated)
+weight only sees part of the tokens: the parameters are marked ``sequence_parallel`` and
+their grads summed over TP by ``allreduce_sequence_parallel_grads``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.checkpointing.sharding import ParamMeta
+from megalite.tensor_parallel.layers import make_param
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * w, computed in fp32 (Llama)."""
+
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.eps, self.shape = eps, (hidden_size,)
+        self.weight = make_param(ParamMeta((hidden_size,)), 1, ("ones",),
+                                 sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        y = F.rms_norm(x.float(), self.shape, None, self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        self.eps, self.shape = eps, (hidden_size,)
+        kw = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.weight = make_param(ParamMeta((hidden_size,)), 1, ("ones",), **kw)
+        self.bias = make_param(ParamMeta((hidden_size,)), 1, ("zeros",), **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+
+
+def build_norm(model_cfg, hidden_size: int, sequence_parallel: bool, device=None, dtype=None):
+    """The norm chosen by ``--normalization``."""
+    klass = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[model_cfg.normalization]
+    return klass(hidden_size, model_cfg.norm_epsilon, sequence_parallel, device=device, dtype=dtype)
