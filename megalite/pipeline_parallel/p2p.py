@@ -1,0 +1,53 @@
+"""Activations and their gradients between neighbouring pipeline stages.
+
+Shapes are known ahead, so no shape handshake is needed: every message is the hidden
+state of one micro-batch, ``[s / cp / (tp if SP), b, h]`` -- with sequence parallelism
+only this rank's sequence shard travels (its TP peers send theirs on their own pp group).
+Each call is one blocking ``comm.batch_send_recv``: sends and receives posted together so
+two neighbours that both send and receive never deadlock.  Which messages go in which
+call is decided by ``simulator.plan``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from megalite import comm
+
+
+def activation_shape(cfg, state) -> Tuple[int, int, int]:
+    """[s, b, h] of the tensor crossing a stage boundary on this rank."""
+    m, p = cfg.model, cfg.parallel
+    seq = m.seq_length // state.cp.size
+    if p.sequence_parallel and state.tp.size > 1:
+        seq //= state.tp.size
+    return seq, cfg.training.micro_batch_size, m.hidden_size
+
+
+def activation_dtype(cfg) -> torch.dtype:
+    return torch.bfloat16 if cfg.optimizer.bf16 else torch.float32
+
+
+class StageLink:
+    """Sends and receives of one pipeline rank; peers are given as pp ranks."""
+
+    def __init__(self, state, shape, dtype, device):
+        self.group = state.pp
+        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+
+    def exchange(self, sends: Sequence[Tuple[object, torch.Tensor, int]],
+                 recvs: Sequence[Tuple[object, int]]) -> Dict[object, torch.Tensor]:
+        """Send ``(key, tensor, peer)`` and receive ``(key, peer)``; returns key -> tensor."""
+        ranks = self.group.ranks
+        out_sends: List[tuple] = []
+        for _, tensor, peer in sends:
+            if tuple(tensor.shape) != self.shape:
+                raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)}, expected "
+                                   f"{self.shape} ([s/cp/(tp if SP), micro-batch, hidden])")
+            out_sends.append((tensor.detach().to(self.dtype), ranks[peer]))
+        buffers = {key: torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                   for key, _ in recvs}
+        comm.batch_send_recv(out_sends, [(buffers[key], ranks[peer]) for key, peer in recvs],
+                             self.group)
+        return buffers

@@ -1,0 +1,196 @@
+"""Schedules share one contract, so the training loop never cares which one runs:
+
+``fn(forward_step, batches, model_chunks, state, cfg, forward_only=False) -> list[dict]``
+
+``forward_step(batch, model) -> (output, loss_func)``; ``loss_func(output) -> (loss,
+report)`` where ``loss`` is what backward starts from and ``report`` holds detached sums
+for logging.  ``batches`` is the list of this rank's micro-batches for the iteration.
+With pipelining only the last stage computes losses, so only it returns reports; the
+other stages return ``[]`` (the loop sums reports and all-reduces over dp-cp, and its
+writer rank sits on the last stage).
+
+Pipelined schedules do not hand-code their order: ``simulator.plan`` builds the per-rank
+program (F / BW / B / W ops and blocking p2p batches) and ``PipelineExecutor`` walks it,
+so the simulator's bubble and deadlock analysis is about exactly what runs.
+
+* 1F1B (``1f1b``): p-rank-1 warm-up forwards, then one forward one backward, then
+  cool-down; stage i keeps at most p-i micro-batches of activations.
+* interleaved 1F1B: v model chunks per rank; needs micro-batches % PP == 0 (Megatron's
+  rule, checked by ``validation``); bubble (p-1)/(v*m) instead of (p-1)/m.
+* zero bubble (ZB-H1): backward split into B (input grads, on the critical path) and W
+  (weight grads, ``weight_grad.py``) placed in what would be bubbles.
+"""
+from __future__ import annotations
+
+import time
+from typing import List
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from megalite.pipeline_parallel import simulator
+from megalite.pipeline_parallel.p2p import StageLink, activation_shape
+from megalite.pipeline_parallel.weight_grad import backward_input
+
+
+def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, cfg,
+                                   forward_only: bool = False):
+    """Gradient accumulation: forward and backward each micro-batch in turn."""
+    (model,) = model_chunks
+    reports = []
+    for batch in batches:
+        output, loss_func = forward_step(batch, model)
+        loss, report = loss_func(output)
+        if not forward_only:
+            loss.backward()
+        reports.append(report)
+    return reports
+
+
+class PipelineExecutor:
+    """Runs one rank's program; keeps stored activations, messages and a wall-clock log."""
+
+    def __init__(self, forward_step, batches, model_chunks, state, cfg, forward_only: bool,
+                 split_backward: bool = False):
+        self.forward_step, self.batches, self.chunks = forward_step, batches, model_chunks
+        self.state, self.forward_only = state, forward_only
+        self.split_backward = split_backward and not forward_only
+        self.p, self.v, self.rank = state.pp.size, len(model_chunks), state.pp.rank
+        ref = next(model_chunks[0].parameters())
+        self.link = StageLink(state, activation_shape(cfg, state), ref.dtype, ref.device)
+        self.params = [[p for p in c.parameters() if p.requires_grad] for c in model_chunks]
+        self.received, self.to_send = {}, {}
+        self.stash = {}      # (mb, chunk) -> (stage input or None, output edge / loss)
+        self.pending_w = {}  # (mb, chunk) -> PendingWeightGrad
+        self.reports: List[dict] = []
+        self.events = []     # (op, wall start, wall end)
+        self.max_in_flight = 0
+        self._wall0, self._perf0 = time.time(), time.perf_counter()
+
+    def _now(self) -> float:
+        return self._wall0 + (time.perf_counter() - self._perf0)
+
+    def run(self, program) -> "PipelineExecutor":
+        for op in program:
+            t0 = self._now()
+            getattr(self, "_" + op.kind)(op)
+            self.events.append((op, t0, self._now()))
+            self.max_in_flight = max(self.max_in_flight, len(self.stash) + len(self.pending_w))
+        if self.stash or self.pending_w or self.to_send or self.received:
+            raise RuntimeError("pipeline program ended with work left over")
+        return self
+
+    def _is_last(self, op) -> bool:
+        return self.rank == self.p - 1 and op.chunk == self.v - 1
+
+    # -- compute ---------------------------------------------------------------------------
+    def _F(self, op):
+        model = self.chunks[op.chunk]
+        need = simulator.needs(op, self.rank, self.p, self.v)
+        x = None
+        if need:
+            x = self.received.pop(need[0])
+            if not self.forward_only:
+                x.requires_grad_(True)
+            model.set_input_tensor(x)
+        captured, hook = {}, None
+        if self.split_backward and model.pre_process and x is None:
+            # Zero bubble on the first stage: split B/W at the embedding output.
+            hook = model.embedding.register_forward_hook(
+                lambda _m, _a, out: captured.setdefault("x", out))
+        try:
+            output, loss_func = self.forward_step(self.batches[op.mb], model)
+        finally:
+            if hook is not None:
+                hook.remove()
+            if x is not None:
+                model.set_input_tensor(None)   # don't hold the last input across iterations
+        if self._is_last(op):
+            output, report = loss_func(output)
+            self.reports.append(report)
+        else:
+            self.to_send[simulator.produces(op, self.rank, self.p, self.v)[0]] = output
+            if not self.forward_only:
+                # Keep only the graph edge: the activation itself is freed once sent.
+                output = get_gradient_edge(output)
+        if not self.forward_only:
+            self.stash[(op.mb, op.chunk)] = (x if x is not None else captured.get("x"), output)
+
+    def _BW(self, op):
+        x, out = self.stash.pop((op.mb, op.chunk))
+        need = simulator.needs(op, self.rank, self.p, self.v)
+        grad = self.received.pop(need[0]) if need else None
+        if op.kind == "BW":
+            torch.autograd.backward([out], None if grad is None else [grad])
+            gx = x.grad if x is not None and x.is_leaf else None
+        else:
+            grads, pending = backward_input([out], [grad], [x], self.params[op.chunk])
+            self.pending_w[(op.mb, op.chunk)] = pending
+            gx = grads[0] if x is not None and x.is_leaf else None
+        out_msg = simulator.produces(op, self.rank, self.p, self.v)
+        if out_msg:
+            self.to_send[out_msg[0]] = gx
+
+    _B = _BW  # input-gradient half (zero bubble): same bookkeeping, split inside
+
+    def _W(self, op):
+        self.pending_w.pop((op.mb, op.chunk)).run()
+
+    # -- communication ---------------------------------------------------------------------
+    def _comm(self, op):
+        sends = [(msg, self.to_send.pop(msg), peer) for msg, peer in op.sends]
+        self.received.update(self.link.exchange(sends, list(op.recvs)))
+
+
+def pipeline_schedule_name(cfg, state) -> str:
+    if state.vpp_size > 1:
+        return "interleaved"
+    if cfg.parallel.pipeline_schedule == "zero-bubble":
+        return "zero-bubble"
+    return "1f1b"
+
+
+def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
+                 forward_only: bool = False) -> PipelineExecutor:
+    """Walk this rank's program of ``schedule``; returns the executor (reports, events,
+    peak in-flight micro-batches) -- tests and the timeline read it."""
+    if len(model_chunks) != max(state.vpp_size, 1):
+        raise ValueError(f"{len(model_chunks)} model chunks for VPP={state.vpp_size}")
+    program = simulator.plan(schedule, state.pp.size, len(batches), len(model_chunks),
+                             forward_only)[state.pp.rank]
+    ex = PipelineExecutor(forward_step, batches, model_chunks, state, cfg, forward_only,
+                          split_backward=schedule == "zero-bubble")
+    ex.run(program)
+    if cfg.logging.pipeline_timeline and not forward_only:
+        from megalite.pipeline_parallel.timeline import record_iteration
+
+        record_iteration(cfg, state, ex.events, schedule)
+    return ex
+
+
+def forward_backward_pipelining_without_interleaving(forward_step, batches, model_chunks,
+                                                     state, cfg, forward_only: bool = False):
+    return run_schedule("1f1b", forward_step, batches, model_chunks, state, cfg,
+                        forward_only).reports
+
+
+def forward_backward_pipelining_with_interleaving(forward_step, batches, model_chunks, state,
+                                                  cfg, forward_only: bool = False):
+    return run_schedule("interleaved", forward_step, batches, model_chunks, state, cfg,
+                        forward_only).reports
+
+
+def forward_backward_zero_bubble(forward_step, batches, model_chunks, state, cfg,
+                                 forward_only: bool = False):
+    return run_schedule("zero-bubble", forward_step, batches, model_chunks, state, cfg,
+                        forward_only).reports
+
+
+def get_forward_backward_func(cfg, state):
+    """PP=1: no pipelining; VPP>1: interleaved; --pipeline-schedule zero-bubble: ZB-H1;
+    otherwise 1F1B."""
+    if state.pp.size == 1:
+        return forward_backward_no_pipelining
+    return {"1f1b": forward_backward_pipelining_without_interleaving,
+            "interleaved": forward_backward_pipelining_with_interleaving,
+            "zero-bubble": forward_backward_zero_bubble}[pipeline_schedule_name(cfg, state)]

@@ -1,0 +1,450 @@
+"""Pipeline schedules as data: per-rank op lists, a deadlock-checking timing simulator.
+
+The real executor (``schedules.py``) walks exactly the programs built here, so what the
+simulator predicts (order, bubbles, deadlock freedom, p2p pairing) is what runs.
+
+Vocabulary: ``p`` pipeline ranks, ``v`` model chunks per rank (virtual stages), ``m``
+micro-batches.  Chunk ``c`` of rank ``r`` is global virtual stage ``s = c*p + r``.
+Compute ops are ``F`` (forward), ``BW`` (full backward), ``B`` (input-gradient only) and
+``W`` (weight-gradient only; zero bubble).  A ``comm`` op is one blocking
+``comm.batch_send_recv`` call: its sends and receives are posted together and it returns
+when all of them completed.
+
+Building a program: (1) the schedule gives each rank's compute order; (2) a dependency-
+only simulation gives ideal times; (3) every receive goes right before the op that
+consumes it, every send into the first slot of the sender at which (in the ideal
+timeline) the receiver is already waiting -- so with consistent costs nobody stalls on a
+blocking send; (4) per rank pair the sends are kept in the receiver's order (p2p matching
+is FIFO).  ``simulate`` then replays the program with blocking semantics and raises
+``DeadlockError`` if some batch can never complete.
+
+Bubble fraction (Narayanan et al.): idle time / ideal compute time, summed over ranks.
+With unit costs it is exactly (p-1)/m for 1F1B and (p-1)/(v*m) for interleaved 1F1B.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
+UNIT_COSTS = {"F": 1, "B": 1, "W": 1}
+
+
+class DeadlockError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Msg:
+    kind: str   # "act" (forward activation) or "grad" (gradient w.r.t. it)
+    mb: int
+    stage: int  # global virtual stage that consumes the message
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str              # F, B, W, BW or comm
+    mb: int = -1
+    chunk: int = 0
+    sends: Tuple[Tuple[Msg, int], ...] = ()   # (message, destination pp rank)
+    recvs: Tuple[Tuple[Msg, int], ...] = ()   # (message, source pp rank)
+
+    def __str__(self):
+        if self.kind == "comm":
+            s = ",".join(f"{m.kind}{m.mb}>{r}" for m, r in self.sends)
+            r = ",".join(f"{m.kind}{m.mb}<{r}" for m, r in self.recvs)
+            return f"comm[{s}|{r}]"
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+Costs = Union[Dict[str, float], Callable[[int, Op], float]]
+
+
+def _cost(costs: Costs, rank: int, op: Op) -> float:
+    if callable(costs):
+        return costs(rank, op)
+    if op.kind == "BW":
+        return costs["B"] + costs["W"]
+    return costs[op.kind]
+
+
+# -- compute orders -------------------------------------------------------------------------
+
+def order_1f1b(p: int, m: int, rank: int, forward_only: bool = False) -> List[Op]:
+    """Non-interleaved 1F1B: p-rank-1 warm-up forwards, steady 1F1B, cool-down backwards."""
+    if forward_only:
+        return [Op("F", i) for i in range(m)]
+    warmup = min(p - rank - 1, m)
+    ops = [Op("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [Op("F", warmup + i), Op("BW", i)]
+    return ops + [Op("BW", i) for i in range(m - warmup, m)]
+
+
+def _interleaved_id(k: int, p: int, v: int, backward: bool) -> Tuple[int, int]:
+    """(micro-batch, chunk) of the k-th forward/backward of a rank (Megatron's order:
+    groups of p micro-batches per chunk)."""
+    chunk = (k // p) % v
+    if backward:
+        chunk = v - 1 - chunk
+    return (k // (p * v)) * p + k % p, chunk
+
+
+def order_interleaved(p: int, m: int, v: int, rank: int, forward_only: bool = False) -> List[Op]:
+    """Interleaved 1F1B (Narayanan et al. 2021); needs m to be a multiple of p."""
+    if m % p:
+        raise ValueError(f"interleaved schedule: micro-batches ({m}) must be a multiple of "
+                         f"pipeline size ({p})")
+    total = m * v
+    fwd = [Op("F", *_interleaved_id(k, p, v, False)) for k in range(total)]
+    if forward_only:
+        return fwd
+    bwd = [Op("BW", *_interleaved_id(k, p, v, True)) for k in range(total)]
+    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    ops = fwd[:warmup]
+    for i in range(total - warmup):
+        ops += [fwd[warmup + i], bwd[i]]
+    return ops + bwd[total - warmup:]
+
+
+def orders_zero_bubble(p: int, m: int) -> List[List[Op]]:
+    """ZB-H1 (Qi et al. 2023): 1F1B's F/B order with B split from W; W fills bubbles.
+
+    Placed by a unit-cost list schedule: a rank runs its next F/B when the input is there;
+    otherwise it runs its oldest pending W.  A micro-batch counts as in flight from its F
+    to its W; before an F that would exceed p in flight (1F1B's peak, on its first stage)
+    a pending W goes first.  With F = B = W this gives the paper's (p-1)(F+B-W) bubble.
+    """
+    seqs = [[Op("B", o.mb) if o.kind == "BW" else o for o in order_1f1b(p, m, r)]
+            for r in range(p)]
+    pos, pending, out = [0] * p, [[] for _ in range(p)], [[] for _ in range(p)]
+    in_flight, done_at = [0] * p, {}
+    t = 0
+    while any(pos[r] < len(seqs[r]) or pending[r] for r in range(p)):
+        started = []
+        for r in range(p):
+            nxt = seqs[r][pos[r]] if pos[r] < len(seqs[r]) else None
+            ready = nxt is not None and _zb_ready(nxt, r, p, done_at, t)
+            if nxt is not None and nxt.kind == "F" and in_flight[r] >= p and pending[r]:
+                ready = False  # memory cap: finish a W first
+            if ready:
+                op = nxt
+                pos[r] += 1
+                in_flight[r] += op.kind == "F"
+                if op.kind == "B":
+                    pending[r].append(op.mb)
+            elif pending[r]:
+                op = Op("W", pending[r].pop(0))
+                in_flight[r] -= 1
+            else:
+                continue
+            out[r].append(op)
+            started.append((r, op))
+        for r, op in started:
+            done_at[(r, op.kind, op.mb)] = t + 1
+        t += 1
+        if t > 10 * (m + p) * 3:
+            raise DeadlockError("zero-bubble order did not converge")
+    return out
+
+
+def _zb_ready(op: Op, r: int, p: int, done_at, t) -> bool:
+    if op.kind == "F":
+        return r == 0 or done_at.get((r - 1, "F", op.mb), t + 1) <= t
+    need = (r, "F", op.mb) if r == p - 1 else (r + 1, "B", op.mb)
+    return done_at.get(need, t + 1) <= t
+
+
+def compute_orders(schedule: str, p: int, m: int, v: int = 1,
+                   forward_only: bool = False) -> List[List[Op]]:
+    if schedule == "1f1b":
+        return [order_1f1b(p, m, r, forward_only) for r in range(p)]
+    if schedule == "interleaved":
+        return [order_interleaved(p, m, v, r, forward_only) for r in range(p)]
+    if schedule == "zero-bubble":
+        if forward_only:
+            return [order_1f1b(p, m, r, True) for r in range(p)]
+        return orders_zero_bubble(p, m)
+    raise ValueError(f"unknown schedule '{schedule}'; choose from {SCHEDULES}")
+
+
+# -- messages -------------------------------------------------------------------------------
+
+def needs(op: Op, rank: int, p: int, v: int) -> Optional[Tuple[Msg, int]]:
+    """The message ``op`` consumes and the rank it comes from (None if local)."""
+    s, last = op.chunk * p + rank, p * v - 1
+    if op.kind == "F" and s > 0:
+        return Msg("act", op.mb, s), (s - 1) % p
+    if op.kind in ("B", "BW") and s < last:
+        return Msg("grad", op.mb, s), (s + 1) % p
+    return None
+
+
+def produces(op: Op, rank: int, p: int, v: int) -> Optional[Tuple[Msg, int]]:
+    """The message ``op`` sends and its destination rank (None if nothing)."""
+    s, last = op.chunk * p + rank, p * v - 1
+    if op.kind == "F" and s < last:
+        return Msg("act", op.mb, s + 1), (s + 1) % p
+    if op.kind in ("B", "BW") and s > 0:
+        return Msg("grad", op.mb, s - 1), (s - 1) % p
+    return None
+
+
+def ideal_times(orders: List[List[Op]], p: int, v: int, costs: Costs = UNIT_COSTS):
+    """Dependency-only timing (sends never block): [(start, end)] per rank and op."""
+    times = [[None] * len(o) for o in orders]
+    ready: Dict[Msg, float] = {}
+    pos, clock = [0] * p, [0] * p
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                op = orders[r][pos[r]]
+                need = needs(op, r, p, v)
+                if need and need[0] not in ready:
+                    break
+                start = max(clock[r], ready[need[0]] if need else 0)
+                end = start + _cost(costs, r, op)
+                times[r][pos[r]] = (start, end)
+                out = produces(op, r, p, v)
+                if out:
+                    ready[out[0]] = end
+                clock[r], pos[r], progress = end, pos[r] + 1, True
+    if any(pos[r] < len(orders[r]) for r in range(p)):
+        raise DeadlockError("compute orders are inconsistent (a dependency never arrives)")
+    return times
+
+
+# -- programs: compute ops with blocking p2p batches ----------------------------------------
+
+def build_program(orders: List[List[Op]], p: int, v: int,
+                  costs: Costs = UNIT_COSTS) -> List[List[Op]]:
+    times = ideal_times(orders, p, v, costs)
+    recv_slot: Dict[Msg, int] = {}
+    slot_recvs = [dict() for _ in range(p)]         # rank -> slot -> [(msg, src)]
+    for r, order in enumerate(orders):
+        for j, op in enumerate(order):
+            need = needs(op, r, p, v)
+            if need:
+                recv_slot[need[0]] = j
+                slot_recvs[r].setdefault(j, []).append(need)
+    # Sends, per (src, dst) pair in the receiver's order so FIFO matching holds.
+    per_pair: Dict[Tuple[int, int], list] = {}
+    for r, order in enumerate(orders):
+        for a, op in enumerate(order):
+            out = produces(op, r, p, v)
+            if out:
+                per_pair.setdefault((r, out[1]), []).append((out[0], a))
+    slot_sends = [dict() for _ in range(p)]
+    for (src, dst), msgs in per_pair.items():
+        msgs.sort(key=lambda ma: recv_slot[ma[0]])
+        floor = 0
+        for msg, a in msgs:
+            b = recv_slot[msg]
+            posted = times[dst][b - 1][1] if b > 0 else 0   # receiver reaches slot b
+            n = len(orders[src])
+            j = a + 1
+            while j < n and times[src][j][0] < posted:
+                j += 1
+            j = max(j, floor)
+            floor = j
+            slot_sends[src].setdefault(j, []).append((msg, dst))
+    program = []
+    for r, order in enumerate(orders):
+        prog = []
+        for j in range(len(order) + 1):
+            sends, recvs = slot_sends[r].get(j, []), slot_recvs[r].get(j, [])
+            if sends or recvs:
+                prog.append(Op("comm", sends=tuple(sends), recvs=tuple(recvs)))
+            if j < len(order):
+                prog.append(order[j])
+        program.append(prog)
+    check_fifo(program, p)
+    return program
+
+
+def check_fifo(program: List[List[Op]], p: int) -> None:
+    """Per ordered rank pair, the k-th send must be the message the k-th receive expects."""
+    sent: Dict[Tuple[int, int], list] = {}
+    got: Dict[Tuple[int, int], list] = {}
+    for r, prog in enumerate(program):
+        for op in prog:
+            for msg, dst in op.sends:
+                sent.setdefault((r, dst), []).append(msg)
+            for msg, src in op.recvs:
+                got.setdefault((src, r), []).append(msg)
+    if sent != got:
+        raise DeadlockError("p2p sends and receives are not in the same order per rank pair")
+
+
+@dataclass
+class Event:
+    rank: int
+    kind: str
+    mb: int
+    chunk: int
+    start: float
+    end: float
+    detail: str = ""
+
+
+@dataclass
+class SimResult:
+    events: List[Event] = field(default_factory=list)
+    makespan: float = 0.0
+    busy: List[float] = field(default_factory=list)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Total idle time over total compute time (= t_pb / t_id per rank when even)."""
+        total = sum(self.busy)
+        return (self.makespan * len(self.busy) - total) / total
+
+
+def simulate(program: List[List[Op]], costs: Costs = UNIT_COSTS,
+             comm_cost: float = 0.0) -> SimResult:
+    """Replay a program with blocking batches: a batch ends when all its messages were
+    posted by both sides (+ ``comm_cost``); compute ops take their cost."""
+    p = len(program)
+    posted: Dict[Msg, list] = {}
+    pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
+    post_time: Dict[Tuple[int, int], float] = {}
+    res = SimResult()
+    progress = True
+    while progress:
+        progress = False
+        for r in range(p):
+            while pos[r] < len(program[r]):
+                op = program[r][pos[r]]
+                if op.kind != "comm":
+                    c = _cost(costs, r, op)
+                    res.events.append(Event(r, op.kind, op.mb, op.chunk, clock[r], clock[r] + c))
+                    clock[r] += c
+                    busy[r] += c
+                else:
+                    key = (r, pos[r])
+                    if key not in post_time:
+                        post_time[key] = clock[r]
+                        for msg, _ in op.sends:
+                            posted.setdefault(msg, [None, None])[0] = clock[r]
+                        for msg, _ in op.recvs:
+                            posted.setdefault(msg, [None, None])[1] = clock[r]
+                    msgs = [m for m, _ in op.sends + op.recvs]
+                    if any(None in posted[m] for m in msgs):
+                        break
+                    end = max([clock[r]] + [max(posted[m]) + comm_cost for m in msgs])
+                    res.events.append(Event(r, "comm", -1, 0, clock[r], end, str(op)))
+                    clock[r] = end
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(program[r]) for r in range(p)):
+        stuck = {r: str(program[r][pos[r]]) for r in range(p) if pos[r] < len(program[r])}
+        raise DeadlockError(f"pipeline program deadlocks at {stuck}")
+    res.makespan, res.busy = max(clock), busy
+    return res
+
+
+def interleaved_program(p: int, m: int, v: int, forward_only: bool = False) -> List[List[Op]]:
+    """Megatron's lock-step exchanges for interleaved 1F1B.
+
+    Every step (a warm-up F, a steady F+BW pair, a cool-down BW) ends in one batch that
+    sends what the step produced and receives from each neighbour whatever it sends in
+    its matching step -- possibly a message needed only later, which is buffered.  This
+    keeps all ranks in phase, which blocking p2p needs to reach the ideal bubble.
+    Receives are anonymous here and named by FIFO matching against the senders.
+    """
+    orders = [order_interleaved(p, m, v, r, forward_only) for r in range(p)]
+    total = m * v
+    chunk = lambda k: _interleaved_id(k, p, v, False)[1]          # noqa: E731
+    bchunk = lambda k: _interleaved_id(k, p, v, True)[1]          # noqa: E731
+    program = []
+    for r in range(p):
+        order = orders[r]
+        fwd = [o for o in order if o.kind == "F"]
+        bwd = [o for o in order if o.kind == "BW"]
+        all_warmup = forward_only or m == p
+        warmup = total if all_warmup else min((p - r - 1) * 2 + (v - 1) * p, total)
+        prev, nxt = (r - 1) % p, (r + 1) % p
+        prog: List[Op] = []
+
+        def exchange(ops, recv_prev, recv_next):
+            sends = tuple(out for o in ops if (out := produces(o, r, p, v)))
+            recvs = ((None, prev),) * recv_prev + ((None, nxt),) * recv_next
+            if sends or recvs:
+                prog.append(Op("comm", sends=sends, recvs=recvs))
+
+        exchange([], r > 0, False)                      # input of the first forward
+        for k in range(warmup):
+            prog.append(fwd[k])
+            recv_prev = not (r == 0 and chunk(k + 1) == 0) and k != total - 1
+            recv_next = k == warmup - 1 and not all_warmup and r != p - 1
+            exchange([fwd[k]], recv_prev, recv_next)
+        for i in range(total - warmup):
+            f, b = fwd[warmup + i], bwd[i]
+            prog += [f, b]
+            recv_prev = (r != 0 or chunk(warmup + i - (p - 1)) != v - 1) and \
+                i != total - warmup - 1
+            recv_next = r != p - 1 or bchunk(i - (p - 1)) != 0
+            exchange([f, b], recv_prev, recv_next)
+        if not forward_only:
+            if all_warmup:
+                exchange([], False, r != p - 1)
+            for k in range(total - warmup, total):
+                prog.append(bwd[k])
+                recv_next = not (r == p - 1 and bchunk(k + 1) == v - 1) and k != total - 1
+                exchange([bwd[k]], False, recv_next)
+        program.append(prog)
+    return _name_receives(program, p, v)
+
+
+def _name_receives(program: List[List[Op]], p: int, v: int) -> List[List[Op]]:
+    """Give anonymous receives the identity of the matching (FIFO) send, then check that
+    every message arrives before the op that consumes it."""
+    streams: Dict[Tuple[int, int], list] = {}
+    for r, prog in enumerate(program):
+        for op in prog:
+            for msg, dst in op.sends:
+                streams.setdefault((r, dst), []).append(msg)
+    taken: Dict[Tuple[int, int], int] = {}
+    named = []
+    for r, prog in enumerate(program):
+        have, out = set(), []
+        for op in prog:
+            if op.kind == "comm":
+                recvs = []
+                for _, src in op.recvs:
+                    i = taken.get((src, r), 0)
+                    stream = streams.get((src, r), [])
+                    if i >= len(stream):
+                        raise DeadlockError(f"rank {r} receives more from {src} than it sends")
+                    recvs.append((stream[i], src))
+                    have.add(stream[i])
+                    taken[(src, r)] = i + 1
+                op = Op("comm", sends=op.sends, recvs=tuple(recvs))
+            else:
+                need = needs(op, r, p, v)
+                if need and need[0] not in have:
+                    raise DeadlockError(f"rank {r} runs {op} before receiving {need[0]}")
+            out.append(op)
+        named.append(out)
+    for pair, stream in streams.items():
+        if taken.get(pair, 0) != len(stream):
+            raise DeadlockError(f"messages {pair[0]}->{pair[1]} sent but never received")
+    return named
+
+
+@functools.lru_cache(maxsize=64)
+def plan(schedule: str, p: int, m: int, v: int = 1, forward_only: bool = False):
+    """The program every rank walks for one iteration (cached; unit-cost placement)."""
+    if schedule == "interleaved":
+        return interleaved_program(p, m, v, forward_only)
+    orders = compute_orders(schedule, p, m, v, forward_only)
+    return build_program(orders, p, v)
+
+
+def bubble(schedule: str, p: int, m: int, v: int = 1, costs: Costs = UNIT_COSTS,
+           comm_cost: float = 0.0) -> float:
+    """Bubble fraction of ``schedule`` simulated with ``costs``."""
+    return simulate(plan(schedule, p, m, v), costs, comm_cost).bubble_fraction

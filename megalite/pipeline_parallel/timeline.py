@@ -1,0 +1,122 @@
+"""``--pipeline-timeline PATH``: a Chrome trace (chrome://tracing, Perfetto) of the schedule.
+
+Every pipeline rank's F / B / W / BW ops and p2p batches, with wall-clock times, are
+gathered over the pp group after each training iteration; the writer (last stage, TP, CP
+and DP rank 0 -- the rank that logs the loss) writes one file holding the first
+``MAX_ITERATIONS`` iterations of its pipeline.  One process per stage (``pid`` = pp
+rank), compute on thread 0 and communication on thread 1.  ``megalite viz timeline``
+draws it; ``records_from_sim`` turns a simulation into the same records.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+from megalite import comm
+
+MAX_ITERATIONS = 4
+_HISTORY: Dict[str, dict] = {}   # path -> {"iterations": n, "events": [...]} (writer only)
+
+
+def _comm_name(op) -> str:
+    if op.sends and op.recvs:
+        return "send+recv"
+    return "send" if op.sends else "recv"
+
+
+def _msgs(pairs) -> List[str]:
+    return [f"{m.kind} mb{m.mb} stage{m.stage} peer {peer}" for m, peer in pairs]
+
+
+def records_from_events(events, pp_rank: int, global_rank: int) -> List[dict]:
+    """Executor events -> plain dicts (seconds, wall clock)."""
+    out = []
+    for op, start, end in events:
+        rec = dict(rank=pp_rank, global_rank=global_rank, start=start, end=end,
+                   mb=op.mb, chunk=op.chunk)
+        if op.kind == "comm":
+            rec.update(kind=_comm_name(op), sends=_msgs(op.sends), recvs=_msgs(op.recvs))
+        else:
+            rec["kind"] = op.kind
+        out.append(rec)
+    return out
+
+
+def records_from_sim(result) -> List[dict]:
+    """A ``simulator.SimResult`` in the same form (unit time = 1 second)."""
+    return [dict(rank=e.rank, global_rank=e.rank, start=e.start, end=e.end, mb=e.mb,
+                 chunk=e.chunk, kind="send+recv" if e.kind == "comm" else e.kind,
+                 detail=e.detail) for e in result.events]
+
+
+def chrome_trace(records: List[dict], metadata: dict) -> dict:
+    t0 = min((r["start"] for r in records), default=0.0)
+    trace = []
+    for pp_rank in sorted({r["rank"] for r in records}):
+        g = next(r["global_rank"] for r in records if r["rank"] == pp_rank)
+        trace.append({"name": "process_name", "ph": "M", "pid": pp_rank,
+                      "args": {"name": f"stage {pp_rank} (rank {g})"}})
+        trace.append({"name": "process_sort_index", "ph": "M", "pid": pp_rank,
+                      "args": {"sort_index": pp_rank}})
+    for r in records:
+        compute = r["kind"] in ("F", "B", "W", "BW")
+        name = f"{r['kind']}{r['mb']}" if compute else r["kind"]
+        args = {k: v for k, v in r.items() if k not in ("start", "end", "rank")}
+        trace.append({"name": name, "cat": r["kind"] if compute else "comm", "ph": "X",
+                      "ts": (r["start"] - t0) * 1e6, "dur": (r["end"] - r["start"]) * 1e6,
+                      "pid": r["rank"], "tid": 0 if compute else 1, "args": args})
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "metadata": metadata}
+
+
+def write_chrome_trace(path: str, records: List[dict], metadata: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(chrome_trace(records, metadata), f)
+
+
+def is_timeline_writer(state) -> bool:
+    return state.is_last_stage(ignore_virtual=True) and state.tp.rank == 0 and \
+        state.cp.rank == 0 and state.dp.rank == 0
+
+
+def record_iteration(cfg, state, events, schedule: str) -> None:
+    """Gather this iteration's events over the pp group; the writer appends and rewrites.
+
+    Collective over the pp group (every stage calls it from the schedule)."""
+    path = cfg.logging.pipeline_timeline
+    hist = _HISTORY.setdefault(path, {"iterations": 0, "events": []})
+    if hist["iterations"] >= MAX_ITERATIONS:
+        return
+    hist["iterations"] += 1
+    it = hist["iterations"]
+    mine = records_from_events(events, state.pp.rank, state.rank)
+    for r in mine:
+        r["iteration"] = it
+    gathered = comm.all_gather_object(mine, state.pp)
+    if not is_timeline_writer(state):
+        return
+    hist["events"] += [r for rank_records in gathered for r in rank_records]
+    meta = {"schedule": schedule, "pp": state.pp.size, "vpp": state.vpp_size,
+            "micro_batches": cfg.num_micro_batches, "iterations": it,
+            "tp": state.tp.size, "world_size": cfg.world_size}
+    write_chrome_trace(path, hist["events"], meta)
+
+
+def load_records(path: str, iteration: int = None) -> tuple:
+    """(records, metadata) of a trace file; ``iteration`` None = the last one recorded."""
+    with open(path) as f:
+        data = json.load(f)
+    recs = []
+    for e in data["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        a = e.get("args", {})
+        kind = e["cat"] if e["cat"] != "comm" else e["name"]
+        recs.append(dict(rank=e["pid"], kind=kind, mb=a.get("mb", -1), chunk=a.get("chunk", 0),
+                         start=e["ts"] / 1e6, end=(e["ts"] + e["dur"]) / 1e6,
+                         iteration=a.get("iteration", 1)))
+    if recs:
+        wanted = iteration or max(r["iteration"] for r in recs)
+        recs = [r for r in recs if r["iteration"] == wanted]
+    return recs, data.get("metadata", {})

@@ -1,0 +1,88 @@
+"""Layer assignment, model chunks and schedule selection (no process groups needed)."""
+import pytest
+import torch
+
+from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.pipeline_parallel import schedules
+from megalite.pipeline_parallel.stages import build_model_chunks, layers_of_stage
+
+
+def cfg_for(layers=8, pp=4, vpp=None, first=None, last=None, schedule="auto", tied=True):
+    return MegaliteConfig(
+        model=ModelConfig(num_layers=layers, hidden_size=16, num_attention_heads=2,
+                          seq_length=8, vocab_size=40, make_vocab_size_divisible_by=8,
+                          untie_embeddings_and_output_weights=not tied),
+        parallel=ParallelConfig(pipeline_model_parallel_size=pp,
+                                num_virtual_stages_per_pipeline_rank=vpp,
+                                decoder_first_pipeline_num_layers=first,
+                                decoder_last_pipeline_num_layers=last,
+                                pipeline_schedule=schedule),
+        world_size=pp)
+
+
+def test_even_split():
+    cfg = cfg_for(8, 4)
+    assert [layers_of_stage(cfg, r) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_interleaved_blocks():
+    cfg = cfg_for(8, 2, vpp=2)   # 4 blocks of 2: chunk v of rank r holds block v*p + r
+    assert layers_of_stage(cfg, 0, 0) == [0, 1] and layers_of_stage(cfg, 1, 0) == [2, 3]
+    assert layers_of_stage(cfg, 0, 1) == [4, 5] and layers_of_stage(cfg, 1, 1) == [6, 7]
+    cfg = cfg_for(8, 4, vpp=2)
+    assert layers_of_stage(cfg, 3, 0) == [3] and layers_of_stage(cfg, 0, 1) == [4]
+
+
+def test_uneven_split():
+    cfg = cfg_for(10, 4, first=1, last=3)
+    assert [layers_of_stage(cfg, r) for r in range(4)] == [[0], [1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    cfg = cfg_for(7, 2, first=2)
+    assert [layers_of_stage(cfg, r) for r in range(2)] == [[0, 1], [2, 3, 4, 5, 6]]
+    with pytest.raises(ValueError):
+        layers_of_stage(cfg_for(9, 4, first=2), 1)   # 7 layers over 3 stages
+
+
+def _chunks(cfg, pp_rank):
+    grid = RankGrid(cfg.world_size, pp=cfg.parallel.pp,
+                    vpp=cfg.parallel.virtual_stages(cfg.model.num_layers))
+    state = ParallelState.build(grid, grid.groups("pp")[0][pp_rank], create_groups=False)
+    return build_model_chunks(cfg, state), state
+
+
+@pytest.mark.parametrize("vpp", [None, 2])
+def test_chunks_pre_post_and_tied_embedding_marks(vpp):
+    cfg = cfg_for(8, 2, vpp=vpp)
+    first, s0 = _chunks(cfg, 0)
+    last, s1 = _chunks(cfg, 1)
+    assert s0.virtual_pipeline_rank == 0      # restored after building
+    v = vpp or 1
+    assert len(first) == len(last) == v
+    assert first[0].pre_process and not any(c.pre_process for c in first[1:] + last)
+    assert last[-1].post_process and not any(c.post_process for c in first + last[:-1])
+    emb = first[0].embedding.word_embeddings.weight
+    copy = last[-1].output_layer.weight
+    assert emb.shared_embedding and copy.shared_embedding and copy.is_embedding_copy
+    assert not getattr(emb, "is_embedding_copy", False)
+    assert torch.equal(emb, copy)             # same name-seeded init
+    names = [n for c in first + last for n, _ in c.canonical_named_parameters()]
+    assert names.count("embedding.word_embeddings.weight") == 2
+
+
+def test_untied_has_no_shared_marks():
+    first, _ = _chunks(cfg_for(4, 2, tied=False), 0)
+    last, _ = _chunks(cfg_for(4, 2, tied=False), 1)
+    assert not any(getattr(p, "shared_embedding", False) for c in first + last
+                   for p in c.parameters())
+
+
+def test_schedule_selection():
+    def pick(cfg):
+        grid = RankGrid(cfg.world_size, pp=cfg.parallel.pp,
+                        vpp=cfg.parallel.virtual_stages(cfg.model.num_layers))
+        state = ParallelState.build(grid, 0, create_groups=False)
+        return schedules.get_forward_backward_func(cfg, state)
+    assert pick(cfg_for(4, 1)) is schedules.forward_backward_no_pipelining
+    assert pick(cfg_for(4, 2)) is schedules.forward_backward_pipelining_without_interleaving
+    assert pick(cfg_for(8, 2, vpp=2)) is schedules.forward_backward_pipelining_with_interleaving
+    assert pick(cfg_for(4, 2, schedule="zero-bubble")) is schedules.forward_backward_zero_bubble
