@@ -26,6 +26,7 @@ def main():
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "baby_gpt"))
     ap.add_argument("--nproc", type=int, default=1, help="data-parallel processes (torchrun)")
+    ap.add_argument("--seed", type=int, default=1337)
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     corpus = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -51,7 +52,7 @@ def main():
              "--data-path", prefix + "_text_document", "--split", "90,10,0",
              "--tokenizer-type", "CharacterTokenizer", "--tokenizer-model", vocab,
              "--eval-interval", str(max(a.iters // 4, 1)), "--eval-iters", "20",
-             "--log-interval", "200", "--metrics-file", metrics, "--seed", "1337"]
+             "--log-interval", "200", "--metrics-file", metrics, "--seed", str(a.seed)]
     if a.nproc > 1:
         cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(a.nproc), os.path.join(ROOT, "pretrain_gpt.py"), *flags]
@@ -62,7 +63,7 @@ def main():
     wall = time.time() - t0
     valid = [json.loads(l) for l in open(metrics) if '"split": "valid"' in l]
     final = valid[-1]["lm_loss"]
-    print(f"\nbaby GPT: {a.iters} iterations, wall {wall:.1f} s, final validation loss "
+    print(f"\nbaby GPT (seed {a.seed}): {a.iters} iterations, wall {wall:.1f} s, final validation loss "
           f"{final:.4f} (nanoGPT published {TARGET}) -> "
           f"{'reached' if final <= TARGET else 'NOT reached'}")
     return 0 if final <= TARGET else 1

@@ -215,8 +215,25 @@ def validate_training(cfg: MegaliteConfig) -> None:
         raise ConfigError(f"--recompute-modules: unknown {sorted(bad)}; choose from {sorted(allowed)}")
 
 
+def validate_logging(cfg: MegaliteConfig) -> None:
+    """Optional packages asked for by a flag must be installed (checked without importing)."""
+    import importlib.util
+
+    lg = cfg.logging
+    if lg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard-dir needs the tensorboard package: "
+                          "pip install 'megalite[tensorboard]'")
+    if lg.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb-project needs the wandb package: pip install 'megalite[wandb]'")
+    if lg.loss_plot and importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--loss-plot needs matplotlib: pip install 'megalite[plot]'")
+    if lg.loss_plot and not lg.metrics_file:
+        raise ConfigError("--loss-plot draws from the metrics file: also give --metrics-file PATH")
+
+
 def validate(cfg: MegaliteConfig) -> None:
     validate_layout(cfg)
     if not cfg.training.dry_run:
         validate_files(cfg)
     validate_training(cfg)
+    validate_logging(cfg)

@@ -165,3 +165,15 @@ def test_import_needs_no_cuda_or_te():
             "megalite.training; assert 'transformer_engine' not in sys.modules; "
             "assert 'apex' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_logging_packages_checked_before_start(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a))
+    code, err = run_main(BASE + ["--tensorboard-dir", "tb"], capsys, 1)
+    assert code == 2 and "--tensorboard-dir" in err and "pip install" in err
+    code, err = run_main(BASE + ["--wandb-project", "p"], capsys, 1)
+    assert code == 2 and "--wandb-project" in err

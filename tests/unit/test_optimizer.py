@@ -1,0 +1,79 @@
+"""LR schedules, AdamW parameter groups, fp32 master weights under bf16, clipping."""
+import math
+
+import pytest
+import torch
+
+from megalite.arguments import parse_args
+from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
+from megalite.parallel_state import ParallelState, RankGrid
+
+
+def test_warmup_then_decay_styles():
+    lin = LRScheduler(1.0, 0.1, warmup_iters=10, decay_iters=110, style="linear")
+    assert lin.lr(5) == pytest.approx(0.5) and lin.lr(10) == pytest.approx(1.0)
+    assert lin.lr(60) == pytest.approx(0.1 + 0.9 * 0.5) and lin.lr(110) == pytest.approx(0.1)
+    assert lin.lr(500) == pytest.approx(0.1)
+    cos = LRScheduler(1.0, 0.1, warmup_iters=10, decay_iters=110, style="cosine")
+    assert cos.lr(60) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert cos.lr(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    const = LRScheduler(1.0, 0.1, warmup_iters=4, decay_iters=100, style="constant")
+    assert const.lr(2) == pytest.approx(0.5) and const.lr(99) == 1.0
+    wsd = LRScheduler(1.0, 0.0, warmup_iters=10, decay_iters=100, style="WSD", wsd_decay_iters=20)
+    assert wsd.lr(50) == 1.0 and wsd.lr(80) == 1.0
+    assert wsd.lr(90) == pytest.approx(0.5) and wsd.lr(100) == pytest.approx(0.0)
+
+
+def test_warmup_fraction_from_config():
+    cfg = parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+                      "--seq-length", "8", "--mock-data", "--vocab-size", "10", "--lr", "2.0",
+                      "--train-iters", "100", "--lr-warmup-fraction", "0.1",
+                      "--lr-decay-style", "cosine", "--min-lr", "0.2"])
+    sched = LRScheduler.from_config(cfg, 100)
+    assert sched.warmup_iters == 10 and sched.decay_iters == 100
+    assert sched.lr(10) == pytest.approx(2.0) and sched.lr(100) == pytest.approx(0.2)
+
+
+def _cfg(extra=()):
+    return parse_args(["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
+                       "--seq-length", "8", "--mock-data", "--vocab-size", "10", "--lr", "0.1",
+                       "--train-iters", "1", "--weight-decay", "0.5", *extra])
+
+
+def _state():
+    return ParallelState.build(RankGrid(1), 0, create_groups=False)
+
+
+def test_no_decay_on_norms_and_biases():
+    lin, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
+    named = [("lin.weight", lin.weight), ("lin.bias", lin.bias), ("norm.weight", norm.weight)]
+    opt = MixedPrecisionOptimizer(named, _cfg(), _state())
+    decay = {id(p) for g in opt.inner.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert decay == {id(lin.weight)}
+
+
+def test_bf16_master_weights_accumulate_small_updates():
+    w = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
+    opt = MixedPrecisionOptimizer([("w", w)], _cfg(["--bf16", "--weight-decay", "0",
+                                                   "--optimizer", "sgd", "--clip-grad", "0"]),
+                                  _state())
+    opt.inner.param_groups[0]["momentum"] = 0.0
+    for _ in range(10):  # 10 updates of 1e-4 each: lost in bf16 (ulp at 1.0 is 2^-7), kept in fp32
+        opt.zero_grad()
+        (w.float().sum()).backward()
+        assert w.grad is None and w.main_grad.dtype == torch.float32  # hook moved it to main_grad
+        opt.step(1e-4)
+    assert opt.masters[0].dtype == torch.float32
+    assert opt.masters[0][0, 0].item() == pytest.approx(1 - 1e-3, abs=1e-6)
+    assert w.dtype == torch.bfloat16
+
+
+def test_clip_to_global_norm():
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = MixedPrecisionOptimizer([("w", w)], _cfg(["--clip-grad", "1.0", "--optimizer", "sgd",
+                                                   "--weight-decay", "0"]), _state())
+    opt.inner.param_groups[0]["momentum"] = 0.0
+    w.grad = torch.tensor([3.0, 4.0])
+    norm = opt.step(1.0)
+    assert norm == pytest.approx(5.0)
+    assert torch.allclose(w.detach(), torch.tensor([-0.6, -0.8]), atol=1e-5)
