@@ -103,6 +103,12 @@ class ParallelConfig:
         None, "Layers on the first pipeline stage (uneven split).")
     decoder_last_pipeline_num_layers: Optional[int] = opt(
         None, "Layers on the last pipeline stage (uneven split).")
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "Count the input embedding as one pipeline layer: the first virtual stage of "
+        "the first pipeline rank holds one transformer layer fewer.", action="store_true")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "Count the output layer and loss as one pipeline layer: the last virtual stage "
+        "of the last pipeline rank holds one transformer layer fewer.", action="store_true")
     pipeline_schedule: str = opt(
         "auto", "Pipeline schedule: auto picks 1F1B, or interleaved with virtual stages.",
         choices=["auto", "1f1b", "interleaved", "zero-bubble"])
@@ -145,12 +151,19 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
 
+    def pipeline_slots(self, num_layers: int) -> int:
+        """Layers the pipeline split counts: transformer layers plus the embedding and/or
+        the loss when ``--account-for-embedding/loss-in-pipeline-split`` (Megatron)."""
+        return num_layers + int(self.account_for_embedding_in_pipeline_split) + \
+            int(self.account_for_loss_in_pipeline_split)
+
     def virtual_stages(self, num_layers: Optional[int]) -> int:
         """VPP size (1 when not interleaving)."""
         if self.num_virtual_stages_per_pipeline_rank:
             return self.num_virtual_stages_per_pipeline_rank
         if self.num_layers_per_virtual_pipeline_stage and num_layers:
-            return num_layers // (self.pp * self.num_layers_per_virtual_pipeline_stage)
+            return self.pipeline_slots(num_layers) // (
+                self.pp * self.num_layers_per_virtual_pipeline_stage)
         return 1
 
 
@@ -215,7 +228,7 @@ class TrainingConfig:
     exit_interval: Optional[int] = opt(None, "Exit after this iteration.")
     device: str = opt("auto", "Device: auto (cuda if present), cpu or cuda.",
                       choices=["auto", "cpu", "cuda"])
-    dry_run: bool = opt(False, "Validate, print the rank layout and exit.", action="store_true")
+    dry_run: bool = opt(False, "Validate, print the rank layout (and the pipeline split) and exit.", action="store_true")
 
 
 @dataclass

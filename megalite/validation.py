@@ -71,7 +71,14 @@ def validate_layout(cfg: MegaliteConfig) -> None:
     if interleaved and p.pp == 1:
         raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1; "
                           "drop the virtual-stage flag or raise PP")
+    account = p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
+    per_virtual = p.num_layers_per_virtual_pipeline_stage
+    if per_virtual and not account and m.num_layers % (p.pp * per_virtual):
+        raise ConfigError(
+            f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
+            f"({p.pp}) x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
     vpp = p.virtual_stages(m.num_layers)
+    account = p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
     if p.pipeline_schedule == "interleaved" and vpp == 1:
         raise ConfigError("--pipeline-schedule interleaved needs "
                           "--num-virtual-stages-per-pipeline-rank > 1")
@@ -80,7 +87,9 @@ def validate_layout(cfg: MegaliteConfig) -> None:
                           "drop --num-virtual-stages-per-pipeline-rank")
     uneven = p.decoder_first_pipeline_num_layers is not None or \
         p.decoder_last_pipeline_num_layers is not None
-    if uneven:
+    if account:
+        _validate_account_split(p, m.num_layers, vpp, uneven)
+    elif uneven:
         if interleaved:
             raise ConfigError("--decoder-first/last-pipeline-num-layers do not combine with "
                               "virtual pipeline stages")
@@ -162,6 +171,33 @@ def validate_layout(cfg: MegaliteConfig) -> None:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
     if m.vocab_size is not None and m.vocab_size <= 0:
         raise ConfigError("--vocab-size must be positive")
+
+
+def _validate_account_split(p, num_layers: int, vpp: int, uneven: bool) -> None:
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding and/or the
+    loss count as pipeline layers, so L' = layers (+1) (+1) splits evenly over PP x VPP and
+    the first / last virtual stage holds one transformer layer fewer -- none at one layer
+    per virtual stage (Llama 3's embedding-only first and loss-only last chunk)."""
+    on = [f for f, v in (("--account-for-embedding-in-pipeline-split",
+                          p.account_for_embedding_in_pipeline_split),
+                         ("--account-for-loss-in-pipeline-split",
+                          p.account_for_loss_in_pipeline_split)) if v]
+    flags, verb = " and ".join(on), ("do" if len(on) > 1 else "does")
+    if uneven:
+        raise ConfigError(f"{flags} {verb} not combine with --decoder-first/last-pipeline-num-"
+                          "layers; balance the first and last stages one way or the other")
+    if p.pp == 1:
+        raise ConfigError(f"{flags} need{'' if len(on) > 1 else 's'} "
+                          "--pipeline-model-parallel-size > 1")
+    slots = p.pipeline_slots(num_layers)
+    per_virtual = p.num_layers_per_virtual_pipeline_stage
+    if slots % (p.pp * vpp) or (per_virtual and slots % (p.pp * per_virtual)):
+        by = f"--num-layers-per-virtual-pipeline-stage ({per_virtual})" if per_virtual else \
+            f"virtual stages ({vpp})"
+        raise ConfigError(
+            f"with {flags}, --num-layers ({num_layers}) + {slots - num_layers} = {slots} "
+            f"pipeline layers are not divisible by --pipeline-model-parallel-size ({p.pp}) x "
+            f"{by}; change the layer count, PP or VPP")
 
 
 def validate_files(cfg: MegaliteConfig) -> None:

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true")
     out.add_argument("--explain", action="store_true")
     out.add_argument("--plot", metavar="PNG", help="compute-vs-communication and memory picture")
+    v = p.add_argument_group("check the model against a real run (pretrain_gpt.py flags)")
+    v.add_argument("--validate-run", action="store_true", help="run one iteration of the given "
+                   "layout on --nproc CPU gloo processes; compare predicted and measured bytes")
+    v.add_argument("--nproc", type=int, default=1, help="processes for --validate-run")
     return p
 
 
@@ -120,6 +124,10 @@ def resolve_model(args, extra: List[str]):
 
 
 def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--validate-run" in argv:
+        from megalite.planner.validate_run import main as validate_run
+        return validate_run(argv, out)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.list_recipes:

@@ -71,14 +71,17 @@ def collective_time(op: str, nbytes: float, n: int, bw: float, alpha: float) -> 
 # ---- what is sent ---------------------------------------------------------------------
 
 def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 4,
-           sp_regather: bool = True) -> List[Event]:
-    """Every collective rank ``pp_rank`` of the pipeline issues in one iteration."""
+           sp_regather: bool = True, dtype_bytes: int = 2) -> List[Event]:
+    """Every collective rank ``pp_rank`` of the pipeline issues in one iteration.
+
+    ``dtype_bytes``: an activation or weight element (2 under bf16, 4 in fp32 training).
+    """
     out: List[Event] = []
+    a = dtype_bytes
     mbs, t = L.num_micro_batches, L.tp
     T = (seq // L.cp) * L.micro_batch
     h = m.hidden_size
-    n_dense, n_moe = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, L.first_layers,
-                                          L.last_layers)
+    n_dense, n_moe = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     first, last = pp_rank == 0, pp_rank == L.pp - 1
     n_layers = n_dense + n_moe
     full = L.recompute == "full"
@@ -94,23 +97,23 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         pairs = n_layers + mlp_tp                       # blocks with a TP entry/exit pair
         rec_in, rec_out = (pairs, pairs - n_layers) if full else (0, 0)
         if L.sp:
-            out += [Event("tp", "all_gather", T * h, mbs * (2 * pairs + rec_in)),
-                    Event("tp", "reduce_scatter", T * h, mbs * (pairs + rec_out)),
-                    Event("tp", "reduce_scatter", T * h, mbs * pairs, kind="tp_hidden")]
+            out += [Event("tp", "all_gather", T * h, mbs * (2 * pairs + rec_in), a),
+                    Event("tp", "reduce_scatter", T * h, mbs * (pairs + rec_out), a),
+                    Event("tp", "reduce_scatter", T * h, mbs * pairs, a, kind="tp_hidden")]
             if sp_regather:
-                out.append(Event("tp", "all_gather", T * h, mbs * pairs, kind="tp_hidden"))
+                out.append(Event("tp", "all_gather", T * h, mbs * pairs, a, kind="tp_hidden"))
         else:
-            out += [Event("tp", "all_reduce", T * h, mbs * (pairs + rec_out)),
-                    Event("tp", "all_reduce", T * h, mbs * pairs, kind="tp_hidden")]
+            out += [Event("tp", "all_reduce", T * h, mbs * (pairs + rec_out), a),
+                    Event("tp", "all_reduce", T * h, mbs * pairs, a, kind="tp_hidden")]
         if first:                     # vocab-parallel embedding: reduce (SP: scatter) ...
-            out.append(Event("tp", "reduce_scatter" if L.sp else "all_reduce", T * h, mbs))
+            out.append(Event("tp", "reduce_scatter" if L.sp else "all_reduce", T * h, mbs, a))
             if L.sp:                  # ... whose backward gathers the gradient again
-                out.append(Event("tp", "all_gather", T * h, mbs))
+                out.append(Event("tp", "all_gather", T * h, mbs, a))
         if last:
             op = ("all_gather", "reduce_scatter") if L.sp else (None, "all_reduce")
             if op[0]:
-                out.append(Event("tp", op[0], T * h, mbs))
-            out.append(Event("tp", op[1], T * h, mbs))
+                out.append(Event("tp", op[0], T * h, mbs, a))
+            out.append(Event("tp", op[1], T * h, mbs, a))
             # vocab-parallel cross entropy: the max, then (target logit, sum of exp)
             out += [Event("tp", "all_reduce", T, mbs, dtype_bytes=4),
                     Event("tp", "all_reduce", 2 * T, mbs, dtype_bytes=4)]
@@ -118,25 +121,24 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     if L.cp > 1:
         kv = 2 * T * m.resolved_query_groups() * m.resolved_kv_channels() // t
         steps = (L.cp - 1) * n_layers * mbs * ((2 if full else 1) + 2)
-        out += [Event("cp", "send", kv, steps, kind="cp"),
-                Event("cp", "recv", kv, steps, kind="cp")]
+        out += [Event("cp", "send", kv, steps, a, kind="cp"),
+                Event("cp", "recv", kv, steps, a, kind="cp")]
     # Expert parallel: dispatch + combine forward, the same backward.
     if L.ep > 1 and n_moe:
         copies = T // (t if L.sp else 1) * m.moe_router_topk
         calls = n_moe * mbs * ((4 if full else 2) + 2)
-        out.append(Event("ep", "all_to_all", copies * h, calls, kind="ep"))
+        out.append(Event("ep", "all_to_all", copies * h, calls, a, kind="ep"))
     # Pipeline: one activation forward and one gradient backward per micro-batch and chunk.
     if L.pp > 1:
         msg = T * h // t            # SP shard, or Megatron's scatter/gather split over TP
         sends = mbs * L.vpp * 2 - (mbs if first else 0) - (mbs if last else 0)
-        out += [Event("pp", "send", msg, sends, kind="pp"),
-                Event("pp", "recv", msg, sends, kind="pp")]
+        out += [Event("pp", "send", msg, sends, a, kind="pp"),
+                Event("pp", "recv", msg, sends, a, kind="pp")]
     # Data parallel: gradients (and parameters for ZeRO >= 1).
-    params = ms.stage_params(m, pp_rank, t, L.pp, L.vpp, L.etp, L.ep, L.first_layers,
-                             L.last_layers)
-    out += _dp_events(params.dense, "dp" if L.cp == 1 else "dp-cp", L, grad_bytes)
+    params = ms.stage_params(m, pp_rank, t, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
+    out += _dp_events(params.dense, "dp-cp", L, grad_bytes, a)
     if params.expert:
-        out += _dp_events(params.expert, "expert-dp", L, grad_bytes)
+        out += _dp_events(params.expert, "expert-dp", L, grad_bytes, a)
     if L.sp and t > 1:          # params that saw a sequence shard: norms, row-parallel
         per_norm = h * (2 if m.normalization == "LayerNorm" else 1)     # biases, positions
         n = (2 * n_layers + (1 if last else 0)) * per_norm
@@ -147,23 +149,35 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     if L.pp > 1 and not m.untie_embeddings_and_output_weights and (first or last):
         out.append(Event("embedding", "all_reduce", m.padded_vocab_size(t) * h // t, 1,
                          dtype_bytes=grad_bytes, kind="dp"))
+    # Bookkeeping scalars (fp64 token count and loss over dp-cp, fp32 grad norm over the
+    # model-parallel group -- and, with sharded grads, first over their DP group): bytes
+    # are nothing, but they are collectives the run makes.
+    if L.dp * L.cp > 1:
+        out.append(Event("dp-cp", "all_reduce", 1, 2, 8, kind="misc"))
+        if L.zero >= 1:
+            out.append(Event("dp-cp", "all_reduce", 1, 1, 4, kind="misc"))
+    if L.zero >= 1 and params.expert and L.edp > 1:
+        out.append(Event("expert-dp", "all_reduce", 1, 1, 4, kind="misc"))
+    if L.tp * L.pp > 1:
+        out.append(Event("mp", "all_reduce", 1, 1, 4, kind="misc"))
     return [e for e in out if e.calls > 0 and e.elements > 0]
 
 
-def _dp_events(n: int, group: str, L: Layout, grad_bytes: int) -> List[Event]:
+def _dp_events(n: int, group: str, L: Layout, grad_bytes: int, w: int = 2) -> List[Event]:
     size = L.dp * L.cp if group != "expert-dp" else L.edp
     if size <= 1:
         return []
     m = L.num_micro_batches
     if L.zero == 0:
         return [Event(group, "all_reduce", n, 1, grad_bytes, "dp")]
+    n = -(-n // size) * size                  # sharded flat buffers are padded to d | n
     if L.zero == 1:
         return [Event(group, "reduce_scatter", n, 1, grad_bytes, "dp"),
-                Event(group, "all_gather", n, 1, 2, "dp")]
+                Event(group, "all_gather", n, 1, w, "dp")]
     if L.zero == 2:
         return [Event(group, "reduce_scatter", n, m, grad_bytes, "dp"),
-                Event(group, "all_gather", n, 1, 2, "dp")]
-    return [Event(group, "all_gather", n, 2 * m, 2, "dp"),      # FSDP: gather fwd and bwd
+                Event(group, "all_gather", n, 1, w, "dp")]
+    return [Event(group, "all_gather", n, 2 * m, w, "dp"),      # FSDP: gather fwd and bwd
             Event(group, "reduce_scatter", n, m, grad_bytes, "dp")]
 
 
@@ -185,13 +199,15 @@ def predict_comm_volume(cfg: MegaliteConfig, rank: int = 0, *, grad_bytes: int =
     Same keys and convention as ``megalite.comm.counter.snapshot()``; calls on groups of
     size 1 are skipped there and absent here.  ``sp_regather`` (SP's backward re-gather of
     linear inputs) defaults to on only with --transformer-impl transformer_engine: megalite's
-    local layers keep the gathered input instead.
+    local layers keep the gathered input instead.  Without --bf16 everything is fp32.
     """
     if sp_regather is None:
         sp_regather = cfg.model.transformer_impl == "transformer_engine"
     L = layout_from_config(cfg, zero)
     pp_rank = rank // (cfg.world_size // L.pp)
-    return volume(events(cfg.model, L, cfg.model.seq_length, pp_rank, grad_bytes, sp_regather))
+    bf16 = cfg.optimizer.bf16
+    return volume(events(cfg.model, L, cfg.model.seq_length, pp_rank,
+                         grad_bytes if bf16 else 4, sp_regather, 2 if bf16 else 4))
 
 
 # ---- how long it takes -----------------------------------------------------------------
@@ -215,11 +231,12 @@ def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
 def comm_seconds(evts: List[Event], L: Layout, cluster: Cluster) -> Dict[str, float]:
     """Seconds per iteration by kind (before any overlap is subtracted).
 
-    p2p sends and receives happen at once on a full-duplex link, so only sends count.
+    p2p sends and receives happen at once on a full-duplex link, so only sends count;
+    bookkeeping scalars ("misc") cost latency only, well inside the noise.
     """
     out: Dict[str, float] = defaultdict(float)
     for e in evts:
-        if e.op == "recv":
+        if e.op == "recv" or e.kind == "misc":
             continue
         out[e.kind] += event_seconds(e, L, cluster)
     return dict(out)

@@ -36,7 +36,7 @@ class ModelOptions:
     tp_async_backward: bool = True         # backward's input-grad reduction behind wgrad GEMM
     fp32: bool = False
     elementwise_passes: float = 6.0        # HBM passes over a layer's activations (fwd+bwd)
-    local_layers: bool = False             # megalite's local layers: SP keeps gathered inputs
+    local_layers: bool = False             # megalite's local layers (memory.local_layer_bytes)
 
     @property
     def precision(self) -> mem.Precision:
@@ -45,7 +45,7 @@ class ModelOptions:
     @property
     def activations(self) -> mem.ActivationOptions:
         return mem.ActivationOptions(self.flash_attention, element_scale=2 if self.fp32 else 1,
-                                     sp_keeps_gathered=self.local_layers)
+                                     local_layers=self.local_layers)
 
 
 @dataclass
@@ -105,7 +105,7 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     """Per-micro-batch times of pipeline rank ``r``: compute (t_f, t_b) and exposed comm."""
     F = cluster.effective_flops() * (0.5 if opts.fp32 else 1.0)   # fp32 runs on TF32 cores
     per_gpu, mbs = L.tp * L.cp, L.num_micro_batches
-    kinds = ms.stage_layer_kinds(m, L.pp, r, L.vpp, L.first_layers, L.last_layers)
+    kinds = ms.stage_layer_kinds(m, L.pp, r, L.vpp, *L.stage_split)
     f = fl.stage_flops_per_microbatch(m, kinds, seq, L.micro_batch, r == L.pp - 1, L.recompute)
     t_f, t_b = f["fwd"] / per_gpu / F, f["bwd"] / per_gpu / F
     # Memory-bound work (norms, activation functions, dropout, softmax): HBM passes over
@@ -116,8 +116,9 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     extra = opts.elementwise_passes * act / hbm
     rec = 1.0 if L.recompute == "full" else 0.0
     t_f, t_b = t_f + extra / (3 + rec), t_b + extra * (2 + rec) / (3 + rec)
-    comm = cm.comm_seconds(cm.events(m, L, seq, r, opts.grad_bytes,
-                                     sp_regather=not opts.local_layers), L, cluster)
+    comm = cm.comm_seconds(cm.events(m, L, seq, r, 4 if opts.fp32 else opts.grad_bytes,
+                                     sp_regather=not opts.local_layers,
+                                     dtype_bytes=4 if opts.fp32 else 2), L, cluster)
     tp = comm.get("tp", 0.0) + (0.0 if opts.tp_async_backward else comm.get("tp_hidden", 0.0))
     row = dict(r=r, t_f=t_f, t_b=t_b, rec=f["recompute"] / per_gpu / F,
                tp=tp * (1 - opts.tp_overlap) / mbs,
@@ -155,8 +156,7 @@ def _dp_exposed(m: ModelConfig, L: Layout, row: dict, opts: ModelOptions) -> flo
     idle = row["r"] * row["t_b"]
     window = {0: row["t_b"], 1: row["t_b"] + row["t_f"]}.get(
         L.zero, mbs * (row["t_b"] + row["t_f"])) + idle
-    params = ms.stage_params(m, row["r"], L.tp, L.pp, L.vpp, L.etp, L.ep, L.first_layers,
-                             L.last_layers).total
+    params = ms.stage_params(m, row["r"], L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split).total
     bucket = total * min(1.0, opts.bucket_elements / max(1, params)) / (2 if L.zero else 1)
     exposed = max(bucket, total - window)
     if L.zero >= 2:

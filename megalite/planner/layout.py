@@ -29,6 +29,10 @@ class Layout:
     schedule: str = "1f1b"           # 1f1b | interleaved | zero-bubble
     first_layers: Optional[int] = None
     last_layers: Optional[int] = None
+    # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding / the loss
+    # count as a pipeline layer, so the first / last (virtual) stage holds a layer fewer.
+    account_embedding: bool = False
+    account_loss: bool = False
 
     @property
     def dp(self) -> int:
@@ -38,6 +42,16 @@ class Layout:
     def edp(self) -> int:
         """Expert data-parallel size (world / (expert-TP x EP x PP))."""
         return self.world // (self.etp * self.ep * self.pp)
+
+    @property
+    def accounts(self) -> tuple:
+        """(embedding, loss) counted as pipeline layers."""
+        return self.account_embedding, self.account_loss
+
+    @property
+    def stage_split(self) -> tuple:
+        """``model_spec``'s (first, last, accounts) arguments: how layers map to stages."""
+        return self.first_layers, self.last_layers, self.accounts
 
     @property
     def num_micro_batches(self) -> int:
@@ -57,6 +71,9 @@ class Layout:
             parts.append(f"EP{self.ep}/ETP{self.etp}")
         if self.first_layers is not None or self.last_layers is not None:
             parts.append(f"split{self.first_layers}/../{self.last_layers}")
+        if any(self.accounts):
+            parts.append("split+" + "+".join(n for n, on in zip(("emb", "loss"), self.accounts)
+                                             if on))
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -76,6 +93,8 @@ class Layout:
         p.num_virtual_stages_per_pipeline_rank = self.vpp if self.vpp > 1 else None
         p.decoder_first_pipeline_num_layers = self.first_layers
         p.decoder_last_pipeline_num_layers = self.last_layers
+        p.account_for_embedding_in_pipeline_split = self.account_embedding
+        p.account_for_loss_in_pipeline_split = self.account_loss
         p.pipeline_schedule = {"1f1b": "auto", "interleaved": "interleaved",
                                "zero-bubble": "zero-bubble"}[self.schedule]
         p.sequence_parallel = self.sp
@@ -96,6 +115,10 @@ class Layout:
             f += ["--decoder-first-pipeline-num-layers", str(self.first_layers)]
         if self.last_layers is not None:
             f += ["--decoder-last-pipeline-num-layers", str(self.last_layers)]
+        if self.account_embedding:
+            f.append("--account-for-embedding-in-pipeline-split")
+        if self.account_loss:
+            f.append("--account-for-loss-in-pipeline-split")
         if self.schedule == "zero-bubble":
             f += ["--pipeline-schedule", "zero-bubble"]
         if self.cp > 1:
@@ -132,4 +155,6 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   zero=(1 if p.use_distributed_optimizer else 0) if zero is None else zero,
                   sp=p.sequence_parallel and p.tp > 1, schedule=sched,
                   first_layers=p.decoder_first_pipeline_num_layers,
-                  last_layers=p.decoder_last_pipeline_num_layers)
+                  last_layers=p.decoder_last_pipeline_num_layers,
+                  account_embedding=p.account_for_embedding_in_pipeline_split,
+                  account_loss=p.account_for_loss_in_pipeline_split)

@@ -55,8 +55,10 @@ def state_bytes(params: ms.ParamCount, dense_shards: int, expert_shards: int, ze
     Dense parameters shard over DP x CP, routed experts over the expert-DP group.
     """
     def part(n: int, shards: int) -> Dict[str, int]:
-        return {"weights": (_shard(n, shards) if zero >= 3 else n) * prec.weight,
-                "grads": (_shard(n, shards) if zero >= 2 else n) * prec.grad,
+        # ZeRO keeps unsharded weights / grads in flat buffers padded to a multiple of d
+        full = _shard(n, shards) * shards if zero >= 1 else n
+        return {"weights": (_shard(n, shards) if zero >= 3 else full) * prec.weight,
+                "grads": (_shard(n, shards) if zero >= 2 else full) * prec.grad,
                 "optimizer": (_shard(n, shards) if zero >= 1 else n) * prec.optimizer}
     a, b = part(params.dense, dense_shards), part(params.expert, expert_shards)
     return {k: a[k] + b[k] for k in a}
@@ -69,9 +71,9 @@ class ActivationOptions:
     flash_attention: bool = True     # no s x s score matrix is stored (FlashAttention)
     recompute_modules: tuple = ("core_attn",)
     element_scale: int = 1           # 2 for fp32 training: every 16-bit term doubles
-    # SP: Megatron / Transformer Engine keep the linear layers' inputs sharded and re-gather
-    # them in backward (Korthikanti et al.); megalite's local layers keep them gathered.
-    sp_keeps_gathered: bool = False
+    # megalite's local (pure PyTorch) layers instead of Megatron / Transformer Engine's
+    # fused kernels: buffer by buffer what they keep (``local_layer_bytes``).
+    local_layers: bool = False
 
 
 def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
@@ -84,6 +86,8 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
     TP without SP leaves the 10*s*b*h of norms, their outputs and dropout masks replicated.
     """
     recompute = L.recompute if recompute is None else recompute
+    if opts.local_layers and not moe:
+        return local_layer_bytes(m, L, seq, opts, recompute)
     t, T = L.tp, (seq // L.cp) * L.micro_batch      # tokens on this rank
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
@@ -97,7 +101,7 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
     norm_in = 2 * 2 * T * h
     norm_out = 0 if "layernorm" in modules else 2 * 2 * T * h
     masks = 2 * drop_h * T * h
-    rep = (norm_in + masks) // sp + (norm_out if opts.sp_keeps_gathered else norm_out // sp)
+    rep = (norm_in + masks) // sp + (norm_out if opts.local_layers else norm_out // sp)
     # Attention: Q, K, V kept for the core; the core's output feeds the projection.
     attn = 2 * T * (a * d + 2 * g * d) // t + 2 * T * a * d // t
     if "core_attn" not in modules:
@@ -125,37 +129,122 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
 def in_flight(L: Layout, pp_rank: int) -> float:
     """Micro-batches whose activations rank ``pp_rank`` holds at its peak.
 
-    1F1B (and ZB-H1): stage i holds min(p - i, m).  Interleaved: Megatron's warm-up of
-    2(p - i - 1) + (v - 1)p + 1 chunks, i.e. p(1 + (p-1)/(pv)) layers-worth on stage 0.
+    1F1B: stage i holds min(p - i, m).  ZB-H1: min(p, m) on every stage -- deferred weight
+    gradients keep their inputs, up to 1F1B's stage-0 bound (Qi et al.; measured in
+    docs/pipeline.md).  Interleaved: Megatron's warm-up of 2(p - i - 1) + (v - 1)p + 1
+    chunks, i.e. p(1 + (p-1)/(pv)) layers-worth on stage 0.
     """
     p, m, v = L.pp, L.num_micro_batches, L.vpp
     if p == 1:
         return 1.0
+    if L.schedule == "zero-bubble":
+        return float(min(p, m))
     if v > 1:
         chunks = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
         return chunks / v
     return float(min(p - pp_rank, m))
 
 
+def recompute_working_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
+                            opts: ActivationOptions = ActivationOptions()) -> int:
+    """Full recomputation re-materialises one layer at a time during backward."""
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    if L.recompute != "full" or not sum(kinds):
+        return 0
+    return max(layer_activation_bytes(m, L, moe, seq, opts, "none")
+               for n, moe in zip(kinds, (False, True)) if n)
+
+
 def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
                      opts: ActivationOptions = ActivationOptions()) -> int:
     """Peak activation bytes of one rank of pipeline stage ``pp_rank``."""
-    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, L.first_layers, L.last_layers)
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     per_mb = sum(n * layer_activation_bytes(m, L, moe, seq, opts)
                  for n, moe in zip(kinds, (False, True)) if n)
-    total = per_mb * in_flight(L, pp_rank)
-    if L.recompute == "full" and sum(kinds):       # one layer re-materialised at a time
-        total += max(layer_activation_bytes(m, L, moe, seq, opts, "none")
-                     for n, moe in zip(kinds, (False, True)) if n)
+    total = per_mb * in_flight(L, pp_rank) + recompute_working_bytes(m, L, seq, pp_rank, opts)
+    if opts.local_layers:
+        return int(total + local_stage_extra_bytes(m, L, seq, pp_rank, opts, kinds))
     T, h, t = (seq // L.cp) * L.micro_batch, m.hidden_size, L.tp
     sp = t if L.sp else 1
     if pp_rank == 0 and m.hidden_dropout > 0:     # embedding dropout mask
         total += T * h // sp * in_flight(L, pp_rank)
     if pp_rank == L.pp - 1:                         # final norm in/out + fp32 logits for the loss
-        norm_out = 2 * T * h if opts.sp_keeps_gathered else 2 * T * h // sp
+        norm_out = 2 * T * h // sp
         total += (2 * T * h // sp + norm_out) * opts.element_scale + \
             4 * T * m.padded_vocab_size(t) // t
     return int(total)
+
+
+# ---- megalite's local layers, buffer by buffer ------------------------------------------
+
+def _local_norm(m: ModelConfig, tokens: int, e: int) -> int:
+    """What a norm keeps besides its output: LayerNorm x, mean, rstd; megalite's RMSNorm an
+    fp32 copy of x, the normalised x and an fp32 rsqrt per token."""
+    h = m.hidden_size
+    if m.normalization == "RMSNorm":
+        return 4 * tokens * h + e * tokens * h + 4 * tokens
+    return e * tokens * h + 2 * e * tokens
+
+
+def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions,
+                      recompute: str) -> int:
+    """One dense layer of megalite's local kernels per micro-batch (docs/planner.md, "Local
+    layers"): they keep more than the fused kernels Korthikanti et al. count -- the
+    column-parallel linears save SP's gathered input, RoPE'd q and k are new buffers, the
+    attention output is copied for the projection, SwiGLU keeps silu(gate), dropout masks
+    are in the activation dtype.  Elements are ``e`` bytes; statistics are fp32."""
+    t, T = L.tp, (seq // L.cp) * L.micro_batch
+    e = 2 * opts.element_scale
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
+        m.resolved_kv_channels()
+    Tn = T // (t if L.sp else 1)                   # tokens a norm (and dropout) sees
+    if recompute == "full":
+        return e * Tn * h                           # the checkpointed layer input
+    mods = set(opts.recompute_modules) if recompute == "selective" else set()
+    rope = m.position_embedding_type == "rope"
+    norms = 2 * (e * Tn * h if "layernorm" in mods else _local_norm(m, Tn, e))
+    drop = 2 * e * Tn * h if m.hidden_dropout > 0 else 0
+    attn = e * T * h + e * T * (a + 2 * g) * d // t          # qkv input (gathered), qkv
+    if rope:                                       # rotated q, k; bf16 copies of cos, sin
+        attn += e * T * (a + g) * d // t + (4 * T * d if e == 2 else 0)
+    elif g != a:
+        attn += e * T * a * d // t                 # q regrouped per head
+    if "core_attn" not in mods:
+        if opts.flash_attention:                   # output (shared with proj input for MHA
+            shared = not rope and g == a           # without RoPE) and fp32 log-sum-exp
+            attn += 4 * a * T // t + (0 if shared else e * T * a * d // t)
+        else:                                      # math path: scaled q, k; probabilities
+            drop_a = 2 if m.attention_dropout > 0 else 0            # (+ mask, dropped)
+            attn += 2 * e * T * a * d // t + (1 + drop_a) * e * a * T * seq // t
+    attn += e * T * a * d // t                     # projection input
+    f = m.resolved_ffn_hidden_size()
+    if "mlp" in mods:
+        mlp = e * Tn * h                           # checkpointed pre-MLP-norm output
+    else:                                          # fc1 input; fc1 output, (silu,) fc2 input
+        mlp = e * T * h + (4 if m.swiglu else 2) * e * T * f // t
+    return norms + drop + attn + mlp
+
+
+def local_stage_extra_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
+                            opts: ActivationOptions, kinds: tuple) -> int:
+    """Embedding and head of megalite's GPTModel, per in-flight micro-batch: token (and
+    position) ids, TP's out-of-shard mask, dropout mask; final norm, output-layer input,
+    the cross entropy's fp32 exp(logits) and per-token statistics, the loss mask."""
+    t, T, h = L.tp, (seq // L.cp) * L.micro_batch, m.hidden_size
+    e = 2 * opts.element_scale
+    Tn = T // (t if L.sp else 1)
+    rope = m.position_embedding_type == "rope"
+    out = 0
+    if rope and e == 4 and sum(kinds):             # fp32 cos, sin of the micro-batch's positions
+        out += 8 * T * m.resolved_kv_channels() * in_flight(L, pp_rank)
+    if pp_rank == 0:
+        first = 8 * T + (T if t > 1 else 0) + (0 if rope else 8 * T)
+        first += e * Tn * h if m.hidden_dropout > 0 else 0
+        out += first * in_flight(L, pp_rank)
+    if pp_rank == L.pp - 1:
+        out += _local_norm(m, Tn, e) + e * T * h + 4 * T * m.padded_vocab_size(t) // t
+        out += 21 * T              # (target logit, sum_exp), target index, mask; loss mask
+    return out
 
 
 # ---- the whole rank -------------------------------------------------------------------
@@ -163,14 +252,15 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
 def rank_memory(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision,
                 opts: ActivationOptions = ActivationOptions()) -> Dict[str, int]:
     params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep,
-                             L.first_layers, L.last_layers)
+                             *L.stage_split)
     out = state_bytes(params, L.dp * L.cp, L.edp, L.zero, prec)
     if L.zero >= 3:                                 # two all-gathered layers in flight (prefetch)
-        kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, L.first_layers, L.last_layers)
+        kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
         biggest = max((ms.kind_params(m, moe, L.tp, L.etp, L.ep).total
                        for n, moe in zip(kinds, (False, True)) if n), default=0)
         out["weights"] += 2 * biggest * prec.weight
     out["activations"] = activation_bytes(m, L, seq, pp_rank, opts)
+    out["recompute_working"] = recompute_working_bytes(m, L, seq, pp_rank, opts)  # included
     out["params"] = params.total
     out["total"] = out["weights"] + out["grads"] + out["optimizer"] + out["activations"]
     return out

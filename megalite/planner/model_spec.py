@@ -177,9 +177,26 @@ def layers_per_stage(m: ModelConfig, pp: int, first: Optional[int] = None,
     return counts
 
 
+def chunk_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int, chunk: int,
+                    accounts: tuple = (False, False)) -> List[int]:
+    """Layers of virtual stage ``chunk`` of pipeline rank ``pp_rank`` in an even (possibly
+    interleaved) split.  ``accounts`` = (embedding, loss) counted as pipeline layers
+    (Megatron's --account-for-embedding/loss-in-pipeline-split): the L + e + l slots form
+    pp x vpp equal blocks, chunk c of rank r holds block c*pp + r, the embedding is slot 0
+    and the loss the last slot -- ``megalite.pipeline_parallel.stages.layers_of_stage``."""
+    emb, loss = (int(a) for a in accounts)
+    L = m.num_layers
+    per = (L + emb + loss) // (pp * vpp)
+    block = chunk * pp + pp_rank
+    return list(range(max(0, block * per - emb), min(L, (block + 1) * per - emb)))
+
+
 def stage_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
-                    first: Optional[int] = None, last: Optional[int] = None) -> List[int]:
+                    first: Optional[int] = None, last: Optional[int] = None,
+                    accounts: tuple = (False, False)) -> List[int]:
     """Global indices of the layers pipeline rank ``pp_rank`` holds."""
+    if any(accounts) and pp > 1:
+        return [i for c in range(vpp) for i in chunk_layer_ids(m, pp, pp_rank, vpp, c, accounts)]
     if vpp > 1:
         k = m.num_layers // (pp * vpp)
         return [(c * pp + pp_rank) * k + j for c in range(vpp) for j in range(k)]
@@ -209,9 +226,10 @@ def _norm(m: ModelConfig, h: int) -> int:
 
 
 def stage_layer_kinds(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
-                      first: Optional[int] = None, last: Optional[int] = None) -> tuple:
+                      first: Optional[int] = None, last: Optional[int] = None,
+                      accounts: tuple = (False, False)) -> tuple:
     """(dense layers, MoE layers) on a pipeline rank: layers differ only in their MLP."""
-    ids = stage_layer_ids(m, pp, pp_rank, vpp, first, last)
+    ids = stage_layer_ids(m, pp, pp_rank, vpp, first, last, accounts)
     n_moe = sum(is_moe_layer(m, i) for i in ids) if m.num_experts else 0
     return len(ids) - n_moe, n_moe
 
@@ -258,9 +276,9 @@ def head_params(m: ModelConfig, tp: int, pp: int) -> int:
 
 def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
                  etp: int = 1, ep: int = 1, first: Optional[int] = None,
-                 last: Optional[int] = None) -> ParamCount:
+                 last: Optional[int] = None, accounts: tuple = (False, False)) -> ParamCount:
     """Exact parameter count on a rank of pipeline stage ``pp_rank``."""
-    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last)
+    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last, accounts)
     out = ParamCount()
     for n, moe in ((n_dense, False), (n_moe, True)):
         if n:

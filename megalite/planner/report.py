@@ -53,7 +53,8 @@ def _gib(x: float) -> str:
 
 
 def table(res: SearchResult, cluster: Cluster, top: int) -> str:
-    head = (f"{'#':>3} {'layout':<30} {'mbs':>3} {'recomp':<9} {'sharding':<8} {'sched':<11} "
+    w = max([30] + [len(e.layout.short()) for e in res.ranked[:top]])
+    head = (f"{'#':>3} {'layout':<{w}} {'mbs':>3} {'recomp':<9} {'sharding':<8} {'sched':<11} "
             f"{'weights':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'total':>6} "
             f"{'step s':>8} {'TFLOP/s':>8} {'MFU':>6}")
     lines = [head, "-" * len(head)]
@@ -61,7 +62,7 @@ def table(res: SearchResult, cluster: Cluster, top: int) -> str:
         L, mm = e.layout, e.memory
         shard = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2*", 3: "FSDP*"}[L.zero]
         lines.append(
-            f"{i:>3} {L.short():<30} {L.micro_batch:>3} {L.recompute:<9} {shard:<8} "
+            f"{i:>3} {L.short():<{w}} {L.micro_batch:>3} {L.recompute:<9} {shard:<8} "
             f"{L.schedule:<11} {_gib(mm['weights']):>7} {_gib(mm['grads']):>6} "
             f"{_gib(mm['optimizer']):>6} {_gib(mm['activations']):>6} {_gib(mm['total']):>6} "
             f"{e.step:>8.4g} {e.tflops:>8.1f} {100 * e.mfu(cluster):>5.1f}%")

@@ -65,21 +65,26 @@ def _pick(values: List[int], allowed: Optional[Sequence[int]]) -> List[int]:
     return values if allowed is None else [v for v in values if v in set(allowed)]
 
 
+ACCOUNT_CHOICES = ((True, True), (False, True), (True, False))   # (embedding, loss)
+
+
 def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
-    """(first, last, vpp) choices for PP: even (with interleaving), or lighter first/last."""
-    L = m.num_layers
+    """(first, last, vpp, accounts) choices for PP: even (with interleaving); lighter first
+    and last stages, either by --decoder-first/last-pipeline-num-layers (no interleaving)
+    or -- with interleaving -- by counting the embedding and/or the loss as pipeline layers
+    (Megatron's --account-for-*-in-pipeline-split, Llama 3's 126 + 2 = 16 x 8 split)."""
+    L, none = m.num_layers, (False, False)
     if pp == 1:
-        yield None, None, 1
+        yield None, None, 1, none
         return
     if pp > L:
         return
+    interleave = "interleaved" in space.schedules
     if L % pp == 0:
         per = L // pp
-        vpps = [v for v in _divisors(per) if v <= space.max_vpp]
-        if "interleaved" not in space.schedules:
-            vpps = [1]
+        vpps = [v for v in _divisors(per) if v <= space.max_vpp] if interleave else [1]
         for v in _pick(vpps, space.vpp):
-            yield None, None, v
+            yield None, None, v, none
         return
     if not space.uneven:
         return
@@ -87,7 +92,16 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
     rest = L - (pp - 2) * k
     first = rest // 2
     if first >= 1 and rest - first >= 1:
-        yield first, rest - first, 1
+        yield first, rest - first, 1, none
+    if not interleave:
+        return
+    for accounts in ACCOUNT_CHOICES:
+        slots = L + sum(accounts)
+        if slots % pp:
+            continue
+        vpps = [v for v in _divisors(slots // pp) if 1 < v <= space.max_vpp]
+        for v in _pick(vpps, space.vpp):
+            yield None, None, v, accounts
 
 
 def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
@@ -106,7 +120,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
                     continue
-                for first, last, vpp in pipeline_splits(m, pp, space):
+                for first, last, vpp, accounts in pipeline_splits(m, pp, space):
                     scheds = ["interleaved"] if vpp > 1 else \
                         [s for s in space.schedules if s in ("1f1b", "zero-bubble")] or ["1f1b"]
                     if pp == 1:
@@ -120,7 +134,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                                         sp != space.sequence_parallel:
                                     continue
                                 yield [Layout(world, tp, pp, cp, ep, etp, vpp, mb, global_batch,
-                                              rc, z, sp, sched, first, last)
+                                              rc, z, sp, sched, first, last, *accounts)
                                        for z in space.zero for mb in _pick(mbs, space.micro_batch)
                                        for rc in space.recompute]
 

@@ -16,7 +16,30 @@ def describe_run(cfg) -> str:
              f"DP {cfg.data_parallel_size} = global batch {t.global_batch_size}"]
     if m.vocab_size:
         lines.append(f"vocabulary {m.vocab_size} padded to {cfg.padded_vocab_size}")
+    if cfg.parallel.pp > 1:
+        lines.append(describe_pipeline_split(cfg))
     return "\n".join(lines)
+
+
+def describe_pipeline_split(cfg) -> str:
+    """One line: the transformer layers of each (pipeline rank, virtual stage)."""
+    from megalite.pipeline_parallel.stages import layers_of_stage
+
+    p = cfg.parallel
+    v = p.virtual_stages(cfg.model.num_layers)
+
+    def span(r, c):
+        layers = layers_of_stage(cfg, r, c)
+        if not layers:                  # a chunk of only the embedding or only the loss
+            return "embedding" if (r, c) == (0, 0) else "loss"
+        return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+    ranks = [" | ".join(span(r, c) for c in range(v)) for r in range(p.pp)]
+    extra = [name for name, on in (("embedding", p.account_for_embedding_in_pipeline_split),
+                                   ("loss", p.account_for_loss_in_pipeline_split)) if on]
+    each = "each " if len(extra) > 1 else ""
+    note = f" ({' and '.join(extra)} {each}counted as a pipeline layer)" if extra else ""
+    head = "layers per pipeline rank" + (" (virtual stages split by |)" if v > 1 else "")
+    return f"{head}: " + "; ".join(f"{r}: {s}" for r, s in enumerate(ranks)) + note
 
 
 def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None):

@@ -39,6 +39,19 @@ CASES = {
                                      recompute=("full", "uniform", 1, None)),
     "zb-pp2-full-block1": dict(pp=2, m=4, schedule="zero-bubble",
                                recompute=("full", "block", 1, None)),
+    # --account-for-embedding/loss-in-pipeline-split: 6 + 2 = 8 slots as [0] [1,2] [3,4] [5].
+    "account-both-vpp2-pp2-dp2": dict(pp=2, vpp=2, m=4, layers=6, emb=True, loss=True),
+    "account-loss-pp4-m4": dict(pp=4, m=4, layers=7, loss=True),
+    "account-emb-tp2-pp2-vpp2-sp-llama": dict(tp=2, pp=2, vpp=2, sp=True, m=4, layers=7,
+                                              emb=True, arch="llama"),
+    # One slot per (virtual) stage: chunks of only the embedding / only the loss (Llama 3).
+    "account-both-vpp4-pp2-dp2-1-per-chunk": dict(pp=2, vpp=4, m=4, layers=6, emb=True,
+                                                  loss=True),
+    "account-both-zb-pp4-empty-ends": dict(pp=4, m=4, layers=2, emb=True, loss=True,
+                                           schedule="zero-bubble"),
+    "account-loss-tp2-pp2-vpp2-sp-full-llama": dict(tp=2, pp=2, vpp=2, sp=True, m=2, layers=3,
+                                                    loss=True, arch="llama",
+                                                    recompute=("full", "uniform", 1, None)),
 }
 for c in CASES.values():
     c["world"] = WORLD

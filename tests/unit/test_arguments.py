@@ -48,6 +48,8 @@ BAD_INPUTS = [
     (["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2",
       "--global-batch-size", "6", "--num-layers", "8"], 4, ["micro-batches (6 =", "multiple of --pipeline-model-parallel-size (4)"]),
     (["--bogus-flag", "1"], 8, ["unrecognized arguments: --bogus-flag"]),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3",
+      "--num-layers", "8"], 8, ["--num-layers (8)", "--num-layers-per-virtual-pipeline-stage (3)"]),
     (["--fp16"], 8, ["--fp16", "--bf16"]),
 ]
 
@@ -177,3 +179,49 @@ def test_logging_packages_checked_before_start(capsys, monkeypatch):
     assert code == 2 and "--tensorboard-dir" in err and "pip install" in err
     code, err = run_main(BASE + ["--wandb-project", "p"], capsys, 1)
     assert code == 2 and "--wandb-project" in err
+
+
+# ---- --account-for-embedding/loss-in-pipeline-split (Megatron) ------------------------------
+EMB, LOSS = "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"
+PP2 = ["--pipeline-model-parallel-size", "2"]
+BAD_ACCOUNT_SPLITS = [
+    # 6 + 1 = 7 pipeline layers do not split over PP2 x VPP2.
+    (["--num-layers", "6", *PP2, "--num-virtual-stages-per-pipeline-rank", "2", LOSS,
+      "--global-batch-size", "8"], [LOSS, "--num-layers (6) + 1 = 7", "virtual stages (2)"]),
+    # VPP counted on L' = 8: 8 / (2 x 3) is not whole.
+    (["--num-layers", "6", *PP2, "--num-layers-per-virtual-pipeline-stage", "3", EMB, LOSS,
+      "--global-batch-size", "8"], [EMB, LOSS, "= 8", "--num-layers-per-virtual-pipeline-stage (3)"]),
+    (["--num-layers", "6", *PP2, "--decoder-first-pipeline-num-layers", "2", EMB],
+     [EMB, "--decoder-first/last-pipeline-num-layers"]),
+    (["--num-layers", "6", EMB, LOSS], [EMB, LOSS, "--pipeline-model-parallel-size > 1"]),
+]
+
+
+@pytest.mark.parametrize("extra,words", BAD_ACCOUNT_SPLITS)
+def test_account_for_split_bad_input_is_one_line(extra, words, capsys):
+    code, err = run_main(BASE + extra, capsys, 8)
+    assert code == 2
+    assert err.count("\n") == 0 and err.startswith("megalite: error:"), err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_account_for_split_flags_parse_and_count_in_vpp(capsys):
+    cfg = parse_args(["--world-size", "8", *BASE, "--num-layers", "6", *PP2,
+                      "--num-layers-per-virtual-pipeline-stage", "2", EMB, LOSS,
+                      "--global-batch-size", "8"])
+    p = cfg.parallel
+    assert p.account_for_embedding_in_pipeline_split and p.account_for_loss_in_pipeline_split
+    assert p.pipeline_slots(6) == 8 and p.virtual_stages(6) == 2   # 8 / (PP2 x 2 per stage)
+    assert not parse_args(BASE).parallel.account_for_loss_in_pipeline_split
+    assert pretrain_main(["--world-size", "8", *BASE, "--num-layers", "6", *PP2,
+                          "--num-virtual-stages-per-pipeline-rank", "2", EMB, LOSS,
+                          "--global-batch-size", "8", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "0: 0 | 3-4; 1: 1-2 | 5 (embedding and loss each counted" in out
+    # One slot per virtual stage (Llama 3's split): the first chunk holds only the
+    # embedding, the last only the loss.
+    assert pretrain_main(["--world-size", "8", *BASE, "--num-layers", "6", *PP2,
+                          "--num-virtual-stages-per-pipeline-rank", "4", EMB, LOSS,
+                          "--global-batch-size", "8", "--dry-run"]) == 0
+    assert "0: embedding | 1 | 3 | 5; 1: 0 | 2 | 4 | loss" in capsys.readouterr().out

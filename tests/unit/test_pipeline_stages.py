@@ -86,3 +86,42 @@ def test_schedule_selection():
     assert pick(cfg_for(4, 2)) is schedules.forward_backward_pipelining_without_interleaving
     assert pick(cfg_for(8, 2, vpp=2)) is schedules.forward_backward_pipelining_with_interleaving
     assert pick(cfg_for(4, 2, schedule="zero-bubble")) is schedules.forward_backward_zero_bubble
+
+
+def account_cfg(layers, pp, vpp=None, emb=False, loss=False):
+    cfg = cfg_for(layers, pp, vpp=vpp)
+    cfg.parallel.account_for_embedding_in_pipeline_split = emb
+    cfg.parallel.account_for_loss_in_pipeline_split = loss
+    return cfg
+
+
+def table(cfg):
+    v = cfg.parallel.virtual_stages(cfg.model.num_layers)
+    return [[layers_of_stage(cfg, r, c) for c in range(v)] for r in range(cfg.parallel.pp)]
+
+
+def test_account_for_embedding_and_loss_split():
+    # 6 layers + embedding + loss = 8 slots over PP2 x VPP2: blocks of 2 slots; the
+    # embedding takes block 0's first slot, the loss block 3's last (Megatron's offsets).
+    assert table(account_cfg(6, 2, 2, emb=True, loss=True)) == [[[0], [3, 4]], [[1, 2], [5]]]
+    # Loss only, no interleaving: 7 + 1 = 8 slots over 4 stages.
+    assert table(account_cfg(7, 4, loss=True)) == [[[0, 1]], [[2, 3]], [[4, 5]], [[6]]]
+    # Embedding only, interleaved: 7 + 1 = 8 slots over PP2 x VPP2.
+    assert table(account_cfg(7, 2, 2, emb=True)) == [[[0], [3, 4]], [[1, 2], [5, 6]]]
+    # Llama 3 405B: 126 + 2 = 128 slots over PP16 x VPP4 -> 2 per chunk, 1 on the ends.
+    cfg = account_cfg(126, 16, 4, emb=True, loss=True)
+    t = table(cfg)
+    counts = [[len(c) for c in rank] for rank in t]
+    assert counts[0] == [1, 2, 2, 2] and counts[-1] == [2, 2, 2, 1]
+    assert all(c == [2, 2, 2, 2] for c in counts[1:-1])
+    assert sorted(n for rank in t for c in rank for n in c) == list(range(126))
+    assert t[1][0] == [1, 2] and t[0][1] == [31, 32]           # block 16 = slots 32-33
+
+
+def test_account_for_split_chunks_put_embedding_and_loss_on_the_ends():
+    cfg = account_cfg(6, 2, 2, emb=True, loss=True)
+    first, _ = _chunks(cfg, 0)
+    last, _ = _chunks(cfg, 1)
+    assert [c.layer_numbers for c in first] == [[0], [3, 4]]
+    assert [c.layer_numbers for c in last] == [[1, 2], [5]]
+    assert first[0].pre_process and last[-1].post_process

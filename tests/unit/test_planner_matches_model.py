@@ -59,3 +59,30 @@ def test_interleaved_and_uneven_stages_equal_model():
             real_count(m, 2, 3, r, first=1, last=1)
     for r in range(3):
         assert ms.stage_params(m, r, tp=1, pp=3, vpp=2).total == real_count(m, 1, 3, r, vpp=2)
+
+
+@pytest.mark.parametrize("pp,vpp,accounts", [(2, 2, (True, True)), (2, 4, (True, True)),
+                                             (4, 1, (True, True)), (7, 1, (False, True)),
+                                             (1, 1, (False, False))])
+def test_account_for_split_stages_equal_model(pp, vpp, accounts):
+    """--account-for-embedding/loss-in-pipeline-split: the planner's layers and parameters per
+    rank are what build_model_chunks builds (6 layers; 1 slot per chunk at PP2 x VPP4)."""
+    from megalite.pipeline_parallel.stages import layers_of_stage
+
+    m = model_cfg("llama")
+    cfg = MegaliteConfig(model=m, world_size=2 * pp, parallel=ParallelConfig(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=pp,
+        num_virtual_stages_per_pipeline_rank=vpp if vpp > 1 else None,
+        account_for_embedding_in_pipeline_split=accounts[0],
+        account_for_loss_in_pipeline_split=accounts[1]))
+    state0 = ParallelState.build(RankGrid(2 * pp, tp=2, pp=pp), 0, create_groups=False)
+    for r in range(pp):
+        chunks = [layers_of_stage(cfg, r, c) for c in range(vpp)]
+        assert ms.stage_layer_ids(m, pp, r, vpp, accounts=accounts) == sum(chunks, [])
+        total = 0
+        for c, layers in enumerate(chunks):
+            model = gpt.GPTModel(cfg, state0, pre_process=r == 0 and c == 0,
+                                 post_process=r == pp - 1 and c == vpp - 1,
+                                 layer_numbers=layers, device="meta", init=False)
+            total += sum(p.numel() for p in model.parameters())
+        assert ms.stage_params(m, r, tp=2, pp=pp, vpp=vpp, accounts=accounts).total == total

@@ -239,17 +239,19 @@ def test_dp_volumes_ddp_and_distributed_optimizer():
     m, L = _cfg(world=4, global_batch=8)
     n = ms.stage_params(m, 0).total
     v = cm.volume(cm.events(m, L, 32, 0))
-    assert v["dp/all_reduce"]["elements"] == n and v["dp/all_reduce"]["bytes"] == 4 * n
+    # + the loop's two fp64 scalars (token count, loss) over the same group
+    assert v["dp-cp/all_reduce"]["elements"] == n + 2
+    assert v["dp-cp/all_reduce"]["bytes"] == 4 * n + 16
     m, L = _cfg(world=4, global_batch=8, zero=1)
     v = cm.volume(cm.events(m, L, 32, 0))
-    assert v["dp/reduce_scatter"]["elements"] == n == v["dp/all_gather"]["elements"]
+    assert v["dp-cp/reduce_scatter"]["elements"] == n == v["dp-cp/all_gather"]["elements"]
 
 
 def test_fsdp_moves_3x_weights_per_micro_batch():
     m, L = _cfg(world=4, global_batch=8, zero=3)          # 2 micro-batches per DP rank
     n = ms.stage_params(m, 0).total
     v = cm.volume(cm.events(m, L, 32, 0))
-    assert v["dp/all_gather"]["elements"] + v["dp/reduce_scatter"]["elements"] == 3 * n * 2
+    assert v["dp-cp/all_gather"]["elements"] + v["dp-cp/reduce_scatter"]["elements"] == 3 * n * 2
 
 
 def test_tp_four_all_reduces_per_layer_per_micro_batch():

@@ -100,3 +100,36 @@ def test_fsdp_layouts_are_advice_only():
                  ModelOptions())
     assert res.ranked and not res.ranked[0].layout.emittable
     assert "--use-distributed-optimizer" in res.ranked[0].layout.parallel_flags()
+
+
+def test_account_for_split_offered_with_interleaving_and_round_trips():
+    from megalite.planner.layout import layout_from_config
+    from megalite.planner.search import pipeline_splits
+
+    m = ms.recipe("llama3-405b")                     # 126 layers: 126 % 16 != 0
+    splits = list(pipeline_splits(m, 16, SearchSpace()))
+    assert (7, 7, 1, (False, False)) in splits       # --decoder-first/last, no interleaving
+    both = [v for f, l, v, acc in splits if acc == (True, True)]
+    assert both == [2, 4, 8]                         # 128 slots / 16 = 8 per rank
+    assert not [s for s in pipeline_splits(m, 16, SearchSpace(schedules=("1f1b",)))
+                if any(s[3])]
+    L = Layout(world=16384, tp=8, pp=16, vpp=8, global_batch=2048, sp=True,
+               schedule="interleaved", account_embedding=True, account_loss=True)
+    cfg = L.to_config(m, 8192)
+    validate_layout(cfg)
+    flags = L.parallel_flags()
+    assert "--account-for-embedding-in-pipeline-split" in flags
+    assert "--account-for-loss-in-pipeline-split" in flags
+    assert layout_from_config(cfg) == L
+    # The first and last rank hold 7 layers (one chunk is only the embedding / the loss),
+    # the others 8; the planner's memory and time models see that.
+    kinds = [ms.stage_layer_kinds(m, 16, r, 8, *L.stage_split) for r in range(16)]
+    assert kinds[0] == kinds[-1] == (7, 0) and all(k == (8, 0) for k in kinds[1:-1])
+    one = ms.kind_params(m, False, tp=8).total
+    mid = ms.stage_params(m, 1, tp=8, pp=16, vpp=8, accounts=L.accounts).total
+    first = ms.stage_params(m, 0, tp=8, pp=16, vpp=8, accounts=L.accounts).total
+    assert mid - first == one - ms.embedding_params(m, 8)
+    e = evaluate(m, 8192, L, make_cluster(16384))
+    even = evaluate(m, 8192, Layout(world=16384, tp=8, pp=16, global_batch=2048, sp=True,
+                                    first_layers=7, last_layers=7), make_cluster(16384))
+    assert e.times["bubble"] < even.times["bubble"] / 4   # (p-1)/(v m) with v = 8

@@ -1,0 +1,282 @@
+"""``megalite plan --validate-run``: run one iteration of a small layout on N CPU gloo
+processes and hold the planner's per-rank predictions to what the run really holds and sends.
+
+The planner is only worth trusting at scale if, where it can be checked, it is right:
+weights, gradients and optimizer states must match byte for byte, activations (a model of
+the kernels) within 10%, and communication per group and op within 1%.
+
+Activations are the *peak* bytes held for backward during the iteration (so with PP this
+is the in-flight peak of the schedule): every tensor autograd saves, followed live through
+``saved_tensors_hooks`` and deduplicated by storage, plus tensors custom autograd Functions
+keep on ``ctx`` (the vocab-parallel cross entropy keeps its fp32 exp(logits) there, out of
+the hooks' sight).  Parameters are not activations and are skipped.
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from typing import Dict, List, Optional
+
+from megalite.arguments import ConfigError, parse_args
+
+MEMORY_ROWS = ("weights", "grads", "optimizer", "activations")
+ACT_TOL, COMM_TOL = 0.10, 0.01
+
+
+# ---- measuring (runs on every rank) ---------------------------------------------------
+
+class LiveSaved:
+    """Bytes of activations alive now and at the peak, each storage counted once."""
+
+    def __init__(self, params):
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: Dict[int, list] = {}
+        self.live = self.peak = 0
+        self._ctx_seen: Dict[int, weakref.ref] = {}
+
+    def acquire(self, storage) -> Optional[int]:
+        ptr = storage.data_ptr()
+        if ptr in self.skip or storage.nbytes() == 0:
+            return None
+        row = self.refs.setdefault(ptr, [0, storage.nbytes()])
+        if row[0] == 0:
+            self.live += row[1]
+            self.peak = max(self.peak, self.live)
+        row[0] += 1
+        return ptr
+
+    def release(self, ptr: int):
+        row = self.refs[ptr]
+        row[0] -= 1
+        if row[0] == 0:
+            self.live -= row[1]
+            del self.refs[ptr]
+
+    # saved_tensors_hooks: a holder per saved tensor, released when autograd drops it
+    def pack(self, t):
+        ptr = self.acquire(t.untyped_storage())
+        return t if ptr is None else _Holder(t.detach(), ptr, self)
+
+    @staticmethod
+    def unpack(h):
+        return h.t if isinstance(h, _Holder) else h
+
+    def note_ctx_tensors(self, output):
+        """Tensors custom Functions stored on ctx in ``output``'s graph (not seen by hooks)."""
+        import torch
+
+        todo, seen = [getattr(output, "grad_fn", None)], set()
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            todo += [n for n, _ in node.next_functions]
+            if not isinstance(node, torch.autograd.function.BackwardCFunction):
+                continue
+            for v in vars(node).values():
+                if isinstance(v, torch.Tensor) and not self._known(v):
+                    ptr = self.acquire(v.untyped_storage())
+                    if ptr is not None:
+                        weakref.finalize(v, self.release, ptr)
+
+    def _known(self, t) -> bool:
+        ref = self._ctx_seen.get(id(t))
+        if ref is not None and ref() is t:
+            return True
+        self._ctx_seen[id(t)] = weakref.ref(t)
+        return False
+
+
+class _Holder:
+    __slots__ = ("t", "ptr", "owner")
+
+    def __init__(self, t, ptr, owner):
+        self.t, self.ptr, self.owner = t, ptr, owner
+
+    def __del__(self):
+        self.owner.release(self.ptr)
+
+
+def _storages_bytes(tensors, skip=()) -> int:
+    seen = {s.untyped_storage().data_ptr() for s in skip}
+    total = 0
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def measure_rank(argv: List[str]) -> dict:
+    """One training iteration on this rank: model-state bytes, peak activations, comm."""
+    import torch
+    import torch.distributed as torch_dist
+
+    from megalite import comm
+    from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.training.loop import Trainer
+
+    warnings.filterwarnings("ignore", category=FutureWarning)   # torch's c10d renames
+    cfg = parse_args(argv)
+    state = ParallelState.build(RankGrid.from_config(cfg), torch_dist.get_rank())
+    trainer = Trainer(cfg, state, "cpu")
+    trainer.setup()
+    params = [p for c in trainer.model_chunks for p in c.parameters()]
+    opt = trainer.optimizer
+    live = LiveSaved(params)
+    for chunk in trainer.model_chunks:            # ctx tensors of each micro-batch's graph
+        def fwd(*a, _f=chunk.forward, **k):
+            out = _f(*a, **k)
+            live.note_ctx_tensors(out)
+            return out
+        chunk.forward = fwd
+    iterator = trainer.data_iterator(trainer.train_ds, 0)
+    comm.counter.reset()
+    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+        trainer.train_step(iterator)
+    volume = comm.counter.snapshot()
+    grads = [opt.grad(p) for p in opt.params]
+    moments = [v for s in opt.inner.state.values() for k, v in s.items()
+               if k in ("exp_avg", "exp_avg_sq")]
+    return {"weights": _storages_bytes(params), "grads": _storages_bytes(grads),
+            "optimizer": _storages_bytes(list(opt.masters) + moments, skip=params),
+            "activations": live.peak, "comm": volume}
+
+
+# ---- predicting and comparing (the launching process) ---------------------------------
+
+def predict(cfg, rank: int) -> dict:
+    from megalite.planner.comm_model import predict_comm_volume
+    from megalite.planner.memory import predict_rank_memory
+
+    # CPU's fused SDPA kernel has no dropout: with attention dropout torch runs the math path
+    mem = predict_rank_memory(cfg, rank, flash_attention=not cfg.model.attention_dropout)
+    # Full recomputation's re-materialised layer lives inside checkpoint's own hooks, out of
+    # the measurement's sight: compare what the forward stores.
+    mem["activations"] -= mem["recompute_working"]
+    return {**{k: mem[k] for k in MEMORY_ROWS}, "comm": predict_comm_volume(cfg, rank)}
+
+
+def compare(pred: dict, meas: dict) -> List[dict]:
+    """One row per memory kind and per group/op, each with ``ok``."""
+    rows = []
+    for k in MEMORY_ROWS:
+        p, m = pred[k], meas[k]
+        tol = ACT_TOL if k == "activations" else 0.0
+        rows.append(dict(what=k, pred=p, meas=m, ok=abs(m - p) <= tol * p))
+    zero = {"calls": 0, "bytes": 0}
+    for key in sorted(set(pred["comm"]) | set(meas["comm"])):
+        p, m = pred["comm"].get(key, zero), meas["comm"].get(key, zero)
+        rows.append(dict(what=key, pred=p["bytes"], meas=m["bytes"], calls=(p["calls"],
+                         m["calls"]), ok=abs(m["bytes"] - p["bytes"]) <= COMM_TOL * p["bytes"]))
+    return rows
+
+
+def _diff(p: int, m: int) -> str:
+    if p == m:
+        return "0"
+    return f"{(m - p) / p:+.1%}" if p else "new"
+
+
+def format_table(per_rank: List[List[dict]]) -> str:
+    """Ranks with identical rows share one block ("ranks 0,1")."""
+    blocks: Dict[str, List[int]] = {}
+    for r, rows in enumerate(per_rank):
+        blocks.setdefault(repr([(x["what"], x["pred"], x["meas"]) for x in rows]), []).append(r)
+    lines = [f"{'ranks':<8} {'what':<22} {'predicted':>12} {'measured':>12} {'diff':>8} "
+             f"{'calls p/m':>10}  ok"]
+    for ranks in blocks.values():
+        label = ",".join(map(str, ranks))
+        for x in per_rank[ranks[0]]:
+            calls = "{}/{}".format(*x["calls"]) if "calls" in x else ""
+            lines.append(f"{label:<8} {x['what']:<22} {x['pred']:>12,} {x['meas']:>12,} "
+                         f"{_diff(x['pred'], x['meas']):>8} {calls:>10}  "
+                         f"{'yes' if x['ok'] else 'NO'}")
+            label = ""
+    return "\n".join(lines)
+
+
+def run_argv(flags: List[str], nproc: int) -> List[str]:
+    """pretrain_gpt.py flags for a one-iteration mock-data run on ``nproc`` ranks."""
+    argv = ["--world-size", str(nproc), *flags]
+    if "--data-path" not in flags and "--mock-data" not in flags:
+        argv.append("--mock-data")
+    for flag, value in (("--train-iters", "1"), ("--lr", "1e-4")):   # required, irrelevant
+        if flag not in flags:
+            argv += [flag, value]
+    return argv + ["--eval-iters", "0"]
+
+
+def validate(flags: List[str], nproc: int, pool=None) -> tuple:
+    """(per-rank comparison rows, all ok); ``pool``: a megalite.testing.PoolManager to reuse."""
+    argv = run_argv(flags, nproc)
+    cfg = parse_args(argv)
+    preds = [predict(cfg, r) for r in range(nproc)]
+    if pool is None:
+        from megalite.testing import WorkerPool
+
+        pool = WorkerPool(nproc, timeout_s=300)
+        try:
+            measured = pool.run(measure_rank, argv)
+        finally:
+            pool.close()
+    else:
+        measured = pool.run(nproc, measure_rank, argv)
+    rows = [compare(p, m) for p, m in zip(preds, measured)]
+    return rows, all(x["ok"] for r in rows for x in r)
+
+
+USAGE = """usage: megalite plan --validate-run --nproc N [pretrain_gpt.py flags]
+
+Runs one iteration of the layout on N CPU gloo processes (mock data unless --data-path) and
+prints, per rank, predicted vs measured bytes of weights, gradients, optimizer states, peak
+activations held for backward, and communication per group/op.  Exit 0 when model states
+match exactly, activations within 10% and communication within 1%; else 1."""
+
+
+def header(cfg) -> str:
+    from megalite.planner.layout import layout_from_config
+
+    L = layout_from_config(cfg)
+    rc = f", recompute {L.recompute}" if L.recompute != "none" else ""
+    return (f"{L.short()}: {L.num_micro_batches} micro-batch(es) of {L.micro_batch} x "
+            f"{cfg.model.seq_length} tokens per DP rank, {'bf16' if cfg.optimizer.bf16 else 'fp32'}"
+            f"{rc}; activations = peak held for backward in iteration 1")
+
+
+def main(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(USAGE, file=out)
+        return 0
+    from megalite.planner.cli import _Parser       # errors -> one line, exit status 2
+
+    ap = _Parser(prog="megalite plan --validate-run", add_help=False, allow_abbrev=False)
+    ap.add_argument("--validate-run", action="store_true")
+    ap.add_argument("--nproc", type=int, default=1)
+    args, flags = ap.parse_known_args(argv)
+    if args.nproc < 1:
+        raise ConfigError("--nproc must be a positive integer")
+    cfg = parse_args(run_argv(flags, args.nproc))
+    from megalite.testing import DistributedTestError
+
+    try:
+        rows, ok = validate(flags, args.nproc)
+    except DistributedTestError as exc:            # the run itself broke: show its traceback
+        print(f"megalite: the run failed: {exc}", file=sys.stderr)
+        return 1
+    print(header(cfg) + "\n\n" + format_table(rows), file=out)
+    bad = sorted({x["what"] for r in rows for x in r if not x["ok"]})
+    print(f"\n{'PASS' if ok else 'FAIL'}: weights/grads/optimizer exact, activations within "
+          f"{ACT_TOL:.0%}, communication within {COMM_TOL:.0%}"
+          + ("" if ok else f"; missed: {', '.join(bad)}"), file=out)
+    if "activations" in bad and cfg.optimizer.bf16 and cfg.model.attention_dropout:
+        print("note: on CPU, attention with dropout runs SDPA's math path, which computes "
+              "bf16 in fp32; validate bf16 with --attention-dropout 0", file=out)
+    if "optimizer" in bad and cfg.parallel.use_distributed_optimizer:
+        print("note: the planner models --use-distributed-optimizer as ZeRO-1; megalite's "
+              "optimizer does not shard yet", file=out)
+    return 0 if ok else 1
