@@ -7,7 +7,9 @@ beta2 0.99, weight decay 0.1, clip 1.0, no dropout, a contiguous 90/10 split.
 
     python benchmarks/convergence_baby_gpt.py [--iters 2000] [--out outputs/baby_gpt]
 
-Prints the final validation loss, the wall time and whether it reaches <= 1.88.
+Prints the final validation loss, the wall time and whether it reaches <= 1.88; with
+``--reference`` it also trains nanoGPT's recipe as a plain PyTorch loop on transformers' GPT-2
+(benchmarks/nanogpt_reference.py) in the same run and prints both side by side.
 nanoGPT uses no biases in this config (its default bias=False), so neither do we.
 """
 import argparse
@@ -27,6 +29,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "baby_gpt"))
     ap.add_argument("--nproc", type=int, default=1, help="data-parallel processes (torchrun)")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--reference", action="store_true",
+                    help="also train nanoGPT's recipe on transformers' GPT-2 and compare")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     corpus = os.path.join(ROOT, "data", "tinyshakespeare.txt")
@@ -51,7 +55,7 @@ def main():
              "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear",
              "--data-path", prefix + "_text_document", "--split", "90,10,0",
              "--tokenizer-type", "CharacterTokenizer", "--tokenizer-model", vocab,
-             "--eval-interval", str(max(a.iters // 4, 1)), "--eval-iters", "20",
+             "--eval-interval", str(max(a.iters // 4, 1)), "--eval-iters", "200",
              "--log-interval", "200", "--metrics-file", metrics, "--seed", str(a.seed)]
     if a.nproc > 1:
         cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
@@ -66,6 +70,14 @@ def main():
     print(f"\nbaby GPT (seed {a.seed}): {a.iters} iterations, wall {wall:.1f} s, final validation loss "
           f"{final:.4f} (nanoGPT published {TARGET}) -> "
           f"{'reached' if final <= TARGET else 'NOT reached'}")
+    if a.reference:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from nanogpt_reference import train_reference
+
+        ref = train_reference(open(corpus).read(), a.seed, a.iters)
+        print(f"reference (nanoGPT recipe, transformers GPT-2, seed {a.seed}): validation loss "
+              f"{ref['val_loss']:.4f}, wall {ref['wall_s']:.1f} s | megalite/reference loss "
+              f"ratio {final / ref['val_loss']:.4f}, time ratio {wall / ref['wall_s']:.2f}")
     return 0 if final <= TARGET else 1
 
 
