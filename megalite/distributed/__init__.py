@@ -1,1 +1,1 @@
-"""Data-parallel gradient reduction (and, later, ZeRO / FSDP)."""
+"""Data-parallel gradient reduction and the distributed (ZeRO-1/2) optimizer."""

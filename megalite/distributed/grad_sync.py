@@ -40,20 +40,30 @@ def allreduce_gradients(grads: List[torch.Tensor], group: Group,
     flush()
 
 
-def finalize_gradients(params, grad_of, state) -> None:
+def dp_group_name(param) -> str:
+    """The group a parameter's gradient is summed over: expert params over expert-DP,
+    everything else over DP x CP (CP ranks saw other tokens of the same sequences)."""
+    return "expert-dp" if getattr(param, "expert_parallel", False) else "dp-cp"
+
+
+def finalize_gradients(params, grad_of, state, sharded_buffers=()) -> None:
     """Every reduction a gradient needs after the last micro-batch's backward, in order:
 
     1. sequence-parallel replicated params (norms, ...) summed over TP, since each TP rank
        saw only its sequence shard;
     2. tied word embeddings summed over the first+last stage ("embedding" group);
-    3. everything summed over data parallel (dp-cp; expert params over expert-dp).
+    3. everything summed over data parallel (``dp_group_name``): grads that live in a
+       distributed optimizer's ``sharded_buffers`` are reduce-scattered (each DP rank keeps
+       the sum of its own shard), the rest all-reduced.
     """
     sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
     allreduce_gradients(sp, state.tp)
     tied = [grad_of(p) for p in params if getattr(p, "shared_embedding", False)]
     if tied and state.pp.size > 1:
         allreduce_gradients(tied, state["embedding"])
-    dense = [grad_of(p) for p in params if not getattr(p, "expert_parallel", False)]
-    experts = [grad_of(p) for p in params if getattr(p, "expert_parallel", False)]
-    allreduce_gradients(dense, state["dp-cp"])
-    allreduce_gradients(experts, state["expert-dp"])
+    for buf in sharded_buffers:
+        buf.reduce_scatter_grads()
+    in_buffers = {id(p) for buf in sharded_buffers for p in buf.params}
+    rest = [p for p in params if id(p) not in in_buffers]
+    for name in ("dp-cp", "expert-dp"):
+        allreduce_gradients([grad_of(p) for p in rest if dp_group_name(p) == name], state[name])

@@ -27,7 +27,23 @@ def counts_toward_norm(param, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
+def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
+    """The torch optimizer over ``groups`` (empty groups dropped): fused AdamW, or SGD."""
+    groups = [g for g in groups if g["params"]]
+    if o.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=o.lr or 0.0, momentum=0.9)
+    kwargs = dict(lr=o.lr or 0.0, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
+    try:
+        return torch.optim.AdamW(groups, fused=True, **kwargs)
+    except (RuntimeError, TypeError):
+        return torch.optim.AdamW(groups, foreach=True, **kwargs)
+
+
 class MixedPrecisionOptimizer:
+    # Grad buffers whose DP reduction is a reduce-scatter (finalize_gradients); none here:
+    # every gradient is all-reduced.  The distributed optimizer lists its buffers.
+    sharded_buffers = ()
+
     def __init__(self, named_params: Iterable, cfg, state):
         o = cfg.optimizer
         self.state = state
@@ -53,15 +69,7 @@ class MixedPrecisionOptimizer:
                     if not _uses_decay(n, p)]
         groups = [{"params": decay, "weight_decay": o.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        if o.optimizer == "sgd":
-            self.inner = torch.optim.SGD(groups, lr=o.lr or 0.0, momentum=0.9)
-        else:
-            kwargs = dict(lr=o.lr or 0.0, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
-            try:
-                self.inner = torch.optim.AdamW(groups, fused=True, **kwargs)
-            except (RuntimeError, TypeError):
-                self.inner = torch.optim.AdamW(groups, foreach=True, **kwargs)
+        self.inner = make_inner_optimizer(groups, o)
 
     # -- gradients ---------------------------------------------------------------------
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
@@ -121,6 +129,14 @@ class MixedPrecisionOptimizer:
             sd["masters"] = [m.detach().clone() for m in self.masters]
         return sd
 
+    def reload_model_params(self):
+        """Refresh the fp32 masters from the model after weights were loaded into it, so the
+        next step does not write the initial weights back (finetune / --no-load-optim)."""
+        if self.bf16:
+            with torch.no_grad():
+                for p, m in zip(self.params, self.masters):
+                    m.copy_(p)
+
     def load_state_dict(self, sd: dict):
         self.inner.load_state_dict(sd["optimizer"])
         if self.bf16 and "masters" in sd:
@@ -135,6 +151,12 @@ def _accumulate_main_grad(param):
     param.grad = None
 
 
-def build_optimizer(model_chunks, cfg, state) -> MixedPrecisionOptimizer:
+def build_optimizer(model_chunks, cfg, state):
+    """MixedPrecisionOptimizer, or the sharded DistributedOptimizer with
+    --use-distributed-optimizer (same interface)."""
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters()]
+    if cfg.parallel.use_distributed_optimizer:
+        from megalite.distributed.distributed_optimizer import DistributedOptimizer
+
+        return DistributedOptimizer(named, cfg, state)
     return MixedPrecisionOptimizer(named, cfg, state)

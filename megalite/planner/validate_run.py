@@ -276,7 +276,8 @@ def main(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
     if "activations" in bad and cfg.optimizer.bf16 and cfg.model.attention_dropout:
         print("note: on CPU, attention with dropout runs SDPA's math path, which computes "
               "bf16 in fp32; validate bf16 with --attention-dropout 0", file=out)
-    if "optimizer" in bad and cfg.parallel.use_distributed_optimizer:
-        print("note: the planner models --use-distributed-optimizer as ZeRO-1; megalite's "
-              "optimizer does not shard yet", file=out)
+    if {"weights", "grads", "optimizer"} & set(bad) and cfg.parallel.use_distributed_optimizer:
+        print("note: with --use-distributed-optimizer weights and grads live in flat buffers "
+              "padded to a multiple of DP x CP, and each rank keeps 1/(DP x CP) of the fp32 "
+              "masters and Adam states (docs/distributed_optimizer.md)", file=out)
     return 0 if ok else 1

@@ -22,8 +22,11 @@ def _iter_dir(root: str, iteration: int) -> str:
 
 def _layout(trainer) -> dict:
     p = trainer.cfg.parallel
-    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "world_size": trainer.cfg.world_size,
-            "vpp": trainer.state.vpp_size, "bf16": trainer.cfg.optimizer.bf16}
+    out = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "world_size": trainer.cfg.world_size,
+           "vpp": trainer.state.vpp_size, "bf16": trainer.cfg.optimizer.bf16}
+    if p.use_distributed_optimizer:     # sharded optimizer state: another layout entirely
+        out["distributed_optimizer"] = True
+    return out
 
 
 def save_training_checkpoint(trainer) -> str:
@@ -48,6 +51,7 @@ def load_training_checkpoint(trainer) -> None:
     cfg, state = trainer.cfg, trainer.state
     root = cfg.checkpoint.load
     iteration = load_model_shards(root, trainer.model_chunks, cfg, state)
+    trainer.optimizer.reload_model_params()    # fp32 masters follow the loaded weights
     with open(os.path.join(_iter_dir(root, iteration), "metadata.json")) as fh:
         meta = json.load(fh)
     extra = meta.get("extra", {})

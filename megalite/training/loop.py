@@ -132,7 +132,8 @@ class Trainer:
         batches = self._next_batches(iterator)
         self.optimizer.zero_grad()
         loss = self._run_schedule(batches, forward_only=False)
-        finalize_gradients(self.optimizer.params, self.optimizer.grad, self.state)
+        finalize_gradients(self.optimizer.params, self.optimizer.grad, self.state,
+                           self.optimizer.sharded_buffers)
         lr = self.scheduler.lr(self.iteration + 1)
         grad_norm = self.optimizer.step(lr)
         self.iteration += 1
