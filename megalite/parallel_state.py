@@ -272,11 +272,17 @@ def initialize(cfg) -> ParallelState:
     if device == "cuda":
         torch.cuda.set_device(env.local_rank % max(torch.cuda.device_count(), 1))
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(
-            backend=backend, rank=env.rank, world_size=env.world_size,
-            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+        timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+        if env.world_size == 1 and "MASTER_PORT" not in os.environ:
+            # A lone process needs no rendezvous: an in-memory store avoids port clashes
+            # with other runs on the same machine.
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0,
+                                    world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=timeout)
     grid = RankGrid.from_config(cfg)
     return ParallelState.build(grid, dist.get_rank())
 
