@@ -28,7 +28,7 @@ import torch
 
 from megalite import comm
 from megalite.distributed.grad_sync import dp_group_name
-from megalite.optimizer.optimizer import (_accumulate_main_grad, _uses_decay,
+from megalite.optimizer.optimizer import (clip_coefficient, _accumulate_main_grad, _uses_decay,
                                           counts_toward_norm, make_inner_optimizer)
 
 
@@ -208,9 +208,7 @@ class DistributedOptimizer:
         """Clip by the global norm, step this rank's shard, all-gather the parameters;
         returns the norm before clipping."""
         norm = self.grad_norm()
-        coef = 1.0
-        if self.clip_grad and self.clip_grad > 0 and norm > self.clip_grad:
-            coef = self.clip_grad / (norm + 1e-6)
+        coef = clip_coefficient(norm, self.clip_grad)
         for group in self.inner.param_groups:
             group["lr"] = lr
         if coef != 1.0:

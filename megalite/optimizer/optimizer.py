@@ -19,6 +19,13 @@ def _uses_decay(name: str, param: torch.nn.Parameter) -> bool:
     return param.ndim > 1 and not name.endswith(".bias")
 
 
+def clip_coefficient(norm: float, clip_grad: float) -> float:
+    """Scale for gradients so their global norm is at most ``clip_grad`` (0 disables)."""
+    if clip_grad and clip_grad > 0 and norm > clip_grad:
+        return clip_grad / (norm + 1e-6)
+    return 1.0
+
+
 def counts_toward_norm(param, tp_rank: int) -> bool:
     """Count a parameter once across TP (replicated ones only on TP rank 0) and once across
     the first/last stage copies of a tied embedding."""
@@ -105,9 +112,7 @@ class MixedPrecisionOptimizer:
     def step(self, lr: float) -> float:
         """Clip by the global norm, update, and return the norm before clipping."""
         norm = self.grad_norm()
-        coef = 1.0
-        if self.clip_grad and self.clip_grad > 0 and norm > self.clip_grad:
-            coef = self.clip_grad / (norm + 1e-6)
+        coef = clip_coefficient(norm, self.clip_grad)
         for group in self.inner.param_groups:
             group["lr"] = lr
         for p, m in zip(self.params, self.masters):
