@@ -1,5 +1,9 @@
 #!/usr/bin/env python
-"""Pretrain a mixture-of-experts model: pretrain_gpt.py with MoE defaults (8 experts, top-2)."""
+"""Pretrain a mixture-of-experts model: pretrain_gpt.py with MoE defaults (8 experts, top-2).
+
+MoE layers have not landed yet: today this entry validates flags and prints the expert grid
+with --dry-run; a training run stops with a one-line error instead of training a dense model.
+"""
 import sys
 
 from megalite.training import main

@@ -243,6 +243,17 @@ def validate_training(cfg: MegaliteConfig) -> None:
             raise ConfigError("give only one of --train-iters and --train-samples")
         if o.lr is None:
             raise ConfigError("--lr is required")
+    if not t.dry_run:  # parts of the grid whose layers have not landed yet: refuse, never ignore
+        m, p = cfg.model, cfg.parallel
+        if p.cp > 1:
+            raise ConfigError("--context-parallel-size > 1: context-parallel attention is not "
+                              "implemented yet (its groups and --dry-run are); use CP=1")
+        if m.num_experts:
+            raise ConfigError("--num-experts: MoE layers are not implemented yet (the expert grid "
+                              "and --dry-run are); drop --num-experts")
+        if m.transformer_impl == "transformer_engine":
+            raise ConfigError("--transformer-impl transformer_engine is not implemented yet; "
+                              "use local (or auto)")
     if t.recompute_method and t.recompute_granularity != "full":
         raise ConfigError("--recompute-method needs --recompute-granularity full")
     allowed = {"core_attn", "mlp", "layernorm"}

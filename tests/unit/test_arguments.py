@@ -51,6 +51,9 @@ BAD_INPUTS = [
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3",
       "--num-layers", "8"], 8, ["--num-layers (8)", "--num-layers-per-virtual-pipeline-stage (3)"]),
     (["--fp16"], 8, ["--fp16", "--bf16"]),
+    (["--context-parallel-size", "2"], 8, ["--context-parallel-size", "not implemented yet"]),
+    (["--num-experts", "4"], 8, ["--num-experts", "not implemented yet"]),
+    (["--transformer-impl", "transformer_engine"], 8, ["--transformer-impl", "local"]),
 ]
 
 
@@ -86,7 +89,7 @@ def test_entry_point_exit_status_no_traceback():
 def test_derived_sizes_and_vocab_padding():
     cfg = parse_args(["--world-size", "16", *BASE, "--tensor-model-parallel-size", "2",
                       "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2",
-                      "--global-batch-size", "8"])
+                      "--global-batch-size", "8", "--dry-run"])
     assert cfg.data_parallel_size == 2 and cfg.num_micro_batches == 4
     assert cfg.padded_vocab_size == 1024  # 1000 -> multiple of 128*2
     cfg = parse_args(["--world-size", "8", *BASE, "--tensor-model-parallel-size", "8",
@@ -103,7 +106,8 @@ def test_megatron_flag_names_and_defaults():
                       "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
                       "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
                       "--use-distributed-optimizer", "--recompute-granularity", "selective",
-                      "--global-batch-size", "16", "--save", "/tmp/x", "--lr-decay-style", "cosine"])
+                      "--global-batch-size", "16", "--save", "/tmp/x", "--lr-decay-style", "cosine",
+                      "--dry-run"])
     p, m = cfg.parallel, cfg.model
     assert (p.tp, p.pp, p.cp, p.ep, p.etp) == (2, 2, 2, 2, 1)
     assert p.virtual_stages(m.num_layers) == 2 and p.sequence_parallel
@@ -209,7 +213,7 @@ def test_account_for_split_bad_input_is_one_line(extra, words, capsys):
 def test_account_for_split_flags_parse_and_count_in_vpp(capsys):
     cfg = parse_args(["--world-size", "8", *BASE, "--num-layers", "6", *PP2,
                       "--num-layers-per-virtual-pipeline-stage", "2", EMB, LOSS,
-                      "--global-batch-size", "8"])
+                      "--global-batch-size", "8", "--dry-run"])
     p = cfg.parallel
     assert p.account_for_embedding_in_pipeline_split and p.account_for_loss_in_pipeline_split
     assert p.pipeline_slots(6) == 8 and p.virtual_stages(6) == 2   # 8 / (PP2 x 2 per stage)
