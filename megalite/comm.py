@@ -86,28 +86,62 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     return tensor
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group):
-    """Concatenate every rank's ``input`` along dim 0 into ``output``."""
+class Pending:
+    """An asynchronous collective in flight: ``wait()`` blocks until it is done and returns
+    its output (after any copy back from gloo's fp32 staging buffer)."""
+
+    def __init__(self, output: torch.Tensor, work=None, finish=None):
+        self.output, self._work, self._finish = output, work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._finish is not None:
+            self._finish()
+            self._finish = None
+        return self.output
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group,
+                           async_op: bool = False):
+    """Concatenate every rank's ``input`` along dim 0 into ``output``.
+
+    ``async_op``: return a ``Pending`` at once (wait() -> ``output``) so the caller can
+    compute while the collective runs; one outstanding collective per group at a time."""
     if group.size == 1:
         output.copy_(input)
-        return output
+        return Pending(output) if async_op else output
     counter.add(group.name, "all_gather", output)
-    dist.all_gather_into_tensor(output, input.contiguous(), group=group.handle)
-    return output
+    work = dist.all_gather_into_tensor(output, input.contiguous(), group=group.handle,
+                                       async_op=async_op)
+    return Pending(output, work) if async_op else output
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group):
-    """Sum ``input`` over ranks; this rank keeps its dim-0 slice in ``output``."""
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group,
+                          async_op: bool = False):
+    """Sum ``input`` over ranks; this rank keeps its dim-0 slice in ``output``.
+
+    ``async_op`` as for ``all_gather_into_tensor``."""
     if group.size == 1:
         output.copy_(input)
-        return output
+        return Pending(output) if async_op else output
     counter.add(group.name, "reduce_scatter", input)
+    finish = None
     if _needs_fp32(group, input):
         out32 = output.float()
-        dist.reduce_scatter_tensor(out32, input.float().contiguous(), group=group.handle)
-        output.copy_(out32)
+        work = dist.reduce_scatter_tensor(out32, input.float().contiguous(),
+                                          group=group.handle, async_op=async_op)
+
+        def finish():
+            output.copy_(out32)
     else:
-        dist.reduce_scatter_tensor(output, input.contiguous(), group=group.handle)
+        work = dist.reduce_scatter_tensor(output, input.contiguous(), group=group.handle,
+                                          async_op=async_op)
+    if async_op:
+        return Pending(output, work, finish)
+    if finish is not None:
+        finish()
     return output
 
 

@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--headroom", type=float, default=0.90, help="usable memory fraction")
     o.add_argument("--local-layers", action="store_true",
                    help="model megalite's local (pure PyTorch) layers instead of Transformer "
-                   "Engine's: SP keeps the all-gathered linear inputs rather than re-gathering")
+                   "Engine's fused kernels (RoPE, attention-output and SwiGLU copies; "
+                   "docs/planner.md, \"Local layers\")")
     o.add_argument("--dp-exposed-fraction", type=float,
                    help="force this fraction of DP communication to be exposed")
     o.add_argument("--tp-overlap", type=float, default=0.0,

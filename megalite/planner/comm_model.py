@@ -87,9 +87,12 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     full = L.recompute == "full"
     # Tensor parallel: an entry (f) and exit (g) collective around attention and each MLP.
     # f: forward identity / SP all-gather, backward all-reduce / reduce-scatter; g: the
-    # reverse.  Backward's f-side reduction runs behind the weight-gradient GEMM (Megatron's
-    # async TP) and SP's re-gather of the input for wgrad behind the input-grad GEMM, so
-    # they are "tp_hidden".  Full recomputation repeats the forward's collectives except
+    # reverse.  With SP a column-parallel linear saves only its input's sequence shard and
+    # all-gathers it again in backward for the weight gradient (Megatron's and megalite's
+    # layers alike; ``sp_regather=False`` models an implementation that keeps the gathered
+    # input instead).  Backward's f-side reduction runs behind the weight-gradient GEMM
+    # (Megatron's async TP) and SP's re-gather behind the input-grad GEMM, so they are
+    # "tp_hidden".  Full recomputation repeats the forward's collectives except
     # each layer's last exit, whose output no saved tensor needs (non-reentrant
     # checkpointing stops early).
     if t > 1:
@@ -114,6 +117,8 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
             if op[0]:
                 out.append(Event("tp", op[0], T * h, mbs, a))
             out.append(Event("tp", op[1], T * h, mbs, a))
+            if L.sp and sp_regather:  # the output layer is column-parallel too: re-gather
+                out.append(Event("tp", "all_gather", T * h, mbs, a, kind="tp_hidden"))
             # vocab-parallel cross entropy: the max, then (target logit, sum of exp)
             out += [Event("tp", "all_reduce", T, mbs, dtype_bytes=4),
                     Event("tp", "all_reduce", 2 * T, mbs, dtype_bytes=4)]
@@ -192,17 +197,16 @@ def volume(evts: List[Event]) -> Dict[str, dict]:
 
 
 def predict_comm_volume(cfg: MegaliteConfig, rank: int = 0, *, grad_bytes: int = 4,
-                        zero: int | None = None, sp_regather: bool | None = None
+                        zero: int | None = None, sp_regather: bool = True
                         ) -> Dict[str, dict]:
     """Per-iteration ``{"group/op": {"calls", "elements", "bytes"}}`` for global ``rank``.
 
     Same keys and convention as ``megalite.comm.counter.snapshot()``; calls on groups of
-    size 1 are skipped there and absent here.  ``sp_regather`` (SP's backward re-gather of
-    linear inputs) defaults to on only with --transformer-impl transformer_engine: megalite's
-    local layers keep the gathered input instead.  Without --bf16 everything is fp32.
+    size 1 are skipped there and absent here.  ``sp_regather``: SP's backward re-gather of
+    column-parallel inputs (megalite's local layers and Megatron / Transformer Engine's
+    all do it; False models layers that keep the gathered input).  Without --bf16
+    everything is fp32.
     """
-    if sp_regather is None:
-        sp_regather = cfg.model.transformer_impl == "transformer_engine"
     L = layout_from_config(cfg, zero)
     pp_rank = rank // (cfg.world_size // L.pp)
     bf16 = cfg.optimizer.bf16

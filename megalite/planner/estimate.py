@@ -117,7 +117,6 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     rec = 1.0 if L.recompute == "full" else 0.0
     t_f, t_b = t_f + extra / (3 + rec), t_b + extra * (2 + rec) / (3 + rec)
     comm = cm.comm_seconds(cm.events(m, L, seq, r, 4 if opts.fp32 else opts.grad_bytes,
-                                     sp_regather=not opts.local_layers,
                                      dtype_bytes=4 if opts.fp32 else 2), L, cluster)
     tp = comm.get("tp", 0.0) + (0.0 if opts.tp_async_backward else comm.get("tp_hidden", 0.0))
     row = dict(r=r, t_f=t_f, t_b=t_b, rec=f["recompute"] / per_gpu / F,

@@ -72,7 +72,8 @@ class ActivationOptions:
     recompute_modules: tuple = ("core_attn",)
     element_scale: int = 1           # 2 for fp32 training: every 16-bit term doubles
     # megalite's local (pure PyTorch) layers instead of Megatron / Transformer Engine's
-    # fused kernels: buffer by buffer what they keep (``local_layer_bytes``).
+    # fused kernels: buffer by buffer what they keep (``local_layer_bytes``).  Both save
+    # only SP's sequence shard of a column-parallel input and re-gather it in backward.
     local_layers: bool = False
 
 
@@ -101,7 +102,7 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
     norm_in = 2 * 2 * T * h
     norm_out = 0 if "layernorm" in modules else 2 * 2 * T * h
     masks = 2 * drop_h * T * h
-    rep = (norm_in + masks) // sp + (norm_out if opts.local_layers else norm_out // sp)
+    rep = (norm_in + masks) // sp + norm_out // sp
     # Attention: Q, K, V kept for the core; the core's output feeds the projection.
     attn = 2 * T * (a * d + 2 * g * d) // t + 2 * T * a * d // t
     if "core_attn" not in modules:
@@ -189,10 +190,11 @@ def _local_norm(m: ModelConfig, tokens: int, e: int) -> int:
 def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions,
                       recompute: str) -> int:
     """One dense layer of megalite's local kernels per micro-batch (docs/planner.md, "Local
-    layers"): they keep more than the fused kernels Korthikanti et al. count -- the
-    column-parallel linears save SP's gathered input, RoPE'd q and k are new buffers, the
-    attention output is copied for the projection, SwiGLU keeps silu(gate), dropout masks
-    are in the activation dtype.  Elements are ``e`` bytes; statistics are fp32."""
+    layers"): they keep more than the fused kernels Korthikanti et al. count -- RoPE'd q
+    and k are new buffers, the attention output is copied for the projection, SwiGLU keeps
+    silu(gate), dropout masks are in the activation dtype.  Like Megatron's, the
+    column-parallel linears save only SP's sequence shard of their input (re-gathered in
+    backward).  Elements are ``e`` bytes; statistics are fp32."""
     t, T = L.tp, (seq // L.cp) * L.micro_batch
     e = 2 * opts.element_scale
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
@@ -204,7 +206,7 @@ def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     rope = m.position_embedding_type == "rope"
     norms = 2 * (e * Tn * h if "layernorm" in mods else _local_norm(m, Tn, e))
     drop = 2 * e * Tn * h if m.hidden_dropout > 0 else 0
-    attn = e * T * h + e * T * (a + 2 * g) * d // t          # qkv input (gathered), qkv
+    attn = e * Tn * h + e * T * (a + 2 * g) * d // t         # qkv input (SP: shard), qkv
     if rope:                                       # rotated q, k; bf16 copies of cos, sin
         attn += e * T * (a + g) * d // t + (4 * T * d if e == 2 else 0)
     elif g != a:
@@ -221,7 +223,7 @@ def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     if "mlp" in mods:
         mlp = e * Tn * h                           # checkpointed pre-MLP-norm output
     else:                                          # fc1 input; fc1 output, (silu,) fc2 input
-        mlp = e * T * h + (4 if m.swiglu else 2) * e * T * f // t
+        mlp = e * Tn * h + (4 if m.swiglu else 2) * e * T * f // t
     return norms + drop + attn + mlp
 
 
@@ -242,7 +244,7 @@ def local_stage_extra_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
         first += e * Tn * h if m.hidden_dropout > 0 else 0
         out += first * in_flight(L, pp_rank)
     if pp_rank == L.pp - 1:
-        out += _local_norm(m, Tn, e) + e * T * h + 4 * T * m.padded_vocab_size(t) // t
+        out += _local_norm(m, Tn, e) + e * Tn * h + 4 * T * m.padded_vocab_size(t) // t
         out += 21 * T              # (target logit, sum_exp), target index, mask; loss mask
     return out
 
@@ -290,7 +292,7 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     ``total``.  ``zero`` overrides the sharding stage (default: 1 with
     --use-distributed-optimizer, else 0); ``grad_bytes`` is the main-grad dtype size;
     ``local_layers`` (default: unless --transformer-impl transformer_engine) models megalite's
-    local layers, which keep SP's gathered linear inputs.
+    local layers buffer by buffer (``local_layer_bytes``).
     """
     if local_layers is None:
         local_layers = cfg.model.transformer_impl != "transformer_engine"

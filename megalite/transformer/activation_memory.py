@@ -50,8 +50,10 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
 
     ``sdpa``: 'flash' (the fused kernel CPU and CUDA pick for causal attention without a
     mask) or 'math' (the unfused fallback; MHA only here); ``recompute``: ('full',) or any
-    of 'core_attn', 'mlp', 'layernorm'.  With SP the norms see s/t tokens and the column-
-    parallel linears save their all-gathered (full-sequence) input."""
+    of 'core_attn', 'mlp', 'layernorm'.  With SP the norms see s/t tokens and so do the
+    column-parallel linears' saved inputs: ``linear_with_sp_gather`` keeps the sequence
+    shard and all-gathers it again in backward, so every term is divided by t (only the
+    RoPE tables, shared by all layers, are not)."""
     h, a = m.hidden_size, m.num_attention_heads
     d, g, f = m.resolved_kv_channels(), m.resolved_query_groups(), m.resolved_ffn_hidden_size()
     rms, rope = m.normalization == "RMSNorm", m.position_embedding_type == "rope"
@@ -66,7 +68,7 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
             T[f"{name}: x, x*rsqrt, rsqrt"] = 2 * sn * b * h + sn * b
         else:       # native layer_norm: x, mean, rstd
             T[f"{name}: x, mean, rstd"] = sn * b * h + 2 * sn * b
-    T["qkv linear input = input-norm output (full s with SP)"] = s * b * h
+    T["qkv linear input = input-norm output (sequence shard with SP)"] = sn * b * h
     T["qkv linear output (v is a view of it)"] = s * b * (a + 2 * g) * d // t
     if rope:
         T["q, k after RoPE"] = s * b * (a + g) * d // t
@@ -92,7 +94,7 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
     if "mlp" in recompute:
         T["mlp input = pre-MLP-norm output (checkpoint input)"] = sn * b * h
     else:
-        T["fc1 input = pre-MLP-norm output (full s with SP)"] = s * b * h
+        T["fc1 input = pre-MLP-norm output (sequence shard with SP)"] = sn * b * h
         if m.swiglu:
             T["fc1 output [gate; up] (silu and mul save views)"] = 2 * s * b * f // t
             T["silu(gate)"] = s * b * f // t

@@ -39,6 +39,10 @@ CASES = {
                                      recompute=("full", "uniform", 1, None)),
     "zb-pp2-full-block1": dict(pp=2, m=4, schedule="zero-bubble",
                                recompute=("full", "block", 1, None)),
+    # ZB's W re-gathers SP's saved sequence shards (and re-runs the checkpointed layers)
+    "tp2-pp2-zb-sp-full-uniform1-llama": dict(tp=2, pp=2, sp=True, m=3, arch="llama",
+                                              schedule="zero-bubble",
+                                              recompute=("full", "uniform", 1, None)),
     # --account-for-embedding/loss-in-pipeline-split: 6 + 2 = 8 slots as [0] [1,2] [3,4] [5].
     "account-both-vpp2-pp2-dp2": dict(pp=2, vpp=2, m=4, layers=6, emb=True, loss=True),
     "account-loss-pp4-m4": dict(pp=4, m=4, layers=7, loss=True),

@@ -4,14 +4,15 @@
    stashed micro-batches AND as live bytes of autograd-saved storages (a micro-batch's
    worth measured after the first forward).
 2. TP=2 (with and without SP): per-layer saved bytes on each rank equal the exact
-   expectation of ``activation_memory.layer_terms``.
+   expectation of ``activation_memory.layer_terms``; with SP they are exactly the
+   single-process layer's / 2 (the column-parallel linears keep only sequence shards).
 """
 import pytest
 import torch
 import torch.distributed as torch_dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from megalite.models.gpt import GPTModel
+from megalite.models.gpt import GPTModel, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel import simulator
 from megalite.pipeline_parallel.schedules import PipelineExecutor
@@ -60,20 +61,21 @@ def _in_flight(schedule, case):
                 mbs=peak_bytes / per_mb)
 
 
-def _tp_layer_bytes(sp):
+def _tp_layer_bytes(sp, tp=2):
     rank = torch_dist.get_rank()
-    case = dict(tp=2, sp=sp, layers=1)
-    cfg = make_cfg(case, WORLD)
-    state = ParallelState.build(RankGrid(WORLD, tp=2), rank)
+    case = dict(tp=tp, sp=sp, layers=1)
+    cfg = make_cfg(case, WORLD if tp > 1 else 1)
+    state = ParallelState.build(RankGrid(WORLD, tp=2), rank) if tp > 1 else \
+        single_rank_state()
     model = GPTModel(cfg, state, pre_process=False, post_process=False, layer_numbers=[0])
     m = cfg.model
     s = m.seq_length * 4          # longer sequence: make every term visible
     m.seq_length = s
     b, h = 2, m.hidden_size
-    x = torch.randn(s // 2 if sp else s, b, h, requires_grad=True)
+    x = torch.randn(s // tp if sp else s, b, h, requires_grad=True)
     seen, _ = measure_saved(lambda t: model.decoder(t, None), x, ignore=list(model.parameters()))
     measured = sum(seen.values())
-    expected = 4 * sum(layer_terms(m, s, b, t=2, sp=sp).values())
+    expected = 4 * sum(layer_terms(m, s, b, t=tp, sp=sp).values())
     return measured, expected
 
 
@@ -81,6 +83,7 @@ def _all():
     out = {name: _in_flight(name, case) for name, case in SCHEDULES}
     out["tp-sp"] = _tp_layer_bytes(True)
     out["tp"] = _tp_layer_bytes(False)
+    out["tp1"] = _tp_layer_bytes(False, tp=1)
     return out
 
 
@@ -110,3 +113,10 @@ def test_tp_per_layer_saved_bytes(results, key):
     for r in results:
         measured, expected = r[key]
         assert abs(measured / expected - 1) <= 0.05, (key, measured, expected)
+
+
+def test_sp_divides_every_term_by_t(results):
+    """GPT-2 style (no RoPE tables): TP 2 + SP keeps exactly half of one rank's layer."""
+    for r in results:
+        assert r["tp-sp"][0] == r["tp-sp"][1]       # == layer_terms, exactly
+        assert 2 * r["tp-sp"][0] == r["tp1"][0] == r["tp1"][1], (r["tp-sp"], r["tp1"])

@@ -237,8 +237,70 @@ def _layer_options():
     return True
 
 
+def _sp_column_linear():
+    """The SP column-parallel linear saves only its sequence shard, re-gathers it in
+    backward, and splits cleanly for zero bubble: B = dX + reduce-scatter (no weight grad,
+    no all-gather), W = re-gather + dW, db (no reduce-scatter); B + W == one backward."""
+    from megalite.pipeline_parallel.weight_grad import backward_input
+    from megalite.tensor_parallel import ColumnParallelLinear
+    from megalite.transformer.activation_memory import measure_saved
+
+    state = ParallelState.build(RankGrid(WORLD, tp=4), torch_dist.get_rank())
+    tp = state.tp
+    g = torch.Generator().manual_seed(9)
+    x, gy = torch.randn(8, 2, 12, generator=g), torch.randn(8, 2, 16, generator=g)
+    w, b = torch.randn(16, 12, generator=g), torch.randn(16, generator=g)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    F.linear(xr, wr, br).backward(gy)
+    my_gy = gy.chunk(tp.size, dim=-1)[tp.rank]
+
+    def build():
+        col = ColumnParallelLinear(12, 16, tp_group=tp, sequence_parallel=True)
+        with torch.no_grad():
+            col.weight.copy_(shard_tensor(w, col.weight.shard_meta, tp.rank, tp.size))
+            col.bias.copy_(shard_tensor(b, col.bias.shard_meta, tp.rank, tp.size))
+        xi = x.chunk(tp.size)[tp.rank].clone().requires_grad_()
+        return col, xi, xi * 1.0          # a non-leaf input, as inside a layer
+
+    def check(col, xi, gx):
+        assert rel(gx, xr.grad.chunk(tp.size)[tp.rank]) <= RTOL
+        assert rel(col.weight.grad, wr.grad.chunk(tp.size)[tp.rank]) <= RTOL
+        assert rel(col.bias.grad, br.grad.chunk(tp.size)[tp.rank]) <= RTOL
+
+    # what autograd keeps: the [s/t, b, h] input shard, not the gathered [s, b, h] input
+    col, xi, h = build()
+    seen, y = measure_saved(col, h, ignore=list(col.parameters()))
+    assert list(seen.values()) == [h.numel() * 4] and y.shape == (8, 2, 4)
+    comm.counter.reset()
+    y.backward(my_gy)
+    assert comm.counter.snapshot() == {
+        "tp/all_gather": {"calls": 1, "elements": x.numel(), "bytes": 4 * x.numel()},
+        "tp/reduce_scatter": {"calls": 1, "elements": 8 * 2 * 12, "bytes": 4 * 8 * 2 * 12}}
+    check(col, xi, xi.grad)
+    # zero bubble: B then W
+    col, xi, h = build()
+    y = col(h)
+    comm.counter.reset()
+    (gx,), pending = backward_input([y], [my_gy], [xi], list(col.parameters()))
+    assert set(comm.counter.snapshot()) == {"tp/reduce_scatter"}
+    assert col.weight.grad is None and col.bias.grad is None
+    assert pending.groups and not pending.fallback
+    comm.counter.reset()
+    pending.run()
+    assert set(comm.counter.snapshot()) == {"tp/all_gather"}
+    check(col, xi, gx)
+    # W alone when the input needs no gradient (frozen embedding output): no reduce-scatter
+    col, _, _ = build()
+    comm.counter.reset()
+    col(x.chunk(tp.size)[tp.rank]).backward(my_gy)
+    assert set(comm.counter.snapshot()) == {"tp/all_gather"}
+    assert rel(col.weight.grad, wr.grad.chunk(tp.size)[tp.rank]) <= RTOL
+    return True
+
+
 def _comm_and_rng(cases):
-    return [_comm_counts(*c) for c in cases], _rng_tracker(), _layer_options()
+    return ([_comm_counts(*c) for c in cases], _rng_tracker(),
+            _layer_options() and _sp_column_linear())
 
 
 COMM_CASES = [("llama-g4", 4, False), ("llama-g4", 4, True), ("gpt2", 2, False), ("gpt2", 2, True)]
@@ -265,13 +327,20 @@ def test_comm_per_layer_and_rng(dist):
             assert b2["tp/all_reduce"]["calls"] == 2 * 2 + 1
             assert n2 == 0 and s2 == {}
         else:
-            for snap_a, snap_b in ((f1, f2), (b1, b2)):
-                assert layer(snap_a, snap_b, "tp/all_gather") == {"calls": 2, "elements": 2 * sbh}
+            # forward: all-gather before linear_qkv / linear_fc1, reduce-scatter after
+            # linear_proj / linear_fc2; backward: the conjugates (2 + 2) plus each column-
+            # parallel linear's re-gather of its saved sequence shard for the weight grad
+            for snap_a, snap_b, gathers in ((f1, f2, 2), (b1, b2, 4)):
+                assert layer(snap_a, snap_b, "tp/all_gather") == {"calls": gathers,
+                                                                  "elements": gathers * sbh}
                 assert layer(snap_a, snap_b, "tp/reduce_scatter") == {"calls": 2, "elements": 2 * sbh}
                 assert layer(snap_a, snap_b, "tp/all_reduce") == {"calls": 0, "elements": 0}
-            # + embedding reduce-scatter and output-layer all-gather (each way), loss all-reduces
+            # + embedding reduce-scatter and output-layer all-gather (each way; the output
+            # layer re-gathers its input in backward too), loss all-reduces
+            assert f2["tp/all_gather"]["calls"] == 2 * 2 + 1
+            assert b2["tp/all_gather"] == {"calls": 4 * 2 + 1 + 1, "elements": (4 * 2 + 2) * sbh,
+                                           "bytes": 4 * (4 * 2 + 2) * sbh}
             for snap in (f2, b2):
-                assert snap["tp/all_gather"]["calls"] == 2 * 2 + 1
                 assert snap["tp/reduce_scatter"]["calls"] == 2 * 2 + 1
             assert f2["tp/all_reduce"] == {"calls": 2, "elements": 3 * sb, "bytes": 12 * sb}
             assert "tp/all_reduce" not in b2

@@ -150,6 +150,24 @@ def test_activations_tp_with_and_without_sp():
     assert _gpt_layer(tp=t, sp=False) == s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
+@pytest.mark.parametrize("model", [tiny_gpt(hidden_dropout=0.0), tiny_llama()])
+def test_local_layers_with_sp_divide_every_buffer_by_t(model):
+    """megalite's SP column-parallel linears save the sequence shard (re-gathered in
+    backward): with TP t + SP every local-layer buffer is / t; only the bf16 RoPE tables,
+    4·T·d bytes shared by the layer, are not."""
+    seq, t = 32, 4
+    opts = mem.ActivationOptions(local_layers=True)
+    one = mem.layer_activation_bytes(model, Layout(world=1), False, seq, opts, "none")
+    sp = mem.layer_activation_bytes(model, Layout(world=t, tp=t, sp=True), False, seq, opts,
+                                    "none")
+    rope = 4 * seq * model.resolved_kv_channels() if model.position_embedding_type == "rope" \
+        else 0
+    assert sp == (one - rope) // t + rope
+    # without SP the two norm outputs feeding the column-parallel linears stay replicated
+    no_sp = mem.layer_activation_bytes(model, Layout(world=t, tp=t), False, seq, opts, "none")
+    assert no_sp > sp
+
+
 def test_activations_selective_and_full_recompute():
     s, b, h, t = 32, 1, 64, 4
     assert _gpt_layer(tp=t, sp=True, recompute="selective") == 34 * s * b * h / t
@@ -272,6 +290,22 @@ def test_sp_gather_scatter_volume_equals_all_reduce():
     v = cm.volume(cm.events(m, L, 32, 1, sp_regather=False))
     expect = 4 * 2 * 4 * 32 * 64            # = the all-reduce volume without SP
     assert v["tp/all_gather"]["elements"] == v["tp/reduce_scatter"]["elements"] == expect
+
+
+def test_sp_regathers_column_parallel_inputs_in_backward():
+    """Per layer and micro-batch: 2 all-gathers forward, 4 backward (2 re-gather the QKV /
+    fc1 inputs' shards for the weight gradient); the output layer re-gathers too."""
+    m = tiny_gpt(num_layers=6)
+    L = Layout(world=6, tp=2, pp=3, global_batch=4, sp=True)
+    T, mbs, layers = 32, 4, 2
+    mid = cm.volume(cm.events(m, L, T, 1))
+    assert mid["tp/all_gather"]["calls"] == 6 * layers * mbs
+    assert mid["tp/reduce_scatter"]["calls"] == 4 * layers * mbs
+    assert mid["tp/all_gather"]["elements"] == 6 * layers * mbs * T * 64
+    last = cm.volume(cm.events(m, L, T, 2))
+    no_regather = cm.volume(cm.events(m, L, T, 2, sp_regather=False))
+    assert last["tp/all_gather"]["calls"] - no_regather["tp/all_gather"]["calls"] == \
+        (2 * layers + 1) * mbs
 
 
 def test_pp_p2p_messages():
