@@ -174,6 +174,10 @@ def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
         if not res.ranked:
             raise ConfigError(report.no_fit(res))
         print(report.table(res, cluster, args.top), file=out)
+        if not args.local_layers:
+            print("activations modelled for Transformer Engine's fused kernels (the GPU target); "
+                  "megalite's local layers, what runs today, keep more: add --local-layers",
+                  file=out)
         best = next((e for e in res.ranked if e.layout.emittable), None)
         if best is not None:
             print("\nbest layout as pretrain_gpt.py flags:", file=out)
