@@ -18,6 +18,7 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalite.parallel_state import Group
 
@@ -101,6 +102,32 @@ class Pending:
             self._finish()
             self._finish = None
         return self.output
+
+
+def all_reduce_coalesced(tensors: List[torch.Tensor], group: Group,
+                         bucket_elements: int = 40_000_000) -> None:
+    """Sum many tensors in place with a few flat all-reduces (dtype-homogeneous buckets of at
+    most ``bucket_elements``, so a large model never needs one giant temporary)."""
+    if group.size == 1 or not tensors:
+        return
+    bucket: List[torch.Tensor] = []
+
+    def flush():
+        if bucket:
+            flat = _flatten_dense_tensors(bucket)
+            all_reduce(flat, group)
+            for t, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                t.copy_(synced)
+            bucket.clear()
+
+    size = 0
+    for t in tensors:
+        if bucket and (t.dtype != bucket[0].dtype or size + t.numel() > bucket_elements):
+            flush()
+            size = 0
+        bucket.append(t)
+        size += t.numel()
+    flush()
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Group,

@@ -8,29 +8,21 @@ needed; weights saved at any TP/PP are resharded to TP=1, PP=1 on load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 
-def _latest_meta(root: str) -> dict:
-    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as fh:
-        it = int(fh.read().strip())
-    with open(os.path.join(root, f"iter_{it:07d}", "metadata.json")) as fh:
-        return json.load(fh)
-
-
 def load_for_inference(root: str):
     """(model, tokenizer, cfg) on one CPU process, weights from ``root``."""
-    from megalite.checkpointing.model_io import load_model_shards
+    from megalite.checkpointing.model_io import load_model_shards, read_metadata
     from megalite.config import MegaliteConfig, ModelConfig
     from megalite.data import build_tokenizer
     from megalite.models.gpt import build_model
     from megalite.parallel_state import ParallelState, RankGrid
 
-    meta = _latest_meta(root)
+    meta = read_metadata(root)
     cfg = MegaliteConfig()
     cfg.model = ModelConfig(**meta["model"])
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
@@ -78,7 +70,9 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    if not os.path.isfile(os.path.join(a.load, "latest_checkpointed_iteration.txt")):
+    from megalite.checkpointing.model_io import LATEST
+
+    if not os.path.isfile(os.path.join(a.load, LATEST)):
         print(f"megalite: error: --load: no checkpoint in '{a.load}'", file=sys.stderr)
         return 2
     model, tokenizer, cfg = load_for_inference(a.load)

@@ -21,7 +21,6 @@ import argparse
 import json
 import multiprocessing
 import os
-import re
 import sys
 import time
 

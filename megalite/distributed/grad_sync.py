@@ -2,42 +2,12 @@
 
 Each micro-batch loss is already divided by the number of tokens of the *global* batch,
 so the data-parallel reduction is a plain sum: the result equals the single-process
-gradient whatever the DP size.  Gradients are reduced in dtype-homogeneous buckets of at
-most ``bucket_elements`` so a large model never needs one giant temporary.
+gradient whatever the DP size.  Reductions are coalesced (``comm.all_reduce_coalesced``).
 """
 from __future__ import annotations
 
-from typing import List
-
-import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
 from megalite import comm
-from megalite.parallel_state import Group
-
-
-def allreduce_gradients(grads: List[torch.Tensor], group: Group,
-                        bucket_elements: int = 40_000_000) -> None:
-    if group.size == 1 or not grads:
-        return
-    bucket: List[torch.Tensor] = []
-    size = 0
-
-    def flush():
-        nonlocal bucket, size
-        if bucket:
-            flat = _flatten_dense_tensors(bucket)
-            comm.all_reduce(flat, group)
-            for g, synced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(synced)
-        bucket, size = [], 0
-
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() > bucket_elements):
-            flush()
-        bucket.append(g)
-        size += g.numel()
-    flush()
+from megalite.tensor_parallel import allreduce_sequence_parallel_grads
 
 
 def dp_group_name(param) -> str:
@@ -56,14 +26,13 @@ def finalize_gradients(params, grad_of, state, sharded_buffers=()) -> None:
        distributed optimizer's ``sharded_buffers`` are reduce-scattered (each DP rank keeps
        the sum of its own shard), the rest all-reduced.
     """
-    sp = [grad_of(p) for p in params if getattr(p, "sequence_parallel", False)]
-    allreduce_gradients(sp, state.tp)
+    allreduce_sequence_parallel_grads(params, state, grad_of)
     tied = [grad_of(p) for p in params if getattr(p, "shared_embedding", False)]
     if tied and state.pp.size > 1:
-        allreduce_gradients(tied, state["embedding"])
+        comm.all_reduce_coalesced(tied, state["embedding"])
     for buf in sharded_buffers:
         buf.reduce_scatter_grads()
     in_buffers = {id(p) for buf in sharded_buffers for p in buf.params}
     rest = [p for p in params if id(p) not in in_buffers]
     for name in ("dp-cp", "expert-dp"):
-        allreduce_gradients([grad_of(p) for p in rest if dp_group_name(p) == name], state[name])
+        comm.all_reduce_coalesced([grad_of(p) for p in rest if dp_group_name(p) == name], state[name])

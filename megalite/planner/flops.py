@@ -62,7 +62,7 @@ def stage_flops_per_microbatch(m: ModelConfig, kinds, seq: int, micro_batch: int
     the attention-core part of the forward (what CP's ring overlaps with).
     """
     tokens = float(seq) * micro_batch
-    fwd = bwd = core = rec = 0.0
+    fwd = core = rec = 0.0
     for n, moe in zip(kinds, (False, True)):       # kinds = (dense layers, MoE layers)
         if not n:
             continue

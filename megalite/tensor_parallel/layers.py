@@ -13,7 +13,7 @@ see ``allreduce_sequence_parallel_grads``).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -238,22 +238,20 @@ def _grad_of(p: torch.Tensor):
     return main if main is not None else p.grad
 
 
-def allreduce_sequence_parallel_grads(model: Union[nn.Module, Iterable[nn.Module]], state) -> int:
+def allreduce_sequence_parallel_grads(model_or_params, state, grad_of=_grad_of) -> int:
     """Sum over TP the grads of replicated params that saw only a sequence shard.
 
     Call after backward (and before clipping / the optimizer) when sequence parallelism is
-    on; uses ``param.main_grad`` when a grad buffer provides one.  One coalesced
-    all-reduce; returns the number of elements reduced.
+    on; takes a module, a list of modules or a list of parameters; ``grad_of`` says where a
+    parameter's gradient lives (default ``main_grad`` if present, else ``.grad``).  Returns
+    the number of elements reduced.
     """
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
-    grads = [g for m in chunks for p in m.parameters()
-             if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
-    if not grads or state.tp.size == 1:
+    items = [model_or_params] if isinstance(model_or_params, nn.Module) else list(model_or_params)
+    params = [p for it in items
+              for p in (it.parameters() if isinstance(it, nn.Module) else [it])]
+    grads = [g for p in params
+             if getattr(p, "sequence_parallel", False) and (g := grad_of(p)) is not None]
+    if state.tp.size == 1:
         return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, state.tp)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-    return flat.numel()
+    comm.all_reduce_coalesced(grads, state.tp)
+    return sum(g.numel() for g in grads)

@@ -7,13 +7,13 @@ reloads at the same layout; at another layout it is skipped with a message (as w
 """
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
 from megalite import comm
-from megalite.checkpointing.model_io import load_model_shards, save_model_shards
+from megalite.checkpointing.model_io import (load_model_shards, read_metadata,
+                                             save_model_shards)
 
 
 def _iter_dir(root: str, iteration: int) -> str:
@@ -52,8 +52,7 @@ def load_training_checkpoint(trainer) -> None:
     root = cfg.checkpoint.load
     iteration = load_model_shards(root, trainer.model_chunks, cfg, state)
     trainer.optimizer.reload_model_params()    # fp32 masters follow the loaded weights
-    with open(os.path.join(_iter_dir(root, iteration), "metadata.json")) as fh:
-        meta = json.load(fh)
+    meta = read_metadata(root, iteration)
     extra = meta.get("extra", {})
     if cfg.checkpoint.finetune:
         return

@@ -62,8 +62,6 @@ class Trainer:
                                              cfg.model.vocab_size)
             if cfg.model.vocab_size is None:
                 cfg.model.vocab_size = self.tokenizer.vocab_size
-        if cfg.optimizer.bf16 and self.device == "cpu":
-            pass  # bf16 runs on CPU too; slower than fp32 there but numerically the same path
         self.model_chunks = build_model_chunks(cfg, self.state, self.device)
         self.optimizer = build_optimizer(self.model_chunks, cfg, self.state)
         self.scheduler = LRScheduler.from_config(cfg, self.train_iters)

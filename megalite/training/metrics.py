@@ -9,7 +9,6 @@ import os
 import sys
 import time
 
-from megalite.arguments import ConfigError
 
 
 def _fmt_bytes(n: float) -> str:
@@ -26,19 +25,13 @@ class TrainingLogger:
         if lg.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
             self.metrics = open(lg.metrics_file, "a", buffering=1)
-        if lg.tensorboard_dir:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:
-                raise ConfigError("--tensorboard-dir needs the tensorboard package: "
-                                  "pip install 'megalite[tensorboard]'") from exc
+        if lg.tensorboard_dir:  # presence of the package was checked in validation
+            from torch.utils.tensorboard import SummaryWriter
+
             self.tb = SummaryWriter(lg.tensorboard_dir)
         if lg.wandb_project:
-            try:
-                import wandb
-            except ImportError as exc:
-                raise ConfigError("--wandb-project needs the wandb package: "
-                                  "pip install 'megalite[wandb]'") from exc
+            import wandb
+
             mode = os.environ.get("WANDB_MODE") or (
                 "online" if os.environ.get("WANDB_API_KEY") else "offline")
             self.wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name,
