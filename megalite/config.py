@@ -205,6 +205,11 @@ class DataConfig:
     data_cache_path: Optional[str] = opt(None, "Where dataset index caches are written.")
     eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",
                               action="store_true")
+    sample_windows: str = opt(
+        "packed", "How training samples are cut: packed (Megatron: consecutive windows of the "
+        "shuffled document stream, each token once per epoch) or random (nanoGPT: windows at "
+        "uniformly random offsets; for small corpora trained for several epochs). Valid/test "
+        "stay packed.", choices=["packed", "random"])
 
 
 @dataclass

@@ -213,6 +213,9 @@ def validate_files(cfg: MegaliteConfig) -> None:
     if cfg.training.skip_train and not cfg.checkpoint.load:
         raise ConfigError("--skip-train evaluates a loaded checkpoint: give --load DIR")
     if d.mock_data:
+        if d.sample_windows != "packed":
+            raise ConfigError("--sample-windows random cuts windows from --data-path; mock data is "
+                              "random already: drop --sample-windows or --mock-data")
         if cfg.model.vocab_size is None and d.tokenizer_type is None:
             raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type)")
         return

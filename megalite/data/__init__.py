@@ -20,6 +20,7 @@ _EXPORTS = {
     "IndexedDatasetBuilder": "indexed_dataset",
     "best_dtype": "indexed_dataset",
     "write_documents": "indexed_dataset",
+    "RandomWindowDataset": "random_windows",
     "PretrainingSampler": "samplers",
     "build_data_iterator": "samplers",
     "collate_samples": "samplers",

@@ -428,13 +428,19 @@ def build_train_valid_test_datasets(
     eod_token: int | None = None,
     eod_mask_loss: bool = False,
     contiguous: bool = False,
+    sample_windows: str = "packed",
 ):
     """Train, valid and test datasets (``None`` where 0 samples are asked or the split is empty).
 
     ``num_samples[i]`` is how many samples split ``i`` must provide (e.g. ``train_iters *
     global_batch_size``); datasets wrap around epochs as needed. ``data_path`` is Megatron's
     ``--data-path`` list; ``mock=True`` ignores it and returns :class:`MockGPTDataset` s.
+    ``sample_windows="random"`` cuts the *training* samples at random offsets
+    (:class:`~megalite.data.random_windows.RandomWindowDataset`); valid/test stay packed so
+    every evaluation covers its split evenly and the same way.
     """
+    if sample_windows not in ("packed", "random"):
+        raise ValueError(f"sample_windows must be 'packed' or 'random', got {sample_windows!r}")
     if len(num_samples) != 3:
         raise ValueError("num_samples must be (train, valid, test)")
     if mock:
@@ -457,6 +463,12 @@ def build_train_valid_test_datasets(
         segments.append(segs)
 
     def one(d: int, i: int, n: int):
+        if i == 0 and sample_windows == "random":
+            from megalite.data.random_windows import RandomWindowDataset
+
+            return RandomWindowDataset(indexed[d], segments[d][i], seq_length, n, seed,
+                                       name=SPLIT_NAMES[i], eod_token=eod_token,
+                                       eod_mask_loss=eod_mask_loss)
         return GPTDataset(
             indexed[d], segments[d][i], seq_length, n, seed,
             name=SPLIT_NAMES[i], shuffle_documents=not contiguous,

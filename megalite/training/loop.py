@@ -82,7 +82,8 @@ class Trainer:
             data_path=cfg.data.data_path, split=cfg.data.split, seq_length=cfg.model.seq_length,
             seed=t.seed, num_samples=num_samples, mock=cfg.data.mock_data,
             vocab_size=cfg.model.vocab_size, cache_dir=cfg.data.data_cache_path,
-            eod_token=getattr(self.tokenizer, "eod", None), eod_mask_loss=cfg.data.eod_mask_loss)
+            eod_token=getattr(self.tokenizer, "eod", None), eod_mask_loss=cfg.data.eod_mask_loss,
+            sample_windows=cfg.data.sample_windows)
 
     def data_iterator(self, dataset, consumed: int, cyclic: bool = False):
         from megalite.data import build_data_iterator

@@ -15,10 +15,10 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--eval-iters", "0", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
 
 
-def _losses(argv, world_size, iters=4):
+def _losses(argv, world_size, iters=4, base=MODEL):
     """Per-iteration losses of a run laid out on ``world_size`` of the pool's ranks."""
     rank = torch_dist.get_rank()
-    cfg = parse_args(["--world-size", str(world_size), *MODEL, *argv])
+    cfg = parse_args(["--world-size", str(world_size), *base, *argv])
     grid = RankGrid(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp)
     if world_size == 1:
         state = ParallelState.build(grid, 0, create_groups=False)
@@ -30,10 +30,10 @@ def _losses(argv, world_size, iters=4):
     return [trainer.train_step(it)["lm_loss"] for _ in range(iters)]
 
 
-def _compare(cases):
+def _compare(cases, base=MODEL):
     out = {}
     for name, argv, world in cases:
-        out[name] = _losses(argv, world)
+        out[name] = _losses(argv, world, base=base)
     return out
 
 
@@ -62,3 +62,27 @@ def test_loss_independent_of_dp_microbatch_tp(dist):
     for name in ("dp2", "dp2_mbs1", "tp2", "tp2_sp"):
         for rank_result in results:
             assert _close(rank_result[name], ref, 1e-5), (name, rank_result[name], ref)
+
+
+
+def test_random_windows_same_loss_at_any_dp(dist, tmp_path):
+    """--sample-windows random draws sample i from (seed, i) alone, so DP2 reads the same global
+    batch as DP1 and gives the same losses; another seed gives other windows."""
+    import numpy as np
+
+    from megalite.data.indexed_dataset import write_documents
+
+    rng = np.random.default_rng(0)
+    docs = [list(rng.integers(0, 100, size=int(n))) for n in rng.integers(20, 60, size=40)]
+    prefix = write_documents(str(tmp_path / "corpus"), docs, np.int32)
+    base = [a for a in MODEL if a != "--mock-data"] + [
+        "--data-path", prefix, "--split", "90,10,0", "--tokenizer-type", "NullTokenizer",
+        "--sample-windows", "random", "--global-batch-size", "4"]
+    cases = [("ref", ["--micro-batch-size", "4"], 1), ("dp2", ["--micro-batch-size", "1"], 2),
+             ("seed", ["--micro-batch-size", "4", "--seed", "7"], 1)]
+    results = dist.run(2, _compare, cases, base)
+    ref = results[0]["ref"]
+    assert ref[-1] < ref[0]
+    for rank_result in results:
+        assert _close(rank_result["dp2"], ref, 1e-5), (rank_result["dp2"], ref)
+    assert results[0]["seed"] != ref

@@ -54,6 +54,7 @@ BAD_INPUTS = [
     (["--context-parallel-size", "2"], 8, ["--context-parallel-size", "not implemented yet"]),
     (["--num-experts", "4"], 8, ["--num-experts", "not implemented yet"]),
     (["--transformer-impl", "transformer_engine"], 8, ["--transformer-impl", "local"]),
+    (["--sample-windows", "random"], 8, ["--sample-windows random", "--mock-data"]),
 ]
 
 
