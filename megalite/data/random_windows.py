@@ -6,7 +6,7 @@ predicted from nearly the same context. That is the right choice for large corpo
 about one epoch, but on a small corpus trained for several epochs the model keeps meeting the
 same windows. Random offsets (``--sample-windows random``) give each epoch new windows and
 new contexts for every token; on nanoGPT's baby-GPT recipe (tiny Shakespeare, 1.5 epochs)
-this was worth about 0.02 nats of validation loss (docs/data.md).
+this was worth 0.019 nats of validation loss (docs/training.md, "Convergence").
 
 Rule: the split's segments are read in corpus order as one stream of ``T`` tokens; sample
 ``i`` is the ``seq_length + 1`` tokens starting at an offset drawn uniformly from

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+import sys
 import time
 
 import torch
@@ -187,9 +188,23 @@ class Trainer:
 
 
 def peak_memory_bytes(device: str) -> int:
+    """This process's peak memory: the CUDA allocator's, or on CPU the resident high-water mark.
+
+    On Linux the CPU figure comes from ``VmHWM`` in /proc/self/status, not ``ru_maxrss``:
+    ``ru_maxrss`` survives exec, so a rank started by a large parent (torchrun, a benchmark
+    script) would report the parent's size as its own.
+    """
     if device == "cuda":
         return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def build_model_chunks(cfg, state, device):

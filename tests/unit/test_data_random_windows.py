@@ -12,20 +12,7 @@ from megalite.data.gpt_dataset import (
 )
 from megalite.data.indexed_dataset import IndexedDataset, write_documents
 from megalite.data.random_windows import RandomWindowDataset
-
-EOD = 999
-LENGTHS = [5, 1, 12, 3, 8, 2, 9, 4, 6, 7]
-
-
-def make_docs(lengths, base=0):
-    """Document i holds tokens base + 100*i + k, ending with EOD: every token says where it is from."""
-    return [list(base + 100 * i + np.arange(n - 1)) + [EOD] for i, n in enumerate(lengths)]
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    docs = make_docs(LENGTHS)
-    return write_documents(str(tmp_path / "corpus"), docs, np.int32), docs
+from test_data_gpt_dataset import EOD, LENGTHS, corpus, make_docs  # noqa: F401  (corpus: fixture)
 
 
 def train_dataset(prefix, seq=7, n=300, seed=5, split=(0.8, 0.2, 0.0)):
