@@ -101,7 +101,10 @@ def build_data_iterator(
     sampler = PretrainingSampler(
         len(dataset), consumed_samples, micro_batch_size, global_batch_size, dp_rank, dp_size, cyclic
     )
+    # its own generator: making an iterator must not draw from the global RNG, or a resumed
+    # run (which builds its iterator after restoring that RNG) would drop out differently
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate_samples
+        dataset, batch_sampler=sampler, num_workers=0, collate_fn=collate_samples,
+        generator=torch.Generator(),
     )
     return iter(loader)

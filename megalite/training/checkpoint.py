@@ -41,8 +41,7 @@ def save_training_checkpoint(trainer) -> str:
     save_model_shards(root, trainer.iteration, trainer.model_chunks, cfg, state, extra)
     path = os.path.join(_iter_dir(root, trainer.iteration), "optim", f"rank_{state.rank:05d}.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"optimizer": trainer.optimizer.state_dict(),
-                "rng": torch.get_rng_state()}, path)
+    torch.save({"optimizer": trainer.optimizer.state_dict(), "rng": _rng_states(trainer)}, path)
     comm.barrier()
     return path
 
@@ -61,14 +60,36 @@ def load_training_checkpoint(trainer) -> None:
                                          cfg.training.global_batch_size)
     same_layout = extra.get("layout") == _layout(trainer)
     path = os.path.join(_iter_dir(root, iteration), "optim", f"rank_{state.rank:05d}.pt")
-    if cfg.checkpoint.no_load_optim:
+    if cfg.checkpoint.no_load_optim and cfg.checkpoint.no_load_rng:
         return
     if not same_layout or not os.path.isfile(path):
         if state.rank == 0:
-            print(f"> optimizer state not loaded: checkpoint layout {extra.get('layout')} differs "
-                  f"from this run's {_layout(trainer)} (weights were resharded)", flush=True)
+            print(f"> optimizer and RNG state not loaded: checkpoint layout {extra.get('layout')} "
+                  f"differs from this run's {_layout(trainer)} (weights were resharded)", flush=True)
         return
     blob = torch.load(path, map_location="cpu", weights_only=False)
-    trainer.optimizer.load_state_dict(blob["optimizer"])
+    if not cfg.checkpoint.no_load_optim:
+        trainer.optimizer.load_state_dict(blob["optimizer"])
     if not cfg.checkpoint.no_load_rng:
-        torch.set_rng_state(blob["rng"])
+        _set_rng_states(trainer, blob["rng"])
+
+
+def _rng_states(trainer) -> dict:
+    """Every generator a resumed run must continue: the default CPU (and CUDA) generator and
+    each model chunk's tracker (dropout inside tensor-parallel regions draws from those)."""
+    out = {"cpu": torch.get_rng_state(),
+           "trackers": [c.rng_tracker.get_states() for c in trainer.model_chunks]}
+    if trainer.device == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def _set_rng_states(trainer, rng) -> None:
+    if isinstance(rng, torch.Tensor):   # checkpoints written before the trackers were saved
+        torch.set_rng_state(rng)
+        return
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and trainer.device == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"])
+    for chunk, states in zip(trainer.model_chunks, rng["trackers"]):
+        chunk.rng_tracker.set_states(states)

@@ -51,7 +51,7 @@ def device_peak_flops(device: str) -> tuple[float, str]:
                 return peak, f"{key} bf16 datasheet"
         return 989e12, "unknown GPU, H100 assumed"
     if _CPU_PEAK is None:  # one fp32 GEMM timed on this process's threads
-        a = torch.randn(512, 512)
+        a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # global RNG untouched
         torch.mm(a, a)
         reps, t0 = 20, time.perf_counter()
         for _ in range(reps):
