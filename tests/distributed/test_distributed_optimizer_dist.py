@@ -62,13 +62,9 @@ def _trainer(flags, world):
 
 def _resumed_losses(flags, world, path):
     """Two iterations, save, a fresh run that loads the checkpoint, two more iterations."""
-    trainer = _trainer(flags + ["--save", path], world)
-    it = trainer.data_iterator(trainer.train_ds, 0)
-    losses = [trainer.train_step(it)["lm_loss"] for _ in range(2)]
-    trainer.save()
-    trainer = _trainer(flags + ["--load", path], world)
-    it = trainer.data_iterator(trainer.train_ds, trainer.consumed_samples)
-    return losses + [trainer.train_step(it)["lm_loss"] for _ in range(2)]
+    from test_training_dist import resumed_losses
+
+    return resumed_losses(lambda argv: _trainer(argv, world), flags, path)
 
 
 def _train(flags, world, iters=4):

@@ -99,18 +99,24 @@ def _trainer(argv, world_size):
     return trainer
 
 
+def resumed_losses(make_trainer, argv, path, before=2, after=2):
+    """``before`` iterations, save, then a fresh trainer that loads and runs ``after`` more
+    (shared with the distributed-optimizer tests)."""
+    trainer = make_trainer(argv + ["--save", path])
+    it = trainer.data_iterator(trainer.train_ds, 0)
+    losses = [trainer.train_step(it)["lm_loss"] for _ in range(before)]
+    trainer.save()
+    trainer = make_trainer(argv + ["--load", path])
+    it = trainer.data_iterator(trainer.train_ds, trainer.consumed_samples)
+    return losses + [trainer.train_step(it)["lm_loss"] for _ in range(after)]
+
+
 def _straight_and_resumed(argv, world_size, path):
-    """Four iterations in one run; two, save, then a fresh run that loads and does two more."""
+    """Four iterations in one run, and the same four with a save/load after the second."""
     trainer = _trainer(argv, world_size)
     it = trainer.data_iterator(trainer.train_ds, 0)
     straight = [trainer.train_step(it)["lm_loss"] for _ in range(4)]
-    trainer = _trainer(argv + ["--save", path], world_size)
-    it = trainer.data_iterator(trainer.train_ds, 0)
-    resumed = [trainer.train_step(it)["lm_loss"] for _ in range(2)]
-    trainer.save()
-    trainer = _trainer(argv + ["--load", path], world_size)
-    it = trainer.data_iterator(trainer.train_ds, trainer.consumed_samples)
-    return straight, resumed + [trainer.train_step(it)["lm_loss"] for _ in range(2)]
+    return straight, resumed_losses(lambda a: _trainer(a, world_size), argv, path)
 
 
 def test_resume_is_exact_with_dropout(dist, tmp_path):
