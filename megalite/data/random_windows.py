@@ -1,10 +1,10 @@
 """Training samples cut at uniformly random offsets of a split's token stream (nanoGPT's sampler).
 
 Why this exists next to Megatron's packing (:class:`~megalite.data.gpt_dataset.GPTDataset`):
-packing cuts every epoch into consecutive ``seq_length`` windows, so a token is always
-predicted from nearly the same context. That is the right choice for large corpora seen for
+packing cuts every epoch into consecutive ``seq_length`` windows, so within an epoch a token
+is predicted from one fixed context. That is the right choice for large corpora seen for
 about one epoch, but on a small corpus trained for several epochs the model keeps meeting the
-same windows. Random offsets (``--sample-windows random``) give each epoch new windows and
+same grid of windows. Random offsets (``--sample-windows random``) give each epoch new windows and
 new contexts for every token; on nanoGPT's baby-GPT recipe (tiny Shakespeare, 1.5 epochs)
 this was worth 0.019 nats of validation loss (docs/training.md, "Convergence").
 
