@@ -12,7 +12,13 @@ from megalite.data.gpt_dataset import (
 )
 from megalite.data.indexed_dataset import IndexedDataset, write_documents
 from megalite.data.random_windows import RandomWindowDataset
-from test_data_gpt_dataset import EOD, LENGTHS, corpus, make_docs  # noqa: F401  (corpus: fixture)
+from test_data_gpt_dataset import EOD, LENGTHS, make_docs
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    docs = make_docs(LENGTHS)
+    return write_documents(str(tmp_path / "corpus"), docs, np.int32), docs
 
 
 def train_dataset(prefix, seq=7, n=300, seed=5, split=(0.8, 0.2, 0.0)):
