@@ -28,6 +28,7 @@ import torch
 
 from megalite import comm
 from megalite.distributed.grad_sync import dp_group_name
+from megalite.distributed.replicas import broadcast_tied_embeddings
 from megalite.optimizer.optimizer import (clip_coefficient, _accumulate_main_grad, _uses_decay,
                                           counts_toward_norm, make_inner_optimizer)
 
@@ -220,6 +221,7 @@ class DistributedOptimizer:
                 if self.bf16:
                     buf.param_shard.copy_(master)
                 buf.all_gather_params()
+        broadcast_tied_embeddings(self.params, self.state)
         return norm
 
     # -- checkpoints (per rank, same layout only) ----------------------------------------

@@ -12,6 +12,7 @@ from typing import Iterable, List
 import torch
 
 from megalite import comm
+from megalite.distributed.replicas import broadcast_tied_embeddings
 
 
 def _uses_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -126,6 +127,7 @@ class MixedPrecisionOptimizer:
             with torch.no_grad():
                 for p, m in zip(self.params, self.masters):
                     p.copy_(m)
+        broadcast_tied_embeddings(self.params, self.state)
         return norm
 
     def state_dict(self) -> dict:

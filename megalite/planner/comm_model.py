@@ -154,6 +154,10 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     if L.pp > 1 and not m.untie_embeddings_and_output_weights and (first or last):
         out.append(Event("embedding", "all_reduce", m.padded_vocab_size(t) * h // t, 1,
                          dtype_bytes=grad_bytes, kind="dp"))
+        # after the step the owner (first stage) broadcasts its updated copy: replicas stay
+        # bit-identical whatever the update's rounding (megalite/distributed/replicas.py)
+        out.append(Event("embedding", "broadcast", m.padded_vocab_size(t) * h // t, 1,
+                         dtype_bytes=a, kind="dp"))
     # Bookkeeping scalars (fp64 token count and loss over dp-cp, fp32 grad norm over the
     # model-parallel group -- and, with sharded grads, first over their DP group): bytes
     # are nothing, but they are collectives the run makes.

@@ -14,6 +14,7 @@ import torch
 from megalite import comm
 from megalite.checkpointing.model_io import (load_model_shards, read_metadata,
                                              save_model_shards)
+from megalite.distributed.replicas import check_replicas
 
 
 def _iter_dir(root: str, iteration: int) -> str:
@@ -31,6 +32,7 @@ def _layout(trainer) -> dict:
 
 def save_training_checkpoint(trainer) -> str:
     cfg, state = trainer.cfg, trainer.state
+    check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
     root = cfg.checkpoint.save
     d = cfg.data
     extra = {"consumed_samples": trainer.consumed_samples, "layout": _layout(trainer),

@@ -12,6 +12,7 @@ import torch.distributed as torch_dist
 
 from megalite import comm
 from megalite.arguments import parse_args
+from megalite.distributed.replicas import check_replicas
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.validate_run import _storages_bytes, compare, measure_rank, predict, \
     run_argv
@@ -67,13 +68,37 @@ def _resumed_losses(flags, world, path):
     return resumed_losses(lambda argv: _trainer(argv, world), flags, path)
 
 
-def _train(flags, world, iters=4):
+def _nudge_tied_copy(trainer) -> bool:
+    """Move every element of the last stage's tied-embedding copy by one ulp: what a kernel
+    that rounds differently at another buffer offset does (issue: AVX2 scalar tails)."""
+    copies = [w for c in trainer.model_chunks if (w := c.shared_embedding_weight()) is not None
+              and getattr(w, "is_embedding_copy", False)]
+    with torch.no_grad():
+        for w in copies:
+            w.copy_(torch.nextafter(w, torch.full_like(w, float("inf"))))
+    return bool(copies)
+
+
+def _replica_check(trainer):
+    """check_replicas' verdict on this rank: None when every copy agrees, else the message."""
+    try:
+        check_replicas(trainer.model_chunks, trainer.state)
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def _train(flags, world, iters=4, nudge=False):
     """Per-iteration losses / norms, final parameters, optimizer bytes, last iteration's
-    communication and the grad buffers' sizes of one run on this rank."""
+    communication and the grad buffers' sizes of one run on this rank.  ``nudge``: perturb
+    the last stage's tied copy by one ulp before every step (the owner's broadcast must
+    repair it), and again after the last step (the replica check must catch that)."""
     trainer = _trainer(flags, world)
     it = trainer.data_iterator(trainer.train_ds, 0)
     losses, norms = [], []
     for _ in range(iters):
+        if nudge:
+            _nudge_tied_copy(trainer)
         comm.counter.reset()
         out = trainer.train_step(it)
         losses.append(out["lm_loss"])
@@ -86,7 +111,11 @@ def _train(flags, world, iters=4):
     model = [q for c in trainer.model_chunks for q in c.parameters()]
     tied = [w.detach().clone() for c in trainer.model_chunks
             if (w := c.shared_embedding_weight()) is not None]
-    return {"losses": losses, "norms": norms, "params": params,
+    checks = {"replicas": _replica_check(trainer)}
+    if nudge:
+        _nudge_tied_copy(trainer)
+        checks["after_nudge"] = _replica_check(trainer)
+    return {"losses": losses, "norms": norms, "params": params, **checks,
             "opt_bytes": _storages_bytes(list(opt.masters) + moments, skip=model),
             "numel": sum(q.numel() for q in opt.params), "comm": comm.counter.snapshot(),
             "tied": tied, "pp_ranks": trainer.state.pp.ranks,
@@ -96,6 +125,9 @@ def _train(flags, world, iters=4):
 def _batch(world, ckpt_dir=None):
     out = {name: (_train(flags, world), _train(flags + DO, world))
            for name, flags in CASES[world].items()}
+    if world == 4:
+        out["nudged"] = {name: _train(CASES[4]["pp2_dp2_gpt2"] + extra, world, nudge=True)
+                         for name, extra in (("plain", []), ("sharded", DO))}
     out["validate"] = measure_rank(run_argv(VALIDATE[world], world))
     if ckpt_dir:
         out["resumed"] = _resumed_losses(CASES[world][RESUME] + DO, world, ckpt_dir)
@@ -117,13 +149,13 @@ def _check(results, world):
             if "noclip" not in name:                       # clipping really happens
                 assert min(plain["norms"]) > 0.05, (name, plain["norms"])
             for k, ref in plain["params"].items():        # final parameters
+                # not bitwise, even without clipping: AdamW runs over other memory layouts
+                # (flat shard runs vs one tensor per parameter), and vectorised kernels
+                # round their scalar tails differently
                 got = sharded["params"][k]
-                if "noclip" in name:
-                    assert torch.equal(got, ref), (name, rank, k, (got - ref).abs().max())
-                else:
-                    scale = ref.abs().max().clamp_min(1e-3)
-                    assert (got - ref).abs().max() <= (3e-2 if bf16 else 1e-5) * scale, \
-                        (name, rank, k, (got - ref).abs().max())
+                scale = ref.abs().max().clamp_min(1e-3)
+                assert (got - ref).abs().max() <= (3e-2 if bf16 else 1e-5) * scale, \
+                    (name, rank, k, (got - ref).abs().max())
             # memory: optimizer state 1/d of the unsharded, up to padding
             (numel, padded, group), = sharded["buffers"]
             per = 12 if bf16 else 8
@@ -141,10 +173,25 @@ def _check(results, world):
                                              "bytes": w * padded}, (name, c)
             assert c["dp-cp/all_reduce"]["calls"] == 3         # tokens, loss, grad norm
             assert plain["comm"]["dp-cp/all_reduce"]["elements"] == numel + 2   # DDP: grads
+            for run in (plain, sharded):     # every replicated tensor agrees bit for bit
+                assert run["replicas"] is None, (name, rank, run["replicas"])
             if sharded["tied"] and len(sharded["pp_ranks"]) > 1:   # PP copies stay equal
                 first, last = sharded["pp_ranks"][0], sharded["pp_ranks"][-1]
                 assert torch.equal(results[first][name][1]["tied"][0],
                                    results[last][name][1]["tied"][0]), (name, rank)
+                # one broadcast of the owner's updated copy per iteration, V x h elements
+                assert sharded["comm"]["embedding/broadcast"]["calls"] == 1, sharded["comm"]
+                assert plain["comm"]["embedding/broadcast"]["calls"] == 1, plain["comm"]
+        for kind, run in res.get("nudged", {}).items():
+            # a copy perturbed by one ulp before every step is repaired by the owner's
+            # broadcast (the copies stay bit-identical whatever the update's rounding) ...
+            first, last = run["pp_ranks"][0], run["pp_ranks"][-1]
+            assert torch.equal(results[first]["nudged"][kind]["tied"][0],
+                               results[last]["nudged"][kind]["tied"][0]), (kind, rank)
+            assert run["replicas"] is None, (kind, rank, run["replicas"])
+            # ... and drift introduced after the step is caught before any save
+            assert run["after_nudge"] and "embedding.word_embeddings.weight" in \
+                run["after_nudge"] and "'embedding'" in run["after_nudge"], (kind, rank, run)
         if "resumed" in res:        # per-rank optimizer shards reload exactly (bf16 masters)
             assert res["resumed"] == res[RESUME][1]["losses"], (rank, res["resumed"])
     cfg = parse_args(run_argv(VALIDATE[world], world))
@@ -172,9 +219,10 @@ def test_distributed_optimizer_single_rank_matches_plain():
     """DP = 1 (no process group): one shard, no collectives, the plain optimizer's result."""
     for flags in (LLAMA18, GPT2 + ["--bf16"]):
         plain, sharded = _train(flags, 1, iters=2), _train(flags + DO, 1, iters=2)
-        assert sharded["losses"] == plain["losses"]
+        # one flat buffer vs one tensor per parameter: equal up to rounding, not bitwise
+        assert all(_close(a, b, 1e-5) for a, b in zip(sharded["losses"], plain["losses"]))
         for k, ref in plain["params"].items():
-            assert torch.equal(sharded["params"][k], ref), k
+            torch.testing.assert_close(sharded["params"][k], ref, rtol=1e-5, atol=1e-6)
         assert sharded["opt_bytes"] == plain["opt_bytes"] and sharded["comm"] == {}
     opt = _trainer(LLAMA18 + DO, 1).optimizer           # bad input: another layout's state
     sd = opt.state_dict()

@@ -4,6 +4,7 @@ and SP don't change the loss; the same seed twice gives identical curves."""
 import torch.distributed as torch_dist
 
 from megalite.arguments import parse_args
+from megalite.distributed.replicas import check_replicas
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer
 
@@ -15,8 +16,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--eval-iters", "0", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine"]
 
 
-def _losses(argv, world_size, iters=4, base=MODEL):
-    """Per-iteration losses of a run laid out on ``world_size`` of the pool's ranks."""
+def _losses(argv, world_size, iters=4, base=MODEL, replicas=None):
+    """Per-iteration losses of a run laid out on ``world_size`` of the pool's ranks;
+    ``replicas[...]`` gets ``check_replicas``' verdict after the run (None: all agree)."""
     rank = torch_dist.get_rank()
     cfg = parse_args(["--world-size", str(world_size), *base, *argv])
     grid = RankGrid(world_size, tp=cfg.parallel.tp, pp=cfg.parallel.pp, cp=cfg.parallel.cp)
@@ -27,13 +29,21 @@ def _losses(argv, world_size, iters=4, base=MODEL):
     trainer = Trainer(cfg, state, "cpu")
     trainer.setup()
     it = trainer.data_iterator(trainer.train_ds, 0)
-    return [trainer.train_step(it)["lm_loss"] for _ in range(iters)]
+    losses = [trainer.train_step(it)["lm_loss"] for _ in range(iters)]
+    if replicas is not None:
+        try:
+            check_replicas(trainer.model_chunks, trainer.state)
+            replicas[" ".join(argv)] = None
+        except RuntimeError as e:
+            replicas[" ".join(argv)] = str(e)
+    return losses
 
 
 def _compare(cases, base=MODEL):
-    out = {}
+    out, replicas = {}, {}
     for name, argv, world in cases:
-        out[name] = _losses(argv, world, base=base)
+        out[name] = _losses(argv, world, base=base, replicas=replicas if world > 1 else None)
+    out["replicas"] = replicas
     return out
 
 
@@ -62,6 +72,11 @@ def test_loss_independent_of_dp_microbatch_tp(dist):
     for name in ("dp2", "dp2_mbs1", "tp2", "tp2_sp"):
         for rank_result in results:
             assert _close(rank_result[name], ref, 1e-5), (name, rank_result[name], ref)
+    # DP replicas and TP-replicated parameters (norms; SP-summed grads) stay bit-identical
+    # with the plain optimizer: same reduced gradient, same layout on every rank
+    for rank_result in results:
+        assert rank_result["replicas"] and not any(rank_result["replicas"].values()), \
+            rank_result["replicas"]
 
 
 
