@@ -5,10 +5,11 @@ Layout::
     DIR/latest_checkpointed_iteration.txt
     DIR/iter_0000100/metadata.json                  model config, tp, pp, iteration, extra
     DIR/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model.pt
-        {"model": {global name: local shard}, "meta": {global name: ParamMeta dict}}
+        {"model": {global name: local shard}, "meta": {global name: split rule}}
     DIR/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/extra.pt   (optional, caller's dict)
 
-Every shard file carries the split rule of each tensor, so a checkpoint can be unsharded
+Every shard file carries the split rule of each tensor (``ParamSpec.to_meta_dict``: the
+TP split in the keys of the original ``ParamMeta``), so a checkpoint can be unsharded
 without building a model and reloaded at any TP/PP (``load_model_shards`` reshards on the
 fly; ``full_state_dict_from_checkpoint`` / ``write_checkpoint_from_full`` are the pure,
 single-process halves the converter uses).  Vocabulary tensors are unsharded to the
@@ -25,7 +26,8 @@ import torch
 from torch import nn
 
 from megalite import comm
-from megalite.checkpointing.sharding import ParamMeta, param_meta, shard_tensor, unshard_tensors
+from megalite.checkpointing.sharding import shard_tensor, unshard_tensors
+from megalite.param_spec import ParamSpec, group_coords, param_table
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT = "megalite-model-shards-v1"
@@ -44,19 +46,18 @@ def _chunks(model_chunks) -> List[nn.Module]:
 
 
 def _named(chunks: List[nn.Module]):
+    """(canonical name, param, spec) from each chunk's parameter table."""
     for chunk in chunks:
-        named = chunk.canonical_named_parameters() if hasattr(chunk, "canonical_named_parameters") \
-            else chunk.named_parameters()
-        yield from named
+        yield from param_table(chunk).named(chunk)
 
 
 def local_shards(model_chunks) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
     """This rank's shards and split rules, keyed by global name (tied copies once)."""
     tensors, metas = {}, {}
-    for name, p in _named(_chunks(model_chunks)):
+    for name, p, spec in _named(_chunks(model_chunks)):
         if name not in tensors:
             tensors[name] = p.detach().cpu().clone()
-            metas[name] = param_meta(p).to_dict()
+            metas[name] = spec.to_meta_dict()
     return tensors, metas
 
 
@@ -146,24 +147,27 @@ class _Reader:
     def names(self) -> List[str]:
         return list(self.stage_of)
 
-    def saved_meta(self, name: str) -> ParamMeta:
-        return ParamMeta.from_dict(self.file(0, self.stage_of[name])["meta"][name])
+    def saved_spec(self, name: str) -> ParamSpec:
+        return ParamSpec.from_meta_dict(self.file(0, self.stage_of[name])["meta"][name])
 
     def full(self, name: str) -> torch.Tensor:
-        stage, meta = self.stage_of[name], self.saved_meta(name)
-        if not meta.tensor_model_parallel:
+        stage, spec = self.stage_of[name], self.saved_spec(name)
+        if not spec.splits:
             return self.file(0, stage)["model"][name].clone()
-        return unshard_tensors([self.file(t, stage)["model"][name] for t in range(self.tp)], meta)
+        return unshard_tensors([self.file(t, stage)["model"][name] for t in range(self.tp)], spec)
 
-    def shard(self, name: str, meta: ParamMeta, tp_rank: int, tp_size: int) -> torch.Tensor:
-        saved = self.saved_meta(name)
-        if tuple(saved.full_shape) != tuple(meta.full_shape):
+    def shard(self, name: str, spec: ParamSpec, coords) -> torch.Tensor:
+        """This rank's local tensor of ``name`` for ``spec`` at group coordinates
+        ``coords``: read directly when the file's split is the same, else resharded."""
+        saved = self.saved_spec(name)
+        if saved.full_shape != spec.full_shape:
             raise ValueError(f"checkpoint tensor '{name}' has full shape {saved.full_shape}, "
-                             f"the model expects {meta.full_shape}")
-        if saved == meta and (self.tp == tp_size or not meta.tensor_model_parallel):
-            return self.file(tp_rank if meta.tensor_model_parallel else 0,
+                             f"the model expects {spec.full_shape}")
+        tp_only = all(g == "tp" for g in spec.split_groups)
+        if saved.same_split(spec) and tp_only and (not spec.splits or self.tp == coords["tp"][1]):
+            return self.file(coords["tp"][0] if spec.splits else 0,
                              self.stage_of[name])["model"][name]
-        return shard_tensor(self.full(name), meta, tp_rank, tp_size)
+        return spec.shard(self.full(name), coords)
 
 
 @torch.no_grad()
@@ -171,12 +175,13 @@ def load_model_shards(directory: str, model_chunks, cfg, state,
                       iteration: Optional[int] = None, strict: bool = True) -> int:
     """Fill ``model_chunks`` from a checkpoint saved at any TP/PP; returns its iteration."""
     reader = _Reader(directory, iteration)
+    coords = group_coords(state)
     missing = []
-    for name, p in _named(_chunks(model_chunks)):
+    for name, p, spec in _named(_chunks(model_chunks)):
         if name not in reader.stage_of:
             missing.append(name)
             continue
-        p.copy_(reader.shard(name, param_meta(p), state.tp.rank, state.tp.size))
+        p.copy_(reader.shard(name, spec, coords))
     if missing and strict:
         raise KeyError(f"checkpoint '{directory}' lacks {len(missing)} parameters, e.g. "
                        f"{missing[:3]}")
@@ -192,15 +197,17 @@ def load_extra(directory: str, state, iteration: Optional[int] = None) -> Option
 
 
 @torch.no_grad()
-def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], tp_rank: int,
-                         tp_size: int, strict: bool = True) -> None:
-    """Copy full (unpadded) tensors into this rank's shards."""
+def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], state,
+                         strict: bool = True) -> None:
+    """Copy full (unpadded) tensors into this rank's chunks (``state``: its ParallelState;
+    each parameter's spec says which of its groups split it)."""
+    coords = group_coords(state)
     missing = []
-    for name, p in _named(_chunks(model_chunks)):
+    for name, p, spec in _named(_chunks(model_chunks)):
         if name not in full_sd:
             missing.append(name)
             continue
-        p.copy_(shard_tensor(full_sd[name], param_meta(p), tp_rank, tp_size))
+        p.copy_(spec.shard(full_sd[name], coords))
     if missing and strict:
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
 
@@ -235,10 +242,10 @@ def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
                                iteration: int = 0) -> None:
     """Write a checkpoint at layout (tp, pp) from full tensors; pure, single process."""
     from megalite.config import ModelConfig
-    from megalite.models.gpt import parameter_metas
+    from megalite.models.gpt import parameter_specs
 
     model_cfg = ModelConfig(**model_cfg_dict)
-    metas = parameter_metas(model_cfg)
+    metas = parameter_specs(model_cfg)
     missing = sorted(set(metas) - set(full_sd))
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
@@ -252,7 +259,7 @@ def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
             shard = shard_tensor(full_sd[name].float(), meta, tp_rank, tp)
             for stage in _stages_of(name, layer_stage, pp, tied):
                 files[stage][0][name] = shard
-                files[stage][1][name] = meta.to_dict()
+                files[stage][1][name] = meta.to_meta_dict()
         for stage, (tensors, meta_dicts) in enumerate(files):
             path = shard_dir(directory, iteration, tp_rank, stage)
             os.makedirs(path, exist_ok=True)

@@ -30,7 +30,8 @@ from megalite import comm
 from megalite.distributed.grad_sync import dp_group_name
 from megalite.distributed.replicas import broadcast_tied_embeddings
 from megalite.optimizer.optimizer import (clip_coefficient, _accumulate_main_grad, _uses_decay,
-                                          counts_toward_norm, make_inner_optimizer)
+                                          counts_toward_norm, make_inner_optimizer, specs_of)
+from megalite.param_spec import group_coords
 
 
 class ShardedBuffer:
@@ -123,18 +124,17 @@ class DistributedOptimizer:
     AdamW sees exactly the elements -- and per-element math -- of the unsharded run.
     """
 
-    def __init__(self, named_params, cfg, state):
+    def __init__(self, named_params, cfg, state, specs=None):
         o = cfg.optimizer
         self.state, self.bf16, self.clip_grad = state, o.bf16, o.clip_grad
-        self.params: List[torch.nn.Parameter] = []
-        names: Dict[int, str] = {}
-        for name, p in named_params:
-            if p.requires_grad:
-                self.params.append(p)
-                names[id(p)] = name
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.params: List[torch.nn.Parameter] = [p for _, p in named]
+        self.specs = specs_of(named, specs)        # aligned with self.params
+        names: Dict[int, str] = {id(p): n for n, p in named}
+        spec_of = {id(p): spec for p, spec in zip(self.params, self.specs)}
         by_key: Dict[tuple, list] = {}
         for p in self.params:
-            by_key.setdefault((dp_group_name(p), p.dtype), []).append(p)
+            by_key.setdefault((dp_group_name(spec_of[id(p)]), p.dtype), []).append(p)
         grad_dtype = torch.float32 if self.bf16 else None
         self.sharded_buffers = [ShardedBuffer(ps, state[g], grad_dtype or dt)
                                 for (g, dt), ps in by_key.items()]
@@ -151,7 +151,7 @@ class DistributedOptimizer:
         self.masters = [buf.param_shard.detach().float().clone() if self.bf16
                         else buf.param_shard for buf in self.sharded_buffers]
         decay, no_decay = [], []
-        tp_rank = state.tp.rank
+        coords = group_coords(state)
         self._norm_spans = []           # (buffer, [(lo, hi)] counted toward the grad norm)
         for buf, master in zip(self.sharded_buffers, self.masters):
             ranges = buf.shard_ranges()
@@ -161,8 +161,8 @@ class DistributedOptimizer:
                 piece.grad = buf.grad_shard[lo:hi]
                 (decay if wd else no_decay).append(piece)
             spans = [(lo, hi) for lo, hi, c in _runs(
-                ranges, buf.shard_size, lambda p: p is not None and counts_toward_norm(p, tp_rank))
-                if c]
+                ranges, buf.shard_size,
+                lambda p: p is not None and counts_toward_norm(spec_of[id(p)], coords)) if c]
             self._norm_spans.append((buf, spans))
         self.inner = make_inner_optimizer([{"params": decay, "weight_decay": o.weight_decay},
                                            {"params": no_decay, "weight_decay": 0.0}], o)
@@ -221,7 +221,7 @@ class DistributedOptimizer:
                 if self.bf16:
                     buf.param_shard.copy_(master)
                 buf.all_gather_params()
-        broadcast_tied_embeddings(self.params, self.state)
+        broadcast_tied_embeddings(self.params, self.state, self.specs)
         return norm
 
     # -- checkpoints (per rank, same layout only) ----------------------------------------

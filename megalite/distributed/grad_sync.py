@@ -10,13 +10,14 @@ from megalite import comm
 from megalite.tensor_parallel import allreduce_sequence_parallel_grads
 
 
-def dp_group_name(param) -> str:
-    """The group a parameter's gradient is summed over: expert params over expert-DP,
-    everything else over DP x CP (CP ranks saw other tokens of the same sequences)."""
-    return "expert-dp" if getattr(param, "expert_parallel", False) else "dp-cp"
+def dp_group_name(spec) -> str:
+    """The group a parameter's gradient is summed over, from its ``ParamSpec``: expert
+    params over expert-DP, everything else over DP x CP (CP ranks saw other tokens of the
+    same sequences)."""
+    return "expert-dp" if spec.expert else "dp-cp"
 
 
-def finalize_gradients(params, grad_of, state, sharded_buffers=()) -> None:
+def finalize_gradients(params, grad_of, state, sharded_buffers=(), *, specs) -> None:
     """Every reduction a gradient needs after the last micro-batch's backward, in order:
 
     1. sequence-parallel replicated params (norms, ...) summed over TP, since each TP rank
@@ -25,9 +26,14 @@ def finalize_gradients(params, grad_of, state, sharded_buffers=()) -> None:
     3. everything summed over data parallel (``dp_group_name``): grads that live in a
        distributed optimizer's ``sharded_buffers`` are reduce-scattered (each DP rank keeps
        the sum of its own shard), the rest all-reduced.
+
+    ``specs``: each parameter's ``ParamSpec`` in the order of ``params`` (the optimizer's
+    ``specs``): which params are sequence-parallel, tied or experts is read there.
     """
-    allreduce_sequence_parallel_grads(params, state, grad_of)
-    tied = [grad_of(p) for p in params if getattr(p, "shared_embedding", False)]
+    params, specs = list(params), list(specs)
+    spec_of = {id(p): spec for p, spec in zip(params, specs)}
+    allreduce_sequence_parallel_grads(params, state, grad_of, specs)
+    tied = [grad_of(p) for p, spec in zip(params, specs) if spec.tied]
     if tied and state.pp.size > 1:
         comm.all_reduce_coalesced(tied, state["embedding"])
     for buf in sharded_buffers:
@@ -35,4 +41,5 @@ def finalize_gradients(params, grad_of, state, sharded_buffers=()) -> None:
     in_buffers = {id(p) for buf in sharded_buffers for p in buf.params}
     rest = [p for p in params if id(p) not in in_buffers]
     for name in ("dp-cp", "expert-dp"):
-        comm.all_reduce_coalesced([grad_of(p) for p in rest if dp_group_name(p) == name], state[name])
+        comm.all_reduce_coalesced([grad_of(p) for p in rest
+                                   if dp_group_name(spec_of[id(p)]) == name], state[name])

@@ -27,19 +27,22 @@ import torch
 
 from megalite import comm
 from megalite.distributed.grad_sync import dp_group_name
+from megalite.param_spec import named_specs, param_table
 
 
-def tied_embedding_params(params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
-    return [p for p in params if getattr(p, "shared_embedding", False)]
+def tied_embedding_params(params: Iterable[torch.nn.Parameter],
+                          specs) -> List[torch.nn.Parameter]:
+    """The params whose ``ParamSpec`` (``specs``, same order) marks them tied."""
+    return [p for p, spec in zip(params, specs) if spec.tied]
 
 
-def broadcast_tied_embeddings(params: Iterable[torch.nn.Parameter], state) -> None:
+def broadcast_tied_embeddings(params: Iterable[torch.nn.Parameter], state, specs) -> None:
     """Overwrite the last stage's copy of the tied embedding with the first stage's (the
     owner's).  Called after the optimizer step; a no-op without PP or tied embeddings."""
     if state.pp.size == 1 or "embedding" not in state.groups:
         return
     group = state["embedding"]
-    tied = tied_embedding_params(params)
+    tied = tied_embedding_params(params, specs)
     if group.size == 1 or not tied:
         return
     with torch.no_grad():
@@ -66,16 +69,18 @@ def checksum(tensor: torch.Tensor) -> Tuple[int, int]:
 
 def _replica_groups(model_chunks, state) -> List[Tuple[str, str, torch.Tensor]]:
     """(group, name, tensor) for every tensor that must be identical over ``group``."""
-    out = []
+    out, tied = [], []
     for i, chunk in enumerate(model_chunks):
-        named = chunk.canonical_named_parameters() if hasattr(
-            chunk, "canonical_named_parameters") else chunk.named_parameters()
-        for name, p in named:
-            out.append((dp_group_name(p), f"{i}:{name}", p))
-            if not getattr(p, "tensor_model_parallel", False):
-                out.append(("tp", f"{i}:{name}", p))
+        table = param_table(chunk)
+        for fqn, p, spec in named_specs(chunk):
+            name = table.canonical(fqn)
+            out.append((dp_group_name(spec), f"{i}:{name}", p))
+            for group in ("tp", "expert-tp"):   # replicated over the model-parallel dim
+                if group in spec.replica_groups():
+                    out.append((group, f"{i}:{name}", p))
+            if spec.tied:
+                tied.append(p)
     if state.pp.size > 1 and "embedding" in state.groups:
-        tied = [p for c in model_chunks for p in tied_embedding_params(c.parameters())]
         for p in tied:
             out.append(("embedding", "embedding.word_embeddings.weight", p))
     return out

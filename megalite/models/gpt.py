@@ -25,15 +25,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.backends import get_layer_spec
-from megalite.checkpointing.sharding import ParamMeta, param_meta
+from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
+                                 make_param)
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import VocabParallelEmbedding, make_param
+from megalite.tensor_parallel.layers import VocabParallelEmbedding
 from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.recompute import configure_recompute
 from megalite.transformer.rotary import RotaryEmbedding
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT_WEIGHT = "output_layer.weight"
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -54,9 +56,9 @@ class LanguageModelEmbedding(nn.Module):
             table = m.max_position_embeddings or m.seq_length
             self.position_embeddings = nn.Module()
             # With SP each rank adds only its sequence chunk's positions: grads need a TP sum.
-            self.position_embeddings.weight = make_param(
-                ParamMeta((table, m.hidden_size)), 1, ("normal", m.init_method_std),
-                sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+            spec = ParamSpec((table, m.hidden_size), init=("normal", m.init_method_std),
+                             sequence_parallel=tp_group.name if sequence_parallel else None)
+            make_param(self.position_embeddings, "weight", spec, {}, device=device, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
         ids = input_ids.t()                                   # [s, b]
@@ -85,6 +87,7 @@ class GPTModel(nn.Module):
         m = cfg.model
         self.model_cfg = m
         self.tp_group = state.tp
+        self.parallel_coords = group_coords(state)    # {group: (rank, size)} for init
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_numbers = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
         self.sequence_parallel = bool(cfg.parallel.sequence_parallel) and state.tp.size > 1
@@ -111,15 +114,15 @@ class GPTModel(nn.Module):
                 sequence_parallel=sp, init_std=m.init_method_std,
                 pad_multiple=m.make_vocab_size_divisible_by,
                 skip_weight_param=self.tied and pre_process, **kw)
-            if self.tied and not pre_process:
-                # Last-stage copy of the input embedding: same name -> same init and
-                # checkpoint entry; its grad is summed over the 'embedding' group and it is
-                # counted once in the grad norm (``is_embedding_copy``).
-                copy = self.output_layer.weight
-                copy.canonical_name = WORD_EMBEDDING
-                copy.shared_embedding = copy.is_embedding_copy = True
+        # The tied word embedding: the first stage's is the owner; the last stage's output
+        # layer holds a copy under the same canonical name (same init and checkpoint entry),
+        # whose grad is summed over the 'embedding' group and which the grad norm skips.
+        canonical, tied = {}, {}
         if self.tied and pre_process:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            tied[WORD_EMBEDDING] = TIED_OWNER
+        elif self.tied and post_process:
+            canonical[OUTPUT_WEIGHT], tied[OUTPUT_WEIGHT] = WORD_EMBEDDING, TIED_COPY
+        self.param_table = ParamTable.from_module(self, canonical, tied)
         self.input_tensor: Optional[torch.Tensor] = None
         if init and (device is None or torch.device(device).type != "meta"):
             self.initialize(cfg.training.seed)
@@ -127,23 +130,19 @@ class GPTModel(nn.Module):
     # -- parameters ------------------------------------------------------------------------
     def canonical_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
         """(global name, param): names are independent of TP/PP (checkpoints, init seeds)."""
-        for name, p in self.named_parameters():
-            yield getattr(p, "canonical_name", name), p
-
-    def param_metas(self) -> Dict[str, ParamMeta]:
-        return {name: param_meta(p) for name, p in self.canonical_named_parameters()}
+        for name, p, _ in self.param_table.named(self):
+            yield name, p
 
     def initialize(self, seed: int) -> None:
-        init_parameters(self.canonical_named_parameters(), seed, self.tp_group.rank,
-                        self.tp_group.size)
+        init_parameters(self.param_table.named(self), seed, self.parallel_coords)
 
     def shared_embedding_weight(self) -> Optional[nn.Parameter]:
         """The tied word-embedding matrix this chunk holds (None if untied or absent).
 
-        With PP > 1 the first and last stage each hold one (both marked
-        ``param.shared_embedding``; the last stage's also ``is_embedding_copy``); their
-        grads must be summed over ``state['embedding']`` before the optimizer step.  At
-        PP = 1 it is a single Parameter used by both the embedding and the output layer.
+        With PP > 1 the first and last stage each hold one (``ParamSpec.tied`` "owner" on
+        the first, "copy" on the last); their grads must be summed over
+        ``state['embedding']`` before the optimizer step.  At PP = 1 it is a single
+        Parameter used by both the embedding and the output layer.
         """
         if not self.tied:
             return None
@@ -199,10 +198,10 @@ def single_rank_state():
     return ParallelState.build(RankGrid(1), 0, create_groups=False)
 
 
-def parameter_metas(model_cfg) -> Dict[str, ParamMeta]:
-    """Global name -> ParamMeta of every parameter of the full model (no allocation)."""
+def parameter_specs(model_cfg) -> Dict[str, ParamSpec]:
+    """Canonical name -> ParamSpec of every parameter of the full model (no allocation)."""
     from megalite.config import MegaliteConfig
 
     cfg = MegaliteConfig(model=model_cfg)
     model = GPTModel(cfg, single_rank_state(), device="meta", init=False)
-    return model.param_metas()
+    return dict(model.param_table.specs)

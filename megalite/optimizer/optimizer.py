@@ -13,6 +13,11 @@ import torch
 
 from megalite import comm
 from megalite.distributed.replicas import broadcast_tied_embeddings
+from megalite.param_spec import ParamSpec, group_coords, is_first_replica, named_specs
+
+# The grad norm is summed over model parallel (tp x pp); its data dimension is TP for
+# dense parameters and expert-TP for experts.
+NORM_REPLICA_GROUPS = ("tp", "expert-tp")
 
 
 def _uses_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -27,12 +32,18 @@ def clip_coefficient(norm: float, clip_grad: float) -> float:
     return 1.0
 
 
-def counts_toward_norm(param, tp_rank: int) -> bool:
-    """Count a parameter once across TP (replicated ones only on TP rank 0) and once across
-    the first/last stage copies of a tied embedding."""
-    if getattr(param, "is_embedding_copy", False):
-        return False
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+def counts_toward_norm(spec: ParamSpec, coords) -> bool:
+    """Count a parameter's elements once over model parallel: a parameter its spec does not
+    split over TP (or expert-TP) only on rank 0 of that group, and the tied embedding's
+    last-stage copy not at all.  ``coords``: ``param_spec.group_coords(state)``."""
+    return is_first_replica(spec, coords, NORM_REPLICA_GROUPS)
+
+
+def specs_of(named_params: list, specs) -> List[ParamSpec]:
+    """The spec of each ``(name, param)``: looked up in ``specs`` (name -> ParamSpec, from
+    the model chunks' tables); a parameter it lacks is a plain replicated one."""
+    specs = specs or {}
+    return [specs.get(n) or ParamSpec(tuple(p.shape)) for n, p in named_params]
 
 
 def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
@@ -52,17 +63,15 @@ class MixedPrecisionOptimizer:
     # every gradient is all-reduced.  The distributed optimizer lists its buffers.
     sharded_buffers = ()
 
-    def __init__(self, named_params: Iterable, cfg, state):
+    def __init__(self, named_params: Iterable, cfg, state, specs=None):
         o = cfg.optimizer
         self.state = state
         self.bf16 = o.bf16
         self.clip_grad = o.clip_grad
-        self.params: List[torch.nn.Parameter] = []
-        names = []
-        for name, p in named_params:
-            if p.requires_grad:
-                self.params.append(p)
-                names.append(name)
+        named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.params: List[torch.nn.Parameter] = [p for _, p in named]
+        names = [n for n, _ in named]
+        self.specs = specs_of(named, specs)        # aligned with self.params
         self.masters = []
         for p in self.params:
             if self.bf16:
@@ -101,10 +110,10 @@ class MixedPrecisionOptimizer:
 
     def grad_norm(self) -> float:
         """L2 norm of the full model's gradient, reduced over the model-parallel group."""
-        tp_rank = self.state.tp.rank
+        coords = group_coords(self.state)
         sq = torch.zeros(1, dtype=torch.float32)
-        for p in self.params:
-            if counts_toward_norm(p, tp_rank):
+        for p, spec in zip(self.params, self.specs):
+            if counts_toward_norm(spec, coords):
                 sq += self.grad(p).float().pow(2).sum()
         comm.all_reduce(sq, self.state["mp"])
         return sq.sqrt().item()
@@ -127,7 +136,7 @@ class MixedPrecisionOptimizer:
             with torch.no_grad():
                 for p, m in zip(self.params, self.masters):
                     p.copy_(m)
-        broadcast_tied_embeddings(self.params, self.state)
+        broadcast_tied_embeddings(self.params, self.state, self.specs)
         return norm
 
     def state_dict(self) -> dict:
@@ -161,9 +170,13 @@ def _accumulate_main_grad(param):
 def build_optimizer(model_chunks, cfg, state):
     """MixedPrecisionOptimizer, or the sharded DistributedOptimizer with
     --use-distributed-optimizer (same interface)."""
-    named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters()]
+    triples = named_specs(model_chunks)      # FQNs are unique over a rank's chunks
+    named = [(n, p) for n, p, _ in triples]
+    specs = {n: spec for n, _, spec in triples}
+    if len(specs) != len(triples):
+        raise ValueError("parameter names repeat across this rank's model chunks")
     if cfg.parallel.use_distributed_optimizer:
         from megalite.distributed.distributed_optimizer import DistributedOptimizer
 
-        return DistributedOptimizer(named, cfg, state)
-    return MixedPrecisionOptimizer(named, cfg, state)
+        return DistributedOptimizer(named, cfg, state, specs)
+    return MixedPrecisionOptimizer(named, cfg, state, specs)

@@ -74,10 +74,10 @@ def build_model_chunks(cfg, state) -> list:
 
     ``state.virtual_pipeline_rank`` is set while each chunk is built so that
     ``is_first_stage()`` / ``is_last_stage()`` give the right pre/post processing.  With
-    PP > 1 the first stage's word embedding and the last stage's output-layer copy are
-    both ``shared_embedding`` (grads summed over the 'embedding' group); the copy is also
-    ``is_embedding_copy`` (counted once in the grad norm).  Both are initialized from the
-    same parameter name; a broadcast from the first stage makes equality explicit.
+    PP > 1 the first stage's word embedding (the owner) and the last stage's output-layer
+    copy are both tied in the chunks' ``param_table`` (grads summed over the 'embedding'
+    group; the copy is not counted in the grad norm).  Both are initialized from the same
+    parameter name; a broadcast from the first stage makes equality explicit.
     """
     from megalite.models.gpt import GPTModel
     from megalite.tensor_parallel.random import model_parallel_tracker
@@ -102,16 +102,13 @@ def build_model_chunks(cfg, state) -> list:
 
 
 def mark_shared_embeddings(chunks, state) -> None:
-    """Mark the tied first/last-stage word embeddings and make the copy start equal."""
+    """Make the tied first/last-stage word embeddings start equal (the owner broadcasts);
+    which parameters are tied is already in each chunk's ``param_table``."""
     shared = None
     for chunk in chunks:
         weight = chunk.shared_embedding_weight()
-        if weight is None:
-            continue
-        weight.shared_embedding = True
-        if not chunk.pre_process:
-            weight.is_embedding_copy = True
-        shared = weight
+        if weight is not None:
+            shared = weight
     group = state.groups.get("embedding")
     if shared is not None and group is not None and group.handle is not None:
         with torch.no_grad():

@@ -1,15 +1,14 @@
 """Column/row-parallel linears and the vocabulary-parallel embedding.
 
-Parameters are created *empty* at their local (shard) shape; each carries a
-``shard_meta`` (``megalite.checkpointing.sharding.ParamMeta``: full shape, split dim,
-blocks, vocab padding) and an ``init_spec`` that ``tensor_parallel.random.init_parameters``
-uses to draw the full tensor from a name-seeded generator and slice it.  That is what
-makes the initial weights independent of TP and PP.
-
-Megatron-compatible attributes are also set: ``tensor_model_parallel``,
-``partition_dim``, ``partition_blocks`` and ``sequence_parallel`` (a replicated
-parameter that only sees this rank's sequence shard, whose grad must be summed over TP:
-see ``allreduce_sequence_parallel_grads``).
+Parameters are created *empty* at their local (shard) shape by ``make_param``, which
+records each one's ``ParamSpec`` (``megalite.param_spec``: full shape, which group splits
+which dim, fused blocks, vocab padding, init rule, sequence-parallel flag) in the layer's
+``param_specs`` dict -- never on the parameter.  The split group is the layer's own group
+(``tp_group.name``), so a layer built on "expert-tp" is described as such.
+``tensor_parallel.random.init_parameters`` draws the full tensor from a name-seeded
+generator and slices it, which makes the initial weights independent of TP and PP.
+A replicated parameter that only sees this rank's sequence shard (``sequence_parallel``)
+has its grad summed over that group by ``allreduce_sequence_parallel_grads``.
 """
 from __future__ import annotations
 
@@ -20,26 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import comm
-from megalite.checkpointing.sharding import ParamMeta
+from megalite.param_spec import ParamSpec, make_param, named_specs
 from megalite.parallel_state import Group
 from megalite.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
                                                reduce_from_tp_region, reduce_scatter_to_sp_region,
                                                scatter_to_tp_region)
-
-
-def make_param(meta: ParamMeta, tp_size: int, init: tuple, *, sequence_parallel: bool = False,
-               device=None, dtype=None) -> nn.Parameter:
-    """An uninitialized local shard described by ``meta``; ``init`` is ("normal", std),
-    ("zeros",) or ("ones",) and is applied to the *full* tensor at init time."""
-    p = nn.Parameter(torch.empty(meta.local_shape(tp_size), device=device,
-                                 dtype=dtype or torch.float32))
-    p.shard_meta = meta
-    p.tensor_model_parallel = meta.tensor_model_parallel
-    p.partition_dim = meta.partition_dim
-    p.partition_blocks = meta.partition_blocks
-    p.init_spec = init
-    p.sequence_parallel = sequence_parallel
-    return p
 
 
 def _engine_wants(ctx, i: int) -> bool:
@@ -146,14 +130,16 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError("gather_output does not combine with sequence_parallel")
         self.tp_group, self.gather_output = tp_group, gather_output
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
-        tp = tp_group.size
-        meta = ParamMeta((output_size, input_size), True, 0, partition_blocks, pad_multiple)
-        self.weight = None if skip_weight_param else make_param(
-            meta, tp, ("normal", init_std), device=device, dtype=dtype)
-        self.bias = None
+        g, sizes = tp_group.name, {tp_group.name: tp_group.size}
+        kw = dict(device=device, dtype=dtype)
+        self.weight = self.bias = None
+        if not skip_weight_param:
+            make_param(self, "weight", ParamSpec.split(
+                (output_size, input_size), 0, g, partition_blocks, pad_multiple,
+                init=("normal", init_std)), sizes, **kw)
         if bias:
-            bmeta = ParamMeta((output_size,), True, 0, partition_blocks, pad_multiple)
-            self.bias = make_param(bmeta, tp, ("zeros",), device=device, dtype=dtype)
+            make_param(self, "bias", ParamSpec.split(
+                (output_size,), 0, g, partition_blocks, pad_multiple, init=("zeros",)), sizes, **kw)
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if weight is None else weight
@@ -180,14 +166,15 @@ class RowParallelLinear(nn.Module):
             raise ValueError("sequence_parallel needs input_is_parallel=True")
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
         self.sequence_parallel = sequence_parallel and tp_group.size > 1
-        tp = tp_group.size
-        self.weight = make_param(ParamMeta((output_size, input_size), True, 1), tp,
-                                 ("normal", init_std), device=device, dtype=dtype)
+        g, sizes = tp_group.name, {tp_group.name: tp_group.size}
+        kw = dict(device=device, dtype=dtype)
+        make_param(self, "weight", ParamSpec.split((output_size, input_size), 1, g,
+                                                   init=("normal", init_std)), sizes, **kw)
         self.bias = None
-        if bias:
-            self.bias = make_param(ParamMeta((output_size,)), tp, ("zeros",),
-                                   sequence_parallel=self.sequence_parallel,
-                                   device=device, dtype=dtype)
+        if bias:   # replicated; with SP it sees only this rank's tokens: grad summed over g
+            make_param(self, "bias", ParamSpec((output_size,), init=("zeros",),
+                                               sequence_parallel=g if self.sequence_parallel
+                                               else None), sizes, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
@@ -216,9 +203,10 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_group = tp_group
         self.reduce_scatter = reduce_scatter and tp_group.size > 1
-        meta = ParamMeta((num_embeddings, embedding_dim), True, 0, 1, pad_multiple)
-        self.weight = make_param(meta, tp_group.size, ("normal", init_std),
-                                 device=device, dtype=dtype)
+        spec = ParamSpec.split((num_embeddings, embedding_dim), 0, tp_group.name,
+                               pad_multiple=pad_multiple, init=("normal", init_std))
+        make_param(self, "weight", spec, {tp_group.name: tp_group.size}, device=device,
+                   dtype=dtype)
         self.vocab_start = tp_group.rank * self.weight.shape[0]
         self.vocab_end = self.vocab_start + self.weight.shape[0]
 
@@ -238,20 +226,33 @@ def _grad_of(p: torch.Tensor):
     return main if main is not None else p.grad
 
 
-def allreduce_sequence_parallel_grads(model_or_params, state, grad_of=_grad_of) -> int:
-    """Sum over TP the grads of replicated params that saw only a sequence shard.
+def allreduce_sequence_parallel_grads(model_or_params, state, grad_of=_grad_of,
+                                      specs=None) -> int:
+    """Sum the grads of replicated params that saw only a sequence shard over the group
+    their spec names (``ParamSpec.sequence_parallel``, "tp" for the dense layers).
 
     Call after backward (and before clipping / the optimizer) when sequence parallelism is
-    on; takes a module, a list of modules or a list of parameters; ``grad_of`` says where a
-    parameter's gradient lives (default ``main_grad`` if present, else ``.grad``).  Returns
-    the number of elements reduced.
+    on.  Takes a module or a list of modules (their specs are looked up by parameter name
+    in the table, so parameters replaced after construction, e.g. by FSDP2, are found), or
+    a list of parameters with ``specs``, their ``ParamSpec`` in the same order.
+    ``grad_of`` says where a parameter's gradient lives (default ``main_grad`` if present,
+    else ``.grad``).  Returns the number of elements reduced.
     """
     items = [model_or_params] if isinstance(model_or_params, nn.Module) else list(model_or_params)
-    params = [p for it in items
-              for p in (it.parameters() if isinstance(it, nn.Module) else [it])]
-    grads = [g for p in params
-             if getattr(p, "sequence_parallel", False) and (g := grad_of(p)) is not None]
-    if state.tp.size == 1:
-        return 0
-    comm.all_reduce_coalesced(grads, state.tp)
-    return sum(g.numel() for g in grads)
+    if items and all(isinstance(it, nn.Module) for it in items):
+        pairs = [(p, spec) for _, p, spec in named_specs(items)]
+    else:
+        if specs is None:
+            raise ValueError("a list of parameters needs their specs")
+        pairs = list(zip(items, specs))
+    by_group = {}
+    for p, spec in pairs:
+        if spec.sequence_parallel and (g := grad_of(p)) is not None:
+            by_group.setdefault(spec.sequence_parallel, []).append(g)
+    reduced = 0
+    for name, grads in by_group.items():
+        group = state[name]
+        if group.size > 1:
+            comm.all_reduce_coalesced(grads, group)
+            reduced += sum(g.numel() for g in grads)
+    return reduced

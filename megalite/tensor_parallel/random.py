@@ -7,8 +7,10 @@ keeps extra generator states and swaps one in for a region (``fork``), for the C
 generator and, when CUDA is available, the current CUDA generator.
 
 ``init_parameters`` draws every parameter as its FULL tensor from a generator seeded by
-``crc32("{seed}:{global name}")`` and keeps this rank's shard, so the initial model is
-identical whatever TP, PP or virtual-stage layout holds it.
+``crc32("{seed}:{global name}")`` and keeps this rank's chunk(s) as its ``ParamSpec`` says
+(whatever groups split it), so the initial model is identical whatever TP, PP or
+virtual-stage layout holds it.  A parameter already sharded further by FSDP2 (a DTensor)
+gets its piece of that local tensor.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Dict, Iterable, Tuple
 import torch
 from torch import nn
 
-from megalite.checkpointing.sharding import param_meta, shard_tensor
+from megalite.param_spec import Coords, ParamSpec
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 TP_SEED_OFFSET = 2718  # Megatron's offset: tp seed = seed + 2718 + tp_rank
@@ -114,13 +116,23 @@ def full_init_tensor(init: tuple, shape, seed: int, name: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_parameters(named_params: Iterable[Tuple[str, nn.Parameter]], seed: int, tp_rank: int,
-                    tp_size: int) -> None:
-    """Fill each parameter with its shard of the name-seeded full tensor."""
-    for name, p in named_params:
-        init = getattr(p, "init_spec", None)
-        if init is None:
+def init_parameters(named: Iterable[Tuple[str, nn.Parameter, ParamSpec]], seed: int,
+                    coords: Coords) -> None:
+    """Fill each ``(canonical name, param, spec)`` with its chunk(s) of the name-seeded full
+    tensor; ``coords`` = ``{group: (rank, size)}`` (``param_spec.group_coords(state)``)."""
+    for name, p, spec in named:
+        if spec.init is None:
             continue
-        meta = param_meta(p)
-        full = full_init_tensor(init, meta.full_shape, seed, name)
-        p.copy_(shard_tensor(full, meta, tp_rank, tp_size))
+        full = full_init_tensor(spec.init, spec.full_shape, seed, name)
+        copy_into_param(p, spec.shard(full, coords))
+
+
+def copy_into_param(p: torch.Tensor, local: torch.Tensor) -> None:
+    """``p.copy_(local)``; when ``p`` is a DTensor (FSDP2), each rank keeps its placement's
+    piece of ``local`` (identical on every rank of the mesh, so no communication)."""
+    if hasattr(p, "device_mesh") and hasattr(p, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        local = distribute_tensor(local.to(device=p.device, dtype=p.dtype), p.device_mesh,
+                                  p.placements, src_data_rank=None)
+    p.copy_(local)

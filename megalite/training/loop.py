@@ -133,7 +133,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = self._run_schedule(batches, forward_only=False)
         finalize_gradients(self.optimizer.params, self.optimizer.grad, self.state,
-                           self.optimizer.sharded_buffers)
+                           self.optimizer.sharded_buffers, specs=self.optimizer.specs)
         lr = self.scheduler.lr(self.iteration + 1)
         grad_norm = self.optimizer.step(lr)
         self.iteration += 1

@@ -1,8 +1,8 @@
 """LayerNorm and RMSNorm whose parameters know about sequence parallelism.
 
 With sequence parallelism a norm runs on this rank's sequence shard, so its (replicated)
-weight only sees part of the tokens: the parameters are marked ``sequence_parallel`` and
-their grads summed over TP by ``allreduce_sequence_parallel_grads``.
+weight only sees part of the tokens: their ``ParamSpec`` names the sequence-split group
+("tp") and ``allreduce_sequence_parallel_grads`` sums their grads over it.
 """
 from __future__ import annotations
 
@@ -10,8 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.checkpointing.sharding import ParamMeta
-from megalite.tensor_parallel.layers import make_param
+from megalite.param_spec import ParamSpec, make_param
+
+SEQUENCE_PARALLEL_GROUP = "tp"    # dense layers split the sequence over the TP group
+
+
+def _norm_spec(hidden_size: int, init: tuple, sequence_parallel: bool) -> ParamSpec:
+    return ParamSpec((hidden_size,), init=init,
+                     sequence_parallel=SEQUENCE_PARALLEL_GROUP if sequence_parallel else None)
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +27,8 @@ class RMSNorm(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         self.eps, self.shape = eps, (hidden_size,)
-        self.weight = make_param(ParamMeta((hidden_size,)), 1, ("ones",),
-                                 sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        make_param(self, "weight", _norm_spec(hidden_size, ("ones",), sequence_parallel), {},
+                   device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -36,9 +42,9 @@ class LayerNorm(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         self.eps, self.shape = eps, (hidden_size,)
-        kw = dict(sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.weight = make_param(ParamMeta((hidden_size,)), 1, ("ones",), **kw)
-        self.bias = make_param(ParamMeta((hidden_size,)), 1, ("zeros",), **kw)
+        kw = dict(device=device, dtype=dtype)
+        make_param(self, "weight", _norm_spec(hidden_size, ("ones",), sequence_parallel), {}, **kw)
+        make_param(self, "bias", _norm_spec(hidden_size, ("zeros",), sequence_parallel), {}, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)

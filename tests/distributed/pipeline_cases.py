@@ -3,7 +3,8 @@ one pipelined step on a rank, and the single-process reference."""
 import torch
 
 from megalite import comm
-from megalite.checkpointing.sharding import ParamMeta, unshard_tensors
+from megalite.checkpointing.sharding import unshard_tensors
+from megalite.param_spec import named_specs
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.distributed.grad_sync import finalize_gradients
 from megalite.models.gpt import build_model, single_rank_state
@@ -89,10 +90,9 @@ def grad_of(p):
 def grads_by_name(chunks):
     out = {}
     for chunk in chunks:
-        for name, p in chunk.canonical_named_parameters():
-            meta = getattr(p, "shard_meta", ParamMeta(tuple(p.shape))).to_dict()
-            key = name + ("#copy" if getattr(p, "is_embedding_copy", False) else "")
-            out[key] = (p.detach().clone(), grad_of(p).detach().clone(), meta)
+        for name, p, spec in chunk.param_table.named(chunk):
+            key = name + ("#copy" if spec.tied == "copy" else "")
+            out[key] = (p.detach().clone(), grad_of(p).detach().clone(), spec.to_meta_dict())
     return out
 
 
@@ -117,8 +117,9 @@ def run_case_on_rank(case: dict, rank: int, world: int, stats: bool = False):
     else:
         reports = get_forward_backward_func(cfg, state)(fwd, mine, chunks, state, cfg)
         peak = None
-    params = [q for c in chunks for q in c.parameters()]
-    finalize_gradients(params, grad_of, state)
+    triples = named_specs(chunks)
+    finalize_gradients([q for _, q, _ in triples], grad_of, state,
+                       specs=[spec for _, _, spec in triples])
     loss = torch.zeros(1, dtype=torch.float64)
     for r in reports:
         loss += r["loss_sum"].double()

@@ -71,8 +71,8 @@ def _resumed_losses(flags, world, path):
 def _nudge_tied_copy(trainer) -> bool:
     """Move every element of the last stage's tied-embedding copy by one ulp: what a kernel
     that rounds differently at another buffer offset does (issue: AVX2 scalar tails)."""
-    copies = [w for c in trainer.model_chunks if (w := c.shared_embedding_weight()) is not None
-              and getattr(w, "is_embedding_copy", False)]
+    copies = [p for c in trainer.model_chunks for _, p, spec in c.param_table.named(c)
+              if spec.tied == "copy"]
     with torch.no_grad():
         for w in copies:
             w.copy_(torch.nextafter(w, torch.full_like(w, float("inf"))))

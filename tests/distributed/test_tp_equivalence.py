@@ -12,7 +12,7 @@ import torch.distributed as torch_dist
 import torch.nn.functional as F
 
 from megalite import comm
-from megalite.checkpointing.sharding import ParamMeta, shard_tensor, unshard_tensors
+from megalite.checkpointing.sharding import shard_tensor, unshard_tensors
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.models.gpt import WORD_EMBEDDING, GPTModel, build_model, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
@@ -71,9 +71,8 @@ def run_step(model, ids, labels, state=None):
     loss.mean().backward()
     if state is not None:
         allreduce_sequence_parallel_grads(model, state)
-    shards = {n: (p.detach().clone(), p.grad.detach().clone(),
-                  getattr(p, "shard_meta", ParamMeta(tuple(p.shape))).to_dict())
-              for n, p in model.canonical_named_parameters()}
+    shards = {n: (p.detach().clone(), p.grad.detach().clone(), spec.to_meta_dict())
+              for n, p, spec in model.param_table.named(model)}
     return logits, loss.detach().clone(), shards
 
 
@@ -212,8 +211,9 @@ def _layer_options():
         row = RowParallelLinear(16, 12, tp_group=tp, input_is_parallel=sp, sequence_parallel=sp)
         with torch.no_grad():
             for layer, w, b in ((col, w1, b1), (row, w2, b2)):
-                layer.weight.copy_(shard_tensor(w, layer.weight.shard_meta, tp.rank, tp.size))
-                layer.bias.copy_(shard_tensor(b, layer.bias.shard_meta, tp.rank, tp.size))
+                specs = layer.param_specs
+                layer.weight.copy_(shard_tensor(w, specs["weight"], tp.rank, tp.size))
+                layer.bias.copy_(shard_tensor(b, specs["bias"], tp.rank, tp.size))
         xi = (x.chunk(tp.size)[tp.rank] if sp else x).clone().requires_grad_()
         y = row(col(xi))
         want = ref.detach().chunk(tp.size)[tp.rank] if sp else ref.detach()
@@ -221,7 +221,7 @@ def _layer_options():
         y.square().sum().backward()
         want_gx = xr.grad.chunk(tp.size)[tp.rank] if sp else xr.grad
         assert rel(xi.grad, want_gx) <= RTOL, rel(xi.grad, want_gx)
-        assert row.bias.sequence_parallel == sp
+        assert row.param_specs["bias"].sequence_parallel == ("tp" if sp else None)
         if sp:
             allreduce_sequence_parallel_grads([col, row], state)
     # scatter / gather along the sequence are conjugate
@@ -257,8 +257,8 @@ def _sp_column_linear():
     def build():
         col = ColumnParallelLinear(12, 16, tp_group=tp, sequence_parallel=True)
         with torch.no_grad():
-            col.weight.copy_(shard_tensor(w, col.weight.shard_meta, tp.rank, tp.size))
-            col.bias.copy_(shard_tensor(b, col.bias.shard_meta, tp.rank, tp.size))
+            col.weight.copy_(shard_tensor(w, col.param_specs["weight"], tp.rank, tp.size))
+            col.bias.copy_(shard_tensor(b, col.param_specs["bias"], tp.rank, tp.size))
         xi = x.chunk(tp.size)[tp.rank].clone().requires_grad_()
         return col, xi, xi * 1.0          # a non-leaf input, as inside a layer
 
@@ -378,7 +378,8 @@ def _checkpoint_and_hf(ckpt_dir, hf_dir):
     saved_shared = shared.detach().clone()
     save_model_shards(ckpt_dir, 7, [chunk], make_cfg(mcfg, 2, False, 2, WORLD), state,
                       extra={"rank": rank})
-    out = {"shared": (state.tp.rank, saved_shared, shared.shard_meta)}
+    out = {"shared": (state.tp.rank, saved_shared,
+                      chunk.param_table.specs[WORD_EMBEDDING].to_meta_dict())}
     # reload at TP=4 PP=1 and at TP=1 PP=4 into differently-seeded models
     for tp, pp in ((4, 1), (1, 4)):
         st = ParallelState.build(RankGrid(WORLD, tp=tp, pp=pp), rank)
@@ -392,7 +393,7 @@ def _checkpoint_and_hf(ckpt_dir, hf_dir):
     hcfg, full = hf.import_hf(hf_dir)
     st = ParallelState.build(RankGrid(WORLD, tp=2), rank)
     model = build_model(make_cfg(hcfg, 2, True, world=WORLD), st).eval()
-    load_full_state_dict(model, full, st.tp.rank, st.tp.size)
+    load_full_state_dict(model, full, st)
     ids, _ = batch(3)
     with torch.no_grad():
         out["hf_logits"] = model(ids % hcfg["vocab_size"])
@@ -414,8 +415,8 @@ def test_checkpoint_reshard_and_hf_tp2(dist, tmp_path):
 
     mcfg = model_cfg("llama", 8, layers=4, tied=True)
     ref = build_model(make_cfg(mcfg, seed=11), single_rank_state())
-    ref_full = {n: unshard_tensors([p.detach()], p.shard_meta)
-                for n, p in ref.canonical_named_parameters()}
+    ref_full = {n: unshard_tensors([p.detach()], spec)
+                for n, p, spec in ref.param_table.named(ref)}
     cfg_dict, full = full_state_dict_from_checkpoint(str(tmp_path / "ckpt"))
     assert cfg_dict == dataclasses.asdict(ModelConfig(**mcfg))
     assert set(full) == set(ref_full) and all(torch.equal(full[n], ref_full[n]) for n in full)
@@ -430,7 +431,7 @@ def test_checkpoint_reshard_and_hf_tp2(dist, tmp_path):
             assert it == 7
             for n, t in params.items():
                 by_tp.setdefault(n, {})[tp_rank] = t
-        metas = ref.param_metas()
+        metas = ref.param_table.specs
         for n, shards in by_tp.items():
             got = unshard_tensors([shards[i] for i in range(tp)], metas[n])
             assert torch.equal(got, ref_full[n]), (tp, pp, n)

@@ -62,8 +62,8 @@ def test_chunks_pre_post_and_tied_embedding_marks(vpp):
     assert last[-1].post_process and not any(c.post_process for c in first + last[:-1])
     emb = first[0].embedding.word_embeddings.weight
     copy = last[-1].output_layer.weight
-    assert emb.shared_embedding and copy.shared_embedding and copy.is_embedding_copy
-    assert not getattr(emb, "is_embedding_copy", False)
+    assert first[0].param_table.spec("embedding.word_embeddings.weight").tied == "owner"
+    assert last[-1].param_table.spec("output_layer.weight").tied == "copy"
     assert torch.equal(emb, copy)             # same name-seeded init
     names = [n for c in first + last for n, _ in c.canonical_named_parameters()]
     assert names.count("embedding.word_embeddings.weight") == 2
@@ -72,8 +72,7 @@ def test_chunks_pre_post_and_tied_embedding_marks(vpp):
 def test_untied_has_no_shared_marks():
     first, _ = _chunks(cfg_for(4, 2, tied=False), 0)
     last, _ = _chunks(cfg_for(4, 2, tied=False), 1)
-    assert not any(getattr(p, "shared_embedding", False) for c in first + last
-                   for p in c.parameters())
+    assert not any(spec.tied for c in first + last for spec in c.param_table.specs.values())
 
 
 def test_schedule_selection():

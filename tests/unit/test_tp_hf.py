@@ -38,7 +38,7 @@ def hf_llama(tmp_path, kv_heads=2, tied=False, name="hf", seed=0):
 
 def megalite_from(model_cfg, full):
     model = build_model(MegaliteConfig(model=ModelConfig(**model_cfg)), single_rank_state()).eval()
-    load_full_state_dict(model, full, 0, 1)
+    load_full_state_dict(model, full, single_rank_state())
     return model
 
 

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from megalite.backends import get_layer_spec
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.models.gpt import GPTModel, build_model, parameter_metas, single_rank_state
+from megalite.models.gpt import GPTModel, build_model, parameter_specs, single_rank_state
+from megalite.param_spec import Split
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel import vocab_parallel_cross_entropy
 from megalite.transformer.norms import RMSNorm
@@ -94,7 +95,7 @@ def test_init_depends_on_name_and_seed_not_on_pipeline_slice():
     l0, l1 = full[w], full["decoder.layers.1.mlp.linear_fc1.weight"]
     assert not torch.equal(l0, l1)
     assert abs(l0.std().item() - 0.02) < 0.003  # normal(0, init_method_std)
-    assert set(parameter_metas(m)) == set(full)
+    assert set(parameter_specs(m)) == set(full)
 
 
 def test_tied_pipeline_split_matches_full_model():
@@ -119,9 +120,11 @@ def test_tied_pipeline_split_matches_full_model():
     loss.mean().backward()
     hidden.backward(recv.grad)
     copy = s1.shared_embedding_weight()
-    assert copy is s1.output_layer.weight and copy.shared_embedding and copy.is_embedding_copy
+    assert copy is s1.output_layer.weight
+    assert s1.param_table.spec("output_layer.weight").tied == "copy"
+    assert s1.param_table.canonical("output_layer.weight") == "embedding.word_embeddings.weight"
     first = s0.shared_embedding_weight()
-    assert first.shared_embedding and not getattr(first, "is_embedding_copy", False)
+    assert s0.param_table.spec("embedding.word_embeddings.weight").tied == "owner"
     assert torch.equal(copy, s0.shared_embedding_weight())
     # summing the two copies' grads (what the 'embedding' group all-reduce does) = full grad
     torch.testing.assert_close(copy.grad + s0.shared_embedding_weight().grad,
@@ -149,11 +152,18 @@ def test_local_shapes_at_tp4_without_process_groups():
     assert p["decoder.layers.0.self_attention.linear_proj.weight"].shape == (32, 8 * 6 // 4)
     assert p["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 64 // 4, 32)
     assert p["embedding.word_embeddings.weight"].shape == (128 // 4, 32)
-    qkv = p["decoder.layers.0.self_attention.linear_qkv.weight"]
-    assert qkv.tensor_model_parallel and qkv.partition_dim == 0 and qkv.partition_blocks == 1
-    assert p["decoder.layers.0.mlp.linear_fc1.weight"].partition_blocks == 2
-    assert p["decoder.layers.0.input_layernorm.weight"].sequence_parallel
-    assert not p["decoder.layers.0.self_attention.linear_qkv.weight"].sequence_parallel
+    spec = model.param_table.spec
+    qkv = spec("decoder.layers.0.self_attention.linear_qkv.weight")
+    assert qkv.splits == (Split(0, "tp"),) and qkv.init == ("normal", 0.02)
+    assert spec("decoder.layers.0.mlp.linear_fc1.weight").splits == (Split(0, "tp", 2),)
+    assert spec("embedding.word_embeddings.weight").splits == (Split(0, "tp", 1, 16),)
+    assert spec("decoder.layers.0.self_attention.linear_proj.weight").splits == (Split(1, "tp"),)
+    assert spec("decoder.layers.0.input_layernorm.weight").sequence_parallel == "tp"
+    assert spec("decoder.layers.0.input_layernorm.weight").splits == ()
+    assert not qkv.sequence_parallel
+    assert not any(hasattr(p, a) for p in model.parameters()       # nothing on the params
+                   for a in ("shard_meta", "sequence_parallel", "tensor_model_parallel",
+                             "shared_embedding", "is_embedding_copy", "canonical_name"))
     with pytest.raises(ValueError, match="divisible by TP"):
         build_model(cfg_of(mcfg(num_query_groups=2), tp=4), state)
 
