@@ -1,0 +1,201 @@
+"""Sharded state dicts: every tensor of model and optimizer state as its global shape plus
+this rank's chunks at global offsets, and whether this rank writes them.
+
+Why: a checkpoint writer (DCP next) and a resharding loader only need, per tensor, the
+logical shape and which rectangle of it each rank holds.  The rectangles come from the
+parameter specs (``megalite.param_spec``: which groups split which dims, fused blocks,
+vocabulary padding clipped off) and, for the distributed optimizer's state, from each
+``ShardedBuffer.shard_ranges()``: a DP rank owns a flat range of a parameter, which is cut
+into rectangles (``flat_range_boxes``).
+
+Writers: a chunk held identically by several ranks is written once, by the first of them
+(``param_spec.writes_chunk``: index 0 of every group that replicates it; the tied copy
+never).  So expert chunks, replicated over expert-DP rather than DP, are written by
+expert-DP rank 0 wherever that rank sits in the dense grid -- nothing is lost, nothing is
+written twice.  ``assemble`` checks exactly that: every element written exactly once.
+
+Keys: ``model.<canonical name>``, ``optimizer.<state>.<canonical name>`` (``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``, and ``master`` for the fp32 copies of bf16 params),
+``optimizer.step``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Sequence, Tuple
+
+import torch
+
+from megalite.param_spec import ParamSpec, group_coords, param_table, writes_chunk
+
+
+@dataclass
+class ShardedTensor:
+    global_shape: Tuple[int, ...]
+    chunks: List[Tuple[Tuple[int, ...], torch.Tensor]]   # (global offsets, local tensor)
+    writer: bool                                         # this rank writes its chunks
+
+
+def _spec_chunks(spec: ParamSpec, local: torch.Tensor, coords) -> list:
+    return [(c.offsets, local[c.local_slices()]) for c in spec.chunks(coords)]
+
+
+def model_sharded_state_dict(model_chunks, state) -> Dict[str, ShardedTensor]:
+    """``model.<canonical name>`` -> this rank's chunks of every parameter."""
+    coords = group_coords(state)
+    out = {}
+    for chunk in _as_list(model_chunks):
+        for name, p, spec in param_table(chunk).named(chunk):
+            out[f"model.{name}"] = ShardedTensor(spec.full_shape,
+                                                 _spec_chunks(spec, p.detach(), coords),
+                                                 writes_chunk(spec, coords))
+    return out
+
+
+def optimizer_sharded_state_dict(optimizer, model_chunks, state) -> Dict[str, ShardedTensor]:
+    """This rank's chunks of every optimizer state tensor.  ``MixedPrecisionOptimizer``
+    holds whole local tensors (chunks as the model's); ``DistributedOptimizer`` holds one
+    flat range per parameter of each of its ``sharded_buffers``."""
+    names = {id(p): name for chunk in _as_list(model_chunks)
+             for name, p, _ in param_table(chunk).named(chunk)}
+    coords = group_coords(state)
+    out: Dict[str, ShardedTensor] = {}
+    steps = []
+    if getattr(optimizer, "sharded_buffers", ()):
+        pieces = _pieces_by_buffer(optimizer)
+        spec_of = {id(p): s for p, s in zip(optimizer.params, optimizer.specs)}
+        for b, (buf, master) in enumerate(zip(optimizer.sharded_buffers, optimizer.masters)):
+            index = {id(p): i for i, p in enumerate(buf.params)}
+            for p, lo, hi in buf.shard_ranges():
+                piece_lo, piece = next((lo_, t) for lo_, t in pieces[b]
+                                       if lo_ <= lo and hi <= lo_ + t.numel())
+                flat = {k: v[lo - piece_lo:hi - piece_lo]
+                        for k, v in _tensor_state(optimizer.inner.state.get(piece, {}), piece)}
+                if optimizer.bf16:
+                    flat["master"] = master[lo:hi]
+                steps += _scalars(optimizer.inner.state.get(piece, {}))
+                spec = spec_of[id(p)]
+                p_lo = buf.start + lo - buf.offsets[index[id(p)]]
+                writer = writes_chunk(spec, coords, sharded_over=(buf.group.name,))
+                for key, t in flat.items():
+                    entry = out.setdefault(f"optimizer.{key}.{names[id(p)]}",
+                                           ShardedTensor(spec.full_shape, [], writer))
+                    entry.chunks += _flat_chunks(spec, coords, tuple(p.shape), p_lo, t)
+    else:
+        for p, master, spec in zip(optimizer.params, optimizer.masters, optimizer.specs):
+            st = optimizer.inner.state.get(master, {})
+            tensors = dict(_tensor_state(st, master))
+            if optimizer.bf16:
+                tensors["master"] = master.detach()
+            steps += _scalars(st)
+            for key, t in tensors.items():
+                out[f"optimizer.{key}.{names[id(p)]}"] = ShardedTensor(
+                    spec.full_shape, _spec_chunks(spec, t.view(p.shape), coords),
+                    writes_chunk(spec, coords))
+    if steps:
+        if len(set(steps)) != 1:
+            raise ValueError(f"optimizer step counts differ between parameters: {set(steps)}")
+        out["optimizer.step"] = ShardedTensor((), [((), torch.tensor(steps[0]))],
+                                              state.rank == 0)
+    return out
+
+
+def assemble(rank_dicts: Sequence[Dict[str, ShardedTensor]]) -> Dict[str, torch.Tensor]:
+    """Full tensors from every rank's sharded state dict, using the writers' chunks only;
+    raises if an element is written twice or by nobody (a broken owner rule)."""
+    full: Dict[str, torch.Tensor] = {}
+    count: Dict[str, torch.Tensor] = {}
+    for sd in rank_dicts:
+        for key, st in sd.items():
+            if key not in full:
+                like = st.chunks[0][1] if st.chunks else torch.zeros(())
+                full[key] = torch.zeros(st.global_shape, dtype=like.dtype)
+                count[key] = torch.zeros(st.global_shape, dtype=torch.int32)
+            if not st.writer:
+                continue
+            for offsets, local in st.chunks:
+                where = tuple(slice(o, o + s) for o, s in zip(offsets, local.shape))
+                full[key][where] = local
+                count[key][where] += 1
+    for key, c in count.items():
+        if c.numel() and not bool((c == 1).all()):
+            raise ValueError(f"'{key}': {int((c == 0).sum())} element(s) written by no rank, "
+                             f"{int((c > 1).sum())} by several")
+    return full
+
+
+def flat_range_boxes(shape: Tuple[int, ...], lo: int, hi: int
+                     ) -> List[Tuple[Tuple[int, ...], Tuple[int, ...]]]:
+    """``[lo, hi)`` of a row-major tensor of ``shape`` as rectangles ``(offsets, sizes)``,
+    each a contiguous run of the flat range: a partial leading row, whole rows, a partial
+    trailing row (recursively for the inner dims)."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = 1
+    for s in shape[1:]:
+        inner *= s
+    first_full, last_full = -(-lo // inner), hi // inner
+    if first_full > last_full:                      # inside one row
+        r = lo // inner
+        return [((r, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lo - r * inner,
+                                                                 hi - r * inner)]
+    out = []
+    if lo < first_full * inner:
+        r = lo // inner
+        out += [((r, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], lo - r * inner, inner)]
+    if first_full < last_full:
+        out.append(((first_full, *[0] * (len(shape) - 1)), (last_full - first_full, *shape[1:])))
+    if hi > last_full * inner:
+        out += [((last_full, *o), (1, *s))
+                for o, s in flat_range_boxes(shape[1:], 0, hi - last_full * inner)]
+    return out
+
+
+def _flat_chunks(spec: ParamSpec, coords, local_shape, p_lo: int, flat: torch.Tensor) -> list:
+    """Chunks of the flat range ``[p_lo, p_lo + len(flat))`` of a local tensor, in global
+    coordinates: each rectangle of the range intersected with each spec chunk."""
+    numel = 1
+    for s in local_shape:
+        numel *= s
+    index = torch.arange(numel).view(local_shape)
+    out = []
+    for box_off, box_size in flat_range_boxes(local_shape, p_lo, p_lo + flat.numel()):
+        for c in spec.chunks(coords):
+            lo = [max(b, l) for b, l in zip(box_off, c.local_offsets)]
+            hi = [min(b + s, l + n) for b, s, l, n in zip(box_off, box_size, c.local_offsets,
+                                                          c.sizes)]
+            if any(a >= b for a, b in zip(lo, hi)):
+                continue
+            where = tuple(slice(a, b) for a, b in zip(lo, hi))
+            idx = index[where].reshape(-1) - p_lo
+            glob = tuple(o + a - l for o, a, l in zip(c.offsets, lo, c.local_offsets))
+            out.append((glob, flat[idx].view([b - a for a, b in zip(lo, hi)])))
+    return out
+
+
+def _pieces_by_buffer(optimizer) -> List[List[Tuple[int, torch.Tensor]]]:
+    """For each buffer, ``(shard offset, piece)`` of the views of its fp32 master shard
+    that the torch optimizer steps (found by storage: they are views of ``masters[b]``)."""
+    out = []
+    for master in optimizer.masters:
+        base, ptr = master.storage_offset(), master.untyped_storage().data_ptr()
+        out.append(sorted(((t.storage_offset() - base, t) for g in optimizer.inner.param_groups
+                           for t in g["params"] if t.untyped_storage().data_ptr() == ptr),
+                          key=lambda x: x[0]))
+    return out
+
+
+def _tensor_state(st: dict, like: torch.Tensor) -> Iterable[Tuple[str, torch.Tensor]]:
+    """The per-element state tensors (shaped like the stepped tensor) of one entry."""
+    return [(k, v.detach()) for k, v in sorted(st.items())
+            if isinstance(v, torch.Tensor) and v.shape == like.shape and v.dim() > 0]
+
+
+def _scalars(st: dict) -> List[float]:
+    v = st.get("step")
+    return [float(v)] if v is not None else []
+
+
+def _as_list(model_chunks) -> list:
+    return [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
