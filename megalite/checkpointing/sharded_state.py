@@ -35,19 +35,46 @@ class ShardedTensor:
     writer: bool                                         # this rank writes its chunks
 
 
-def _spec_chunks(spec: ParamSpec, local: torch.Tensor, coords) -> list:
-    return [(c.offsets, local[c.local_slices()]) for c in spec.chunks(coords)]
+def _spec_chunks(spec: ParamSpec, local: torch.Tensor, coords, at=None) -> list:
+    """``(global offsets, tensor)`` of each spec chunk inside ``local``, which holds the
+    region starting at ``at`` of this rank's (TP-)local tensor (default: all of it)."""
+    if at is None:
+        return [(c.offsets, local[c.local_slices()]) for c in spec.chunks(coords)]
+    out = []
+    for c in spec.chunks(coords):
+        lo = [max(a, l) for a, l in zip(at, c.local_offsets)]
+        hi = [min(a + n, l + s) for a, n, l, s in zip(at, local.shape, c.local_offsets, c.sizes)]
+        if all(a < b for a, b in zip(lo, hi)):
+            out.append((tuple(o + a - l for o, a, l in zip(c.offsets, lo, c.local_offsets)),
+                        local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, at))]))
+    return out
+
+
+def _fsdp_piece(p: torch.Tensor, state):
+    """(local tensor, its offsets in the TP-local tensor, DP groups it is sharded over) of
+    an FSDP2 DTensor parameter (``__create_chunk_list__``: DCP's protocol); a plain
+    parameter is all of its local tensor."""
+    if not (hasattr(p, "__create_chunk_list__") and hasattr(p, "device_mesh")):
+        return p.detach(), None, ()
+    (meta,) = p.__create_chunk_list__()
+    ranks = sorted(p.device_mesh.mesh.flatten().tolist())
+    groups = tuple(n for n, g in state.groups.items() if sorted(g.ranks) == ranks)
+    if not groups:
+        raise ValueError(f"DTensor mesh over ranks {ranks} is none of this rank's groups")
+    return p.to_local().detach(), tuple(meta.offsets), groups
 
 
 def model_sharded_state_dict(model_chunks, state) -> Dict[str, ShardedTensor]:
-    """``model.<canonical name>`` -> this rank's chunks of every parameter."""
+    """``model.<canonical name>`` -> this rank's chunks of every parameter (of its FSDP2
+    shard when the parameter is a DTensor)."""
     coords = group_coords(state)
     out = {}
     for chunk in _as_list(model_chunks):
         for name, p, spec in param_table(chunk).named(chunk):
+            local, at, fsdp_groups = _fsdp_piece(p, state)
             out[f"model.{name}"] = ShardedTensor(spec.full_shape,
-                                                 _spec_chunks(spec, p.detach(), coords),
-                                                 writes_chunk(spec, coords))
+                                                 _spec_chunks(spec, local, coords, at),
+                                                 writes_chunk(spec, coords, fsdp_groups))
     return out
 
 

@@ -2,12 +2,15 @@
 carries no attribute of the old one, but keeps the parameter names.  A TP2 x DP2 model with
 sequence parallelism and tied embeddings, fully sharded over the DP ranks (a CPU gloo
 DeviceMesh), still initializes, syncs its sequence-parallel grads, counts its grad norm and
-describes its checkpoint chunks right, because all of those read the ``ParamTable`` by name.
+describes its checkpoint metadata and sharded-state chunks right, because all of those read
+the ``ParamTable`` by name.
 """
 import torch
 import torch.distributed as torch_dist
 
 from megalite.checkpointing.model_io import local_shards
+from megalite.checkpointing.sharded_state import assemble, model_sharded_state_dict
+from megalite.checkpointing.sharding import unshard_tensors
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megalite.models.gpt import WORD_EMBEDDING, build_model, single_rank_state
 from megalite.optimizer.optimizer import counts_toward_norm
@@ -34,12 +37,14 @@ def _batch():
 
 
 def _reference():
-    """Single-process full model: full grads and the global grad norm."""
+    """Single-process full model: init params, full grads and the global grad norm."""
     model = build_model(_cfg(1), single_rank_state())
+    init = {f"model.{n}": unshard_tensors([p.detach()], spec)      # vocabulary unpadded
+            for n, p, spec in model.param_table.named(model)}
     ids, labels = _batch()
     (model(ids, labels=labels).sum() / labels.numel()).backward()
     grads = {n: p.grad for n, p in model.canonical_named_parameters()}
-    return grads, torch.sqrt(sum(g.pow(2).sum() for g in grads.values())).item()
+    return init, grads, torch.sqrt(sum(g.pow(2).sum() for g in grads.values())).item()
 
 
 def _fsdp_rank():
@@ -80,6 +85,9 @@ def _fsdp_rank():
     model.initialize(7)
     out["init_bitwise"] = all(torch.equal(params[n].full_tensor(), before[n][0])
                               for n in params)
+    # sharded state dict: the spec's chunks cut down to this rank's FSDP piece
+    out["model_sd"] = {k: (v.global_shape, [(o, t.clone()) for o, t in v.chunks], v.writer)
+                       for k, v in model_sharded_state_dict(model, state).items()}
     # forward/backward on this DP rank's half of the batch; FSDP reduce-scatters over DP
     ids, labels = _batch()
     half = slice(state.dp.rank * BATCH // DP, (state.dp.rank + 1) * BATCH // DP)
@@ -107,8 +115,20 @@ def _fsdp_rank():
 
 
 def test_fully_shard_keeps_specs_init_sp_sync_norm_and_metadata(dist):
+    from megalite.checkpointing.sharded_state import ShardedTensor
+
     results = dist.run(WORLD, _fsdp_rank)
-    ref_grads, ref_norm = _reference()
+    ref_init, ref_grads, ref_norm = _reference()
+    # every element of the model written once, by one of the DP x TP ranks, = the init
+    full = assemble([{k: ShardedTensor(*v) for k, v in r["model_sd"].items()} for r in results])
+    assert set(full) == set(ref_init) and all(torch.equal(full[k], ref_init[k]) for k in full)
+    # a TP-split weight: all 4 ranks write a distinct FSDP piece of their TP chunk; a
+    # replicated norm: the two DP pieces of TP rank 0
+    fc1 = [r["model_sd"]["model.decoder.layers.0.mlp.linear_fc1.weight"] for r in results]
+    assert all(v[2] and v[1] for v in fc1)
+    norm = [r["model_sd"]["model.decoder.final_layernorm.weight"] for r in results]
+    assert [v[2] for v in norm] == [r["tp_rank"] == 0 for r in results]
+    assert [t.numel() for v in norm if v[2] for _, t in v[1]] == [8, 8]
     coords_ref = None
     for r in results:
         assert r["replaced"] and r["attributes_lost"] and r["same_specs"]
