@@ -1,9 +1,9 @@
 """The sharded-state-dict protocol on real gloo ranks: model and distributed-optimizer state
 of TP2 x PP2 (tied, padded vocabulary), TP2 x DP2 + SP (fused SwiGLU blocks, DP-sharded
 optimizer state) and PP2 x DP2 bf16 (fp32 masters) runs, assembled from every rank's
-chunks into full tensors, equal to the single-process (TP1 x PP1) run's: bitwise at init,
-within rounding after two steps.  ``assemble`` also proves the writers: every element is
-written by exactly one rank."""
+chunks into full tensors, equal to those of the single-process (TP1 x PP1) run with the
+plain optimizer: bitwise at init, within rounding after two steps.  ``assemble`` also
+proves the writers: every element is written by exactly one rank."""
 import torch
 import torch.distributed as torch_dist
 
@@ -20,11 +20,12 @@ MODEL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4
 COMMON = ["--mock-data", "--lr", "3e-3", "--train-iters", "2", "--hidden-dropout", "0",
           "--attention-dropout", "0", "--eval-iters", "0", "--lr-warmup-iters", "1",
           "--weight-decay", "0.1", "--clip-grad", "0.05", "--global-batch-size", "8",
-          "--micro-batch-size", "2", "--use-distributed-optimizer"]
+          "--micro-batch-size", "2"]
+DO = ["--use-distributed-optimizer"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 UNTIE = ["--untie-embeddings-and-output-weights"]
-CASES = {"tp2_pp2_tied": TP2 + PP2, "tp2_dp2_sp": TP2 + UNTIE + ["--sequence-parallel"],
-         "pp2_dp2_tied_bf16": PP2 + ["--bf16"]}
+CASES = {"tp2_pp2_tied": DO + TP2 + PP2, "tp2_dp2_sp": DO + TP2 + UNTIE + ["--sequence-parallel"],
+         "pp2_dp2_tied_bf16": DO + PP2 + ["--bf16"]}
 
 
 def _trainer(flags, world):
@@ -61,7 +62,8 @@ def _all_cases(world):
 
 
 def _reference(flags):
-    """The single-process run: no TP/PP/SP, the same model, data and steps."""
+    """The single-process run: no TP/PP/SP, the plain optimizer (whole tensors), the same
+    model, data and steps."""
     keep = [f for f in flags if f in ("--bf16", "--untie-embeddings-and-output-weights")]
     init, trained = _states(keep, 1)
     return assemble([init]), assemble([trained])
