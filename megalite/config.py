@@ -13,6 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the flag and the fix.
+
+    Defined beside the dataclasses (not in ``arguments``) so that validation and the planner
+    can raise it without importing the command-line layer that calls them."""
+
+
 def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
         choices: Optional[list] = None, action: Optional[str] = None,
         nargs: Optional[str] = None, aliases: tuple = ()):
@@ -147,6 +154,13 @@ class ParallelConfig:
     @property
     def etp(self) -> int:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        """Whether activations are actually split along the sequence: ``--sequence-parallel``
+        has no effect without TP (Megatron's rule).  Derived, so the parsed flag stays as
+        given; every reader that means "are we sharding the sequence" asks this."""
+        return bool(self.sequence_parallel) and self.tp > 1
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
