@@ -215,12 +215,6 @@ class ParallelState:
             return False
         return self.pp.rank == self.pp.size - 1
 
-    def next_stage_rank(self) -> int:
-        return self.pp.ranks[(self.pp.rank + 1) % self.pp.size]
-
-    def prev_stage_rank(self) -> int:
-        return self.pp.ranks[(self.pp.rank - 1) % self.pp.size]
-
 
 def _new_group(ranks: List[int]):
     import torch.distributed as dist
