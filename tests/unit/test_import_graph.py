@@ -6,7 +6,7 @@ module-level ones; only ``if TYPE_CHECKING:`` imports, which never run, are left
 ``from P import n`` is an edge to ``P.n`` when that is a module, else to ``P``; the
 implicit import of a parent package's ``__init__`` is not an edge (as in import-linter).
 
-The tests assert cycles between modules.  Run as a script, this file also prints the
+The tests assert no cycles between modules.  Run as a script, this file also prints the
 cycles between the package's top-level parts (``megalite.tensor_parallel``,
 ``megalite.models``, ...): layering inversions such as tensor_parallel -> checkpointing ->
 models -> tensor_parallel where no two modules import each other.  Those are reported, not
@@ -187,7 +187,7 @@ def strongly_connected(edges: List[Edge]) -> List[List[str]]:
 
 
 def part_of(module: str) -> str:
-    """The top-level part of the package a module belongs to (``megalite.x`` of ``megalite.x.y``)."""
+    """The top-level part of the package holding a module: ``megalite.x`` of ``megalite.x.y``."""
     return ".".join(module.split(".")[:2])
 
 
