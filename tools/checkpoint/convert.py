@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert model checkpoints: Hugging Face Llama <-> megalite, and megalite re-layout.
+"""Convert model checkpoints: Hugging Face <-> megalite, and megalite re-layout.
 
     python tools/checkpoint/convert.py --source-format hf --target-format megalite \
         --load-dir llama-hf/ --save-dir ckpt/ \
@@ -10,7 +10,8 @@
 A megalite source may have been saved at any TP/PP; the target layout is independent and
 may be uneven, interleaved or count the embedding/loss as pipeline layers (the same
 ``--target-*`` flags as pretrain_gpt.py's layout flags): each stage file then holds exactly
-what that stage of a run at that layout builds.
+what that stage of a run at that layout builds.  Hugging Face models go through the adapter
+registered for their architecture (``megalite.checkpointing.hf_adapters``; Llama).
 Runs in one process on CPU; needs only torch and safetensors.  Errors are one line,
 exit status 2.
 """
@@ -95,8 +96,8 @@ def convert(args) -> str:
         vpp = f", VPP={split.vpp}" if split.vpp > 1 else ""
         return (f"wrote megalite checkpoint (TP={tp}, PP={pp}{vpp}, iteration {iteration}) to "
                 f"{args.save_dir}")
-    hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype))
-    return f"wrote Hugging Face Llama checkpoint to {args.save_dir}"
+    adapter = hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype))
+    return f"wrote Hugging Face {adapter.architectures[0]} checkpoint to {args.save_dir}"
 
 
 def main(argv=None) -> int:
