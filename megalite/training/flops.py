@@ -24,7 +24,7 @@ def flops_per_token(cfg) -> float:
     if m.num_experts:
         f = m.moe_ffn_hidden_size or m.resolved_ffn_hidden_size()
         moe_mlp = 2 * h * f * mats * m.moe_router_topk + 2 * h * m.num_experts
-        n_moe = len([i for i in range(L) if i % m.moe_layer_freq == 0])
+        n_moe = sum(m.is_moe_layer(i) for i in range(L))
         mlp_total = n_moe * moe_mlp + (L - n_moe) * dense_mlp
     else:
         mlp_total = L * dense_mlp
