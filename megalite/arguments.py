@@ -61,7 +61,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
         if action:
             kwargs["action"] = action
         else:
-            kwargs["type"] = _field_type(f)
+            kwargs["type"] = meta.get("type") or _field_type(f)
             if meta.get("choices"):
                 kwargs["choices"] = meta["choices"]
             if meta.get("nargs"):

@@ -148,7 +148,7 @@ def from_flags(argv: List[str]) -> ModelConfig:
 # ---- architecture arithmetic -----------------------------------------------------------
 
 def is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    return bool(m.num_experts) and layer % max(1, m.moe_layer_freq) == 0
+    return m.is_moe_layer(layer)
 
 
 def moe_ffn(m: ModelConfig) -> int:
