@@ -225,12 +225,13 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
         """Squares over this rank's shards of the class's buffers, summed over the class's
         DP group: the shards of all DP ranks together cover each element once."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._device())
-        for c, buf, spans in self._norm_spans:
-            if c == cls:
-                g = buf.grad_shard
-                for lo, hi in spans:
-                    sq += g[lo:hi].float().pow(2).sum()
-        comm.all_reduce(sq, self.state[PARAM_CLASS_GROUPS[cls].dp])
+        mine = [(buf, spans) for c, buf, spans in self._norm_spans if c == cls]
+        for buf, spans in mine:
+            g = buf.grad_shard
+            for lo, hi in spans:
+                sq += g[lo:hi].float().pow(2).sum()
+        if mine:        # the DP group's members hold the same parameters: all or none
+            comm.all_reduce(sq, self.state[PARAM_CLASS_GROUPS[cls].dp])
         return sq
 
     def _sync_params(self):
