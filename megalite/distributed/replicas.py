@@ -26,11 +26,11 @@ from typing import Iterable, List, Tuple
 import torch
 
 from megalite import comm
-from megalite.distributed.grad_sync import dp_group_name
+from megalite.distributed.grad_sync import dp_group_name, is_tied_embedding
 
 
 def tied_embedding_params(params: Iterable[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
-    return [p for p in params if getattr(p, "shared_embedding", False)]
+    return [p for p in params if is_tied_embedding(p)]
 
 
 def broadcast_tied_embeddings(params: Iterable[torch.nn.Parameter], state) -> None:
