@@ -8,17 +8,7 @@ Nothing here imports transformer_engine unless that backend is asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
-from megalite.transformer.spec import ModuleSpec
-
-
-@dataclass(frozen=True, eq=False)
-class LayerSpec:
-    layer: ModuleSpec                 # TransformerLayer with its TransformerLayerSubmodules
-    norm: Callable                    # the block's final norm: (model_cfg, hidden, sp, ...)
-    column_parallel_linear: Callable  # the output layer: (in, out, *, tp_group, bias, ...)
+from megalite.transformer.spec import LayerSpec  # noqa: F401  (re-exported)
 
 
 def get_layer_spec(impl: str = "local") -> LayerSpec:

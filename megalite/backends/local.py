@@ -15,13 +15,12 @@ from typing import Callable
 
 import torch
 
-from megalite.backends import LayerSpec
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.transformer.attention import DotProductAttention, SelfAttention
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norms import IdentityNorm, build_norm
-from megalite.transformer.spec import (AttnMaskType, MLPSubmodules, ModuleSpec,
+from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, ModuleSpec,
                                        SelfAttentionSubmodules, TransformerLayerSubmodules)
 
 

@@ -83,3 +83,12 @@ class TransformerLayerSubmodules:
                 f"--moe-layer-freq {model_cfg.moe_layer_freq}) but this layer spec has no MoE "
                 "module: MoE layers are not implemented yet")
         return self.moe_mlp
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSpec:
+    """What a backend provides: the layer's submodule tree plus the two modules around the
+    layers (``megalite.backends.get_layer_spec`` picks one)."""
+    layer: ModuleSpec                 # TransformerLayer with its TransformerLayerSubmodules
+    norm: Callable                    # the block's final norm: (model_cfg, hidden, sp, ...)
+    column_parallel_linear: Callable  # the output layer: (in, out, *, tp_group, bias, ...)

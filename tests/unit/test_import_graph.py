@@ -250,23 +250,12 @@ def test_checker_finds_hidden_cycles_and_private_names(tmp_path):
     assert strongly_connected(part_edges(edges)) == [["megalite.a", "megalite.sub"]]
 
 
-# Left when this test was written, in files other parts of issue 11 rewrite on their own
-# branches; remove the marks once those branches are merged and this file passes.
-PENDING = pytest.mark.xfail(strict=False, reason=(
-    "pending other issue-11 branches: cycles backends <-> backends.local and "
-    "distributed.distributed_optimizer <-> optimizer.optimizer; private names "
-    "optimizer.optimizer._accumulate_main_grad and _uses_decay used by "
-    "distributed.distributed_optimizer"))
-
-
-@PENDING
 def test_no_import_cycles_between_modules():
     edges, _ = scan()
     cycles = strongly_connected(edges)
     assert not cycles, "import cycles:\n" + describe(cycles, edges, [])
 
 
-@PENDING
 def test_no_private_names_cross_modules():
     _, private = scan()
     assert not private, describe([], [], private)
