@@ -11,16 +11,20 @@ import sys
 from dataclasses import MISSING
 from typing import Optional, Sequence
 
-from megalite.config import SECTIONS, MegaliteConfig, all_fields, field_flag
+from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
+                             all_fields, field_flag)
 
 
-class ConfigError(ValueError):
-    """A user mistake in the configuration; the message names the flag and the fix."""
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse whose errors are a ``ConfigError`` (one line, exit status 2 through
+    ``run_cli``) instead of a usage dump and a bare ``SystemExit``."""
 
+    def __init__(self, *args, help_hint: str = "--help", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help_hint = help_hint
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump, never a SystemExit traceback
-        raise ConfigError(f"{message} (see --help)")
+    def error(self, message):
+        raise ConfigError(f"{message} (see {self.help_hint})")
 
 
 _SECTION_TITLES = {
@@ -39,8 +43,9 @@ def _parse_bool(text: str) -> bool:
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
-    parser = _Parser(prog=prog, allow_abbrev=False,
-                     description="megalite: Megatron-style pretraining. Flags follow Megatron-LM.")
+    parser = OneLineErrorParser(
+        prog=prog, allow_abbrev=False,
+        description="megalite: Megatron-style pretraining. Flags follow Megatron-LM.")
     general = parser.add_argument_group("general")
     general.add_argument("--config", metavar="FILE", default=None,
                          help="YAML file of settings; flags given on the command line override it.")
@@ -56,7 +61,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
         if action:
             kwargs["action"] = action
         else:
-            kwargs["type"] = _field_type(f)
+            kwargs["type"] = meta.get("type") or _field_type(f)
             if meta.get("choices"):
                 kwargs["choices"] = meta["choices"]
             if meta.get("nargs"):

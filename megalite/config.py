@@ -7,22 +7,85 @@ Megatron's flag (underscores -> dashes) need no explicit ``flag``.
 """
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, List, Optional, Union
+
+
+class ConfigError(ValueError):
+    """A user mistake in the configuration; the message names the flag and the fix.
+
+    Defined beside the dataclasses (not in ``arguments``) so that validation and the planner
+    can raise it without importing the command-line layer that calls them."""
 
 
 def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
         choices: Optional[list] = None, action: Optional[str] = None,
-        nargs: Optional[str] = None, aliases: tuple = ()):
-    """A dataclass field that knows how to present itself on the command line."""
+        nargs: Optional[str] = None, aliases: tuple = (), type: Optional[Callable] = None):
+    """A dataclass field that knows how to present itself on the command line
+    (``type``: the flag's parser when the annotation alone does not say it)."""
     meta = {"help": help, "flag": flag, "choices": choices, "action": action,
-            "nargs": nargs, "aliases": aliases}
+            "nargs": nargs, "aliases": aliases, "type": type}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: list(default) if isinstance(default, list)
                      else dict(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+class MoeLayerFreqError(argparse.ArgumentTypeError, ValueError):
+    """A bad --moe-layer-freq; argparse prints its message as is."""
+
+
+def _list_pattern(node) -> list:
+    """Evaluate a list expression of int literals, ``+`` and ``*`` (no ``eval``)."""
+    if isinstance(node, ast.List):
+        values = [_list_pattern(e) for e in node.elts]
+        if not all(isinstance(v, int) for v in values):
+            raise MoeLayerFreqError("list entries must be 0 or 1")
+        return values
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _list_pattern(node.left), _list_pattern(node.right)
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+            return left * right
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+    raise MoeLayerFreqError("use a list of 0/1 with + and *, e.g. '[1,0]*2' or '([1]*3+[0])*2'")
+
+
+def parse_moe_layer_freq(value) -> Union[int, List[int]]:
+    """``--moe-layer-freq`` as Megatron reads it: an int N (layers 0, N, 2N, ... are MoE) or a
+    pattern with one 0/1 per layer, written as a Python list expression ("[1,0]*2")."""
+    if isinstance(value, bool):
+        raise MoeLayerFreqError(f"--moe-layer-freq: expected an int or a 0/1 list, got {value}")
+    if isinstance(value, int):
+        if value < 1:
+            raise MoeLayerFreqError(f"--moe-layer-freq must be >= 1, got {value}")
+        return value
+    if isinstance(value, (list, tuple)):
+        pattern = list(value)
+    else:
+        text = str(value).strip()
+        if "[" not in text:
+            try:
+                number = int(text)
+            except ValueError:
+                raise MoeLayerFreqError(f"--moe-layer-freq: '{text}' is neither an int nor "
+                                        "a list pattern") from None
+            return parse_moe_layer_freq(number)
+        try:
+            pattern = _list_pattern(ast.parse(text, mode="eval").body)
+        except SyntaxError:
+            raise MoeLayerFreqError(f"--moe-layer-freq: cannot parse '{text}'") from None
+        if not isinstance(pattern, list):
+            raise MoeLayerFreqError(f"--moe-layer-freq: '{text}' is not a list")
+    if any(type(v) is not int or v not in (0, 1) for v in pattern):
+        raise MoeLayerFreqError(f"--moe-layer-freq: pattern entries must be 0 or 1, got {pattern}")
+    return pattern
 
 
 @dataclass
@@ -63,12 +126,27 @@ class ModelConfig:
     moe_router_topk: int = opt(2, "Experts each token is routed to.")
     moe_ffn_hidden_size: Optional[int] = opt(None, "Hidden size of each expert MLP.")
     moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient.")
-    moe_layer_freq: int = opt(1, "Every n-th layer is an MoE layer.")
+    moe_layer_freq: Union[int, list] = opt(
+        1, "MoE layers: every n-th layer from layer 0, or a 0/1 pattern with one entry per "
+        "layer, e.g. '[1,0]*2' (Megatron's form).", type=parse_moe_layer_freq)
     transformer_impl: str = opt(
         "auto", "Hot-layer implementation: 'local' (pure PyTorch), 'transformer_engine', or "
         "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"])
 
     # ---- derived values -------------------------------------------------------------
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) holds experts: the one rule the model
+        spec, the planner and the FLOP count all use."""
+        if not self.num_experts:
+            return False
+        freq = parse_moe_layer_freq(self.moe_layer_freq)
+        if isinstance(freq, int):
+            return layer % freq == 0
+        if len(freq) != self.num_layers:
+            raise ValueError(f"--moe-layer-freq pattern has {len(freq)} entries for "
+                             f"{self.num_layers} layers")
+        return bool(freq[layer])
+
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
@@ -147,6 +225,13 @@ class ParallelConfig:
     @property
     def etp(self) -> int:
         return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        """Whether activations are actually split along the sequence: ``--sequence-parallel``
+        has no effect without TP (Megatron's rule).  Derived, so the parsed flag stays as
+        given; every reader that means "are we sharding the sequence" asks this."""
+        return bool(self.sequence_parallel) and self.tp > 1
 
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)

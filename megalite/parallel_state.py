@@ -31,8 +31,13 @@ GROUP_TOKENS = {
     "ep": ("expert", "ep"),
     "expert-tp": ("expert", "tp"),
     "expert-dp": ("expert", "dp"),
-    "tp-ep": ("expert", "tp-ep"),      # expert model-parallel group
+    "tp-ep": ("expert", "tp-ep"),      # expert tensor x expert parallel
+    "expert-mp": ("expert", "tp-ep-pp"),   # expert model-parallel (expert grad-norm reduction)
 }
+
+# torch DeviceMesh dimensions per grid, slowest-varying first (ORDER reversed, minus the
+# dimension the grid fixes to 1); each name is also the name of this dimension's group.
+MESH_DIMS = {"dense": ("pp", "dp", "cp", "tp"), "expert": ("pp", "expert-dp", "ep", "expert-tp")}
 
 
 def _prefix_product(values, start=1):
@@ -124,6 +129,21 @@ class RankGrid:
             lines.append(f"  {name:<10} size {len(groups[0]):<4} {shown}{more}")
         return "\n".join(lines)
 
+    def mesh_ranks(self, grid: str = "dense"):
+        """``(dim_names, ranks)``: the grid as a nested list of ranks of shape
+        ``[size(d) for d in dim_names]`` (``MESH_DIMS``), as ``DeviceMesh`` takes it.
+        Varying one index gives that dimension's group."""
+        dims = self.dims[grid]
+        names = MESH_DIMS[grid]
+        shape = [dims[n.replace("expert-", "")] for n in names]
+        strides = _prefix_product(shape[::-1])[:-1][::-1]    # last name has stride 1
+
+        def build(level: int, base: int):
+            if level == len(shape):
+                return base
+            return [build(level + 1, base + i * strides[level]) for i in range(shape[level])]
+        return names, build(0, 0)
+
     @classmethod
     def from_config(cls, cfg) -> "RankGrid":
         p = cfg.parallel
@@ -160,6 +180,7 @@ class ParallelState:
     rank: int
     groups: Dict[str, Group] = field(default_factory=dict)
     virtual_pipeline_rank: int = 0
+    meshes: Dict[tuple, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, grid: RankGrid, rank: int, create_groups: bool = True) -> "ParallelState":
@@ -215,11 +236,21 @@ class ParallelState:
             return False
         return self.pp.rank == self.pp.size - 1
 
-    def next_stage_rank(self) -> int:
-        return self.pp.ranks[(self.pp.rank + 1) % self.pp.size]
+    def device_mesh(self, device_type: str = "cpu", grid: str = "dense"):
+        """A ``torch.distributed.device_mesh.DeviceMesh`` over the same rank layout, with
+        dimensions named by ``MESH_DIMS[grid]`` (FSDP2 and DCP take a mesh, not our groups).
+        Collective on first use (torch creates the mesh's own groups); cached per state."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
 
-    def prev_stage_rank(self) -> int:
-        return self.pp.ranks[(self.pp.rank - 1) % self.pp.size]
+        if not dist.is_initialized():
+            raise RuntimeError("device_mesh needs torch.distributed to be initialised")
+        key = (device_type, grid)
+        if key not in self.meshes:
+            names, ranks = self.grid.mesh_ranks(grid)
+            self.meshes[key] = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=names)
+        return self.meshes[key]
 
 
 def _new_group(ranks: List[int]):

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import os
 
-from megalite.arguments import ConfigError
-from megalite.config import MegaliteConfig
+from megalite.config import ConfigError, MegaliteConfig
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                    ("num_attention_heads", "--num-attention-heads"),
                    ("seq_length", "--seq-length"))
+
+
+def validate_layout(cfg: MegaliteConfig) -> None:
+    """Parallel sizes against the world size and the model shape (no files, no I/O).
+
+    One check per topic, in this order (the first fault found is the one reported)."""
+    for check in (check_positive_sizes, check_required_model, check_rank_grids,
+                  check_virtual_stages, check_stage_split, check_attention_shape,
+                  check_batch_sizes, check_sequence, check_experts):
+        check(cfg)
 
 
 def _positive(value, flag):
@@ -20,10 +29,8 @@ def _positive(value, flag):
         raise ConfigError(f"{flag} must be a positive integer, got {value}")
 
 
-def validate_layout(cfg: MegaliteConfig) -> None:
-    """Parallel sizes against the world size and the model shape (no files, no I/O)."""
+def check_positive_sizes(cfg: MegaliteConfig) -> None:
     p, m, t = cfg.parallel, cfg.model, cfg.training
-    world = cfg.world_size
     for value, flag in ((p.tp, "--tensor-model-parallel-size"),
                         (p.pp, "--pipeline-model-parallel-size"),
                         (p.cp, "--context-parallel-size"),
@@ -35,7 +42,7 @@ def validate_layout(cfg: MegaliteConfig) -> None:
                          "--num-virtual-stages-per-pipeline-rank"),
                         (t.micro_batch_size, "--micro-batch-size"),
                         (t.global_batch_size, "--global-batch-size"),
-                        (world, "world size"),
+                        (cfg.world_size, "world size"),
                         (m.num_layers, "--num-layers"), (m.hidden_size, "--hidden-size"),
                         (m.num_attention_heads, "--num-attention-heads"),
                         (m.num_query_groups, "--num-query-groups"),
@@ -44,10 +51,17 @@ def validate_layout(cfg: MegaliteConfig) -> None:
                         (m.vocab_size, "--vocab-size"), (t.train_iters, "--train-iters"),
                         (m.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by")):
         _positive(value, flag)
+
+
+def check_required_model(cfg: MegaliteConfig) -> None:
     for attr, flag in _REQUIRED_MODEL:
-        if getattr(m, attr) is None:
+        if getattr(cfg.model, attr) is None:
             raise ConfigError(f"{flag} is required")
 
+
+def check_rank_grids(cfg: MegaliteConfig) -> None:
+    """Both grids (dense TP x CP x DP x PP and expert ETP x EP x EDP x PP) tile the world."""
+    p, world = cfg.parallel, cfg.world_size
     model_parallel = p.tp * p.pp * p.cp
     if world % model_parallel:
         raise ConfigError(
@@ -60,58 +74,109 @@ def validate_layout(cfg: MegaliteConfig) -> None:
             f"world size {world} is not divisible by --expert-tensor-parallel-size ({p.etp}) x "
             f"--expert-model-parallel-size ({p.ep}) x --pipeline-model-parallel-size ({p.pp}) = "
             f"{expert_grid}; pick expert sizes whose product with PP divides the world")
-    dp = world // model_parallel
 
-    # Pipeline split.
+
+def _interleaved(p) -> bool:
+    return bool(p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank)
+
+
+def _accounts(p) -> bool:
+    return p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
+
+
+def _uneven(p) -> bool:
+    return p.decoder_first_pipeline_num_layers is not None or \
+        p.decoder_last_pipeline_num_layers is not None
+
+
+def check_virtual_stages(cfg: MegaliteConfig) -> None:
+    """The VPP flags, and the schedule they allow."""
+    p, m = cfg.parallel, cfg.model
     if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
         raise ConfigError("give only one of --num-layers-per-virtual-pipeline-stage and "
                           "--num-virtual-stages-per-pipeline-rank")
-    interleaved = bool(p.num_layers_per_virtual_pipeline_stage or
-                       p.num_virtual_stages_per_pipeline_rank)
+    interleaved = _interleaved(p)
     if interleaved and p.pp == 1:
         raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1; "
                           "drop the virtual-stage flag or raise PP")
-    account = p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
     per_virtual = p.num_layers_per_virtual_pipeline_stage
-    if per_virtual and not account and m.num_layers % (p.pp * per_virtual):
+    if per_virtual and not _accounts(p) and m.num_layers % (p.pp * per_virtual):
         raise ConfigError(
             f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
             f"({p.pp}) x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
-    vpp = p.virtual_stages(m.num_layers)
-    account = p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split
-    if p.pipeline_schedule == "interleaved" and vpp == 1:
+    if p.pipeline_schedule == "interleaved" and p.virtual_stages(m.num_layers) == 1:
         raise ConfigError("--pipeline-schedule interleaved needs "
                           "--num-virtual-stages-per-pipeline-rank > 1")
     if p.pipeline_schedule == "zero-bubble" and interleaved:
         raise ConfigError("--pipeline-schedule zero-bubble does not combine with virtual stages; "
                           "drop --num-virtual-stages-per-pipeline-rank")
-    uneven = p.decoder_first_pipeline_num_layers is not None or \
-        p.decoder_last_pipeline_num_layers is not None
-    if account:
-        _validate_account_split(p, m.num_layers, vpp, uneven)
-    elif uneven:
-        if interleaved:
-            raise ConfigError("--decoder-first/last-pipeline-num-layers do not combine with "
-                              "virtual pipeline stages")
-        if p.pp == 1:
-            raise ConfigError("--decoder-first/last-pipeline-num-layers need "
-                              "--pipeline-model-parallel-size > 1")
-        first = p.decoder_first_pipeline_num_layers or 0
-        last = p.decoder_last_pipeline_num_layers or 0
-        middle_stages = p.pp - (p.decoder_first_pipeline_num_layers is not None) - \
-            (p.decoder_last_pipeline_num_layers is not None)
-        rest = m.num_layers - first - last
-        if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % middle_stages):
-            raise ConfigError(
-                f"--num-layers ({m.num_layers}) minus --decoder-first/last-pipeline-num-layers "
-                f"({first}+{last}) must split evenly over the other {middle_stages} stages")
-    elif m.num_layers % (p.pp * vpp):
+
+
+def check_stage_split(cfg: MegaliteConfig) -> None:
+    """The layers split over PP x VPP: evenly, unevenly (first/last) or counting the
+    embedding / loss as layers."""
+    p, num_layers = cfg.parallel, cfg.model.num_layers
+    vpp = p.virtual_stages(num_layers)
+    if _accounts(p):
+        _check_account_split(p, num_layers, vpp)
+    elif _uneven(p):
+        _check_uneven_split(p, num_layers)
+    elif num_layers % (p.pp * vpp):
         raise ConfigError(
-            f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
+            f"--num-layers ({num_layers}) is not divisible by --pipeline-model-parallel-size "
             f"({p.pp}) x virtual stages ({vpp}); change the layer count or give an uneven split "
             "with --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers")
 
-    # Attention shape.
+
+def _check_uneven_split(p, num_layers: int) -> None:
+    """--decoder-first/last-pipeline-num-layers: the rest splits evenly over the middle."""
+    if _interleaved(p):
+        raise ConfigError("--decoder-first/last-pipeline-num-layers do not combine with "
+                          "virtual pipeline stages")
+    if p.pp == 1:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers need "
+                          "--pipeline-model-parallel-size > 1")
+    first = p.decoder_first_pipeline_num_layers or 0
+    last = p.decoder_last_pipeline_num_layers or 0
+    middle_stages = p.pp - (p.decoder_first_pipeline_num_layers is not None) - \
+        (p.decoder_last_pipeline_num_layers is not None)
+    rest = num_layers - first - last
+    if rest < 0 or (middle_stages == 0 and rest) or (middle_stages and rest % middle_stages):
+        raise ConfigError(
+            f"--num-layers ({num_layers}) minus --decoder-first/last-pipeline-num-layers "
+            f"({first}+{last}) must split evenly over the other {middle_stages} stages")
+
+
+def _check_account_split(p, num_layers: int, vpp: int) -> None:
+    """Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding and/or the
+    loss count as pipeline layers, so L' = layers (+1) (+1) splits evenly over PP x VPP and
+    the first / last virtual stage holds one transformer layer fewer -- none at one layer
+    per virtual stage (Llama 3's embedding-only first and loss-only last chunk)."""
+    on = [f for f, v in (("--account-for-embedding-in-pipeline-split",
+                          p.account_for_embedding_in_pipeline_split),
+                         ("--account-for-loss-in-pipeline-split",
+                          p.account_for_loss_in_pipeline_split)) if v]
+    flags, verb = " and ".join(on), ("do" if len(on) > 1 else "does")
+    if _uneven(p):
+        raise ConfigError(f"{flags} {verb} not combine with --decoder-first/last-pipeline-num-"
+                          "layers; balance the first and last stages one way or the other")
+    if p.pp == 1:
+        raise ConfigError(f"{flags} need{'' if len(on) > 1 else 's'} "
+                          "--pipeline-model-parallel-size > 1")
+    slots = p.pipeline_slots(num_layers)
+    per_virtual = p.num_layers_per_virtual_pipeline_stage
+    if slots % (p.pp * vpp) or (per_virtual and slots % (p.pp * per_virtual)):
+        by = f"--num-layers-per-virtual-pipeline-stage ({per_virtual})" if per_virtual else \
+            f"virtual stages ({vpp})"
+        raise ConfigError(
+            f"with {flags}, --num-layers ({num_layers}) + {slots - num_layers} = {slots} "
+            f"pipeline layers are not divisible by --pipeline-model-parallel-size ({p.pp}) x "
+            f"{by}; change the layer count, PP or VPP")
+
+
+def check_attention_shape(cfg: MegaliteConfig) -> None:
+    """Heads and query groups split over TP; the head dimension suits the position encoding."""
+    p, m = cfg.parallel, cfg.model
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"--hidden-size ({m.hidden_size}) is not divisible by "
                           f"--num-attention-heads ({m.num_attention_heads}); set --kv-channels or "
@@ -131,7 +196,12 @@ def validate_layout(cfg: MegaliteConfig) -> None:
     if m.position_embedding_type == "rope" and m.resolved_kv_channels() % 2:
         raise ConfigError("rotary embeddings need an even head dimension (--kv-channels)")
 
-    # Batch sizes.
+
+def check_batch_sizes(cfg: MegaliteConfig) -> None:
+    """The global batch splits into whole micro-batches per DP rank (and, interleaved, into
+    a multiple of PP of them).  An absent --global-batch-size is filled in as micro x DP,
+    Megatron's default."""
+    p, t, dp = cfg.parallel, cfg.training, cfg.data_parallel_size
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp):
@@ -140,19 +210,23 @@ def validate_layout(cfg: MegaliteConfig) -> None:
             f"({t.micro_batch_size}) x data-parallel size ({dp}); make it a multiple of "
             f"{t.micro_batch_size * dp}")
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if vpp > 1 and num_micro % p.pp:
+    if p.virtual_stages(cfg.model.num_layers) > 1 and num_micro % p.pp:
         raise ConfigError(
             f"the interleaved schedule needs the number of micro-batches ({num_micro} = global "
             f"batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size "
             f"({p.pp}); change --global-batch-size or --micro-batch-size")
 
-    # Sequence.
-    if p.sequence_parallel and p.tp == 1:
-        p.sequence_parallel = False  # Megatron's rule: SP is meaningless without TP.
+
+def check_sequence(cfg: MegaliteConfig) -> None:
+    """The sequence splits over CP (two chunks per rank) and, with SP, over TP.
+
+    ``--sequence-parallel`` with TP = 1 is accepted and has no effect (Megatron's rule); the
+    flag is left as given and ``ParallelConfig.sequence_parallel_active`` says so."""
+    p, m = cfg.parallel, cfg.model
     if p.cp > 1 and m.seq_length % (2 * p.cp):
         raise ConfigError(f"--seq-length ({m.seq_length}) must be divisible by 2 x "
                           f"--context-parallel-size ({2 * p.cp}) for load-balanced CP")
-    if p.sequence_parallel and (m.seq_length // p.cp) % p.tp:
+    if p.sequence_parallel_active and (m.seq_length // p.cp) % p.tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length ({m.seq_length}) / CP to be "
                           f"divisible by --tensor-model-parallel-size ({p.tp})")
     if m.max_position_embeddings is not None and m.position_embedding_type == "learned_absolute" \
@@ -160,7 +234,9 @@ def validate_layout(cfg: MegaliteConfig) -> None:
         raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) is smaller "
                           f"than --seq-length ({m.seq_length})")
 
-    # Experts.
+
+def check_experts(cfg: MegaliteConfig) -> None:
+    p, m = cfg.parallel, cfg.model
     if m.num_experts:
         if m.num_experts % p.ep:
             raise ConfigError(f"--num-experts ({m.num_experts}) is not divisible by "
@@ -169,35 +245,6 @@ def validate_layout(cfg: MegaliteConfig) -> None:
             raise ConfigError(f"--moe-router-topk ({m.moe_router_topk}) exceeds --num-experts")
     elif p.ep > 1:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
-    if m.vocab_size is not None and m.vocab_size <= 0:
-        raise ConfigError("--vocab-size must be positive")
-
-
-def _validate_account_split(p, num_layers: int, vpp: int, uneven: bool) -> None:
-    """Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding and/or the
-    loss count as pipeline layers, so L' = layers (+1) (+1) splits evenly over PP x VPP and
-    the first / last virtual stage holds one transformer layer fewer -- none at one layer
-    per virtual stage (Llama 3's embedding-only first and loss-only last chunk)."""
-    on = [f for f, v in (("--account-for-embedding-in-pipeline-split",
-                          p.account_for_embedding_in_pipeline_split),
-                         ("--account-for-loss-in-pipeline-split",
-                          p.account_for_loss_in_pipeline_split)) if v]
-    flags, verb = " and ".join(on), ("do" if len(on) > 1 else "does")
-    if uneven:
-        raise ConfigError(f"{flags} {verb} not combine with --decoder-first/last-pipeline-num-"
-                          "layers; balance the first and last stages one way or the other")
-    if p.pp == 1:
-        raise ConfigError(f"{flags} need{'' if len(on) > 1 else 's'} "
-                          "--pipeline-model-parallel-size > 1")
-    slots = p.pipeline_slots(num_layers)
-    per_virtual = p.num_layers_per_virtual_pipeline_stage
-    if slots % (p.pp * vpp) or (per_virtual and slots % (p.pp * per_virtual)):
-        by = f"--num-layers-per-virtual-pipeline-stage ({per_virtual})" if per_virtual else \
-            f"virtual stages ({vpp})"
-        raise ConfigError(
-            f"with {flags}, --num-layers ({num_layers}) + {slots - num_layers} = {slots} "
-            f"pipeline layers are not divisible by --pipeline-model-parallel-size ({p.pp}) x "
-            f"{by}; change the layer count, PP or VPP")
 
 
 def validate_files(cfg: MegaliteConfig) -> None:

@@ -1,21 +1,14 @@
 """Which implementation builds the hot layers (linears, norms, core attention).
 
-``get_layer_spec(impl)`` returns a ``LayerSpec``; the transformer modules only ever build
-layers through it, so a Transformer Engine spec can replace the local one without
-touching them.  Nothing here imports transformer_engine unless that backend is asked for.
+``get_layer_spec(impl)`` returns a ``LayerSpec``: the submodule tree of a transformer
+layer (``transformer/spec.py``) plus the two modules around the layers.  The transformer
+modules only ever build submodules through it, so a Transformer Engine spec (fused
+norm+linear slots, TE core attention) can replace the local one without touching them.
+Nothing here imports transformer_engine unless that backend is asked for.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    column_parallel_linear: Callable  # (in, out, *, tp_group, bias, sequence_parallel, ...)
-    row_parallel_linear: Callable     # (in, out, *, tp_group, bias, input_is_parallel, ...)
-    norm: Callable                    # (model_cfg, hidden, sequence_parallel, device, dtype)
-    core_attention: Callable          # (model_cfg, rng_tracker, layer_number)
+from megalite.transformer.spec import LayerSpec  # noqa: F401  (re-exported)
 
 
 def get_layer_spec(impl: str = "local") -> LayerSpec:

@@ -1,15 +1,75 @@
-"""The pure-PyTorch layer spec (works on CPU/gloo and CUDA/NCCL)."""
+"""The pure-PyTorch layer spec (works on CPU/gloo and CUDA/NCCL).
+
+``local_spec()`` keeps every norm in its own slot, so parameter names are Megatron's
+(``input_layernorm.weight``, ``self_attention.linear_qkv.weight``, ...).
+``fuse_norms(spec, model_cfg)`` expresses the fused layout TE uses: identity norms in the
+layer and ``NormColumnParallelLinear`` in ``linear_qkv`` / ``linear_fc1``.  The linears
+keep their names (so their name-seeded init is unchanged); each norm moves under its
+linear (``linear_qkv.layer_norm.weight``), as TE's ``layer_norm_weight`` does.
+"""
 from __future__ import annotations
 
-from megalite.backends import LayerSpec
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megalite.transformer.attention import DotProductAttention, SelfAttention
+from megalite.transformer.layer import TransformerLayer
+from megalite.transformer.mlp import MLP
+from megalite.transformer.norms import IdentityNorm, build_norm
+from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, ModuleSpec,
+                                       SelfAttentionSubmodules, TransformerLayerSubmodules)
 
 
 def local_spec() -> LayerSpec:
-    from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-    from megalite.transformer.attention import DotProductAttention
-    from megalite.transformer.norms import build_norm
+    attention = ModuleSpec(SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                           submodules=SelfAttentionSubmodules(
+                               linear_qkv=ColumnParallelLinear,
+                               core_attention=DotProductAttention,
+                               linear_proj=RowParallelLinear))
+    mlp = ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                   linear_fc2=RowParallelLinear))
+    layer = ModuleSpec(TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=build_norm, self_attention=attention, pre_mlp_layernorm=build_norm,
+        mlp=mlp))
+    return LayerSpec(layer=layer, norm=build_norm, column_parallel_linear=ColumnParallelLinear)
 
-    return LayerSpec(column_parallel_linear=ColumnParallelLinear,
-                     row_parallel_linear=RowParallelLinear,
-                     norm=build_norm,
-                     core_attention=DotProductAttention)
+
+class NormColumnParallelLinear(ColumnParallelLinear):
+    """norm(x) then the column-parallel linear, in one slot (TE's LayerNormColumnParallelLinear).
+
+    ``norm``: (hidden, sequence_parallel, device=, dtype=) -> module.  With sequence
+    parallelism the norm runs on this rank's sequence shard before the linear's gather,
+    exactly as the unfused pair does.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, norm: Callable,
+                 sequence_parallel: bool = False, device=None, dtype=None, **kwargs):
+        super().__init__(input_size, output_size, sequence_parallel=sequence_parallel,
+                         device=device, dtype=dtype, **kwargs)
+        self.layer_norm = norm(input_size, sequence_parallel, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, weight=None) -> torch.Tensor:
+        return super().forward(self.layer_norm(x), weight)
+
+
+def fuse_norms(spec: LayerSpec, model_cfg) -> LayerSpec:
+    """``spec`` with each pre-linear norm applied by the following linear slot, which
+    becomes ``NormColumnParallelLinear`` (the norm's own slot becomes ``IdentityNorm``)."""
+    layer = spec.layer.submodules
+    attn, mlp = layer.self_attention, layer.mlp
+
+    def fused(norm):
+        return ModuleSpec(NormColumnParallelLinear,
+                          params={"norm": functools.partial(norm, model_cfg)})
+
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(
+        attn.submodules, linear_qkv=fused(layer.input_layernorm)))
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(
+        mlp.submodules, linear_fc1=fused(layer.pre_mlp_layernorm)))
+    layer = dataclasses.replace(layer, input_layernorm=IdentityNorm, self_attention=attn,
+                                pre_mlp_layernorm=IdentityNorm, mlp=mlp)
+    return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))

@@ -219,49 +219,58 @@ def full_state_dict_from_checkpoint(directory: str, iteration: Optional[int] = N
     return reader.meta["model"], {name: reader.full(name) for name in reader.names()}
 
 
-def pipeline_stage_of_layers(num_layers: int, pp: int) -> List[int]:
-    """Even split of layers over stages (remainder to the first stages)."""
-    base, rem = divmod(num_layers, pp)
+def stage_parameter_specs(model_cfg, split) -> List[Dict[str, ParamSpec]]:
+    """{global name: ParamSpec} of what each pipeline rank holds (its chunks together).
+
+    Each chunk is built on the meta device exactly as ``build_model_chunks`` builds it
+    (same layers, same embedding/output placement from the one split rule), so the names
+    -- the tied embedding copy on the last stage included -- are what a run at that
+    layout saves and loads."""
+    from megalite.config import MegaliteConfig
+    from megalite.models.gpt import GPTModel, single_rank_state
+
+    cfg, state = MegaliteConfig(model=model_cfg), single_rank_state()
     stages = []
-    for stage in range(pp):
-        stages += [stage] * (base + (1 if stage < rem else 0))
+    for pp_rank in range(split.pp):
+        metas: Dict[str, ParamSpec] = {}
+        for vpp_rank in range(split.vpp):
+            chunk = GPTModel(cfg, state, pre_process=split.holds_embedding(pp_rank, vpp_rank),
+                             post_process=split.holds_output(pp_rank, vpp_rank),
+                             layer_numbers=split.layers(pp_rank, vpp_rank), device="meta",
+                             init=False)
+            for name, meta in chunk.param_table.specs.items():
+                metas.setdefault(name, meta)
+        stages.append(metas)
     return stages
-
-
-def _stages_of(name: str, layer_stage: List[int], pp: int, tied: bool) -> List[int]:
-    if name.startswith("decoder.layers."):
-        return [layer_stage[int(name.split(".")[2])]]
-    if name.startswith("embedding."):
-        last = [pp - 1] if (tied and pp > 1 and name.startswith("embedding.word_")) else []
-        return [0] + last
-    return [pp - 1]  # final norm, output layer
 
 
 def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
                                full_sd: Dict[str, torch.Tensor], tp: int, pp: int,
-                               iteration: int = 0) -> None:
-    """Write a checkpoint at layout (tp, pp) from full tensors; pure, single process."""
+                               iteration: int = 0, split=None) -> None:
+    """Write a checkpoint at layout (tp, pp) from full tensors; pure, single process.
+
+    ``split`` is the target's pipeline split (``megalite.pipeline_parallel.split``; default:
+    the even split over ``pp`` stages), so uneven, interleaved and embedding/loss-counting
+    layouts get the stage files the runtime builds for them."""
     from megalite.config import ModelConfig
-    from megalite.models.gpt import parameter_specs
+    from megalite.pipeline_parallel.split import split_layers
 
     model_cfg = ModelConfig(**model_cfg_dict)
-    metas = parameter_specs(model_cfg)
-    missing = sorted(set(metas) - set(full_sd))
+    split = split or split_layers(model_cfg.num_layers, pp)
+    if split.pp != pp or split.num_layers != model_cfg.num_layers:
+        raise ValueError(f"pipeline split for PP={split.pp} and {split.num_layers} layers does "
+                         f"not match PP={pp} and the model's {model_cfg.num_layers} layers")
+    stages = stage_parameter_specs(model_cfg, split)
+    missing = sorted({n for metas in stages for n in metas} - set(full_sd))
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    if pp > model_cfg.num_layers:
-        raise ValueError(f"pipeline size {pp} exceeds the {model_cfg.num_layers} layers")
-    layer_stage = pipeline_stage_of_layers(model_cfg.num_layers, pp)
-    tied = not model_cfg.untie_embeddings_and_output_weights
     for tp_rank in range(tp):
-        files = [({}, {}) for _ in range(pp)]
-        for name, meta in metas.items():
-            shard = shard_tensor(full_sd[name].float(), meta, tp_rank, tp)
-            for stage in _stages_of(name, layer_stage, pp, tied):
-                files[stage][0][name] = shard
-                files[stage][1][name] = meta.to_meta_dict()
-        for stage, (tensors, meta_dicts) in enumerate(files):
+        for stage, metas in enumerate(stages):
+            tensors = {name: shard_tensor(full_sd[name].float(), meta, tp_rank, tp)
+                       for name, meta in metas.items()}
             path = shard_dir(directory, iteration, tp_rank, stage)
             os.makedirs(path, exist_ok=True)
-            _atomic_save({"model": tensors, "meta": meta_dicts}, os.path.join(path, "model.pt"))
+            _atomic_save({"model": tensors,
+                          "meta": {n: m.to_meta_dict() for n, m in metas.items()}},
+                         os.path.join(path, "model.pt"))
     _write_metadata(directory, iteration, dataclasses.asdict(model_cfg), tp, pp)

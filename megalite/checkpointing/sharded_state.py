@@ -82,14 +82,15 @@ def optimizer_sharded_state_dict(optimizer, model_chunks, state) -> Dict[str, Sh
     """This rank's chunks of every optimizer state tensor.  ``MixedPrecisionOptimizer``
     holds whole local tensors (chunks as the model's); ``DistributedOptimizer`` holds one
     flat range per parameter of each of its ``sharded_buffers``."""
-    names = {id(p): name for chunk in _as_list(model_chunks)
-             for name, p, _ in param_table(chunk).named(chunk)}
+    names, spec_of = {}, {}
+    for chunk in _as_list(model_chunks):
+        for name, p, spec in param_table(chunk).named(chunk):
+            names[id(p)], spec_of[id(p)] = name, spec
     coords = group_coords(state)
     out: Dict[str, ShardedTensor] = {}
     steps = []
     if getattr(optimizer, "sharded_buffers", ()):
         pieces = _pieces_by_buffer(optimizer)
-        spec_of = {id(p): s for p, s in zip(optimizer.params, optimizer.specs)}
         for b, (buf, master) in enumerate(zip(optimizer.sharded_buffers, optimizer.masters)):
             index = {id(p): i for i, p in enumerate(buf.params)}
             for p, lo, hi in buf.shard_ranges():
@@ -108,7 +109,8 @@ def optimizer_sharded_state_dict(optimizer, model_chunks, state) -> Dict[str, Sh
                                            ShardedTensor(spec.full_shape, [], writer))
                     entry.chunks += _flat_chunks(spec, coords, tuple(p.shape), p_lo, t)
     else:
-        for p, master, spec in zip(optimizer.params, optimizer.masters, optimizer.specs):
+        for p, master in zip(optimizer.params, optimizer.masters):
+            spec = spec_of[id(p)]
             st = optimizer.inner.state.get(master, {})
             tensors = dict(_tensor_state(st, master))
             if optimizer.bf16:

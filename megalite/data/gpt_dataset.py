@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from megalite.data.indexed_dataset import IndexedDataset, bin_path
+from megalite.data.samples import make_sample
 
 __all__ = [
     "BlendedDataset",
@@ -161,23 +162,6 @@ def split_segments(
 # ---------------------------------------------------------------------------------------
 # samples
 # ---------------------------------------------------------------------------------------
-def _make_sample(tokens: np.ndarray, eod_token: int | None, eod_mask_loss: bool) -> dict:
-    """``seq_length + 1`` tokens -> the model's input dict (all tensors of length seq_length)."""
-    tokens = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-    inputs, labels = tokens[:-1].contiguous(), tokens[1:].contiguous()
-    loss_mask = torch.ones(inputs.shape, dtype=torch.float32)
-    if eod_mask_loss:
-        if eod_token is None:
-            raise ValueError("eod_mask_loss needs the tokenizer's eod id (eod_token)")
-        loss_mask[inputs == eod_token] = 0.0  # Megatron: no loss on predictions made from an eod
-    return {
-        "tokens": inputs,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "position_ids": torch.arange(inputs.numel(), dtype=torch.int64),
-    }
-
-
 def _save_npy(path: str, arr: np.ndarray) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
@@ -318,7 +302,7 @@ class GPTDataset(torch.utils.data.Dataset):
         return out
 
     def __getitem__(self, idx: int) -> dict:
-        return _make_sample(self.raw_tokens(int(idx)), self.eod_token, self.eod_mask_loss)
+        return make_sample(self.raw_tokens(int(idx)), self.eod_token, self.eod_mask_loss)
 
 
 class MockGPTDataset(torch.utils.data.Dataset):
@@ -350,7 +334,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
         return rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)
 
     def __getitem__(self, idx: int) -> dict:
-        return _make_sample(self.raw_tokens(int(idx)), self.eod_token, self.eod_mask_loss)
+        return make_sample(self.raw_tokens(int(idx)), self.eod_token, self.eod_mask_loss)
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from megalite.data.gpt_dataset import _make_sample
 from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.samples import make_sample
 
 __all__ = ["RandomWindowDataset"]
 
@@ -84,4 +84,4 @@ class RandomWindowDataset(torch.utils.data.Dataset):
         return self.stream_tokens(self.window_start(idx), self.seq_length + 1)
 
     def __getitem__(self, idx: int) -> dict:
-        return _make_sample(self.raw_tokens(int(idx)), self.eod_token, self.eod_mask_loss)
+        return make_sample(self.raw_tokens(int(idx)), self.eod_token, self.eod_mask_loss)

@@ -26,14 +26,14 @@ from typing import Iterable, List, Tuple
 import torch
 
 from megalite import comm
-from megalite.distributed.grad_sync import dp_group_name
+from megalite.distributed.grad_sync import dp_group_name, is_tied_embedding
 from megalite.param_spec import named_specs, param_table
 
 
 def tied_embedding_params(params: Iterable[torch.nn.Parameter],
                           specs) -> List[torch.nn.Parameter]:
     """The params whose ``ParamSpec`` (``specs``, same order) marks them tied."""
-    return [p for p, spec in zip(params, specs) if spec.tied]
+    return [p for p, spec in zip(params, specs) if is_tied_embedding(spec)]
 
 
 def broadcast_tied_embeddings(params: Iterable[torch.nn.Parameter], state, specs) -> None:
@@ -78,7 +78,7 @@ def _replica_groups(model_chunks, state) -> List[Tuple[str, str, torch.Tensor]]:
             for group in ("tp", "expert-tp"):   # replicated over the model-parallel dim
                 if group in spec.replica_groups():
                     out.append((group, f"{i}:{name}", p))
-            if spec.tied:
+            if is_tied_embedding(spec):
                 tied.append(p)
     if state.pp.size > 1 and "embedding" in state.groups:
         for p in tied:

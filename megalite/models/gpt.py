@@ -27,6 +27,7 @@ from torch import nn
 from megalite.backends import get_layer_spec
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
+from megalite.process_groups import ModelCommGroups
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding
 from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
@@ -104,7 +105,8 @@ class GPTModel(nn.Module):
                                                     rng_tracker=self.rng_tracker, **kw)
         self.rotary = (RotaryEmbedding(m.resolved_kv_channels(), m.rotary_base)
                        if m.position_embedding_type == "rope" else None)
-        self.decoder = TransformerBlock(m, state.tp, spec, layer_numbers=self.layer_numbers,
+        self.decoder = TransformerBlock(m, ModelCommGroups.from_parallel_state(state), spec,
+                                        layer_numbers=self.layer_numbers,
                                         sequence_parallel=sp, post_layer_norm=post_process,
                                         rng_tracker=self.rng_tracker, **kw)
         configure_recompute(self.decoder, cfg.training)  # [pipeline/recompute wiring]

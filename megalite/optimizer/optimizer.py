@@ -1,26 +1,24 @@
-"""AdamW with fp32 master weights and a global gradient norm over model-parallel ranks.
+"""AdamW with fp32 master weights and clipping by a given global norm.
 
-Under ``--bf16`` the model holds bf16 parameters; each gets an fp32 ``main_grad`` that a
-post-accumulate hook fills (so accumulation over micro-batches happens in fp32) and the
-optimizer steps fp32 master copies, then writes them back -- apex-free mixed precision.
-In fp32 the optimizer steps the parameters themselves.
+Under ``--bf16`` the model holds bf16 parameters whose gradients accumulate in fp32 (the
+data-parallel strategy owns that storage, ``megalite.distributed.data_parallel``); the
+optimizer steps fp32 master copies, then writes them back -- apex-free mixed precision.  In
+fp32 the optimizer steps the parameters themselves.
+
+The optimizer does no communication: where gradients live, how they are reduced, the global
+norm and the parameter sync after the step belong to the data-parallel strategy, which hands
+the norm to ``step``.  Two layouts share ``MasterWeightOptimizer``: one master per parameter
+(``MixedPrecisionOptimizer``, plain DDP) and flat shards of a buffer
+(``megalite.distributed.distributed_optimizer.DistributedOptimizer``).
 """
 from __future__ import annotations
 
-from typing import Iterable, List
+from typing import Callable, Iterable, List
 
 import torch
 
-from megalite import comm
-from megalite.distributed.replicas import broadcast_tied_embeddings
-from megalite.param_spec import ParamSpec, group_coords, is_first_replica, named_specs
 
-# The grad norm is summed over model parallel (tp x pp); its data dimension is TP for
-# dense parameters and expert-TP for experts.
-NORM_REPLICA_GROUPS = ("tp", "expert-tp")
-
-
-def _uses_decay(name: str, param: torch.nn.Parameter) -> bool:
+def uses_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     """No weight decay on norms and biases (all 1-D parameters), as Megatron does."""
     return param.ndim > 1 and not name.endswith(".bias")
 
@@ -30,20 +28,6 @@ def clip_coefficient(norm: float, clip_grad: float) -> float:
     if clip_grad and clip_grad > 0 and norm > clip_grad:
         return clip_grad / (norm + 1e-6)
     return 1.0
-
-
-def counts_toward_norm(spec: ParamSpec, coords) -> bool:
-    """Count a parameter's elements once over model parallel: a parameter its spec does not
-    split over TP (or expert-TP) only on rank 0 of that group, and the tied embedding's
-    last-stage copy not at all.  ``coords``: ``param_spec.group_coords(state)``."""
-    return is_first_replica(spec, coords, NORM_REPLICA_GROUPS)
-
-
-def specs_of(named_params: list, specs) -> List[ParamSpec]:
-    """The spec of each ``(name, param)``: looked up in ``specs`` (name -> ParamSpec, from
-    the model chunks' tables); a parameter it lacks is a plain replicated one."""
-    specs = specs or {}
-    return [specs.get(n) or ParamSpec(tuple(p.shape)) for n, p in named_params]
 
 
 def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
@@ -58,86 +42,51 @@ def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, foreach=True, **kwargs)
 
 
-class MixedPrecisionOptimizer:
-    # Grad buffers whose DP reduction is a reduce-scatter (finalize_gradients); none here:
-    # every gradient is all-reduced.  The distributed optimizer lists its buffers.
-    sharded_buffers = ()
+class MasterWeightOptimizer:
+    """What both layouts share: the torch optimizer over fp32 masters, clipping, the lr,
+    and the state dict.  A subclass sets ``params``, ``masters`` and ``inner`` and says how
+    gradients are scaled and handed to the masters (``_prepare_grads``) and how masters
+    reach the model (``_write_back``); ``grad(p)`` is where ``p``'s gradient lives."""
 
-    def __init__(self, named_params: Iterable, cfg, state, specs=None):
-        o = cfg.optimizer
-        self.state = state
-        self.bf16 = o.bf16
-        self.clip_grad = o.clip_grad
-        named = [(n, p) for n, p in named_params if p.requires_grad]
-        self.params: List[torch.nn.Parameter] = [p for _, p in named]
-        names = [n for n, _ in named]
-        self.specs = specs_of(named, specs)        # aligned with self.params
-        self.masters = []
-        for p in self.params:
-            if self.bf16:
-                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-                p.register_post_accumulate_grad_hook(_accumulate_main_grad)
-                master = p.detach().float().clone().requires_grad_(True)
-            else:
-                master = p
-            self.masters.append(master)
-        decay = [m for n, p, m in zip(names, self.params, self.masters) if _uses_decay(n, p)]
-        no_decay = [m for n, p, m in zip(names, self.params, self.masters)
-                    if not _uses_decay(n, p)]
-        groups = [{"params": decay, "weight_decay": o.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        self.inner = make_inner_optimizer(groups, o)
+    params: List[torch.nn.Parameter]
+    masters: List[torch.Tensor]
+    inner: torch.optim.Optimizer
 
-    # -- gradients ---------------------------------------------------------------------
+    def __init__(self, optim_config):
+        self.bf16 = optim_config.bf16
+        self.clip_grad = optim_config.clip_grad
+
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
-        """The tensor holding ``p``'s accumulated gradient (created as zeros if absent)."""
-        if self.bf16:
-            return p.main_grad
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        return p.grad
+        raise NotImplementedError
 
     def grads(self) -> List[torch.Tensor]:
         return [self.grad(p) for p in self.params]
 
-    def zero_grad(self):
-        for p in self.params:
-            if self.bf16:
-                p.main_grad.zero_()
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
-
-    def grad_norm(self) -> float:
-        """L2 norm of the full model's gradient, reduced over the model-parallel group."""
-        coords = group_coords(self.state)
-        sq = torch.zeros(1, dtype=torch.float32)
-        for p, spec in zip(self.params, self.specs):
-            if counts_toward_norm(spec, coords):
-                sq += self.grad(p).float().pow(2).sum()
-        comm.all_reduce(sq, self.state["mp"])
-        return sq.sqrt().item()
-
-    # -- update ------------------------------------------------------------------------
-    def step(self, lr: float) -> float:
-        """Clip by the global norm, update, and return the norm before clipping."""
-        norm = self.grad_norm()
-        coef = clip_coefficient(norm, self.clip_grad)
+    def step(self, lr: float, grad_norm: float) -> float:
+        """Clip by ``grad_norm`` (the global norm before clipping, from the strategy),
+        update the masters and the model's copy of them; returns ``grad_norm``."""
+        coef = clip_coefficient(grad_norm, self.clip_grad)
         for group in self.inner.param_groups:
             group["lr"] = lr
-        for p, m in zip(self.params, self.masters):
-            g = self.grad(p)
-            if coef != 1.0:
-                g.mul_(coef)
-            if self.bf16:
-                m.grad = g
+        self._prepare_grads(coef)
         self.inner.step()
-        if self.bf16:
-            with torch.no_grad():
-                for p, m in zip(self.params, self.masters):
-                    p.copy_(m)
-        broadcast_tied_embeddings(self.params, self.state, self.specs)
-        return norm
+        with torch.no_grad():
+            self._write_back()
+        return grad_norm
+
+    def _prepare_grads(self, coef: float) -> None:
+        raise NotImplementedError
+
+    def _write_back(self) -> None:
+        raise NotImplementedError
+
+    def _model_views(self) -> List[torch.Tensor]:
+        """The model-side tensors the masters mirror, one per master."""
+        raise NotImplementedError
+
+    # -- checkpoints (per rank, same layout only) ----------------------------------------
+    def _check_layout(self, sd: dict) -> None:
+        """Raise if ``sd`` was saved by another layout (the sharded optimizer checks)."""
 
     def state_dict(self) -> dict:
         sd = {"optimizer": self.inner.state_dict()}
@@ -145,38 +94,62 @@ class MixedPrecisionOptimizer:
             sd["masters"] = [m.detach().clone() for m in self.masters]
         return sd
 
+    def load_state_dict(self, sd: dict):
+        self._check_layout(sd)
+        self.inner.load_state_dict(sd["optimizer"])
+        if self.bf16 and "masters" in sd:
+            with torch.no_grad():
+                for m, saved, view in zip(self.masters, sd["masters"], self._model_views()):
+                    m.copy_(saved)
+                    view.copy_(saved)
+
     def reload_model_params(self):
         """Refresh the fp32 masters from the model after weights were loaded into it, so the
         next step does not write the initial weights back (finetune / --no-load-optim)."""
         if self.bf16:
             with torch.no_grad():
-                for p, m in zip(self.params, self.masters):
-                    m.copy_(p)
-
-    def load_state_dict(self, sd: dict):
-        self.inner.load_state_dict(sd["optimizer"])
-        if self.bf16 and "masters" in sd:
-            with torch.no_grad():
-                for m, saved, p in zip(self.masters, sd["masters"], self.params):
-                    m.copy_(saved)
-                    p.copy_(saved)
+                for m, view in zip(self.masters, self._model_views()):
+                    m.copy_(view)
 
 
-def _accumulate_main_grad(param):
-    param.main_grad.add_(param.grad.float())
-    param.grad = None
+class MixedPrecisionOptimizer(MasterWeightOptimizer):
+    """One master per parameter (the parameter itself in fp32); ``grad_of(p)`` is where
+    the strategy keeps ``p``'s (reduced) gradient."""
 
+    def __init__(self, named_params: Iterable, optim_config,
+                 grad_of: Callable[[torch.nn.Parameter], torch.Tensor]):
+        super().__init__(optim_config)
+        o = optim_config
+        self._grad_of = grad_of
+        self.params: List[torch.nn.Parameter] = []
+        names = []
+        for name, p in named_params:
+            if p.requires_grad:
+                self.params.append(p)
+                names.append(name)
+        self.masters = [p.detach().float().clone().requires_grad_(True) if self.bf16 else p
+                        for p in self.params]
+        triples = list(zip(names, self.params, self.masters))
+        decay = [m for n, p, m in triples if uses_weight_decay(n, p)]
+        no_decay = [m for n, p, m in triples if not uses_weight_decay(n, p)]
+        self.inner = make_inner_optimizer([{"params": decay, "weight_decay": o.weight_decay},
+                                           {"params": no_decay, "weight_decay": 0.0}], o)
 
-def build_optimizer(model_chunks, cfg, state):
-    """MixedPrecisionOptimizer, or the sharded DistributedOptimizer with
-    --use-distributed-optimizer (same interface)."""
-    triples = named_specs(model_chunks)      # FQNs are unique over a rank's chunks
-    named = [(n, p) for n, p, _ in triples]
-    specs = {n: spec for n, _, spec in triples}
-    if len(specs) != len(triples):
-        raise ValueError("parameter names repeat across this rank's model chunks")
-    if cfg.parallel.use_distributed_optimizer:
-        from megalite.distributed.distributed_optimizer import DistributedOptimizer
+    def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        return self._grad_of(p)
 
-        return DistributedOptimizer(named, cfg, state, specs)
-    return MixedPrecisionOptimizer(named, cfg, state, specs)
+    def _prepare_grads(self, coef: float) -> None:
+        for p, m in zip(self.params, self.masters):
+            g = self.grad(p)
+            if coef != 1.0:
+                g.mul_(coef)
+            if self.bf16:
+                m.grad = g
+
+    def _write_back(self) -> None:
+        if self.bf16:
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+    def _model_views(self) -> List[torch.Tensor]:
+        return self.params

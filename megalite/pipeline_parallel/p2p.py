@@ -25,10 +25,6 @@ def activation_shape(cfg, state) -> Tuple[int, int, int]:
     return seq, cfg.training.micro_batch_size, m.hidden_size
 
 
-def activation_dtype(cfg) -> torch.dtype:
-    return torch.bfloat16 if cfg.optimizer.bf16 else torch.float32
-
-
 class StageLink:
     """Sends and receives of one pipeline rank; peers are given as pp ranks."""
 

@@ -10,17 +10,13 @@ import shlex
 import sys
 from typing import List, Optional
 
-from megalite.arguments import ConfigError, run_cli
+from megalite.arguments import OneLineErrorParser, run_cli
+from megalite.config import ConfigError
 from megalite.planner import model_spec as ms
 from megalite.planner import report
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
 from megalite.planner.search import RECOMPUTE_ORDER, SearchSpace, search
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise ConfigError(f"{message} (see megalite plan --help)")
 
 
 def _ints(text: str) -> List[int]:
@@ -41,10 +37,11 @@ def _words(choices):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="megalite plan", allow_abbrev=False,
-                description="Pick TP/PP/VPP/DP/CP/EP, micro-batch, recomputation and sharding "
-                "for a model on a cluster. Model: --recipe, --hf-config, or pretrain_gpt.py "
-                "model flags (--num-layers ... --vocab-size ...).")
+    p = OneLineErrorParser(
+        prog="megalite plan", allow_abbrev=False, help_hint="megalite plan --help",
+        description="Pick TP/PP/VPP/DP/CP/EP, micro-batch, recomputation and sharding "
+        "for a model on a cluster. Model: --recipe, --hf-config, or pretrain_gpt.py "
+        "model flags (--num-layers ... --vocab-size ...).")
     g = p.add_argument_group("model")
     g.add_argument("--recipe", help=f"built-in model: {', '.join(ms.RECIPES)}")
     g.add_argument("--hf-config", metavar="PATH", help="Hugging Face config.json (or its folder)")

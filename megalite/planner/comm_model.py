@@ -159,8 +159,8 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         out.append(Event("embedding", "broadcast", m.padded_vocab_size(t) * h // t, 1,
                          dtype_bytes=a, kind="dp"))
     # Bookkeeping scalars (fp64 token count and loss over dp-cp, fp32 grad norm over the
-    # model-parallel group -- and, with sharded grads, first over their DP group): bytes
-    # are nothing, but they are collectives the run makes.
+    # model-parallel group, experts' over expert-mp -- and, with sharded grads, first over
+    # their DP group): bytes are nothing, but they are collectives the run makes.
     if L.dp * L.cp > 1:
         out.append(Event("dp-cp", "all_reduce", 1, 2, 8, kind="misc"))
         if L.zero >= 1:
@@ -169,6 +169,8 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         out.append(Event("expert-dp", "all_reduce", 1, 1, 4, kind="misc"))
     if L.tp * L.pp > 1:
         out.append(Event("mp", "all_reduce", 1, 1, 4, kind="misc"))
+    if m.num_experts and L.etp * L.ep * L.pp > 1:     # expert squares: expert-TP x EP x PP
+        out.append(Event("expert-mp", "all_reduce", 1, 1, 4, kind="misc"))
     return [e for e in out if e.calls > 0 and e.elements > 0]
 
 

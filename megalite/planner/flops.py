@@ -10,18 +10,15 @@ et al. 2021's 96*B*s*l*h^2 formula), selective adds the attention core only.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 from megalite.config import ModelConfig
 from megalite.planner import model_spec as ms
 
 
-def layer_forward_flops(m: ModelConfig, layer: int, seq: int) -> Dict[str, float]:
-    """Per-token forward FLOPs of one layer, split into GEMMs and the attention core."""
-    return kind_forward_flops(m, ms.is_moe_layer(m, layer), seq)
-
-
 def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
+    """Per-token forward FLOPs of one dense or MoE layer, split into GEMMs and the
+    attention core."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
     gate = 3 if m.swiglu else 2
@@ -34,14 +31,15 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     return {"linear": float(linear), "core": float(core)}
 
 
-def logits_forward_flops(m: ModelConfig) -> float:
-    return 2.0 * m.hidden_size * m.padded_vocab_size(1)
+def logits_forward_flops(m: ModelConfig, padded_vocab: Optional[int] = None) -> float:
+    """Output layer per token; the planner counts the vocabulary padded for TP = 1, a run
+    passes the padded size it really multiplies by."""
+    return 2.0 * m.hidden_size * (m.padded_vocab_size(1) if padded_vocab is None
+                                  else padded_vocab)
 
 
-def iteration_flops(m: ModelConfig, seq: int, global_batch: int, recompute: str = "none"
-                    ) -> Dict[str, float]:
-    """``model`` FLOPs (what MFU counts) and ``hardware`` FLOPs (plus recomputation)."""
-    tokens = float(seq) * global_batch
+def layers_forward_flops(m: ModelConfig, seq: int) -> Tuple[float, float]:
+    """(GEMM, attention-core) forward FLOPs per token summed over all layers."""
     n_moe = sum(ms.is_moe_layer(m, i) for i in range(m.num_layers)) if m.num_experts else 0
     lin = core = 0.0
     for n, moe in ((m.num_layers - n_moe, False), (n_moe, True)):
@@ -49,6 +47,21 @@ def iteration_flops(m: ModelConfig, seq: int, global_batch: int, recompute: str 
             continue
         f = kind_forward_flops(m, moe, seq)
         lin, core = lin + n * f["linear"], core + n * f["core"]
+    return lin, core
+
+
+def forward_flops_per_token(m: ModelConfig, seq: int, padded_vocab: Optional[int] = None
+                            ) -> float:
+    """All layers plus the output layer, per token (training = 3x this)."""
+    lin, core = layers_forward_flops(m, seq)
+    return lin + core + logits_forward_flops(m, padded_vocab)
+
+
+def iteration_flops(m: ModelConfig, seq: int, global_batch: int, recompute: str = "none"
+                    ) -> Dict[str, float]:
+    """``model`` FLOPs (what MFU counts) and ``hardware`` FLOPs (plus recomputation)."""
+    tokens = float(seq) * global_batch
+    lin, core = layers_forward_flops(m, seq)
     model = 3 * tokens * (lin + core + logits_forward_flops(m))
     extra = {"none": 0.0, "selective": tokens * core, "full": tokens * (lin + core)}[recompute]
     return {"model": model, "hardware": model + extra}

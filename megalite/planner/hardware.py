@@ -8,10 +8,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from megalite.arguments import ConfigError
+from megalite.config import ConfigError
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+# Dense bf16 tensor-core peak per device, TFLOP/s (vendor datasheets, no sparsity): the
+# one table both the planner's presets and a run's MFU read.  Keys match inside CUDA
+# device names in this order ("A100" before "A10").
+DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0,
+                         "A800": 312.0, "B200": 2250.0, "L40S": 362.0, "A10": 125.0}
+UNKNOWN_GPU = "H100"     # assumed for a device name the table does not know
+
+
+def datasheet_peak_flops(device_name: str) -> tuple:
+    """(bf16 peak FLOP/s, table key) for a CUDA device name such as 'NVIDIA H100 80GB HBM3';
+    key None when the name is unknown and ``UNKNOWN_GPU``'s peak is assumed."""
+    for key, tflops in DATASHEET_BF16_TFLOPS.items():
+        if key in device_name:
+            return tflops * 1e12, key
+    return DATASHEET_BF16_TFLOPS[UNKNOWN_GPU] * 1e12, None
 
 
 @dataclass(frozen=True)
@@ -24,12 +40,13 @@ class GPU:
     hbm_gbps: float             # memory bandwidth, for the optimizer step
 
 
+_PEAK = DATASHEET_BF16_TFLOPS
 GPU_PRESETS = {
-    "a100-40gb": GPU("a100-40gb", 40960 * MiB, 312.0, 300.0, 25.0, 1555.0),
-    "a100-80gb": GPU("a100-80gb", 81920 * MiB, 312.0, 300.0, 25.0, 2039.0),
-    "h100-80gb": GPU("h100-80gb", 81559 * MiB, 989.0, 450.0, 50.0, 3350.0),
-    "h200-141gb": GPU("h200-141gb", 143771 * MiB, 989.0, 450.0, 50.0, 4800.0),
-    "b200": GPU("b200", 183359 * MiB, 2250.0, 900.0, 50.0, 8000.0),
+    "a100-40gb": GPU("a100-40gb", 40960 * MiB, _PEAK["A100"], 300.0, 25.0, 1555.0),
+    "a100-80gb": GPU("a100-80gb", 81920 * MiB, _PEAK["A100"], 300.0, 25.0, 2039.0),
+    "h100-80gb": GPU("h100-80gb", 81559 * MiB, _PEAK["H100"], 450.0, 50.0, 3350.0),
+    "h200-141gb": GPU("h200-141gb", 143771 * MiB, _PEAK["H200"], 450.0, 50.0, 4800.0),
+    "b200": GPU("b200", 183359 * MiB, _PEAK["B200"], 900.0, 50.0, 8000.0),
 }
 
 
@@ -57,10 +74,6 @@ class Cluster:
     gpus_per_node: int
     gpu: GPU
     eff: Efficiency = Efficiency()
-
-    @property
-    def num_nodes(self) -> int:
-        return self.num_gpus // self.gpus_per_node
 
     def effective_flops(self) -> float:
         return self.gpu.peak_tflops * 1e12 * self.eff.compute

@@ -153,7 +153,7 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   global_batch=t.global_batch_size or t.micro_batch_size * dp,
                   recompute=t.recompute_granularity or "none",
                   zero=(1 if p.use_distributed_optimizer else 0) if zero is None else zero,
-                  sp=p.sequence_parallel and p.tp > 1, schedule=sched,
+                  sp=p.sequence_parallel_active, schedule=sched,
                   first_layers=p.decoder_first_pipeline_num_layers,
                   last_layers=p.decoder_last_pipeline_num_layers,
                   account_embedding=p.account_for_embedding_in_pipeline_split,

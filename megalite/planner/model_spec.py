@@ -14,6 +14,7 @@ from typing import List, Optional
 
 from megalite.arguments import ConfigError
 from megalite.config import ModelConfig
+from megalite.pipeline_parallel.split import split_layers
 
 _LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
               untie_embeddings_and_output_weights=True, add_bias_linear=False,
@@ -147,7 +148,7 @@ def from_flags(argv: List[str]) -> ModelConfig:
 # ---- architecture arithmetic -----------------------------------------------------------
 
 def is_moe_layer(m: ModelConfig, layer: int) -> bool:
-    return bool(m.num_experts) and layer % max(1, m.moe_layer_freq) == 0
+    return m.is_moe_layer(layer)
 
 
 def moe_ffn(m: ModelConfig) -> int:
@@ -161,48 +162,14 @@ def max_positions(m: ModelConfig) -> int:
 def layers_per_stage(m: ModelConfig, pp: int, first: Optional[int] = None,
                      last: Optional[int] = None) -> List[int]:
     """Layer count on each pipeline rank (all its virtual chunks together)."""
-    L = m.num_layers
-    if pp == 1:
-        return [L]
-    if first is None and last is None:
-        return [L // pp] * pp
-    middle = pp - (first is not None) - (last is not None)
-    rest = L - (first or 0) - (last or 0)
-    each = rest // middle if middle else 0
-    counts = [each] * pp
-    if first is not None:
-        counts[0] = first
-    if last is not None:
-        counts[-1] = last
-    return counts
-
-
-def chunk_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int, chunk: int,
-                    accounts: tuple = (False, False)) -> List[int]:
-    """Layers of virtual stage ``chunk`` of pipeline rank ``pp_rank`` in an even (possibly
-    interleaved) split.  ``accounts`` = (embedding, loss) counted as pipeline layers
-    (Megatron's --account-for-embedding/loss-in-pipeline-split): the L + e + l slots form
-    pp x vpp equal blocks, chunk c of rank r holds block c*pp + r, the embedding is slot 0
-    and the loss the last slot -- ``megalite.pipeline_parallel.stages.layers_of_stage``."""
-    emb, loss = (int(a) for a in accounts)
-    L = m.num_layers
-    per = (L + emb + loss) // (pp * vpp)
-    block = chunk * pp + pp_rank
-    return list(range(max(0, block * per - emb), min(L, (block + 1) * per - emb)))
+    return split_layers(m.num_layers, pp, 1, first, last).counts()
 
 
 def stage_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
                     first: Optional[int] = None, last: Optional[int] = None,
                     accounts: tuple = (False, False)) -> List[int]:
     """Global indices of the layers pipeline rank ``pp_rank`` holds."""
-    if any(accounts) and pp > 1:
-        return [i for c in range(vpp) for i in chunk_layer_ids(m, pp, pp_rank, vpp, c, accounts)]
-    if vpp > 1:
-        k = m.num_layers // (pp * vpp)
-        return [(c * pp + pp_rank) * k + j for c in range(vpp) for j in range(k)]
-    counts = layers_per_stage(m, pp, first, last)
-    start = sum(counts[:pp_rank])
-    return list(range(start, start + counts[pp_rank]))
+    return split_layers(m.num_layers, pp, vpp, first, last, *accounts).rank_layers(pp_rank)
 
 
 @dataclass

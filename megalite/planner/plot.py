@@ -16,14 +16,14 @@ from typing import Dict, List
 from megalite.config import ModelConfig
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import GiB, Cluster
-from megalite.planner.search import SearchResult, SearchSpace, _divisors, search
+from megalite.planner.search import SearchResult, SearchSpace, divisors, search
 
 
 def strategies(cluster: Cluster, m: ModelConfig) -> Dict[str, dict]:
     tp = min(cluster.gpus_per_node, m.num_attention_heads)
     while m.num_attention_heads % tp or m.resolved_query_groups() % tp:
         tp //= 2
-    pps = [d for d in _divisors(cluster.num_gpus) if d > 1]
+    pps = [d for d in divisors(cluster.num_gpus) if d > 1]
     return {"FSDP only": dict(tp=[1], pp=[1], cp=[1], zero=(3,)),
             f"TP{tp} + FSDP": dict(tp=[tp], pp=[1], cp=[1], zero=(3,)),
             "TP + PP + DP (ZeRO-1)": dict(pp=pps, zero=(0, 1))}

@@ -14,8 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Iterator, List, Optional, Sequence
 
-from megalite.arguments import ConfigError
-from megalite.config import ModelConfig
+from megalite.config import ConfigError, ModelConfig
 from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
@@ -56,7 +55,8 @@ def _pow2_upto(n: int) -> List[int]:
     return [1 << i for i in range(int(math.log2(n)) + 1)] if n >= 1 else []
 
 
-def _divisors(n: int) -> List[int]:
+def divisors(n: int) -> List[int]:
+    """Every positive divisor of ``n``, ascending (the sizes a dimension of ``n`` can take)."""
     small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
@@ -82,7 +82,7 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
     interleave = "interleaved" in space.schedules
     if L % pp == 0:
         per = L // pp
-        vpps = [v for v in _divisors(per) if v <= space.max_vpp] if interleave else [1]
+        vpps = [v for v in divisors(per) if v <= space.max_vpp] if interleave else [1]
         for v in _pick(vpps, space.vpp):
             yield None, None, v, none
         return
@@ -99,7 +99,7 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
         slots = L + sum(accounts)
         if slots % pp:
             continue
-        vpps = [v for v in _divisors(slots // pp) if 1 < v <= space.max_vpp]
+        vpps = [v for v in divisors(slots // pp) if 1 < v <= space.max_vpp]
         for v in _pick(vpps, space.vpp):
             yield None, None, v, accounts
 
@@ -116,7 +116,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
         for cp in _pick(cps, space.cp):
             if world % (tp * cp):
                 continue
-            for pp in _pick(_divisors(world // (tp * cp)), space.pp):
+            for pp in _pick(divisors(world // (tp * cp)), space.pp):
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
                     continue
@@ -143,7 +143,7 @@ def _expert_options(m: ModelConfig, tp: int, pp: int, world: int, space: SearchS
     if not m.num_experts:
         yield 1, tp
         return
-    for ep in _pick(_divisors(m.num_experts), space.ep):
+    for ep in _pick(divisors(m.num_experts), space.ep):
         for etp in sorted({1, tp}):
             if world % (etp * ep * pp) == 0:
                 yield ep, etp

@@ -18,7 +18,8 @@ import warnings
 import weakref
 from typing import Dict, List, Optional
 
-from megalite.arguments import ConfigError, parse_args
+from megalite.arguments import OneLineErrorParser, parse_args
+from megalite.config import ConfigError
 
 MEMORY_ROWS = ("weights", "grads", "optimizer", "activations")
 ACT_TOL, COMM_TOL = 0.10, 0.01
@@ -252,9 +253,8 @@ def main(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
     if "-h" in argv or "--help" in argv:
         print(USAGE, file=out)
         return 0
-    from megalite.planner.cli import _Parser       # errors -> one line, exit status 2
-
-    ap = _Parser(prog="megalite plan --validate-run", add_help=False, allow_abbrev=False)
+    ap = OneLineErrorParser(prog="megalite plan --validate-run", add_help=False,
+                            allow_abbrev=False, help_hint="megalite plan --help")
     ap.add_argument("--validate-run", action="store_true")
     ap.add_argument("--nproc", type=int, default=1)
     args, flags = ap.parse_known_args(argv)

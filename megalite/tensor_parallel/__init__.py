@@ -9,7 +9,7 @@ from megalite.tensor_parallel.mappings import (copy_to_tp_region, gather_from_sp
                                                reduce_scatter_to_sp_region, scatter_to_sp_region,
                                                scatter_to_tp_region)
 from megalite.tensor_parallel.random import (MODEL_PARALLEL_RNG, RNGStatesTracker,
-                                             init_parameters, model_parallel_tracker, set_seed)
+                                             init_parameters, model_parallel_tracker)
 
 __all__ = [
     "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "make_param",
@@ -17,5 +17,5 @@ __all__ = [
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_sp_region",
     "reduce_scatter_to_sp_region", "scatter_to_sp_region", "gather_from_tp_region",
     "scatter_to_tp_region", "RNGStatesTracker", "MODEL_PARALLEL_RNG", "model_parallel_tracker",
-    "set_seed", "init_parameters",
+    "init_parameters",
 ]

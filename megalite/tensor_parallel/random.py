@@ -88,16 +88,6 @@ def model_parallel_tracker(seed: int, tp_rank: int) -> RNGStatesTracker:
     return tracker
 
 
-def set_seed(seed: int, tp_rank: int) -> RNGStatesTracker:
-    """Seed the default generators identically on TP peers and return a tracker.
-
-    The training loop calls this once per rank (with e.g. ``seed + 100 * pp_rank`` if
-    stages should differ) and passes the tracker to the model.
-    """
-    torch.manual_seed(seed)
-    return model_parallel_tracker(seed, tp_rank)
-
-
 def name_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 

@@ -1,35 +1,23 @@
-"""Model FLOPs per iteration (no recompute counted, as MFU is defined) and device peaks."""
+"""A run's model FLOPs per iteration (no recompute counted, as MFU is defined) and the
+peak FLOP/s of its device.
+
+The FLOP model and the GPU datasheet table are the planner's (``megalite.planner.flops``,
+``megalite.planner.hardware``: pure Python, no torch), so the planner's predicted MFU and
+a run's measured MFU share one definition.  Only the CPU probe lives here: it times torch.
+"""
 from __future__ import annotations
 
 import time
 
-# Dense bf16 peak FLOP/s per device (vendor datasheets, no sparsity).
-GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12,
-                 "A800": 312e12, "B200": 2250e12, "L40S": 362e12, "A10": 125e12}
+from megalite.planner.flops import forward_flops_per_token
+from megalite.planner.hardware import UNKNOWN_GPU, datasheet_peak_flops
 
 
 def flops_per_token(cfg) -> float:
-    """Training FLOPs per token: 3 x forward (backward = 2 x forward), GQA/SwiGLU/MoE aware.
-
-    Forward per layer per token: QKV 2h(nq+2ng)d, scores+context 4·s·nq·d, projection
-    2h·nq·d, MLP 2h·f·(3 if gated else 2) times top-k for MoE layers (+ router 2hE);
-    plus the output layer 2hV once.
-    """
+    """Training FLOPs per token: 3 x forward (backward = 2 x forward), GQA/SwiGLU/MoE aware,
+    with the output layer at the vocabulary padded for this run's TP."""
     m = cfg.model
-    h, s, L = m.hidden_size, m.seq_length, m.num_layers
-    d, nq, ng = m.resolved_kv_channels(), m.num_attention_heads, m.resolved_query_groups()
-    mats = 3 if m.swiglu else 2
-    attn = 2 * h * (nq + 2 * ng) * d + 4 * s * nq * d + 2 * h * nq * d
-    dense_mlp = 2 * h * m.resolved_ffn_hidden_size() * mats
-    if m.num_experts:
-        f = m.moe_ffn_hidden_size or m.resolved_ffn_hidden_size()
-        moe_mlp = 2 * h * f * mats * m.moe_router_topk + 2 * h * m.num_experts
-        n_moe = len([i for i in range(L) if i % m.moe_layer_freq == 0])
-        mlp_total = n_moe * moe_mlp + (L - n_moe) * dense_mlp
-    else:
-        mlp_total = L * dense_mlp
-    forward = L * attn + mlp_total + 2 * h * cfg.padded_vocab_size
-    return 3.0 * forward
+    return 3.0 * forward_flops_per_token(m, m.seq_length, cfg.padded_vocab_size)
 
 
 def flops_per_iteration(cfg) -> float:
@@ -45,11 +33,8 @@ def device_peak_flops(device: str) -> tuple[float, str]:
     import torch
 
     if device == "cuda":
-        name = torch.cuda.get_device_name()
-        for key, peak in GPU_PEAK_BF16.items():
-            if key in name:
-                return peak, f"{key} bf16 datasheet"
-        return 989e12, "unknown GPU, H100 assumed"
+        peak, key = datasheet_peak_flops(torch.cuda.get_device_name())
+        return peak, (f"{key} bf16 datasheet" if key else f"unknown GPU, {UNKNOWN_GPU} assumed")
     if _CPU_PEAK is None:  # one fp32 GEMM timed on this process's threads
         a = torch.randn(512, 512, generator=torch.Generator().manual_seed(0))  # global RNG untouched
         torch.mm(a, a)

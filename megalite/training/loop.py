@@ -15,8 +15,8 @@ import time
 import torch
 
 from megalite import comm
-from megalite.distributed.grad_sync import finalize_gradients
-from megalite.optimizer import LRScheduler, build_optimizer
+from megalite.distributed.data_parallel import build_data_parallel
+from megalite.optimizer import LRScheduler
 from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.training.flops import device_peak_flops, flops_per_iteration
@@ -32,7 +32,8 @@ class Trainer:
         self.consumed_samples = 0
         self.tokenizer = None
         self.model_chunks = []
-        self.optimizer = None
+        self.strategy = None        # data-parallel strategy: gradients, reductions, step
+        self.optimizer = None       # its optimizer (checkpointed state)
         self.scheduler = None
         self.train_ds = self.valid_ds = self.test_ds = None
         self.forward_backward = get_forward_backward_func(cfg, state)
@@ -64,7 +65,8 @@ class Trainer:
             if cfg.model.vocab_size is None:
                 cfg.model.vocab_size = self.tokenizer.vocab_size
         self.model_chunks = build_model_chunks(cfg, self.state, self.device)
-        self.optimizer = build_optimizer(self.model_chunks, cfg, self.state)
+        self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
+        self.optimizer = self.strategy.optimizer
         self.scheduler = LRScheduler.from_config(cfg, self.train_iters)
         if cfg.checkpoint.load:
             from megalite.training.checkpoint import load_training_checkpoint
@@ -130,12 +132,11 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         batches = self._next_batches(iterator)
-        self.optimizer.zero_grad()
+        self.strategy.zero_grad()
         loss = self._run_schedule(batches, forward_only=False)
-        finalize_gradients(self.optimizer.params, self.optimizer.grad, self.state,
-                           self.optimizer.sharded_buffers, specs=self.optimizer.specs)
+        self.strategy.finish_grad_sync()
         lr = self.scheduler.lr(self.iteration + 1)
-        grad_norm = self.optimizer.step(lr)
+        grad_norm = self.strategy.step(lr)
         self.iteration += 1
         self.consumed_samples += self.cfg.training.global_batch_size
         return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm}

@@ -4,7 +4,17 @@
 group: [q_g0 (heads_per_group*d), k_g0 (d), v_g0 (d), q_g1, ...].  A contiguous chunk of
 that layout is whole query groups, so TP rank r simply owns groups
 [r*G/tp, (r+1)*G/tp) together with their query heads -- no all-to-all, no duplication.
-``core_attention`` (SDPA, causal) is its own module so it can be recomputed alone.
+
+The three linears and core attention are slots of a spec (``transformer/spec.py``).
+Core attention owns the q/k/v layout: it declares ``qkv_format`` and ``SelfAttention``
+hands it q, k, v in that layout (views of the qkv output where possible):
+
+  * ``"bhsd"``: q [b, np, s, d], k and v [b, ng, s, d]; returns [b, np, s, d]
+  * ``"sbhd"``: q [s, b, np, d], k and v [s, b, ng, d]; returns [s, b, np, d]
+    (Megatron's and TE's layout; context-parallel attention splits s here)
+
+np / ng are this rank's query heads / key-value groups; query head j reads group
+j // (np/ng).  Core attention is its own module so it can be recomputed alone.
 """
 from __future__ import annotations
 
@@ -16,48 +26,62 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.transformer.rotary import apply_rotary
+from megalite.transformer.spec import AttnMaskType, build_module
 
 # SDPA's enable_gqa arrived in torch 2.5; older versions expand k/v instead.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+QKV_FORMATS = ("bhsd", "sbhd")
 
 
 class DotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with a causal mask; q, k, v as [b, heads, s, d].
+    """softmax(q k^T / sqrt(d)) v with SDPA, layout ``bhsd``; causal or unmasked.
 
     Attention-probability dropout draws from the tracker's model-parallel state: the heads
-    are split over TP, so every rank must drop different elements.
+    are split over TP, so every rank must drop different elements.  Runs on this rank's
+    whole sequence, so it refuses context parallelism rather than attend to a fraction.
     """
+    qkv_format = "bhsd"
 
-    def __init__(self, model_cfg, rng_tracker=None, layer_number: int = 0):
+    def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None):
         super().__init__()
+        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+            raise ValueError(f"local core attention supports causal and no_mask masks, "
+                             f"not {attn_mask_type}")
+        if comm_groups.cp.size > 1:
+            raise ValueError("local core attention has no context parallelism (CP size "
+                             f"{comm_groups.cp.size}); use a CP core-attention spec")
         self.dropout = model_cfg.attention_dropout
         self.rng_tracker = rng_tracker
         self.layer_number = layer_number
+        self.is_causal = attn_mask_type == AttnMaskType.causal
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
+        causal = self.is_causal
         fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker) else contextlib.nullcontext()
         with fork:
             if k.shape[1] == q.shape[1]:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
             if _SDPA_GQA:  # query heads share k/v heads inside the kernel: no copies
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
                                                       enable_gqa=True)
             rep = q.shape[1] // k.shape[1]
             b, g, s, d = k.shape
             k = k[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
             v = v[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
 
 
 class SelfAttention(nn.Module):
     """linear_qkv -> RoPE -> core_attention -> linear_proj, on [s, b, h]."""
 
-    def __init__(self, model_cfg, tp_group, spec, *, sequence_parallel: bool, layer_number: int,
+    def __init__(self, model_cfg, comm_groups, *, submodules, sequence_parallel: bool,
+                 layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  rng_tracker=None, device=None, dtype=None):
         super().__init__()
         m = model_cfg
-        tp = tp_group.size
+        tp = comm_groups.tp.size
         self.head_dim = m.resolved_kv_channels()
         self.num_heads, self.num_groups = m.num_attention_heads, m.resolved_query_groups()
         if self.num_heads % tp or self.num_groups % tp or self.num_heads % self.num_groups:
@@ -67,17 +91,28 @@ class SelfAttention(nn.Module):
         self.local_groups = self.num_groups // tp
         qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
         std = m.init_method_std
-        kw = dict(tp_group=tp_group, bias=m.add_bias_linear, sequence_parallel=sequence_parallel,
-                  device=device, dtype=dtype)
-        self.linear_qkv = spec.column_parallel_linear(m.hidden_size, qkv_out, init_std=std, **kw)
-        self.core_attention = spec.core_attention(m, rng_tracker, layer_number)
-        self.linear_proj = spec.row_parallel_linear(
-            self.num_heads * self.head_dim, m.hidden_size, input_is_parallel=True,
-            init_std=std / (2.0 * m.num_layers) ** 0.5, **kw)  # Megatron's scaled output init
+        kw = dict(tp_group=comm_groups.tp, bias=m.add_bias_linear,
+                  sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.linear_qkv = build_module(submodules.linear_qkv, m.hidden_size, qkv_out,
+                                       init_std=std, **kw)
+        self.core_attention = build_module(submodules.core_attention, m, comm_groups,
+                                           layer_number=layer_number,
+                                           attn_mask_type=attn_mask_type,
+                                           rng_tracker=rng_tracker)
+        self.qkv_format = getattr(self.core_attention, "qkv_format", None)
+        if self.qkv_format not in QKV_FORMATS:
+            raise ValueError(f"core attention {type(self.core_attention).__name__} must declare "
+                             f"qkv_format, one of {QKV_FORMATS}; got {self.qkv_format!r}")
+        self.linear_proj = build_module(
+            submodules.linear_proj, self.num_heads * self.head_dim, m.hidden_size,
+            input_is_parallel=True, init_std=std / (2.0 * m.num_layers) ** 0.5,
+            **kw)  # Megatron's scaled output init
 
     def forward(self, hidden: torch.Tensor,
                 rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         qkv = self.linear_qkv(hidden)                                  # [s, b, groups*(r+2)*d]
+        if self.qkv_format == "sbhd":
+            return self.linear_proj(self._attend_sbhd(qkv, rotary))
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d).permute(1, 2, 3, 0, 4)      # [b, g, r+2, s, d]
@@ -90,3 +125,15 @@ class SelfAttention(nn.Module):
         ctx = self.core_attention(q, k, v)                             # [b, heads, s, d]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
         return self.linear_proj(ctx)
+
+    def _attend_sbhd(self, qkv, rotary) -> torch.Tensor:
+        s, b = qkv.shape[:2]
+        r, g, d = self.heads_per_group, self.local_groups, self.head_dim
+        qkv = qkv.view(s, b, g, r + 2, d)
+        q, k, v = qkv[:, :, :, :r], qkv[:, :, :, r], qkv[:, :, :, r + 1]   # views
+        if rotary is not None:
+            cos, sin = (t.permute(2, 0, 1, 3) for t in rotary)         # [s, b|1, 1, d]
+            q = apply_rotary(q, cos.unsqueeze(2), sin.unsqueeze(2))
+            k = apply_rotary(k, cos, sin)
+        ctx = self.core_attention(q.reshape(s, b, g * r, d), k, v)     # [s, b, heads, d]
+        return ctx.reshape(s, b, g * r * d)

@@ -7,6 +7,9 @@ pipeline stages -- init seeds and checkpoints rely on that.
 ``recompute``: a hook for activation recomputation.  When set, it is called as
 ``recompute(layers, hidden, rotary) -> hidden`` with this block's layers in order, so a
 policy can checkpoint groups of layers (``transformer/recompute.py``, full recompute).
+
+``spec`` is a backend's ``LayerSpec``: ``spec.layer`` builds each layer, ``spec.norm`` the
+final norm; ``comm_groups`` is the ``ModelCommGroups`` bundle every layer receives.
 """
 from __future__ import annotations
 
@@ -16,20 +19,20 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from megalite.transformer.layer import TransformerLayer
+from megalite.transformer.spec import build_module
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, model_cfg, tp_group, spec, *, layer_numbers: Sequence[int],
+    def __init__(self, model_cfg, comm_groups, spec, *, layer_numbers: Sequence[int],
                  sequence_parallel: bool, post_layer_norm: bool, rng_tracker=None,
                  device=None, dtype=None):
         super().__init__()
-        self.sequence_parallel = sequence_parallel and tp_group.size > 1
+        self.sequence_parallel = sequence_parallel and comm_groups.tp.size > 1
         self.rng_tracker = rng_tracker
         self.layers = nn.ModuleDict({
-            str(n): TransformerLayer(model_cfg, tp_group, spec, layer_number=n,
-                                     sequence_parallel=self.sequence_parallel,
-                                     rng_tracker=rng_tracker, device=device, dtype=dtype)
+            str(n): build_module(spec.layer, model_cfg, comm_groups, layer_number=n,
+                                 sequence_parallel=self.sequence_parallel,
+                                 rng_tracker=rng_tracker, device=device, dtype=dtype)
             for n in layer_numbers})
         self.final_layernorm = spec.norm(model_cfg, model_cfg.hidden_size, self.sequence_parallel,
                                          device=device, dtype=dtype) if post_layer_norm else None

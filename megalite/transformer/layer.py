@@ -1,7 +1,10 @@
 """One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
 
+Built from ``TransformerLayerSubmodules`` (``transformer/spec.py``): every slot is a spec
+choice, and the MLP slot is picked per layer (dense or MoE, ``ModelConfig.is_moe_layer``).
 Kept deliberately flat: ``input_layernorm``, ``self_attention`` (whose ``core_attention``
 is a submodule), ``pre_mlp_layernorm`` and ``mlp`` are the units a recompute policy wraps.
+A spec that fuses a norm into the following linear puts ``IdentityNorm`` in the norm slot.
 Dropout after attention and MLP uses the default generator: replicated across TP without
 sequence parallelism, and inside the block's model-parallel RNG fork with it.
 """
@@ -11,25 +14,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.transformer.attention import SelfAttention
-from megalite.transformer.mlp import MLP
+from megalite.transformer.spec import build_module
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, model_cfg, tp_group, spec, *, layer_number: int, sequence_parallel: bool,
-                 rng_tracker=None, device=None, dtype=None):
+    def __init__(self, model_cfg, comm_groups, *, submodules, layer_number: int,
+                 sequence_parallel: bool, rng_tracker=None, device=None, dtype=None):
         super().__init__()
         h = model_cfg.hidden_size
-        sp = sequence_parallel and tp_group.size > 1
+        sp = sequence_parallel and comm_groups.tp.size > 1
         kw = dict(device=device, dtype=dtype)
         self.layer_number = layer_number
         self.hidden_dropout = model_cfg.hidden_dropout
-        self.input_layernorm = spec.norm(model_cfg, h, sp, **kw)
-        self.self_attention = SelfAttention(model_cfg, tp_group, spec, sequence_parallel=sp,
-                                            layer_number=layer_number, rng_tracker=rng_tracker,
-                                            **kw)
-        self.pre_mlp_layernorm = spec.norm(model_cfg, h, sp, **kw)
-        self.mlp = MLP(model_cfg, tp_group, spec, sequence_parallel=sp, **kw)
+        self.input_layernorm = build_module(submodules.input_layernorm, model_cfg, h, sp, **kw)
+        self.self_attention = build_module(
+            submodules.self_attention, model_cfg, comm_groups, sequence_parallel=sp,
+            layer_number=layer_number, rng_tracker=rng_tracker, **kw)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, model_cfg, h, sp,
+                                              **kw)
+        self.mlp = build_module(submodules.mlp_for_layer(model_cfg, layer_number), model_cfg,
+                                comm_groups, sequence_parallel=sp, layer_number=layer_number,
+                                **kw)
 
     def _dropout(self, x):
         if self.training and self.hidden_dropout > 0:

@@ -1,7 +1,8 @@
 """The feed-forward block: column-parallel fc1, activation, row-parallel fc2.
 
 With SwiGLU, fc1 is one fused [gate; up] matmul; its weight has ``partition_blocks=2`` so
-each TP rank holds [gate_r; up_r] and the activation needs no communication.
+each TP rank holds [gate_r; up_r] and the activation needs no communication.  The two
+linears are spec slots (``MLPSubmodules``); ``linear_fc1`` may apply the pre-MLP norm.
 """
 from __future__ import annotations
 
@@ -9,21 +10,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.transformer.spec import build_module
+
 
 class MLP(nn.Module):
-    def __init__(self, model_cfg, tp_group, spec, *, sequence_parallel: bool,
-                 device=None, dtype=None):
+    """Dense MLP.  ``layer_number`` is part of the MLP slot's contract (an MoE layer needs
+    it for its statistics); the dense MLP only records it."""
+
+    def __init__(self, model_cfg, comm_groups, *, submodules, sequence_parallel: bool,
+                 layer_number: int = 0, device=None, dtype=None):
         super().__init__()
         m = model_cfg
         ffn = m.resolved_ffn_hidden_size()
         self.swiglu = m.swiglu
-        kw = dict(tp_group=tp_group, bias=m.add_bias_linear, sequence_parallel=sequence_parallel,
-                  device=device, dtype=dtype)
-        self.linear_fc1 = spec.column_parallel_linear(
-            m.hidden_size, 2 * ffn if m.swiglu else ffn, init_std=m.init_method_std,
-            partition_blocks=2 if m.swiglu else 1, **kw)
-        self.linear_fc2 = spec.row_parallel_linear(
-            ffn, m.hidden_size, input_is_parallel=True,
+        self.layer_number = layer_number
+        kw = dict(tp_group=comm_groups.tp, bias=m.add_bias_linear,
+                  sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.linear_fc1 = build_module(
+            submodules.linear_fc1, m.hidden_size, 2 * ffn if m.swiglu else ffn,
+            init_std=m.init_method_std, partition_blocks=2 if m.swiglu else 1, **kw)
+        self.linear_fc2 = build_module(
+            submodules.linear_fc2, ffn, m.hidden_size, input_is_parallel=True,
             init_std=m.init_method_std / (2.0 * m.num_layers) ** 0.5, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

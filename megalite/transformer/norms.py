@@ -54,3 +54,15 @@ def build_norm(model_cfg, hidden_size: int, sequence_parallel: bool, device=None
     """The norm chosen by ``--normalization``."""
     klass = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[model_cfg.normalization]
     return klass(hidden_size, model_cfg.norm_epsilon, sequence_parallel, device=device, dtype=dtype)
+
+
+class IdentityNorm(nn.Module):
+    """The norm slot of a layer whose next linear applies the norm itself (a fused
+    norm+linear slot, TE's ``LayerNormLinear``); takes a norm's arguments, holds nothing."""
+
+    def __init__(self, model_cfg=None, hidden_size: int = 0, sequence_parallel: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x

@@ -4,10 +4,10 @@ import torch
 
 from megalite import comm
 from megalite.checkpointing.sharding import unshard_tensors
-from megalite.param_spec import named_specs
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.distributed.grad_sync import finalize_gradients
 from megalite.models.gpt import build_model, single_rank_state
+from megalite.param_spec import named_specs
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.schedules import get_forward_backward_func, run_schedule
 from megalite.pipeline_parallel.stages import build_model_chunks

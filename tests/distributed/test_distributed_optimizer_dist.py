@@ -119,7 +119,8 @@ def _train(flags, world, iters=4, nudge=False):
             "opt_bytes": _storages_bytes(list(opt.masters) + moments, skip=model),
             "numel": sum(q.numel() for q in opt.params), "comm": comm.counter.snapshot(),
             "tied": tied, "pp_ranks": trainer.state.pp.ranks,
-            "buffers": [(b.numel, b.padded, b.group.name) for b in opt.sharded_buffers]}
+            "buffers": [(b.numel, b.padded, b.group.name)
+                        for b in trainer.strategy.sharded_buffers]}
 
 
 def _batch(world, ckpt_dir=None):

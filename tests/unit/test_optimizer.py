@@ -1,10 +1,12 @@
-"""LR schedules, AdamW parameter groups, fp32 master weights under bf16, clipping."""
+"""LR schedules, AdamW parameter groups, fp32 master weights under bf16, clipping (through
+the single-rank DDP strategy, which owns the gradients and the norm)."""
 import math
 
 import pytest
 import torch
 
 from megalite.arguments import parse_args
+from megalite.distributed.data_parallel import DDPStrategy
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.parallel_state import ParallelState, RankGrid
 
@@ -47,22 +49,23 @@ def _state():
 def test_no_decay_on_norms_and_biases():
     lin, norm = torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)
     named = [("lin.weight", lin.weight), ("lin.bias", lin.bias), ("norm.weight", norm.weight)]
-    opt = MixedPrecisionOptimizer(named, _cfg(), _state())
+    opt = DDPStrategy(named, _cfg(), _state()).optimizer
+    assert isinstance(opt, MixedPrecisionOptimizer)
     decay = {id(p) for g in opt.inner.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     assert decay == {id(lin.weight)}
 
 
 def test_bf16_master_weights_accumulate_small_updates():
     w = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
-    opt = MixedPrecisionOptimizer([("w", w)], _cfg(["--bf16", "--weight-decay", "0",
-                                                   "--optimizer", "sgd", "--clip-grad", "0"]),
-                                  _state())
+    ddp = DDPStrategy([("w", w)], _cfg(["--bf16", "--weight-decay", "0",
+                                        "--optimizer", "sgd", "--clip-grad", "0"]), _state())
+    opt = ddp.optimizer
     opt.inner.param_groups[0]["momentum"] = 0.0
     for _ in range(10):  # 10 updates of 1e-4 each: lost in bf16 (ulp at 1.0 is 2^-7), kept in fp32
-        opt.zero_grad()
+        ddp.zero_grad()
         (w.float().sum()).backward()
         assert w.grad is None and w.main_grad.dtype == torch.float32  # hook moved it to main_grad
-        opt.step(1e-4)
+        ddp.step(1e-4)
     assert opt.masters[0].dtype == torch.float32
     assert opt.masters[0][0, 0].item() == pytest.approx(1 - 1e-3, abs=1e-6)
     assert w.dtype == torch.bfloat16
@@ -70,10 +73,10 @@ def test_bf16_master_weights_accumulate_small_updates():
 
 def test_clip_to_global_norm():
     w = torch.nn.Parameter(torch.zeros(2))
-    opt = MixedPrecisionOptimizer([("w", w)], _cfg(["--clip-grad", "1.0", "--optimizer", "sgd",
-                                                   "--weight-decay", "0"]), _state())
-    opt.inner.param_groups[0]["momentum"] = 0.0
+    ddp = DDPStrategy([("w", w)], _cfg(["--clip-grad", "1.0", "--optimizer", "sgd",
+                                        "--weight-decay", "0"]), _state())
+    ddp.optimizer.inner.param_groups[0]["momentum"] = 0.0
     w.grad = torch.tensor([3.0, 4.0])
-    norm = opt.step(1.0)
+    norm = ddp.step(1.0)
     assert norm == pytest.approx(5.0)
     assert torch.allclose(w.detach(), torch.tensor([-0.6, -0.8]), atol=1e-5)

@@ -97,3 +97,18 @@ def test_module_cli_prints_groups():
     bad = subprocess.run([sys.executable, "-m", "megalite.parallel_state", "--world-size", "6",
                           "--tp", "4"], capture_output=True, text=True)
     assert bad.returncode == 2 and "error" in bad.stderr
+
+
+@pytest.mark.parametrize("world,tp,cp,pp,ep,etp", LAYOUTS)
+def test_device_mesh_layout_matches_groups(world, tp, cp, pp, ep, etp):
+    """The DeviceMesh rank array: varying one dimension gives exactly the groups of the
+    same name (the Megatron-Core reference above), for the dense and the expert grid."""
+    grid = RankGrid(world, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
+    for which in ("dense", "expert"):
+        names, ranks = grid.mesh_ranks(which)
+        array = np.array(ranks)
+        assert array.shape == tuple(grid.size(n) for n in names)
+        assert sorted(array.reshape(-1).tolist()) == list(range(world))
+        for axis, name in enumerate(names):
+            along = np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis]).tolist()
+            assert sorted(along) == sorted(grid.groups(name)), (which, name)

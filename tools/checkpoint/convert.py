@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Convert model checkpoints: Hugging Face Llama <-> megalite, and megalite re-layout.
+"""Convert model checkpoints: Hugging Face <-> megalite, and megalite re-layout.
 
     python tools/checkpoint/convert.py --source-format hf --target-format megalite \
         --load-dir llama-hf/ --save-dir ckpt/ \
@@ -7,7 +7,11 @@
     python tools/checkpoint/convert.py --source-format megalite --target-format hf \
         --load-dir ckpt/ --save-dir llama-hf-out/
 
-A megalite source may have been saved at any TP/PP; the target layout is independent.
+A megalite source may have been saved at any TP/PP; the target layout is independent and
+may be uneven, interleaved or count the embedding/loss as pipeline layers (the same
+``--target-*`` flags as pretrain_gpt.py's layout flags): each stage file then holds exactly
+what that stage of a run at that layout builds.  Hugging Face models go through the adapter
+registered for their architecture (``megalite.checkpointing.hf_adapters``; Llama).
 Runs in one process on CPU; needs only torch and safetensors.  Errors are one line,
 exit status 2.
 """
@@ -19,6 +23,10 @@ import sys
 
 import torch
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if _ROOT not in sys.path:  # run as a script from anywhere: use this checkout's megalite
+    sys.path.insert(0, _ROOT)
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n\n")[0])
@@ -28,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--save-dir", required=True, help="Where to write the converted checkpoint.")
     ap.add_argument("--target-tensor-parallel-size", type=int, default=1)
     ap.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    ap.add_argument("--target-num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                    help="Virtual pipeline stages per rank of the target layout.")
+    ap.add_argument("--target-decoder-first-pipeline-num-layers", type=int, default=None,
+                    help="Layers on the first pipeline stage of the target (uneven split).")
+    ap.add_argument("--target-decoder-last-pipeline-num-layers", type=int, default=None,
+                    help="Layers on the last pipeline stage of the target (uneven split).")
+    ap.add_argument("--target-account-for-embedding-in-pipeline-split", action="store_true",
+                    help="Target counts the embedding as a pipeline layer.")
+    ap.add_argument("--target-account-for-loss-in-pipeline-split", action="store_true",
+                    help="Target counts the output layer and loss as a pipeline layer.")
     ap.add_argument("--load-iteration", type=int, default=None,
                     help="megalite source: iteration to read (default: latest).")
     ap.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
@@ -35,19 +53,27 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _check_layout(model_cfg: dict, tp: int, pp: int) -> None:
+def target_split(model_cfg: dict, args):
+    """The target layout's pipeline split (the runtime's rule); one-line errors."""
     from megalite.config import ModelConfig
+    from megalite.pipeline_parallel.split import split_layers
 
     m = ModelConfig(**model_cfg)
-    if tp < 1 or pp < 1:
-        raise ValueError("target TP and PP sizes must be positive")
+    tp, pp = args.target_tensor_parallel_size, args.target_pipeline_model_parallel_size
+    vpp = args.target_num_virtual_stages_per_pipeline_rank or 1
+    if tp < 1 or pp < 1 or vpp < 1:
+        raise ValueError("target TP, PP and virtual-stage sizes must be positive")
     for what, n in (("attention heads", m.num_attention_heads),
                     ("query groups", m.resolved_query_groups())):
         if n % tp:
             raise ValueError(f"--target-tensor-parallel-size {tp} does not divide the {n} {what}")
-    if pp > m.num_layers:
-        raise ValueError(f"--target-pipeline-model-parallel-size {pp} exceeds the "
-                         f"{m.num_layers} layers")
+    try:
+        return split_layers(m.num_layers, pp, vpp, args.target_decoder_first_pipeline_num_layers,
+                            args.target_decoder_last_pipeline_num_layers,
+                            args.target_account_for_embedding_in_pipeline_split,
+                            args.target_account_for_loss_in_pipeline_split)
+    except ValueError as exc:
+        raise ValueError(f"target pipeline layout: {exc}") from None
 
 
 def convert(args) -> str:
@@ -65,11 +91,13 @@ def convert(args) -> str:
         model_cfg, full = full_state_dict_from_checkpoint(args.load_dir, args.load_iteration)
     if args.target_format == "megalite":
         tp, pp = args.target_tensor_parallel_size, args.target_pipeline_model_parallel_size
-        _check_layout(model_cfg, tp, pp)
-        write_checkpoint_from_full(args.save_dir, model_cfg, full, tp, pp, iteration)
-        return f"wrote megalite checkpoint (TP={tp}, PP={pp}, iteration {iteration}) to {args.save_dir}"
-    hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype))
-    return f"wrote Hugging Face Llama checkpoint to {args.save_dir}"
+        split = target_split(model_cfg, args)
+        write_checkpoint_from_full(args.save_dir, model_cfg, full, tp, pp, iteration, split)
+        vpp = f", VPP={split.vpp}" if split.vpp > 1 else ""
+        return (f"wrote megalite checkpoint (TP={tp}, PP={pp}{vpp}, iteration {iteration}) to "
+                f"{args.save_dir}")
+    adapter = hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype))
+    return f"wrote Hugging Face {adapter.architectures[0]} checkpoint to {args.save_dir}"
 
 
 def main(argv=None) -> int:

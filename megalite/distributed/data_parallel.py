@@ -1,0 +1,259 @@
+"""Data-parallel strategies: who owns the gradients, how they are reduced, and the step.
+
+One interface (Megatron-Core's DDP wrapper + optimizer pair, as one object) so the loop
+never reaches into optimizer internals and FSDP2 can be a third implementation:
+
+    strategy.zero_grad()            before the micro-batches
+    ... forward/backward ...
+    strategy.finish_grad_sync()     every reduction a gradient needs
+    norm = strategy.step(lr)        global norm, clip, update, parameter sync
+
+* ``DDPStrategy``: a gradient tensor per parameter (fp32 ``main_grad`` under bf16, ``.grad``
+  in fp32), all-reduced over data parallel; ``MixedPrecisionOptimizer`` keeps whole masters.
+* ``DistributedOptimizerStrategy`` (``--use-distributed-optimizer``): flat padded buffers per
+  (DP group, dtype), reduce-scattered; ``DistributedOptimizer`` steps this rank's shard and
+  the strategy all-gathers the parameters.
+
+The grad norm is per parameter class (``grad_sync.param_class``): dense squares summed over
+TP x PP ("mp"), expert squares over expert-TP x EP x PP ("expert-mp"), then added -- each
+distinct gradient element counted once.  The expert reduction runs only when the model has
+experts (``--num-experts``), so every rank of the expert group takes part in it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from megalite import comm
+from megalite.distributed.distributed_optimizer import DistributedOptimizer
+from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_parallel_grads,
+                                            counts_toward_norm, dp_group_name, param_class,
+                                            reduce_model_parallel_grads)
+from megalite.distributed.replicas import broadcast_tied_embeddings
+from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
+from megalite.optimizer.optimizer import MasterWeightOptimizer, MixedPrecisionOptimizer
+from megalite.param_spec import ParamSpec, group_coords, named_specs
+
+
+def accumulate_main_grad(param) -> None:
+    """bf16 post-accumulate hook: add this backward's gradient into the fp32 ``main_grad``
+    (accumulation over micro-batches happens in fp32) and drop the bf16 one."""
+    param.main_grad.add_(param.grad.float())
+    param.grad = None
+
+
+def keep_grad_in_buffer(view: torch.Tensor):
+    """fp32 hook: autograd accumulates into ``.grad`` in place, i.e. into the buffer view.
+    Should something have reset ``.grad`` (e.g. ``module.zero_grad()``), move the new
+    gradient into the buffer instead of losing it."""
+    def hook(p):
+        if p.grad.data_ptr() != view.data_ptr():
+            view.add_(p.grad)
+            p.grad = view
+    return hook
+
+
+class DataParallelStrategy:
+    """Owns the gradient storage of ``named_params`` (trainable only) and every reduction
+    after backward; ``self.optimizer`` (a ``MasterWeightOptimizer``) updates the masters.
+
+    ``specs`` maps each name to its ``ParamSpec`` (the model chunks' tables: which params
+    are experts, sequence-parallel, tied, split over which group); a name it lacks is a
+    plain replicated parameter.  ``self.specs`` is aligned with ``self.params``."""
+
+    optimizer: MasterWeightOptimizer
+    sharded_buffers: tuple = ()      # flat buffers whose DP reduction is a reduce-scatter
+
+    def __init__(self, named_params, cfg, state, specs=None):
+        self.cfg, self.state, self.bf16 = cfg, state, cfg.optimizer.bf16
+        self.named = [(n, p) for n, p in named_params if p.requires_grad]
+        self.params: List[torch.nn.Parameter] = [p for _, p in self.named]
+        specs = specs or {}
+        self.specs = [specs.get(n) or ParamSpec(tuple(p.shape)) for n, p in self.named]
+        self._spec_of = {id(p): s for p, s in zip(self.params, self.specs)}
+        self.coords = group_coords(state)
+        self.classes = ["dense"] + (["expert"] if cfg.model.num_experts else [])
+        strays = {n for (n, _), s in zip(self.named, self.specs)
+                  if param_class(s) not in self.classes}
+        if strays:
+            raise ValueError(f"parameters {sorted(strays)} are marked as experts but the "
+                             f"model has no --num-experts: their grad norm would be wrong")
+
+    # -- gradients ---------------------------------------------------------------------
+    def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The tensor holding ``p``'s accumulated (after ``finish_grad_sync``: reduced)
+        gradient."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def finish_grad_sync(self) -> None:
+        """Every reduction a gradient needs after the last micro-batch's backward: SP
+        replicated params over TP, tied embeddings over 'embedding', then data parallel."""
+        reduce_model_parallel_grads(self.params, self.grad, self.state, self.specs)
+        self._reduce_data_parallel()
+
+    def _reduce_data_parallel(self) -> None:
+        raise NotImplementedError
+
+    # -- norm and step -----------------------------------------------------------------
+    def _local_squares(self, cls: str) -> torch.Tensor:
+        """Sum of squares of this rank's counted gradient elements of class ``cls``, summed
+        over every rank that holds the same elements' shards (DP for sharded buffers)."""
+        raise NotImplementedError
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradient, every element counted once."""
+        total = None
+        for cls in self.classes:
+            sq = self._local_squares(cls)
+            comm.all_reduce(sq, self.state[PARAM_CLASS_GROUPS[cls].norm])
+            total = sq if total is None else total + sq
+        return total.sqrt().item()
+
+    def _device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+    def step(self, lr: float) -> float:
+        """Clip by the global norm, update, sync parameter copies; returns the norm before
+        clipping."""
+        norm = self.grad_norm()
+        self.optimizer.step(lr, norm)
+        self._sync_params()
+        return norm
+
+    def _sync_params(self) -> None:
+        """Make every copy of a parameter equal after the update: the tied embedding's
+        owner (first stage) broadcasts it (``replicas.broadcast_tied_embeddings``)."""
+        broadcast_tied_embeddings(self.params, self.state, self.specs)
+
+    # -- checkpoints -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.optimizer.load_state_dict(sd)
+
+    def reload_model_params(self) -> None:
+        self.optimizer.reload_model_params()
+
+
+class DDPStrategy(DataParallelStrategy):
+    """Plain data parallelism: a whole gradient per parameter, all-reduced."""
+
+    def __init__(self, named_params, cfg, state, specs=None):
+        super().__init__(named_params, cfg, state, specs)
+        if self.bf16:
+            for p in self.params:
+                p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+                p.register_post_accumulate_grad_hook(accumulate_main_grad)
+        self.optimizer = MixedPrecisionOptimizer(self.named, cfg.optimizer, self.grad)
+
+    def grad(self, p):
+        """``main_grad`` under bf16; ``.grad`` in fp32 (zeros if backward left none, so an
+        unused parameter still takes part in the reduction and the update)."""
+        if self.bf16:
+            return p.main_grad
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def zero_grad(self):
+        for p in self.params:
+            if self.bf16:
+                p.main_grad.zero_()
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def _reduce_data_parallel(self):
+        allreduce_data_parallel_grads(self.params, self.grad, self.state, self.specs)
+
+    def _local_squares(self, cls):
+        sq = torch.zeros(1, dtype=torch.float32, device=self._device())
+        for p, spec in zip(self.params, self.specs):
+            if param_class(spec) == cls and counts_toward_norm(spec, self.coords):
+                sq += self.grad(p).float().pow(2).sum()
+        return sq
+
+
+class DistributedOptimizerStrategy(DataParallelStrategy):
+    """Flat grad buffers reduce-scattered over DP; the optimizer steps this rank's shard;
+    the updated shards are all-gathered back (docs/distributed_optimizer.md)."""
+
+    def __init__(self, named_params, cfg, state, specs=None):
+        super().__init__(named_params, cfg, state, specs)
+        by_key: Dict[tuple, list] = {}
+        for p, spec in zip(self.params, self.specs):
+            by_key.setdefault((dp_group_name(spec), p.dtype), []).append(p)
+        self.sharded_buffers = [ShardedBuffer(ps, state[g], torch.float32 if self.bf16 else dt)
+                                for (g, dt), ps in by_key.items()]
+        self._grad_of: Dict[int, torch.Tensor] = {}
+        for buf in self.sharded_buffers:
+            for p, view in zip(buf.params, buf.grad_views):
+                self._grad_of[id(p)] = view
+                if self.bf16:
+                    p.main_grad = view
+                    p.register_post_accumulate_grad_hook(accumulate_main_grad)
+                else:
+                    p.grad = view
+                    p.register_post_accumulate_grad_hook(keep_grad_in_buffer(view))
+        names = {id(p): n for n, p in self.named}
+        self.optimizer = DistributedOptimizer(self.sharded_buffers, names, cfg.optimizer)
+        # per buffer: the shard ranges [lo, hi) that count toward the grad norm
+        self._norm_spans = []
+        for buf in self.sharded_buffers:
+            cls = param_class(self._spec_of[id(buf.params[0])])
+            runs = contiguous_runs(
+                buf.shard_ranges(), buf.shard_size,
+                lambda p: p is not None and counts_toward_norm(self._spec_of[id(p)], self.coords))
+            self._norm_spans.append((cls, buf, [(lo, hi) for lo, hi, c in runs if c]))
+
+    def grad(self, p):
+        return self._grad_of[id(p)]
+
+    def zero_grad(self):
+        for buf in self.sharded_buffers:
+            buf.grad_data.zero_()
+        for p in self.params:
+            if self.bf16:
+                p.grad = None
+            elif p.grad is None or p.grad.data_ptr() != self.grad(p).data_ptr():
+                p.grad = self.grad(p)           # someone reset it: point it back
+
+    def _reduce_data_parallel(self):
+        for buf in self.sharded_buffers:
+            buf.reduce_scatter_grads()
+
+    def _local_squares(self, cls):
+        """Squares over this rank's shards of the class's buffers, summed over the class's
+        DP group: the shards of all DP ranks together cover each element once."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self._device())
+        mine = [(buf, spans) for c, buf, spans in self._norm_spans if c == cls]
+        for buf, spans in mine:
+            g = buf.grad_shard
+            for lo, hi in spans:
+                sq += g[lo:hi].float().pow(2).sum()
+        if mine:        # the DP group's members hold the same parameters: all or none
+            comm.all_reduce(sq, self.state[PARAM_CLASS_GROUPS[cls].dp])
+        return sq
+
+    def _sync_params(self):
+        for buf in self.sharded_buffers:
+            buf.all_gather_params()
+        super()._sync_params()
+
+
+def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
+    """The strategy for ``cfg``: ``DistributedOptimizerStrategy`` with
+    --use-distributed-optimizer, else ``DDPStrategy``."""
+    triples = named_specs(model_chunks)      # FQNs are unique over a rank's chunks
+    named = [(n, p) for n, p, _ in triples]
+    specs = {n: spec for n, _, spec in triples}
+    if len(specs) != len(triples):
+        raise ValueError("parameter names repeat across this rank's model chunks")
+    if cfg.parallel.use_distributed_optimizer:
+        return DistributedOptimizerStrategy(named, cfg, state, specs)
+    return DDPStrategy(named, cfg, state, specs)

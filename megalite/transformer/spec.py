@@ -1,0 +1,94 @@
+"""Submodule specs: which class fills each slot of a transformer layer (Megatron's ModuleSpec).
+
+A layer is built from a tree of slots instead of hard-coded classes, so Transformer Engine,
+context-parallel attention and MoE become spec choices rather than constructor edits:
+
+    TransformerLayer
+      input_layernorm      norm builder            (model_cfg, hidden, sequence_parallel, ...)
+      self_attention       ModuleSpec(SelfAttention, submodules=SelfAttentionSubmodules)
+        linear_qkv         column-parallel linear  (in, out, *, tp_group, bias, ...)
+        core_attention     (model_cfg, comm_groups, *, layer_number, attn_mask_type, rng_tracker)
+        linear_proj        row-parallel linear
+      pre_mlp_layernorm    norm builder
+      mlp / moe_mlp        chosen per layer by ``ModelConfig.is_moe_layer`` (``mlp_for_layer``)
+
+A slot holds either a plain callable (a class or factory) or a ``ModuleSpec`` that adds fixed
+keyword arguments (``params``) and, for composite modules, their own ``submodules``.
+Nothing here imports torch: specs are data.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Union
+
+
+class AttnMaskType(enum.Enum):
+    """The mask core attention applies (Megatron's names); the local core attention
+    implements ``causal`` and ``no_mask``."""
+    causal = "causal"
+    no_mask = "no_mask"
+
+
+@dataclass(frozen=True, eq=False)
+class ModuleSpec:
+    """``module`` built with ``params`` (fixed by the spec) and ``submodules`` (its own slots)."""
+    module: Callable
+    params: Mapping[str, Any] = field(default_factory=dict)
+    submodules: Any = None
+
+
+Spec = Union[ModuleSpec, Callable]
+
+
+def build_module(spec: Spec, *args, **kwargs):
+    """Instantiate a slot: call it, adding the spec's ``params`` and ``submodules``."""
+    if not isinstance(spec, ModuleSpec):
+        return spec(*args, **kwargs)
+    if spec.submodules is not None:
+        kwargs["submodules"] = spec.submodules
+    return spec.module(*args, **dict(spec.params), **kwargs)
+
+
+@dataclass(frozen=True, eq=False)
+class SelfAttentionSubmodules:
+    linear_qkv: Spec       # column-parallel; may apply the input norm itself (fused slot)
+    core_attention: Spec   # owns the q/k/v layout: see ``DotProductAttention``
+    linear_proj: Spec      # row-parallel
+
+
+@dataclass(frozen=True, eq=False)
+class MLPSubmodules:
+    linear_fc1: Spec       # column-parallel; may apply the pre-MLP norm itself (fused slot)
+    linear_fc2: Spec       # row-parallel
+
+
+@dataclass(frozen=True, eq=False)
+class TransformerLayerSubmodules:
+    """The slots of one layer.  ``mlp`` is the dense MLP; ``moe_mlp`` (None until MoE lands)
+    fills the layers that ``ModelConfig.is_moe_layer`` marks as expert layers."""
+    input_layernorm: Spec
+    self_attention: Spec
+    pre_mlp_layernorm: Spec
+    mlp: Spec
+    moe_mlp: Optional[Spec] = None
+
+    def mlp_for_layer(self, model_cfg, layer_number: int) -> Spec:
+        """The MLP slot of global layer ``layer_number`` (0-based): dense or MoE."""
+        if not model_cfg.is_moe_layer(layer_number):
+            return self.mlp
+        if self.moe_mlp is None:
+            raise NotImplementedError(
+                f"layer {layer_number} is an MoE layer (--num-experts {model_cfg.num_experts}, "
+                f"--moe-layer-freq {model_cfg.moe_layer_freq}) but this layer spec has no MoE "
+                "module: MoE layers are not implemented yet")
+        return self.moe_mlp
+
+
+@dataclass(frozen=True, eq=False)
+class LayerSpec:
+    """What a backend provides: the layer's submodule tree plus the two modules around the
+    layers (``megalite.backends.get_layer_spec`` picks one)."""
+    layer: ModuleSpec                 # TransformerLayer with its TransformerLayerSubmodules
+    norm: Callable                    # the block's final norm: (model_cfg, hidden, sp, ...)
+    column_parallel_linear: Callable  # the output layer: (in, out, *, tp_group, bias, ...)
