@@ -12,8 +12,8 @@ from megalite.checkpointing.model_io import local_shards
 from megalite.checkpointing.sharded_state import assemble, model_sharded_state_dict
 from megalite.checkpointing.sharding import unshard_tensors
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig, TrainingConfig
+from megalite.distributed.grad_sync import counts_toward_norm
 from megalite.models.gpt import WORD_EMBEDDING, build_model, single_rank_state
-from megalite.optimizer.optimizer import counts_toward_norm
 from megalite.param_spec import group_coords
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel import allreduce_sequence_parallel_grads
