@@ -7,9 +7,11 @@ on the last stage, from the received gradient on any other stage -- also back-pr
 ``scale * term``.  So no schedule needs to know about extra losses, and a stage that is
 not the last can still add one (Megatron's ``MoEAuxLossAutoScaler`` does the same).
 
-Outside a collection (inference, or recomputation during backward) ``add_extra_loss``
-does nothing, so a recomputed region never counts its term twice.  A name the family did
-not declare is an error: the loop reduces a fixed list of names for logging.
+A term must have the same value on every TP rank (compute it from statistics reduced over
+the ranks that hold parts of the same tokens): the loop sums terms over pipeline stages and
+dp-cp, not TP.  Outside a collection (inference, or recomputation during backward)
+``add_extra_loss`` does nothing, so a recomputed region never counts its term twice.  A
+name the family did not declare is an error: the loop reduces a fixed list of names.
 """
 from __future__ import annotations
 
