@@ -119,7 +119,7 @@ class Trainer:
                            extra_loss_scale=1.0 / (len(batches) * dp_cp))
 
     def _run_schedule(self, batches, forward_only: bool):
-        """(mean loss over the global batch's tokens, {extra loss name: value})."""
+        """(mean loss over the global batch's tokens, {extra loss name: value} in training)."""
         ctx = self._step_context(batches)
         denom = ctx.num_loss_tokens
         events = [] if self.record_timeline and not forward_only else None
@@ -133,7 +133,8 @@ class Trainer:
         if reports:
             loss += sum(r["loss_sum"].double() for r in reports)
         comm.all_reduce(loss, self.state["dp-cp"])
-        return (loss / denom).item(), reduce_extra_losses(ctx, self.state)
+        extra = {} if forward_only else reduce_extra_losses(ctx, self.state)
+        return (loss / denom).item(), extra
 
     def train_step(self, iterator) -> dict:
         for chunk in self.model_chunks:

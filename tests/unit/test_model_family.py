@@ -82,17 +82,21 @@ def test_parallelize_phase_equals_constructor_and_old_init():
 
 def test_pipeline_chunks_share_the_stage_tracker():
     cfg = make_cfg(layers=4, pp=2)
-    state = ParallelState.build(RankGrid(2, pp=2), 1, create_groups=False)
+    cfg.parallel.num_virtual_stages_per_pipeline_rank = 2
+    state = ParallelState.build(RankGrid(2, pp=2, vpp=2), 1, create_groups=False)
     chunks = build_model_chunks(cfg, state)
-    want = model_parallel_tracker(cfg.training.seed + 100, 0).get_states()
-    got = chunks[0].rng_tracker.get_states()
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[k]["cpu"], want[k]["cpu"]) for k in got)
-    assert stage_rng_tracker(cfg, state).get_states().keys() == want.keys()
-    alone = GPTModel(cfg, state, pre_process=False, post_process=True, layer_numbers=[2, 3],
-                     init=False)
-    parallelize_model([alone], cfg, state)
-    assert equal_params(params(chunks[0]), params(alone))
+    assert len(chunks) == 2 and chunks[0].rng_tracker is chunks[1].rng_tracker
+    want = model_parallel_tracker(cfg.training.seed + 100, 0).get_states()   # seed per stage
+    got = stage_rng_tracker(cfg, state).get_states()
+    for states in (got, chunks[0].rng_tracker.get_states()):
+        assert states.keys() == want.keys()
+        assert all(torch.equal(states[k]["cpu"], want[k]["cpu"]) for k in want)
+    for chunk in chunks:         # each chunk equals the same chunk parallelized on its own
+        alone = GPTModel(cfg, state, pre_process=chunk.pre_process,
+                         post_process=chunk.post_process, layer_numbers=chunk.layer_numbers,
+                         init=False)
+        parallelize_model([alone], cfg, state)
+        assert equal_params(params(chunk), params(alone))
 
 
 # -- the step functions ------------------------------------------------------------------------
