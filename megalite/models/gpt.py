@@ -26,9 +26,9 @@ from torch import nn
 
 from megalite.backends import get_layer_spec
 from megalite.checkpointing.sharding import ParamMeta, param_meta
+from megalite.models.parallelize import parallelize_model
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding, make_param
-from megalite.models.parallelize import parallelize_model
 from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.rotary import RotaryEmbedding
