@@ -28,11 +28,11 @@ from megalite.backends import get_layer_spec
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
 from megalite.process_groups import ModelCommGroups
+from megalite.models.parallelize import parallelize_model
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding
 from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
 from megalite.transformer.block import TransformerBlock
-from megalite.transformer.recompute import configure_recompute
 from megalite.transformer.rotary import RotaryEmbedding
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -81,8 +81,18 @@ class LanguageModelEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
+    """One pipeline chunk of the model: structure only, then (``init``) parallelized.
+
+    The constructor builds modules and (sharded) parameters; the RNG tracker, activation
+    recomputation and initialisation are the parallelize phase (``models/parallelize.py``).
+    ``init=True`` (the default, for tests and tools that build one chunk directly) applies
+    it to this chunk alone, with the stage-0 tracker; ``build_model`` / the model family's
+    ``build_model_chunks`` build with ``init=False`` and parallelize all of a rank's chunks
+    together. With ``init=False`` the chunk has no tracker, no recompute and raw values.
+    """
+
     def __init__(self, cfg, state, pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: Optional[Sequence[int]] = None, *, rng_tracker=None,
+                 layer_numbers: Optional[Sequence[int]] = None, *,
                  device=None, params_dtype: torch.dtype = torch.float32, init: bool = True):
         super().__init__()
         m = cfg.model
@@ -96,7 +106,7 @@ class GPTModel(nn.Module):
         self.vocab_size = m.vocab_size
         impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
         spec = get_layer_spec(impl)
-        self.rng_tracker = rng_tracker or model_parallel_tracker(cfg.training.seed, state.tp.rank)
+        self.rng_tracker = None                      # attached by the parallelize phase
         kw = dict(device=device, dtype=params_dtype)
         sp = self.sequence_parallel
 
@@ -109,7 +119,6 @@ class GPTModel(nn.Module):
                                         layer_numbers=self.layer_numbers,
                                         sequence_parallel=sp, post_layer_norm=post_process,
                                         rng_tracker=self.rng_tracker, **kw)
-        configure_recompute(self.decoder, cfg.training)  # [pipeline/recompute wiring]
         if post_process:
             self.output_layer = spec.column_parallel_linear(
                 m.hidden_size, m.vocab_size, tp_group=state.tp, bias=False, gather_output=False,
@@ -126,8 +135,9 @@ class GPTModel(nn.Module):
             canonical[OUTPUT_WEIGHT], tied[OUTPUT_WEIGHT] = WORD_EMBEDDING, TIED_COPY
         self.param_table = ParamTable.from_module(self, canonical, tied)
         self.input_tensor: Optional[torch.Tensor] = None
-        if init and (device is None or torch.device(device).type != "meta"):
-            self.initialize(cfg.training.seed)
+        if init:
+            parallelize_model([self], cfg, state,
+                              rng_tracker=model_parallel_tracker(cfg.training.seed, state.tp.rank))
 
     # -- parameters ------------------------------------------------------------------------
     def canonical_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -160,6 +170,14 @@ class GPTModel(nn.Module):
             tensor = tensor[0]
         self.input_tensor = tensor
 
+    def register_stage_input_hook(self, hook):
+        """First chunk: ``hook(tensor)`` sees the embedding output, the activation that
+        plays the role of a received stage input (zero bubble splits B/W there). Returns a
+        removable handle."""
+        if not self.pre_process:
+            raise RuntimeError("only the first pipeline chunk computes its stage input")
+        return self.embedding.register_forward_hook(lambda _m, _args, out: hook(out))
+
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
@@ -188,9 +206,10 @@ class GPTModel(nn.Module):
 
 
 def build_model(cfg, state, **kwargs) -> GPTModel:
-    """The whole model on one pipeline stage (all layers, embedding and head)."""
-    return GPTModel(cfg, state, pre_process=True, post_process=True,
-                    layer_numbers=list(range(cfg.model.num_layers)), **kwargs)
+    """The whole model on one pipeline stage (all layers, embedding and head), parallelized."""
+    model = GPTModel(cfg, state, pre_process=True, post_process=True,
+                     layer_numbers=list(range(cfg.model.num_layers)), init=False, **kwargs)
+    return parallelize_model([model], cfg, state)[0]
 
 
 def single_rank_state():

@@ -1,13 +1,19 @@
 """Schedules share one contract, so the training loop never cares which one runs:
 
-``fn(forward_step, batches, model_chunks, state, cfg, forward_only=False) -> list[dict]``
+``fn(forward_step, batches, model_chunks, state, cfg, forward_only=False, events=None)
+-> list[dict]``
 
 ``forward_step(batch, model) -> (output, loss_func)``; ``loss_func(output) -> (loss,
 report)`` where ``loss`` is what backward starts from and ``report`` holds detached sums
 for logging.  ``batches`` is the list of this rank's micro-batches for the iteration.
 With pipelining only the last stage computes losses, so only it returns reports; the
 other stages return ``[]`` (the loop sums reports and all-reduces over dp-cp, and its
-writer rank sits on the last stage).
+writer rank sits on the last stage).  ``events``, when a list, receives the pipelined
+schedules' ``(op, wall start, wall end)`` records; schedules issue no collective besides
+their p2p exchanges (the loop hands the events to ``timeline.record_iteration``).
+
+What a schedule needs of a model chunk: ``set_input_tensor(x)`` on non-first chunks,
+``pre_process`` and, for zero bubble on the first chunk, ``register_stage_input_hook``.
 
 Pipelined schedules do not hand-code their order: ``simulator.plan`` builds the per-rank
 program (F / BW / B / W ops and blocking p2p batches) and ``PipelineExecutor`` walks it,
@@ -34,8 +40,8 @@ from megalite.pipeline_parallel.weight_grad import backward_input
 
 
 def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, cfg,
-                                   forward_only: bool = False):
-    """Gradient accumulation: forward and backward each micro-batch in turn."""
+                                   forward_only: bool = False, events=None):
+    """Gradient accumulation: forward and backward each micro-batch in turn (no events)."""
     (model,) = model_chunks
     reports = []
     for batch in batches:
@@ -95,9 +101,8 @@ class PipelineExecutor:
             model.set_input_tensor(x)
         captured, hook = {}, None
         if self.split_backward and model.pre_process and x is None:
-            # Zero bubble on the first stage: split B/W at the embedding output.
-            hook = model.embedding.register_forward_hook(
-                lambda _m, _a, out: captured.setdefault("x", out))
+            # Zero bubble on the first stage: split B/W where the model says its input is.
+            hook = model.register_stage_input_hook(lambda out: captured.setdefault("x", out))
         try:
             output, loss_func = self.forward_step(self.batches[op.mb], model)
         finally:
@@ -153,37 +158,39 @@ def pipeline_schedule_name(cfg, state) -> str:
 def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
                  forward_only: bool = False) -> PipelineExecutor:
     """Walk this rank's program of ``schedule``; returns the executor (reports, events,
-    peak in-flight micro-batches) -- tests and the timeline read it."""
+    peak in-flight micro-batches) -- tests and benchmarks read it."""
     if len(model_chunks) != max(state.vpp_size, 1):
         raise ValueError(f"{len(model_chunks)} model chunks for VPP={state.vpp_size}")
     program = simulator.plan(schedule, state.pp.size, len(batches), len(model_chunks),
                              forward_only)[state.pp.rank]
     ex = PipelineExecutor(forward_step, batches, model_chunks, state, cfg, forward_only,
                           split_backward=schedule == "zero-bubble")
-    ex.run(program)
-    if cfg.logging.pipeline_timeline and not forward_only:
-        from megalite.pipeline_parallel.timeline import record_iteration
+    return ex.run(program)
 
-        record_iteration(cfg, state, ex.events, schedule)
-    return ex
+
+def _reports(ex: PipelineExecutor, events) -> list:
+    if events is not None:
+        events.extend(ex.events)
+    return ex.reports
 
 
 def forward_backward_pipelining_without_interleaving(forward_step, batches, model_chunks,
-                                                     state, cfg, forward_only: bool = False):
-    return run_schedule("1f1b", forward_step, batches, model_chunks, state, cfg,
-                        forward_only).reports
+                                                     state, cfg, forward_only: bool = False,
+                                                     events=None):
+    return _reports(run_schedule("1f1b", forward_step, batches, model_chunks, state, cfg,
+                                 forward_only), events)
 
 
 def forward_backward_pipelining_with_interleaving(forward_step, batches, model_chunks, state,
-                                                  cfg, forward_only: bool = False):
-    return run_schedule("interleaved", forward_step, batches, model_chunks, state, cfg,
-                        forward_only).reports
+                                                  cfg, forward_only: bool = False, events=None):
+    return _reports(run_schedule("interleaved", forward_step, batches, model_chunks, state,
+                                 cfg, forward_only), events)
 
 
 def forward_backward_zero_bubble(forward_step, batches, model_chunks, state, cfg,
-                                 forward_only: bool = False):
-    return run_schedule("zero-bubble", forward_step, batches, model_chunks, state, cfg,
-                        forward_only).reports
+                                 forward_only: bool = False, events=None):
+    return _reports(run_schedule("zero-bubble", forward_step, batches, model_chunks, state,
+                                 cfg, forward_only), events)
 
 
 def get_forward_backward_func(cfg, state):

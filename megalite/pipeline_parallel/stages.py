@@ -28,14 +28,13 @@ def build_model_chunks(cfg, state) -> list:
     PP > 1 the first stage's word embedding (the owner) and the last stage's output-layer
     copy are both tied in the chunks' ``param_table`` (grads summed over the 'embedding'
     group; the copy is not counted in the grad norm).  Both are initialized from the same
-    parameter name; a broadcast from the first stage makes equality explicit.
+    parameter name; a broadcast from the first stage makes equality explicit.  The chunks
+    are built bare and parallelized together (``models/parallelize.py``).
     """
     from megalite.models.gpt import GPTModel
-    from megalite.tensor_parallel.random import model_parallel_tracker
+    from megalite.models.parallelize import parallelize_model
 
     v = state.vpp_size
-    # One RNG tracker per rank, shared by its chunks (seed offset per stage, as Megatron).
-    tracker = model_parallel_tracker(cfg.training.seed + 100 * state.pp.rank, state.tp.rank)
     chunks = []
     old = state.virtual_pipeline_rank
     try:
@@ -44,9 +43,11 @@ def build_model_chunks(cfg, state) -> list:
             chunks.append(GPTModel(cfg, state, pre_process=state.is_first_stage(),
                                    post_process=state.is_last_stage(),
                                    layer_numbers=layers_of_stage(cfg, state.pp.rank, vr),
-                                   rng_tracker=tracker))
+                                   init=False))
     finally:
         state.virtual_pipeline_rank = old
+    # One RNG tracker per rank, shared by its chunks (seed offset per stage, as Megatron).
+    parallelize_model(chunks, cfg, state)
     if state.pp.size > 1:
         mark_shared_embeddings(chunks, state)
     return chunks

@@ -83,7 +83,8 @@ def is_timeline_writer(state) -> bool:
 def record_iteration(cfg, state, events, schedule: str) -> None:
     """Gather this iteration's events over the pp group; the writer appends and rewrites.
 
-    Collective over the pp group (every stage calls it from the schedule)."""
+    Collective over the pp group: every stage calls it (the training loop, after the
+    schedule, with the executor events the schedule handed back)."""
     path = cfg.logging.pipeline_timeline
     hist = _HISTORY.setdefault(path, {"iterations": 0, "events": []})
     if hist["iterations"] >= MAX_ITERATIONS:

@@ -42,14 +42,17 @@ def describe_pipeline_split(cfg) -> str:
     return f"{head}: " + "; ".join(f"{r}: {s}" for r, s in enumerate(ranks)) + note
 
 
-def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None):
+def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
+         family=None):
+    """``family``: the ``ModelFamily`` to train (default GPT, ``models/gpt_step.py``)."""
     def _run(argv):
         cfg = parse_args(argv, prog=prog, defaults=defaults)
         if cfg.training.dry_run:
             print(describe_run(cfg))
             return 0
+        from megalite.models.gpt_step import GPT_FAMILY
         from megalite.training.loop import pretrain
 
-        return pretrain(cfg)
+        return pretrain(cfg, family or GPT_FAMILY)
 
     return run_cli(_run, argv)

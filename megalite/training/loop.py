@@ -3,9 +3,16 @@
 Numerical contract (DESIGN.md §3): each micro-batch loss is divided by the number of loss
 tokens in the whole *global* batch, gradients are then summed over data parallel, so the
 update is the same whatever DP size, micro-batch size or pipeline schedule.
+
+The loop is model-agnostic: a ``ModelFamily`` (``models/family.py``; GPT's is
+``models/gpt_step.py``) builds the chunks and supplies ``get_batch`` and ``forward_step``.
+The config is never mutated: values derived at setup (the tokenizer's vocabulary size)
+live in the Trainer's resolved copy, ``trainer.cfg``.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 import resource
@@ -16,9 +23,13 @@ import torch
 
 from megalite import comm
 from megalite.distributed.data_parallel import build_data_parallel
+from megalite.models.family import ModelFamily, StepContext
+from megalite.models.gpt_step import GPT_FAMILY
 from megalite.optimizer import LRScheduler
 from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
+from megalite.pipeline_parallel.schedules import pipeline_schedule_name
+from megalite.pipeline_parallel.timeline import record_iteration
 from megalite.training.flops import device_peak_flops, flops_per_iteration
 from megalite.training.metrics import TrainingLogger
 
@@ -26,8 +37,9 @@ from megalite.training.metrics import TrainingLogger
 class Trainer:
     """Everything one rank holds during training; built by ``setup``."""
 
-    def __init__(self, cfg, state: ParallelState, device: str):
-        self.cfg, self.state, self.device = cfg, state, device
+    def __init__(self, cfg, state: ParallelState, device: str,
+                 family: ModelFamily = GPT_FAMILY):
+        self.cfg, self.state, self.device, self.family = cfg, state, device, family
         self.iteration = 0
         self.consumed_samples = 0
         self.tokenizer = None
@@ -37,6 +49,7 @@ class Trainer:
         self.scheduler = None
         self.train_ds = self.valid_ds = self.test_ds = None
         self.forward_backward = get_forward_backward_func(cfg, state)
+        self.record_timeline = bool(cfg.logging.pipeline_timeline) and state.pp.size > 1
 
     # -- construction ------------------------------------------------------------------
     @property
@@ -55,16 +68,14 @@ class Trainer:
         return 0
 
     def setup(self):
-        cfg = self.cfg
         from megalite.data import build_tokenizer
 
-        d = cfg.data
+        d = self.cfg.data
         if d.tokenizer_type:
             self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model,
-                                             cfg.model.vocab_size)
-            if cfg.model.vocab_size is None:
-                cfg.model.vocab_size = self.tokenizer.vocab_size
-        self.model_chunks = build_model_chunks(cfg, self.state, self.device)
+                                             self.cfg.model.vocab_size)
+        self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
+        self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
         self.optimizer = self.strategy.optimizer
         self.scheduler = LRScheduler.from_config(cfg, self.train_iters)
@@ -97,56 +108,55 @@ class Trainer:
 
     # -- one iteration -----------------------------------------------------------------
     def _next_batches(self, iterator) -> list:
-        batches = [next(iterator) for _ in range(self.cfg.num_micro_batches)]
-        return [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+        """This rank's micro-batches of one iteration, as the model family's ``get_batch``
+        shapes them (where CP will slice the sequence)."""
+        raw = [next(iterator) for _ in range(self.cfg.num_micro_batches)]
+        return [self.family.get_batch(b, self.state, self.device) for b in raw]
 
-    def _global_tokens(self, batches) -> torch.Tensor:
-        n = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for b in batches:
-            n += b["loss_mask"].sum()
-        comm.all_reduce(n, self.state["dp-cp"])
-        return n
+    def _step_context(self, batches) -> StepContext:
+        names = tuple(self.family.extra_loss_names(self.cfg))
+        dp_cp = self.state["dp-cp"].size
+        return StepContext(num_loss_tokens=global_loss_tokens(batches, self.state, self.device),
+                           extra_loss_names=names,
+                           extra_loss_scale=1.0 / (len(batches) * dp_cp))
 
     def _run_schedule(self, batches, forward_only: bool):
-        denom = self._global_tokens(batches)
-
-        def forward_step(batch, model):
-            output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"])
-
-            def loss_func(per_token_loss):
-                mask = batch["loss_mask"].to(per_token_loss.dtype)
-                total = (per_token_loss.float() * mask).sum()
-                return total / denom.to(total.dtype), {"loss_sum": total.detach()}
-
-            return output, loss_func
-
-        reports = self.forward_backward(forward_step, batches, self.model_chunks, self.state,
-                                        self.cfg, forward_only=forward_only)
+        """(mean loss over the global batch's tokens, {extra loss name: value} in training)."""
+        ctx = self._step_context(batches)
+        denom = ctx.num_loss_tokens
+        events = [] if self.record_timeline and not forward_only else None
+        reports = self.forward_backward(functools.partial(self.family.forward_step, ctx=ctx),
+                                        batches, self.model_chunks, self.state, self.cfg,
+                                        forward_only=forward_only, events=events)
+        if events is not None:   # a collective over pp: every stage records
+            record_iteration(self.cfg, self.state, events,
+                             pipeline_schedule_name(self.cfg, self.state))
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
         if reports:
             loss += sum(r["loss_sum"].double() for r in reports)
         comm.all_reduce(loss, self.state["dp-cp"])
-        return (loss / denom).item()
+        extra = {} if forward_only else reduce_extra_losses(ctx, self.state)
+        return (loss / denom).item(), extra
 
     def train_step(self, iterator) -> dict:
         for chunk in self.model_chunks:
             chunk.train()
         batches = self._next_batches(iterator)
         self.strategy.zero_grad()
-        loss = self._run_schedule(batches, forward_only=False)
+        loss, extra_losses = self._run_schedule(batches, forward_only=False)
         self.strategy.finish_grad_sync()
         lr = self.scheduler.lr(self.iteration + 1)
         grad_norm = self.strategy.step(lr)
         self.iteration += 1
         self.consumed_samples += self.cfg.training.global_batch_size
-        return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm}
+        return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses}
 
     @torch.no_grad()
     def evaluate(self, dataset, iters: int) -> float:
         for chunk in self.model_chunks:
             chunk.eval()
         iterator = self.data_iterator(dataset, 0, cyclic=True)  # same batches every eval
-        losses = [self._run_schedule(self._next_batches(iterator), forward_only=True)
+        losses = [self._run_schedule(self._next_batches(iterator), forward_only=True)[0]
                   for _ in range(iters)]
         return sum(losses) / max(len(losses), 1)
 
@@ -208,31 +218,51 @@ def peak_memory_bytes(device: str) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-def build_model_chunks(cfg, state, device):
-    """This rank's model chunks: one per virtual pipeline stage (one without PP)."""
-    torch.manual_seed(cfg.training.seed)
-    if state.pp.size == 1:
-        from megalite.models.gpt import build_model
-
-        chunks = [build_model(cfg, state)]
-    else:
-        from megalite.pipeline_parallel.stages import build_model_chunks as build_stages
-
-        chunks = build_stages(cfg, state)
-    dtype = torch.bfloat16 if cfg.optimizer.bf16 else torch.float32
-    return [c.to(device=device, dtype=dtype) for c in chunks]
+def global_loss_tokens(batches, state, device) -> torch.Tensor:
+    """Loss tokens of the global batch: this rank's ``get_batch`` output, summed over dp-cp
+    (each CP rank counts only its slice of the sequence, so every token counts once)."""
+    n = torch.zeros(1, dtype=torch.float64, device=device)
+    for b in batches:
+        n += b["loss_mask"].sum()
+    comm.all_reduce(n, state["dp-cp"])
+    return n
 
 
-def pretrain(cfg) -> int:
-    """Entry from pretrain_gpt.py after validation."""
+def reduce_extra_losses(ctx: StepContext, state) -> dict:
+    """Each extra loss as it entered the objective: its terms summed over micro-batches,
+    pipeline stages (each holds different layers) and dp-cp ranks, times the step's scale
+    (1 / (micro-batches x dp-cp)) -- the mean over every micro-batch of the global batch.
+    TP ranks compute the same terms, so TP is not summed."""
+    if not ctx.extra_loss_names:
+        return {}
+    sums = ctx.extra_loss_sums.clone()
+    comm.all_reduce(sums, state["dp-cp"])
+    comm.all_reduce(sums, state.pp)
+    return {name: float(v) * ctx.extra_loss_scale
+            for name, v in zip(ctx.extra_loss_names, sums.tolist())}
+
+
+def resolve_config(cfg, tokenizer=None):
+    """``cfg`` with the values derived from other inputs filled in, as a copy: the
+    vocabulary size from the tokenizer when ``--vocab-size`` was not given."""
+    if cfg.model.vocab_size is None and tokenizer is not None:
+        model = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+        return dataclasses.replace(cfg, model=model)
+    return cfg
+
+
+def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
+    """Entry from pretrain_gpt.py after validation: ``family`` supplies the model and its
+    step functions (Megatron's ``pretrain(..., model_provider, forward_step)``)."""
     from megalite.parallel_state import pick_device_and_backend
 
     device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.world_size, 1)))
     state = initialize(cfg)
-    trainer = Trainer(cfg, state, device)
+    trainer = Trainer(cfg, state, device, family)
     trainer.setup()
+    cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
     t = cfg.training
     try:

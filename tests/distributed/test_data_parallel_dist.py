@@ -10,6 +10,7 @@ x PP); the reference is computed by hand from every rank's reduced gradients.  T
 would.
 
 All checks run in one 4-process launch."""
+import dataclasses
 import math
 
 import torch
@@ -18,8 +19,8 @@ import torch.distributed as torch_dist
 from megalite import comm
 from megalite.arguments import parse_args
 from megalite.distributed.grad_sync import param_class
+from megalite.models.gpt_step import GPT_FAMILY
 from megalite.parallel_state import MESH_DIMS, ParallelState, RankGrid
-from megalite.training import loop
 from megalite.training.loop import Trainer
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
@@ -54,7 +55,7 @@ def _trainer(flags, world, mark: bool):
         # no layer is built as MoE (the spec has no MoE module yet): the marks below stand in
         cfg.model.moe_layer_freq = [0] * cfg.model.num_layers
     state = ParallelState.build(RankGrid.from_config(cfg), torch_dist.get_rank())
-    build = loop.build_model_chunks
+    build = GPT_FAMILY.build_model_chunks
 
     def build_and_mark(*args):
         chunks = build(*args)
@@ -62,12 +63,10 @@ def _trainer(flags, world, mark: bool):
             _mark_experts(chunks)
         return chunks
 
-    loop.build_model_chunks = build_and_mark      # the strategy must see the marks
-    try:
-        trainer = Trainer(cfg, state, "cpu")
-        trainer.setup()
-    finally:
-        loop.build_model_chunks = build
+    # the strategy must see the marks: a family whose builder marks them
+    family = dataclasses.replace(GPT_FAMILY, build_model_chunks=build_and_mark)
+    trainer = Trainer(cfg, state, "cpu", family=family)
+    trainer.setup()
     return trainer
 
 

@@ -1,0 +1,63 @@
+"""GPT's training step for the generic loop: what Megatron keeps in ``pretrain_gpt.py``.
+
+``GPT_FAMILY`` bundles ``build_model_chunks``, ``get_batch`` and ``forward_step`` (whose
+``loss_func`` is the masked per-token loss over the global token count).  Extra loss terms
+that modules register (``transformer/extra_losses.py``) join the backward of the chunk
+that computed them and are logged under their names; GPT itself declares none yet.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from megalite.models.family import ModelFamily, StepContext
+from megalite.transformer.extra_losses import collect_extra_losses
+
+
+def build_model_chunks(cfg, state, device) -> list:
+    """This rank's model chunks: one per virtual pipeline stage (one without PP), built,
+    parallelized (tracker -> recompute -> init, ``models/parallelize.py``), tied embeddings
+    marked, then cast to the training dtype on ``device``."""
+    from megalite.pipeline_parallel.stages import build_model_chunks as build_stages
+
+    torch.manual_seed(cfg.training.seed)
+    chunks = build_stages(cfg, state)
+    dtype = torch.bfloat16 if cfg.optimizer.bf16 else torch.float32
+    return [c.to(device=device, dtype=dtype) for c in chunks]
+
+
+def get_batch(batch: dict, state, device) -> dict:
+    """This rank's micro-batch (tokens, labels, loss_mask[, position_ids]) on ``device``.
+
+    Context parallelism slices the sequence HERE, before the loop counts loss tokens: the
+    loop sums ``loss_mask`` of what this returns and all-reduces over dp-cp, so each token
+    is counted exactly once.  Counting the unsliced batch would make the denominator CP x
+    too large.
+    """
+    if state.cp.size > 1:
+        raise NotImplementedError("context parallelism: get_batch must slice the sequence "
+                                  "(load-balanced 2*CP chunks) before the token count")
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def loss_func(loss_mask: torch.Tensor, num_loss_tokens: torch.Tensor,
+              per_token_loss: torch.Tensor):
+    """Masked loss sum divided by the global token count; reports the detached sum."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    total = (per_token_loss.float() * mask).sum()
+    return total / num_loss_tokens.to(total.dtype), {"loss_sum": total.detach()}
+
+
+def forward_step(batch: dict, model, ctx: StepContext):
+    """Run one chunk on one micro-batch; any stage may add extra loss terms."""
+    with collect_extra_losses(ctx.extra_loss_names) as extra:
+        output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"])
+    if extra.terms:
+        extra.accumulate(ctx.extra_loss_sums)
+        output = extra.attach(output, ctx.extra_loss_scale)
+    return output, functools.partial(loss_func, batch["loss_mask"], ctx.num_loss_tokens)
+
+
+GPT_FAMILY = ModelFamily(name="gpt", build_model_chunks=build_model_chunks,
+                         get_batch=get_batch, forward_step=forward_step)

@@ -1,0 +1,84 @@
+"""Extra loss terms from any module on any pipeline stage (the MoE load-balancing loss).
+
+A module calls ``add_extra_loss(name, value)`` in its forward.  The model family's forward
+step runs the chunk under ``collect_extra_losses(names)`` and then ``attach``-es the terms
+to the chunk's output: the output is unchanged, but backward through it -- from the loss
+on the last stage, from the received gradient on any other stage -- also back-propagates
+``scale * term``.  So no schedule needs to know about extra losses, and a stage that is
+not the last can still add one (Megatron's ``MoEAuxLossAutoScaler`` does the same).
+
+A term must have the same value on every TP rank (compute it from statistics reduced over
+the ranks that hold parts of the same tokens): the loop sums terms over pipeline stages and
+dp-cp, not TP.  Outside a collection (inference, or recomputation during backward)
+``add_extra_loss`` does nothing, so a recomputed region never counts its term twice.  A
+name the family did not declare is an error: the loop reduces a fixed list of names.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import List, Sequence, Tuple
+
+import torch
+
+_COLLECTORS: List["ExtraLosses"] = []
+
+
+class _AttachTerms(torch.autograd.Function):
+    """Identity on ``output``; backward also feeds ``scale`` into every term."""
+
+    @staticmethod
+    def forward(ctx, output, scale, *terms):
+        ctx.scale = scale
+        ctx.term_specs = [(t.shape, t.dtype, t.device) for t in terms]
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grads = [torch.full(shape, ctx.scale, dtype=dtype, device=device)
+                 for shape, dtype, device in ctx.term_specs]
+        return (grad_output, None, *grads)
+
+
+class ExtraLosses:
+    """The terms one forward step (one micro-batch, one chunk) registered."""
+
+    def __init__(self, names: Sequence[str]):
+        self.names = tuple(names)
+        self.terms: List[Tuple[str, torch.Tensor]] = []
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        if name not in self.names:
+            raise KeyError(f"extra loss {name!r} is not declared by the model family "
+                           f"(declared: {list(self.names)})")
+        if value.numel() != 1:
+            raise ValueError(f"extra loss {name!r} must be a scalar, got shape "
+                             f"{tuple(value.shape)}")
+        self.terms.append((name, value.reshape(())))
+
+    def accumulate(self, totals: torch.Tensor) -> None:
+        """Add each term's detached value into ``totals`` (one slot per declared name)."""
+        for name, value in self.terms:
+            totals[self.names.index(name)] += value.detach().to(totals.dtype)
+
+    def attach(self, output: torch.Tensor, scale: float) -> torch.Tensor:
+        """``output`` with ``scale * sum(terms)`` joined to its backward."""
+        terms = [v for _, v in self.terms if v.requires_grad]
+        if not terms or not torch.is_grad_enabled():
+            return output
+        return _AttachTerms.apply(output, scale, *terms)
+
+
+@contextlib.contextmanager
+def collect_extra_losses(names: Sequence[str]):
+    collector = ExtraLosses(names)
+    _COLLECTORS.append(collector)
+    try:
+        yield collector
+    finally:
+        _COLLECTORS.remove(collector)
+
+
+def add_extra_loss(name: str, value: torch.Tensor) -> None:
+    """Register a scalar loss term from inside a model's forward (see module docstring)."""
+    if _COLLECTORS:
+        _COLLECTORS[-1].add(name, value)
