@@ -26,7 +26,7 @@ def _run(schedule: str, args: dict):
     from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.pipeline_parallel.schedules import run_schedule
-    from megalite.pipeline_parallel.stages import build_model_chunks
+    from megalite.models.stages import build_model_chunks
 
     torch.set_num_threads(1)
     vpp = 2 if schedule == "interleaved" else None

@@ -19,7 +19,7 @@ def build_model_chunks(cfg, state, device) -> list:
     """This rank's model chunks: one per virtual pipeline stage (one without PP), built,
     parallelized (tracker -> recompute -> init, ``models/parallelize.py``), tied embeddings
     marked, then cast to the training dtype on ``device``."""
-    from megalite.pipeline_parallel.stages import build_model_chunks as build_stages
+    from megalite.models.stages import build_model_chunks as build_stages
 
     torch.manual_seed(cfg.training.seed)
     chunks = build_stages(cfg, state)

@@ -1,7 +1,7 @@
 """The pipeline stage-split rule: which transformer layers each (pipeline rank, virtual
 stage) holds, and which stages hold the embedding and the output layer.
 
-It is the one rule the runtime (``stages.build_model_chunks``), the planner's parameter
+It is the one rule the runtime (``models.stages.build_model_chunks``), the planner's parameter
 and memory counts and the checkpoint converter all use, so a checkpoint written for a
 layout has exactly the stage files that layout builds.  Pure Python (no torch), so
 config-only code such as the planner imports it freely.

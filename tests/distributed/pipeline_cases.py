@@ -10,7 +10,7 @@ from megalite.models.gpt import build_model, single_rank_state
 from megalite.param_spec import named_specs
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.schedules import get_forward_backward_func, run_schedule
-from megalite.pipeline_parallel.stages import build_model_chunks
+from megalite.models.stages import build_model_chunks
 
 VOCAB, SEQ, MBS = 70, 8, 2
 

@@ -16,7 +16,7 @@ from megalite.models.gpt import GPTModel, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel import simulator
 from megalite.pipeline_parallel.schedules import PipelineExecutor
-from megalite.pipeline_parallel.stages import build_model_chunks
+from megalite.models.stages import build_model_chunks
 from megalite.transformer.activation_memory import layer_terms, measure_saved
 
 from pipeline_cases import global_batches, make_cfg, make_forward_step

@@ -15,7 +15,7 @@ from megalite.models.gpt_step import GPT_FAMILY, forward_step, get_batch
 from megalite.models.parallelize import parallelize_model, stage_rng_tracker
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining
-from megalite.pipeline_parallel.stages import build_model_chunks
+from megalite.models.stages import build_model_chunks
 from megalite.tensor_parallel.random import model_parallel_tracker
 from megalite.training.loop import Trainer, resolve_config
 from megalite.transformer.extra_losses import add_extra_loss, collect_extra_losses

@@ -17,7 +17,7 @@ from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.models.gpt import build_model, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.split import pipeline_split, split_layers
-from megalite.pipeline_parallel.stages import build_model_chunks
+from megalite.models.stages import build_model_chunks
 from megalite.planner import model_spec as ms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -5,7 +5,8 @@ import torch
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel import schedules
-from megalite.pipeline_parallel.stages import build_model_chunks, layers_of_stage
+from megalite.models.stages import build_model_chunks
+from megalite.pipeline_parallel.stages import layers_of_stage
 
 
 def cfg_for(layers=8, pp=4, vpp=None, first=None, last=None, schedule="auto", tied=True):
