@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 
 from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
                              all_fields, field_flag)
+from megalite.model_presets import preset_fields
+from megalite.recipes import RECIPE_SECTION, flag_value, read_recipe_info
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -50,7 +52,16 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     general.add_argument("--config", metavar="FILE", default=None,
                          help="YAML file of settings; flags given on the command line override it.")
     general.add_argument("--world-size", type=int, default=None,
-                         help="World size for --dry-run / planning (default: from torchrun or SLURM).")
+                         help="World size for --dry-run / planning (default: from torchrun or SLURM; "
+                         "for --dry-run of a recipe, its published GPU count).")
+    general.add_argument("--model-preset", metavar="NAME", default=None,
+                         help="Start from the shapes of a model preset (megalite plan "
+                         "--list-recipes); model flags given in --config or here override them.")
+    general.add_argument("--gpu", default=None, metavar="PRESET",
+                         help="GPU the --dry-run estimate is for (default: the recipe's, else "
+                         "h100-80gb).")
+    general.add_argument("--gpus-per-node", type=int, default=None,
+                         help="GPUs per node for --dry-run (default: the recipe's, else 8).")
     groups = {name: parser.add_argument_group(title) for name, title in _SECTION_TITLES.items()}
     for section, f in all_fields():
         meta = f.metadata
@@ -90,6 +101,7 @@ def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
         raw = yaml.safe_load(fh) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"--config: '{path}' must hold a mapping of setting: value")
+    raw.pop(RECIPE_SECTION, None)       # what the file reproduces, not flags (megalite/recipes.py)
     flat = {}
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
@@ -106,7 +118,8 @@ def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
             a = by_flag[k]
             value = a.const if _parse_bool(value) else a.default
             out[a.dest] = value
-        elif k in by_dest and k not in ("help", "config"):
+        elif k in by_dest and k not in ("help", "config", "model_preset", "gpu", "gpus_per_node",
+                                               "world_size"):
             out[k] = value
         else:
             raise ConfigError(f"--config: unknown setting '{key}' in {path}; "
@@ -114,11 +127,11 @@ def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
     return out
 
 
-def env_world_size() -> int:
+def env_world_size(default: int = 1) -> int:
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
         if os.environ.get(var):
             return int(os.environ[var])
-    return 1
+    return default
 
 
 def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.py",
@@ -131,17 +144,18 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     parser = build_parser(prog)
     if defaults:
         parser.set_defaults(**defaults)
-    config_path = None
-    for i, tok in enumerate(argv):
-        if tok == "--config" and i + 1 < len(argv):
-            config_path = argv[i + 1]
-        elif tok.startswith("--config="):
-            config_path = tok.split("=", 1)[1]
+    config_path = flag_value(argv, "--config")
+    recipe = read_recipe_info(config_path)
+    preset = flag_value(argv, "--model-preset") or recipe.model
+    if preset:             # preset shapes < the --config file < the command line
+        parser.set_defaults(**preset_fields(preset))
     if config_path:
         parser.set_defaults(**_yaml_defaults(config_path, parser))
     ns = vars(parser.parse_args(argv))
-    world = ns.pop("world_size") or env_world_size()
-    ns.pop("config", None)
+    published_world = recipe.num_gpus if ns["dry_run"] else None
+    world = ns.pop("world_size") or env_world_size(published_world or 1)
+    for key in ("config", "model_preset", "gpu", "gpus_per_node"):
+        ns.pop(key, None)
     sections = {}
     for section, f in all_fields():
         sections.setdefault(section, {})[f.name] = ns[f.name]

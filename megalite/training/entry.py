@@ -5,14 +5,20 @@ line on stderr and exit status 2.
 """
 from __future__ import annotations
 
+import sys
+
 from megalite.arguments import parse_args, run_cli
 from megalite.parallel_state import RankGrid
 
 
 def describe_run(cfg) -> str:
+    return RankGrid.from_config(cfg).describe() + "\n" + describe_batch(cfg)
+
+
+def describe_batch(cfg) -> str:
+    """Batch, vocabulary and pipeline-split lines of the dry run."""
     m, t = cfg.model, cfg.training
-    lines = [RankGrid.from_config(cfg).describe(),
-             f"micro-batch {t.micro_batch_size} x {cfg.num_micro_batches} micro-batches x "
+    lines = [f"micro-batch {t.micro_batch_size} x {cfg.num_micro_batches} micro-batches x "
              f"DP {cfg.data_parallel_size} = global batch {t.global_batch_size}"]
     if m.vocab_size:
         lines.append(f"vocabulary {m.vocab_size} padded to {cfg.padded_vocab_size}")
@@ -48,8 +54,9 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
     def _run(argv):
         cfg = parse_args(argv, prog=prog, defaults=defaults)
         if cfg.training.dry_run:
-            print(describe_run(cfg))
-            return 0
+            from megalite.training.dry_run import dry_run
+
+            return dry_run(cfg, argv if argv is not None else sys.argv[1:], describe_batch(cfg))
         from megalite.models.gpt_step import GPT_FAMILY
         from megalite.training.loop import pretrain
 

@@ -1,0 +1,98 @@
+"""Model presets: the one table of model shapes.
+
+``megalite plan --recipe NAME`` sizes these models, and the launch recipes
+(``launch/recipes/*.yaml``) name one with ``recipe: {model: NAME}`` (or ``--model-preset NAME``
+on the command line) instead of copying its shapes.  Pure data plus two readers; imports only
+``megalite.config``, so both the argument parser and the planner can read it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict
+
+from megalite.config import ConfigError, ModelConfig
+
+_LLAMA = dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+              untie_embeddings_and_output_weights=True, add_bias_linear=False,
+              group_query_attention=True, hidden_dropout=0.0, attention_dropout=0.0,
+              vocab_size=128256, rotary_base=500000, seq_length=8192)
+_GPT = dict(normalization="LayerNorm", position_embedding_type="learned_absolute", swiglu=False,
+            untie_embeddings_and_output_weights=False, add_bias_linear=True,
+            hidden_dropout=0.1, attention_dropout=0.1, seq_length=2048)
+
+
+def _gpt2021(heads, hidden, layers, tp, pp, gpus, batch, tflops):
+    """A row of Narayanan et al. 2021, Table 1 (A100-80GB, seq 2048, vocab 51200)."""
+    return dict(_GPT, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                vocab_size=51200, ffn_hidden_size=4 * hidden,
+                published=dict(source="Narayanan et al. 2021, Table 1", gpu="a100-80gb",
+                               tp=tp, pp=pp, num_gpus=gpus, global_batch_size=batch,
+                               seq_length=2048, tflops_per_gpu=tflops, recompute="full"))
+
+
+MODEL_PRESETS = {
+    "llama3-8b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                      num_query_groups=8, ffn_hidden_size=14336),
+    "llama3-70b": dict(_LLAMA, num_layers=80, hidden_size=8192, num_attention_heads=64,
+                       num_query_groups=8, ffn_hidden_size=28672),
+    "llama3-405b": dict(_LLAMA, num_layers=126, hidden_size=16384, num_attention_heads=128,
+                        num_query_groups=8, ffn_hidden_size=53248,
+                        published=dict(source="Llama 3 paper (Dubey et al. 2024), Table 4",
+                                       gpu="h100-80gb", tp=8, cp=1, pp=16, dp=128,
+                                       num_gpus=16384, seq_length=8192,
+                                       global_batch_tokens=16 * 1024 * 1024,
+                                       tflops_per_gpu=400)),
+    "gpt3-175b": dict(_GPT, num_layers=96, hidden_size=12288, num_attention_heads=96,
+                      ffn_hidden_size=4 * 12288, vocab_size=50257),
+    "mixtral-8x7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
+                         num_query_groups=8, ffn_hidden_size=14336, moe_ffn_hidden_size=14336,
+                         num_experts=8, moe_router_topk=2, vocab_size=32000, rotary_base=1000000,
+                         seq_length=4096),
+    "gpt-1.7b": _gpt2021(24, 2304, 24, 1, 1, 32, 512, 137),
+    "gpt-3.6b": _gpt2021(32, 3072, 30, 2, 1, 64, 512, 138),
+    "gpt-7.5b": _gpt2021(32, 4096, 36, 4, 1, 128, 512, 142),
+    "gpt-18.4b": _gpt2021(48, 6144, 40, 8, 1, 256, 1024, 135),
+    "gpt-39.1b": _gpt2021(64, 8192, 48, 8, 2, 512, 1536, 138),
+    "gpt-76.1b": _gpt2021(80, 10240, 60, 8, 4, 1024, 1792, 140),
+    "gpt-145.6b": _gpt2021(96, 12288, 80, 8, 8, 1536, 2304, 148),
+    "gpt-310.1b": _gpt2021(128, 16384, 96, 8, 16, 1920, 2160, 155),
+    "gpt-529.6b": _gpt2021(128, 20480, 105, 8, 35, 2520, 2520, 163),
+    "gpt-1t": _gpt2021(160, 25600, 128, 8, 64, 3072, 3072, 163),
+}
+
+# MoE presets of the launch recipes (launch/recipes/). Shapes from the models' published configs.
+MODEL_PRESETS.update({
+    # Mistral AI, Mixtral-8x22B-v0.1 config.json.
+    "mixtral-8x22b": dict(_LLAMA, num_layers=56, hidden_size=6144, num_attention_heads=48,
+                          num_query_groups=8, ffn_hidden_size=16384, moe_ffn_hidden_size=16384,
+                          num_experts=8, moe_router_topk=2, vocab_size=32768,
+                          rotary_base=1000000, seq_length=4096),
+    # Qwen3-235B-A22B config.json (its q/k RMSNorm is not modelled: a few thousand parameters).
+    "qwen3-235b-a22b": dict(_LLAMA, num_layers=94, hidden_size=4096, num_attention_heads=64,
+                            num_query_groups=4, kv_channels=128, ffn_hidden_size=12288,
+                            moe_ffn_hidden_size=1536, num_experts=128, moe_router_topk=8,
+                            vocab_size=151936, rotary_base=1000000, norm_epsilon=1e-6,
+                            seq_length=4096),
+    # DeepSeek-V3's sizes (61 layers, the first 3 dense; 256 routed experts, top-8) with
+    # megalite's parts: multi-head attention of 128 x 128-dim heads instead of MLA, no shared
+    # expert, a softmax top-k router -- hence "-like".
+    "deepseek-v3-like": dict(_LLAMA, num_layers=61, hidden_size=7168, num_attention_heads=128,
+                             group_query_attention=False, kv_channels=128,
+                             ffn_hidden_size=18432, moe_ffn_hidden_size=2048, num_experts=256,
+                             moe_router_topk=8, moe_layer_freq=[0] * 3 + [1] * 58,
+                             vocab_size=129280, rotary_base=10000, norm_epsilon=1e-6,
+                             seq_length=4096),
+})
+
+
+def preset_fields(name: str) -> Dict[str, Any]:
+    """The ``ModelConfig`` fields of preset ``name`` (its ``published`` notes left out)."""
+    key = name.lower()
+    if key not in MODEL_PRESETS:
+        raise ConfigError(f"unknown model preset '{name}'; choose from {', '.join(MODEL_PRESETS)}")
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {k: v for k, v in MODEL_PRESETS[key].items() if k in names}
+
+
+def preset_model(name: str) -> ModelConfig:
+    return ModelConfig(**preset_fields(name))
