@@ -77,3 +77,36 @@ def recipe_files(root: str) -> List[str]:
     for folder, _, files in os.walk(root):
         out += [os.path.join(folder, f) for f in files if f.endswith(".yaml")]
     return sorted(out)
+
+
+def min_world(path: str) -> int:
+    """The smallest world a recipe's layout runs on: both grids' model-parallel sizes (DP 1)."""
+    import math
+
+    flat = {}
+    for key, value in load_yaml(path).items():
+        if key != RECIPE_SECTION:
+            flat.update(value if isinstance(value, dict) else {key: value})
+    get = {str(k).replace("_", "-"): v for k, v in flat.items()}.get
+    tp = int(get("tensor-model-parallel-size") or 1)
+    pp = int(get("pipeline-model-parallel-size") or 1)
+    cp = int(get("context-parallel-size") or 1)
+    ep = int(get("expert-model-parallel-size") or 1)
+    etp = int(get("expert-tensor-parallel-size") or tp)
+    return math.lcm(tp * cp * pp, etp * ep * pp)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m megalite.recipes min-world FILE`` (used by launch/run_local.sh)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] != "min-world":
+        print("usage: python -m megalite.recipes min-world RECIPE.yaml", file=sys.stderr)
+        return 2
+    print(min_world(args[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -15,6 +15,7 @@ from megalite.parallel_state import ORDER, RankGrid
 from megalite.recipes import RecipeInfo, flag_value, read_recipe_info
 
 GiB = 1024 ** 3
+FULL_LISTING_MAX_WORLD = 64      # up to here every group of every kind is listed too
 LAYOUT_GROUPS = ("tp", "cp", "dp", "pp", "ep", "expert-tp", "expert-dp")
 
 
@@ -109,6 +110,8 @@ def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
     print(head if info.path else "dry run (no recipe file)")
     print(f"model{' ' + preset if preset else ''}: {ms.describe(cfg.model)}")
     print(layout_table(cfg, gpn))
+    if cfg.world_size <= FULL_LISTING_MAX_WORLD:
+        print(RankGrid.from_config(cfg).describe())
     print(batch_lines)
     est, cluster, opts = planner_estimate(cfg, gpu, gpn)
     print(estimate_text(est, cluster, opts, cfg.model.seq_length))

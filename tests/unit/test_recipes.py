@@ -1,0 +1,144 @@
+"""Launch recipes (launch/recipes/): every one dry-runs at its published scale, shapes come
+from the model presets only, each twin keeps its recipe's parallel structure, and the
+Llama 3 405B layout is the paper's and fits an 80 GB H100."""
+import contextlib
+import io
+import os
+
+import pytest
+import yaml
+
+from megalite.arguments import parse_args
+from megalite.config import ConfigError
+from megalite.model_presets import preset_fields
+from megalite.planner import model_spec as ms
+from megalite.recipes import min_world, read_recipe_info, recipe_files
+from megalite.training.dry_run import planner_estimate
+from megalite.training.entry import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = os.path.join(ROOT, "launch", "recipes")
+PUBLISHED = [f for f in recipe_files(RECIPES) if os.sep + "twins" + os.sep not in f]
+TWINS = [f for f in recipe_files(RECIPES) if os.sep + "twins" + os.sep in f]
+SHAPE_KEYS = {"num-layers", "hidden-size", "ffn-hidden-size", "num-attention-heads",
+              "num-query-groups", "kv-channels", "vocab-size", "num-experts",
+              "moe-ffn-hidden-size", "moe-router-topk", "moe-layer-freq"}
+
+
+def _name(path):
+    return os.path.relpath(path, RECIPES)
+
+
+def _dry_run(path, *extra):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = main(["--config", path, "--dry-run", *extra])
+    return rc, out.getvalue()
+
+
+def _cfg(path, *extra):
+    return parse_args(["--config", path, "--dry-run", *extra])
+
+
+def test_the_issue_lists_every_recipe_and_a_twin_each():
+    names = sorted(os.path.basename(f)[:-5] for f in PUBLISHED)
+    assert names == ["deepseek-v3-like", "gpt3-175b", "llama3-405b", "llama3-405b-long-context",
+                     "llama3-70b", "llama3-8b", "mixtral-8x22b", "qwen3-235b-a22b"]
+    assert sorted(os.path.basename(f) for f in TWINS) == \
+        sorted(os.path.basename(f) for f in PUBLISHED)
+
+
+@pytest.mark.parametrize("path", PUBLISHED + TWINS, ids=_name)
+def test_dry_run_prints_layout_memory_and_time(path):
+    info = read_recipe_info(path)
+    rc, out = _dry_run(path)
+    assert rc == 0, out
+    cfg = _cfg(path)
+    assert cfg.world_size == info.num_gpus            # the published scale, no --world-size
+    assert f"world {info.num_gpus} = " in out and "one group spans" in out
+    assert "memory per GPU (most loaded rank, GiB)" in out and "step time" in out
+    assert out.rstrip().splitlines()[-1].startswith("fits: ")
+
+
+@pytest.mark.parametrize("path", PUBLISHED, ids=_name)
+def test_shapes_come_from_the_preset_only(path):
+    raw = yaml.safe_load(open(path))
+    keys = {k for v in raw.values() if isinstance(v, dict) for k in v} | set(raw)
+    assert not keys & SHAPE_KEYS, f"{path} copies model shapes {keys & SHAPE_KEYS}"
+    info = read_recipe_info(path)
+    cfg = _cfg(path)
+    planner = ms.recipe(info.model)           # what `megalite plan --recipe NAME` sizes
+    for field in preset_fields(info.model):
+        if field != "seq_length":             # the long-context phase trains longer sequences
+            assert getattr(cfg.model, field) == getattr(planner, field), field
+
+
+def _structure(cfg):
+    p, t = cfg.parallel, cfg.training
+    return {"tp>1": p.tp > 1, "cp>1": p.cp > 1, "pp>1": p.pp > 1, "ep>1": p.ep > 1,
+            "etp": "=tp" if p.etp == p.tp else p.etp, "dp>1": cfg.data_parallel_size > 1,
+            "vpp>1": p.virtual_stages(cfg.model.num_layers) > 1, "sp": p.sequence_parallel,
+            "dist-opt": p.use_distributed_optimizer, "recompute": t.recompute_granularity,
+            "account": (p.account_for_embedding_in_pipeline_split,
+                        p.account_for_loss_in_pipeline_split),
+            "uneven": p.decoder_first_pipeline_num_layers is not None,
+            "moe": bool(cfg.model.num_experts), "dense-first": cfg.model.num_experts and
+            not cfg.model.is_moe_layer(0), "gqa": cfg.model.group_query_attention,
+            "arch": (cfg.model.normalization, cfg.model.position_embedding_type,
+                     cfg.model.swiglu, cfg.model.add_bias_linear,
+                     cfg.model.untie_embeddings_and_output_weights)}
+
+
+@pytest.mark.parametrize("path", TWINS, ids=_name)
+def test_twin_keeps_the_parallel_structure(path):
+    info = read_recipe_info(path)
+    original = os.path.join(RECIPES, info.twin_of + ".yaml")
+    assert os.path.basename(path) == info.twin_of + ".yaml" and os.path.isfile(original)
+    assert info.model == read_recipe_info(original).model
+    twin, pub = _structure(_cfg(path)), _structure(_cfg(original))
+    if pub["etp"] != "=tp":                   # expert-TP 1 decoupled from TP, in both
+        assert twin["etp"] == pub["etp"]
+    assert {k: v for k, v in twin.items() if k != "etp"} == \
+        {k: v for k, v in pub.items() if k != "etp"}
+    assert min_world(path) <= info.num_gpus <= 16    # CPU scale
+
+
+def test_llama3_405b_is_the_papers_layout_and_fits_an_h100():
+    cfg = _cfg(os.path.join(RECIPES, "llama3-405b.yaml"))
+    p = cfg.parallel
+    assert (cfg.world_size, p.tp, p.cp, p.pp, cfg.data_parallel_size) == (16384, 8, 1, 16, 128)
+    assert cfg.model.seq_length == 8192
+    assert cfg.training.global_batch_size * cfg.model.seq_length == 16 * 1024 * 1024
+    pub = ms.published("llama3-405b")
+    assert (pub["tp"], pub["cp"], pub["pp"], pub["dp"], pub["num_gpus"]) == (8, 1, 16, 128, 16384)
+    est, cluster, _ = planner_estimate(cfg, "h100-80gb", 8)
+    assert est.fits and est.memory["total"] < 80e9 and cluster.gpu.name == "h100-80gb"
+    long = _cfg(os.path.join(RECIPES, "llama3-405b-long-context.yaml"))
+    assert (long.parallel.tp, long.parallel.cp, long.parallel.pp, long.model.seq_length) == \
+        (8, 16, 16, 131072)
+
+
+def test_a_layout_that_cannot_fit_fails_clearly(capsys):
+    path = os.path.join(RECIPES, "llama3-405b.yaml")
+    with pytest.raises(SystemExit) as exc:      # PP2 instead of PP16: 200B parameters a GPU
+        _dry_run(path, "--world-size", "2048", "--pipeline-model-parallel-size", "2")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "does not fit: the planner predicts" in err and "h100-80gb" in err
+
+
+def test_model_preset_then_config_then_command_line(tmp_path):
+    f = tmp_path / "r.yaml"
+    f.write_text("recipe:\n  model: llama3-8b\n  num_gpus: 4\nmodel:\n  num-layers: 4\n"
+                 "data:\n  mock-data: true\n")
+    cfg = parse_args(["--config", str(f), "--dry-run", "--hidden-size", "256"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.ffn_hidden_size) == \
+        (4, 256, 14336)                          # config, command line, preset
+    assert cfg.world_size == 4 and cfg.model.normalization == "RMSNorm"
+    cfg = parse_args(["--model-preset", "gpt3-175b", "--mock-data", "--dry-run"])
+    assert cfg.model.num_layers == 96 and cfg.world_size == 1
+    with pytest.raises(ConfigError, match="unknown model preset"):
+        parse_args(["--model-preset", "llama9", "--dry-run"])
+    f.write_text("recipe:\n  modle: llama3-8b\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        parse_args(["--config", str(f), "--dry-run"])
