@@ -33,7 +33,7 @@ install_packages() {
      command -v munged >/dev/null && command -v sbatch >/dev/null; then return; fi
   echo "[local-cluster] installing slurmctld slurmd slurm-client munge (apt)"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >/dev/null
+  apt-get -o Acquire::Retries=1 -o Acquire::http::Timeout=20 update -qq >/dev/null
   apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
 }
 

@@ -1,0 +1,39 @@
+"""The runnable CPU twins as a user launches them (launch/run_local.sh picks the process count)
+train to the single-process losses of the same model (docs/launching.md, "Recipes").
+
+The Llama-3 405B twin runs on the two-node SLURM cluster in test_slurm_e2e.py; the GPT-3 175B
+twin (TP2 PP2, full recomputation) runs here.  MoE and CP twins are --dry-run only until those
+layers land (validation refuses them; tests/unit/test_recipes.py dry-runs every recipe).
+"""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TWIN = "launch/recipes/twins/gpt3-175b.yaml"
+
+
+def _run(cmd, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600, **kw)
+    assert p.returncode == 0, f"{cmd}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-3000:]}"
+    return p.stdout
+
+
+def _losses(path):
+    return [json.loads(line)["lm_loss"] for line in open(path)]
+
+
+def test_gpt3_twin_with_run_local_matches_one_process(tmp_path):
+    env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
+    out = _run(["bash", "launch/run_local.sh", TWIN, "--train-iters", "3",
+                "--metrics-file", str(tmp_path / "twin.jsonl")], env=env)
+    assert "[run_local] 4 process(es)" in out
+    _run([sys.executable, "pretrain_gpt.py", "--config", TWIN, "--train-iters", "3",
+          "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1",
+          "--metrics-file", str(tmp_path / "one.jsonl")])
+    twin, one = _losses(tmp_path / "twin.jsonl"), _losses(tmp_path / "one.jsonl")
+    assert len(twin) == len(one) == 3
+    assert abs(twin[0] - one[0]) <= 1e-5 * abs(one[0]), (twin[0], one[0])
+    for a, b in zip(twin, one):
+        assert abs(a - b) <= 1e-4 * abs(b), (twin, one)
