@@ -17,24 +17,26 @@ NODES=(node1 node2)
 
 why_not() {
   [ "$(id -u)" = 0 ] || { echo "not root"; return; }
-  command -v ip >/dev/null && command -v nsenter >/dev/null && command -v unshare >/dev/null \
-    || { echo "ip/nsenter/unshare missing"; return; }
+  command -v nsenter >/dev/null && command -v unshare >/dev/null \
+    || { echo "nsenter/unshare missing"; return; }
   if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || \
-     ! command -v munged >/dev/null; then
-    command -v apt-get >/dev/null || { echo "slurm not installed and no apt-get"; return; }
+     ! command -v munged >/dev/null || ! command -v ip >/dev/null; then
+    command -v apt-get >/dev/null || { echo "slurm/iproute2 not installed and no apt-get"; return; }
   fi
-  local probe="megalite-probe-$$"
-  ip netns add "$probe" 2>/dev/null || { echo "cannot create network namespaces"; return; }
-  ip netns del "$probe"
+  # Network namespaces: probed with unshare (no iproute2 needed before the install).
+  unshare --net true 2>/dev/null || { echo "cannot create network namespaces"; return; }
 }
 
 install_packages() {
   if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && \
-     command -v munged >/dev/null && command -v sbatch >/dev/null; then return; fi
-  echo "[local-cluster] installing slurmctld slurmd slurm-client munge (apt)"
+     command -v munged >/dev/null && command -v sbatch >/dev/null && command -v ip >/dev/null; then
+    return
+  fi
+  echo "[local-cluster] installing slurmctld slurmd slurm-client munge iproute2 (apt)"
   export DEBIAN_FRONTEND=noninteractive
   apt-get -o Acquire::Retries=1 -o Acquire::http::Timeout=20 update -qq >/dev/null
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge \
+    iproute2 >/dev/null
 }
 
 start_munge() {
@@ -104,7 +106,7 @@ ON
 make_network() {
   local prefix="megalite-$$"
   echo "$prefix" > "$DIR/netns-prefix"
-  ip netns add "$prefix-br"
+  ip netns add "$prefix-br" || return 1
   ip -n "$prefix-br" link add br0 type bridge
   ip -n "$prefix-br" link set br0 up
   local i=1
@@ -144,7 +146,8 @@ case "$CMD" in
     install_packages || { echo "cannot run a local SLURM cluster: installing slurm with apt-get failed" >&2; exit 4; }
     write_conf
     start_munge
-    make_network
+    make_network || { echo "cannot run a local SLURM cluster: network namespaces failed" >&2
+                      "$0" down "$DIR"; exit 3; }
     "$DIR/on" node1 slurmctld
     for node in "${NODES[@]}"; do "$DIR/on" "$node" slurmd -N "$node"; done
     wait_idle
