@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         "for a model on a cluster. Model: --recipe, --hf-config, or pretrain_gpt.py "
         "model flags (--num-layers ... --vocab-size ...).")
     g = p.add_argument_group("model")
-    g.add_argument("--recipe", help=f"built-in model: {', '.join(ms.RECIPES)}")
+    g.add_argument("--recipe", help=f"built-in model: {', '.join(ms.RECIPES)}; or a launch "
+                   "recipe file (launch/recipes/*.yaml): its model and sequence length")
     g.add_argument("--hf-config", metavar="PATH", help="Hugging Face config.json (or its folder)")
     g.add_argument("--list-recipes", action="store_true", help="list built-in models and exit")
     c = p.add_argument_group("cluster")
@@ -106,7 +107,10 @@ def resolve_model(args, extra: List[str]):
     if len(chosen) != 1:
         raise ConfigError("give exactly one model: --recipe NAME, --hf-config PATH, or "
                           "pretrain_gpt.py model flags (--num-layers ...)")
-    if args.recipe:
+    if args.recipe and args.recipe.endswith((".yaml", ".yml")):
+        from megalite.arguments import parse_args     # the recipe's preset + its overrides
+        m = parse_args(["--config", args.recipe, "--dry-run"], validate_config=False).model
+    elif args.recipe:
         m = ms.recipe(args.recipe)
     elif args.hf_config:
         m = ms.from_hf_config(args.hf_config)

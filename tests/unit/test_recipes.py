@@ -142,3 +142,21 @@ def test_model_preset_then_config_then_command_line(tmp_path):
     f.write_text("recipe:\n  modle: llama3-8b\n")
     with pytest.raises(ConfigError, match="unknown key"):
         parse_args(["--config", str(f), "--dry-run"])
+
+
+def test_planner_reads_a_recipe_file_as_its_model():
+    from megalite.planner.cli import plan
+
+    out = io.StringIO()
+    assert plan(["--recipe", os.path.join(RECIPES, "llama3-405b.yaml"), "--num-gpus", "16384",
+                 "--global-batch-tokens", str(16 * 1024 * 1024), "--tp", "8", "--pp", "16",
+                 "--top", "1"], out=out) == 0
+    named = io.StringIO()
+    plan(["--recipe", "llama3-405b", "--num-gpus", "16384", "--global-batch-tokens",
+          str(16 * 1024 * 1024), "--tp", "8", "--pp", "16", "--top", "1"], out=named)
+    assert out.getvalue().splitlines()[:3] == named.getvalue().splitlines()[:3]
+    twin = io.StringIO()
+    assert plan(["--recipe", os.path.join(RECIPES, "twins", "llama3-405b.yaml"), "--num-gpus",
+                 "8", "--gpus-per-node", "2", "--global-batch-size", "8", "--top", "1"],
+                out=twin) == 0
+    assert "6 layers, hidden 64" in twin.getvalue()
