@@ -102,7 +102,8 @@ class GPTModel(nn.Module):
         self.tied = not m.untie_embeddings_and_output_weights
         self.vocab_size = m.vocab_size
         impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
-        spec = get_layer_spec(impl)
+        spec = get_layer_spec(impl, cp_comm_type=cfg.parallel.cp_comm_type
+                              if state.cp.size > 1 else None)
         self.rng_tracker = None                      # attached by the parallelize phase
         kw = dict(device=device, dtype=params_dtype)
         sp = self.sequence_parallel
