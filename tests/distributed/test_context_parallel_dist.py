@@ -130,3 +130,179 @@ def test_load_balance_evens_causal_work():
         assert plain[-1] / plain[0] > 2 * cp - 2
         assert sorted(torch.cat([token_indices(512, cp, r) for r in range(cp)]).tolist()) \
             == list(range(512))
+
+
+# ---- the GPT model at step 1 -------------------------------------------------------------
+VOCAB, BATCH = 70, 2
+
+
+def model_kwargs(arch: str, seq: int) -> dict:
+    common = dict(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=seq,
+                  vocab_size=VOCAB, make_vocab_size_divisible_by=16, hidden_dropout=0.0,
+                  attention_dropout=0.0, init_method_std=0.05)
+    if arch == "llama":
+        common.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                      ffn_hidden_size=48, add_bias_linear=False,
+                      untie_embeddings_and_output_weights=True, group_query_attention=True,
+                      num_query_groups=4)
+    else:  # GPT-2 style: learned absolute positions, tied embeddings, biases
+        common.update(ffn_hidden_size=64, max_position_embeddings=seq)
+    return common
+
+
+def make_model_cfg(arch, seq, kind="p2p", cp=1, tp=1, sp=False, world=1):
+    from megalite.config import MegaliteConfig, ParallelConfig
+
+    par = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                         cp_comm_type=kind, sequence_parallel=sp)
+    cfg = MegaliteConfig(model=ModelConfig(**model_kwargs(arch, seq)), parallel=par,
+                         world_size=world)
+    cfg.training.seed = 1234
+    return cfg
+
+
+def raw_batch(seq, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"tokens": torch.randint(0, VOCAB, (BATCH, seq), generator=g),
+            "labels": torch.randint(0, VOCAB, (BATCH, seq), generator=g),
+            "loss_mask": (torch.rand(BATCH, seq, generator=g) > 0.2).float(),
+            "position_ids": torch.arange(seq).expand(BATCH, seq)}
+
+
+def model_step(model, batch, denom):
+    """Masked loss over the global token count, backward; (loss sum, {name: (param, grad,
+    shard meta)})."""
+    from megalite.checkpointing.sharding import ParamMeta
+
+    per_token = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+    total = (per_token * batch["loss_mask"]).sum()
+    (total / denom).backward()
+    return total.detach(), {n: (p.detach().clone(), p.grad.detach().clone(),
+                                getattr(p, "shard_meta", ParamMeta(tuple(p.shape))).to_dict())
+                            for n, p in model.canonical_named_parameters()}
+
+
+MODEL_CASES = [("llama", "p2p", 2, 1, False, 64), ("llama", "p2p", 4, 1, False, 64),
+               ("llama", "a2a", 2, 1, False, 64), ("llama", "a2a", 4, 1, False, 64),
+               ("gpt2", "p2p", 4, 1, False, 64), ("gpt2", "a2a", 2, 1, False, 64),
+               ("llama", "p2p", 2, 2, True, 64), ("llama", "a2a", 2, 2, True, 64),
+               ("gpt2", "p2p", 2, 2, True, 64),
+               ("llama", "p2p", 2, 1, False, 512), ("llama", "a2a", 4, 1, False, 512)]
+
+
+def _model_cases(cases):
+    from megalite.models.gpt import build_model
+    from megalite.models.gpt_step import get_batch
+    from megalite.tensor_parallel import allreduce_sequence_parallel_grads
+
+    rank = torch_dist.get_rank()
+    out = []
+    for arch, kind, cp, tp, sp, seq in cases:
+        state = ParallelState.build(RankGrid(WORLD, tp=tp, cp=cp), rank)
+        model = build_model(make_model_cfg(arch, seq, kind, cp, tp, sp, WORLD), state)
+        raw = raw_batch(seq)
+        total, shards = model_step(model, get_batch(raw, state, "cpu"), raw["loss_mask"].sum())
+        allreduce_sequence_parallel_grads(model, state)
+        # the CP part of the dp-cp gradient reduction (DP replicas computed the same)
+        comm.all_reduce_coalesced([p.grad for p in model.parameters()], state.cp)
+        shards = {n: (p.detach().clone(), p.grad.detach().clone(), shards[n][2])
+                  for n, p in model.canonical_named_parameters()}
+        out.append((comm.all_reduce(total, state.cp), shards))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_results(dist):
+    return dist.run(WORLD, _model_cases, MODEL_CASES)
+
+
+@pytest.mark.parametrize("case", range(len(MODEL_CASES)),
+                         ids=["-".join(map(str, c)) for c in MODEL_CASES])
+def test_model_step_matches_single_process(model_results, case):
+    from megalite.checkpointing.sharding import unshard_tensors
+    from megalite.models.gpt import build_model, single_rank_state
+
+    arch, kind, cp, tp, sp, seq = MODEL_CASES[case]
+    raw = raw_batch(seq)
+    ref_total, ref = model_step(build_model(make_model_cfg(arch, seq), single_rank_state()),
+                                raw, raw["loss_mask"].sum())
+    tp_group = [r[case] for r in model_results[:tp]]     # ranks 0..tp-1: CP rank 0
+    assert rel(tp_group[0][0], ref_total) <= 1e-5
+    assert set(tp_group[0][1]) == set(ref)
+    for name, (ref_p, ref_g, ref_meta) in ref.items():
+        meta = tp_group[0][1][name][2]
+        full_p = unshard_tensors([r[1][name][0] for r in tp_group], meta)
+        full_g = unshard_tensors([r[1][name][1] for r in tp_group], meta)
+        assert torch.equal(full_p, unshard_tensors([ref_p], ref_meta)), name
+        want = unshard_tensors([ref_g], ref_meta)
+        assert rel(full_g, want) <= 1e-5, (name, rel(full_g, want))
+
+
+# ---- the training loop over 10 iterations -------------------------------------------------
+LOOP = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "8",
+        "--group-query-attention", "--num-query-groups", "4", "--seq-length", "64",
+        "--mock-data", "--vocab-size", "100", "--lr", "3e-3", "--train-iters", "10",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--global-batch-size", "4",
+        "--micro-batch-size", "2", "--eval-iters", "1", "--lr-warmup-iters", "1"]
+CP2, CP4 = ["--context-parallel-size", "2"], ["--context-parallel-size", "4"]
+A2A = ["--cp-comm-type", "a2a"]
+LOOP_CASES = {
+    "cp4-p2p": CP4,
+    "cp4-a2a": CP4 + A2A,
+    "cp2-dp2-p2p-distopt": CP2 + ["--use-distributed-optimizer"],
+    "cp2-dp2-a2a-full-recompute": CP2 + A2A + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform"],
+    "cp2-tp2-sp-p2p-core-attn-recompute": CP2 + [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--recompute-granularity", "selective", "--recompute-modules", "core_attn"],
+    "cp2-tp2-sp-a2a": CP2 + A2A + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "cp2-pp2-1f1b-p2p": CP2 + ["--pipeline-model-parallel-size", "2"],
+    "cp2-pp2-interleaved-a2a": CP2 + A2A + ["--pipeline-model-parallel-size", "2",
+                                           "--num-virtual-stages-per-pipeline-rank", "2"],
+    "cp2-pp2-zero-bubble-p2p": CP2 + ["--pipeline-model-parallel-size", "2",
+                                      "--pipeline-schedule", "zero-bubble"],
+}
+
+
+def _train(cases, iters=10):
+    from megalite.arguments import parse_args
+    from megalite.training.loop import Trainer
+
+    rank = torch_dist.get_rank()
+    out = {}
+    for name, (world, argv) in cases.items():
+        cfg = parse_args(["--world-size", str(world), *LOOP, *argv])
+        p = cfg.parallel
+        grid = RankGrid(world, tp=p.tp, pp=p.pp, cp=p.cp,
+                        vpp=p.virtual_stages(cfg.model.num_layers))
+        state = ParallelState.build(grid, 0 if world == 1 else rank, create_groups=world > 1)
+        trainer = Trainer(cfg, state, "cpu")
+        trainer.setup()
+        it = trainer.data_iterator(trainer.train_ds, 0)
+        rows = [trainer.train_step(it) for _ in range(iters)]
+        out[name] = dict(writer=trainer.is_writer or world == 1,
+                         loss=[r["lm_loss"] for r in rows], norm=[r["grad_norm"] for r in rows],
+                         valid=trainer.evaluate(trainer.valid_ds, 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def loop_results(dist):
+    cases = {"ref": (1, [])}
+    cases.update({name: (WORLD, argv) for name, argv in LOOP_CASES.items()})
+    return dist.run(WORLD, _train, cases)
+
+
+@pytest.mark.parametrize("name", list(LOOP_CASES))
+def test_training_loop_matches_single_process(loop_results, name):
+    ref = loop_results[0]["ref"]
+    (got,) = [r[name] for r in loop_results if r[name]["writer"]]
+    assert len(set(ref["loss"])) == len(ref["loss"])         # the weights move
+    assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-5 * ref["loss"][0]
+    for a, b in zip(got["loss"], ref["loss"]):
+        assert abs(a - b) <= 1e-4 * b, (name, got["loss"], ref["loss"])
+    for a, b in zip(got["norm"], ref["norm"]):
+        assert abs(a - b) <= 1e-4 * b, (name, got["norm"], ref["norm"])
+    assert abs(got["valid"] - ref["valid"]) <= 1e-4 * ref["valid"]
