@@ -8,20 +8,31 @@ Nothing here imports transformer_engine unless that backend is asked for.
 """
 from __future__ import annotations
 
+import dataclasses
+
+from megalite.context_parallel import core_attention_class
 from megalite.transformer.spec import LayerSpec  # noqa: F401  (re-exported)
 
 
-def get_layer_spec(impl: str = "local", cp_comm_type: str = None) -> LayerSpec:
-    """``local`` | ``transformer_engine`` | ``auto`` (local until a TE spec exists).
-
-    ``cp_comm_type`` (``p2p`` | ``a2a``, given when CP > 1) puts context-parallel core
-    attention in the core-attention slot."""
+def get_layer_spec(impl: str = "local") -> LayerSpec:
+    """``local`` | ``transformer_engine`` | ``auto`` (local until a TE spec exists)."""
     if impl in ("local", "auto"):
-        from megalite.backends.local import context_parallel_spec, local_spec
+        from megalite.backends.local import local_spec
 
-        spec = local_spec()
-        return context_parallel_spec(spec, cp_comm_type) if cp_comm_type else spec
+        return local_spec()
     if impl == "transformer_engine":
         raise NotImplementedError("--transformer-impl transformer_engine is not available yet; "
                                   "use --transformer-impl local")
     raise ValueError(f"unknown --transformer-impl '{impl}'")
+
+
+def context_parallel_spec(spec: LayerSpec, cp_comm_type: str) -> LayerSpec:
+    """``spec`` with context-parallel core attention in the core-attention slot (ring
+    attention for ``--cp-comm-type p2p``, Ulysses all-to-all for ``a2a``); every other slot
+    and every parameter name unchanged.  GPTModel applies it when CP > 1."""
+    layer = spec.layer.submodules
+    attn = layer.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(
+        attn.submodules, core_attention=core_attention_class(cp_comm_type)))
+    layer = dataclasses.replace(layer, self_attention=attn)
+    return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))

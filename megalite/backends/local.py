@@ -15,7 +15,6 @@ from typing import Callable
 
 import torch
 
-from megalite.context_parallel import core_attention_class
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.transformer.attention import DotProductAttention, SelfAttention
 from megalite.transformer.layer import TransformerLayer
@@ -73,15 +72,4 @@ def fuse_norms(spec: LayerSpec, model_cfg) -> LayerSpec:
         mlp.submodules, linear_fc1=fused(layer.pre_mlp_layernorm)))
     layer = dataclasses.replace(layer, input_layernorm=IdentityNorm, self_attention=attn,
                                 pre_mlp_layernorm=IdentityNorm, mlp=mlp)
-    return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))
-
-
-def context_parallel_spec(spec: LayerSpec, comm_type: str) -> LayerSpec:
-    """``spec`` with context-parallel core attention (``--cp-comm-type``: ring attention for
-    ``p2p``, Ulysses all-to-all for ``a2a``); every other slot and every name unchanged."""
-    layer = spec.layer.submodules
-    attn = layer.self_attention
-    attn = dataclasses.replace(attn, submodules=dataclasses.replace(
-        attn.submodules, core_attention=core_attention_class(comm_type)))
-    layer = dataclasses.replace(layer, self_attention=attn)
     return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))

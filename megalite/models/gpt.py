@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.backends import get_layer_spec
+from megalite.backends import context_parallel_spec, get_layer_spec
 from megalite.checkpointing.sharding import ParamMeta, param_meta
 from megalite.process_groups import ModelCommGroups
 from megalite.models.parallelize import parallelize_model
@@ -102,8 +102,9 @@ class GPTModel(nn.Module):
         self.tied = not m.untie_embeddings_and_output_weights
         self.vocab_size = m.vocab_size
         impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
-        spec = get_layer_spec(impl, cp_comm_type=cfg.parallel.cp_comm_type
-                              if state.cp.size > 1 else None)
+        spec = get_layer_spec(impl)
+        if state.cp.size > 1:
+            spec = context_parallel_spec(spec, cfg.parallel.cp_comm_type)
         self.rng_tracker = None                      # attached by the parallelize phase
         kw = dict(device=device, dtype=params_dtype)
         sp = self.sequence_parallel
