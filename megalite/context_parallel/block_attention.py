@@ -16,6 +16,11 @@ from typing import Tuple
 import torch
 
 
+def accum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics and running sums: fp32 for 16-bit inputs, else the input's."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     """[b, np, s, d] -> [b, ng, (np/ng)*s, d]: each K/V head's query heads as one matrix."""
     b, h, s, d = q.shape
@@ -33,11 +38,12 @@ def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
 
 
 def block_forward(q, k, v, scale: float, causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(q k^T * scale) v [b, np, sq, d], fp32 LSE [b, np, sq]) of one block pair."""
+    """(softmax(q k^T * scale) v [b, np, sq, d], LSE [b, np, sq] in ``accum_dtype``)."""
     b, h, sq, d = q.shape
     s = _scores(q, k, scale, causal)
-    lse = torch.logsumexp(s.float(), dim=-1)
-    p = torch.exp(s.float() - lse[..., None]).to(v.dtype)
+    s = s.to(accum_dtype(s.dtype))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).to(v.dtype)
     out = torch.matmul(p, v)                                          # [b, ng, rep*sq, d]
     return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
 
@@ -58,7 +64,7 @@ def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool):
     b, h, sq, d = q.shape
     g = k.shape[1]
     s = _scores(q, k, scale, causal)
-    p = torch.exp(s.float() - lse.reshape(b, g, -1)[..., None]).to(q.dtype)
+    p = torch.exp(s.to(lse.dtype) - lse.reshape(b, g, -1)[..., None]).to(q.dtype)
     do = _grouped(dout, g)
     dv = torch.matmul(p.transpose(-1, -2), do)                       # [b, ng, sk, d]
     dp = torch.matmul(do, v.transpose(-1, -2))

@@ -16,7 +16,7 @@ Every rank computes the same amount: 2 chunk-pairs per step.
 
 Backward sends K/V around the ring again (CP - 1 transfers), with a dK/dV accumulator that
 travels with them and is back at its owner after CP transfers.  Forward keeps only q, k, v,
-the output and the fp32 LSE.
+the output and the LSE (fp32 for 16-bit inputs).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from megalite import comm
-from megalite.context_parallel.block_attention import (block_backward, block_flops,
-                                                       block_forward, merge)
+from megalite.context_parallel.block_attention import (accum_dtype, block_backward,
+                                                       block_flops, block_forward, merge)
 from megalite.transformer.spec import AttnMaskType
 
 
@@ -81,8 +81,9 @@ class RingAttentionFunction(torch.autograd.Function):
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
         kv = torch.stack([k, v])                                   # the message: K/V heads
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        acc = accum_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for step in range(cp):
             pending = None
             if step < cp - 1:
@@ -92,7 +93,7 @@ class RingAttentionFunction(torch.autograd.Function):
             qb, kb, vb = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
             work.add(qb, kb, masked)
             blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked)
-            merge(out[:, :, qs], lse[:, :, qs], blk_out.float(), blk_lse)
+            merge(out[:, :, qs], lse[:, :, qs], blk_out.to(acc), blk_lse)
             if pending is not None:
                 pending.wait()
                 kv = incoming
@@ -109,8 +110,9 @@ class RingAttentionFunction(torch.autograd.Function):
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
         dout = dout.contiguous()
-        delta = (dout.float() * out.float()).sum(-1)               # rowsum(dO * O)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        acc = lse.dtype
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)               # rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         dkv_pending = dkv_in = None
         for step in range(cp):
