@@ -306,3 +306,37 @@ def test_training_loop_matches_single_process(loop_results, name):
     for a, b in zip(got["norm"], ref["norm"]):
         assert abs(a - b) <= 1e-4 * b, (name, got["norm"], ref["norm"])
     assert abs(got["valid"] - ref["valid"]) <= 1e-4 * ref["valid"]
+
+
+def _saved_bytes(kinds, seq=512):
+    """Bytes one forward leaves for backward on this rank (``activation_memory``'s count),
+    at CP = 1, 2, 4 for each comm type."""
+    from megalite.models.gpt import build_model
+    from megalite.models.gpt_step import get_batch
+    from megalite.transformer.activation_memory import measure_saved
+
+    rank = torch_dist.get_rank()
+    out = {}
+    for kind in kinds:
+        for cp in (1, 2, 4):
+            state = ParallelState.build(RankGrid(WORLD, cp=cp), rank)
+            model = build_model(make_model_cfg("llama", seq, kind, cp, world=WORLD), state)
+            b = get_batch(raw_batch(seq), state, "cpu")
+            seen, _ = measure_saved(lambda: model(b["tokens"], b["position_ids"],
+                                                  labels=b["labels"]),
+                                    ignore=list(model.parameters()))
+            out[kind, cp] = sum(seen.values())
+    return out
+
+
+def test_saved_activations_fall_as_one_over_cp(dist):
+    """Ring attention keeps what local attention keeps, for s/CP tokens: exactly 1/CP.
+    All-to-all keeps a little less (its attention inputs are fresh buffers of the heads it
+    owns, not views of the whole fused qkv output)."""
+    results = dist.run(WORLD, _saved_bytes, ("p2p", "a2a"))
+    for rank_result in results:
+        for cp in (2, 4):
+            p2p = rank_result["p2p", cp] / rank_result["p2p", 1]
+            a2a = rank_result["a2a", cp] / rank_result["a2a", 1]
+            assert abs(p2p * cp - 1) <= 0.01, (cp, p2p)
+            assert 0.9 <= a2a * cp <= 1.0, (cp, a2a)
