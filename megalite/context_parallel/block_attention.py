@@ -8,6 +8,9 @@ keeping any s x s matrix between forward and backward.
 
 Layout ``bhsd``: q [b, np, sq, d], k and v [b, ng, sk, d]; query head j reads K/V head
 j // (np/ng), so K/V heads are never repeated (GQA costs no extra memory or messages).
+Query rows are processed in tiles of at most ``TILE_ELEMENTS`` scores, so the transient
+score matrix stays small however long the sequence (rows are independent: tiling changes
+no result).
 """
 from __future__ import annotations
 
@@ -15,10 +18,19 @@ from typing import Tuple
 
 import torch
 
+TILE_ELEMENTS = 1 << 22     # scores per tile (16 MiB in fp32)
+
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics and running sums: fp32 for 16-bit inputs, else the input's."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def query_tiles(q: torch.Tensor, sk: int):
+    """Query-row ranges [r0, r1) whose scores fit in ``TILE_ELEMENTS``."""
+    b, h, sq, _ = q.shape
+    rows = max(1, TILE_ELEMENTS // max(1, b * h * sk))
+    return [(r0, min(sq, r0 + rows)) for r0 in range(0, sq, rows)]
 
 
 def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
@@ -27,25 +39,31 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     return q.reshape(b, groups, (h // groups) * s, d)
 
 
-def _scores(q, k, scale: float, causal: bool) -> torch.Tensor:
-    """Scaled scores [b, ng, rep*sq, sk]; ``causal`` masks key j > query i (same origin)."""
-    g, sq, sk = k.shape[1], q.shape[2], k.shape[2]
+def _scores(q, k, scale: float, causal: bool, row0: int) -> torch.Tensor:
+    """Scaled scores [b, ng, rep*rows, sk] of query rows ``row0``.. (a tile); ``causal``
+    masks key j > query i, both counted from the block's origin."""
+    g, rows, sk = k.shape[1], q.shape[2], k.shape[2]
     s = torch.matmul(_grouped(q, g), k.transpose(-1, -2)) * scale
     if causal:
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
-        s.view(s.shape[0], g, -1, sq, sk).masked_fill_(~keep, float("-inf"))
-    return s
+        i = torch.arange(row0, row0 + rows, device=q.device)[:, None]
+        keep = torch.arange(sk, device=q.device)[None, :] <= i
+        s.view(s.shape[0], g, -1, rows, sk).masked_fill_(~keep, float("-inf"))
+    return s.to(accum_dtype(s.dtype))
 
 
 def block_forward(q, k, v, scale: float, causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T * scale) v [b, np, sq, d], LSE [b, np, sq] in ``accum_dtype``)."""
     b, h, sq, d = q.shape
-    s = _scores(q, k, scale, causal)
-    s = s.to(accum_dtype(s.dtype))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None]).to(v.dtype)
-    out = torch.matmul(p, v)                                          # [b, ng, rep*sq, d]
-    return out.reshape(b, h, sq, d), lse.reshape(b, h, sq)
+    out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
+    for r0, r1 in query_tiles(q, k.shape[2]):
+        qt = q[:, :, r0:r1]
+        s = _scores(qt, k, scale, causal, r0)
+        tile_lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - tile_lse[..., None]).to(v.dtype)
+        out[:, :, r0:r1] = torch.matmul(p, v).view(qt.shape)
+        lse[:, :, r0:r1] = tile_lse.view(qt.shape[:3])
+    return out, lse
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
@@ -63,14 +81,19 @@ def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool):
     p = exp(s - lse), dv = p^T dout, ds = p (dout v^T - delta), dq = ds k, dk = ds^T q."""
     b, h, sq, d = q.shape
     g = k.shape[1]
-    s = _scores(q, k, scale, causal)
-    p = torch.exp(s.to(lse.dtype) - lse.reshape(b, g, -1)[..., None]).to(q.dtype)
-    do = _grouped(dout, g)
-    dv = torch.matmul(p.transpose(-1, -2), do)                       # [b, ng, sk, d]
-    dp = torch.matmul(do, v.transpose(-1, -2))
-    ds = p * (dp - delta.reshape(b, g, -1)[..., None].to(dp.dtype)) * scale
-    dq = torch.matmul(ds, k).reshape(b, h, sq, d)
-    dk = torch.matmul(ds.transpose(-1, -2), _grouped(q, g))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    for r0, r1 in query_tiles(q, k.shape[2]):
+        qt = q[:, :, r0:r1]
+        s = _scores(qt, k, scale, causal, r0)
+        p = torch.exp(s - lse[:, :, r0:r1].reshape(b, g, -1)[..., None]).to(q.dtype)
+        do = _grouped(dout[:, :, r0:r1], g)
+        dv += torch.matmul(p.transpose(-1, -2), do)                  # [b, ng, sk, d]
+        dp = torch.matmul(do, v.transpose(-1, -2))
+        ds = p * (dp - delta[:, :, r0:r1].reshape(b, g, -1)[..., None].to(dp.dtype)) * scale
+        dq[:, :, r0:r1] = torch.matmul(ds, k).view(qt.shape)
+        dk += torch.matmul(ds.transpose(-1, -2), _grouped(qt, g))
     return dq, dk, dv
 
 

@@ -100,3 +100,23 @@ def test_cp_core_attention_refuses_what_it_cannot_do():
     q, k, v = (torch.randn(1, 4, 6, 8) for _ in range(3))
     torch.testing.assert_close(RingAttention(cfg(), groups(world=1, cp=1))(q, k, v),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_query_tiles_bound_the_score_matrix_and_change_nothing(monkeypatch):
+    from megalite.context_parallel import block_attention
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 40, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 40, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    dout = torch.randn(2, 4, 40, 8, generator=g, dtype=torch.float64)
+    whole = block_forward(q, k, v, 0.3, True)
+    grads = block_backward(dout, q, k, v, whole[1], (dout * whole[0]).sum(-1), 0.3, True)
+    monkeypatch.setattr(block_attention, "TILE_ELEMENTS", 2 * 4 * 40 * 3)   # 3 rows a tile
+    assert len(block_attention.query_tiles(q, 40)) == 14
+    tiled = block_forward(q, k, v, 0.3, True)
+    tiled_grads = block_backward(dout, q, k, v, whole[1], (dout * whole[0]).sum(-1), 0.3, True)
+    for a, b in zip(whole + grads, tiled + tiled_grads):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(whole[0], F.scaled_dot_product_attention(q, k, v, scale=0.3,
+                                                                        is_causal=True,
+                                                                        enable_gqa=True))
