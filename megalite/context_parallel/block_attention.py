@@ -18,7 +18,7 @@ from typing import Tuple
 
 import torch
 
-TILE_ELEMENTS = 1 << 22     # scores per tile (16 MiB in fp32)
+TILE_ELEMENTS = 1 << 20     # scores per tile (4 MiB in fp32)
 
 
 def accum_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -43,7 +43,7 @@ def _scores(q, k, scale: float, causal: bool, row0: int) -> torch.Tensor:
     """Scaled scores [b, ng, rep*rows, sk] of query rows ``row0``.. (a tile); ``causal``
     masks key j > query i, both counted from the block's origin."""
     g, rows, sk = k.shape[1], q.shape[2], k.shape[2]
-    s = torch.matmul(_grouped(q, g), k.transpose(-1, -2)) * scale
+    s = torch.matmul(_grouped(q, g), k.transpose(-1, -2)).mul_(scale)
     if causal:
         i = torch.arange(row0, row0 + rows, device=q.device)[:, None]
         keep = torch.arange(sk, device=q.device)[None, :] <= i
@@ -60,7 +60,7 @@ def block_forward(q, k, v, scale: float, causal: bool) -> Tuple[torch.Tensor, to
         qt = q[:, :, r0:r1]
         s = _scores(qt, k, scale, causal, r0)
         tile_lse = torch.logsumexp(s, dim=-1)
-        p = torch.exp(s - tile_lse[..., None]).to(v.dtype)
+        p = s.sub_(tile_lse[..., None]).exp_().to(v.dtype)       # in place: one tile alive
         out[:, :, r0:r1] = torch.matmul(p, v).view(qt.shape)
         lse[:, :, r0:r1] = tile_lse.view(qt.shape[:3])
     return out, lse
@@ -87,11 +87,12 @@ def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool):
     for r0, r1 in query_tiles(q, k.shape[2]):
         qt = q[:, :, r0:r1]
         s = _scores(qt, k, scale, causal, r0)
-        p = torch.exp(s - lse[:, :, r0:r1].reshape(b, g, -1)[..., None]).to(q.dtype)
+        p = s.sub_(lse[:, :, r0:r1].reshape(b, g, -1)[..., None]).exp_().to(q.dtype)
         do = _grouped(dout[:, :, r0:r1], g)
         dv += torch.matmul(p.transpose(-1, -2), do)                  # [b, ng, sk, d]
         dp = torch.matmul(do, v.transpose(-1, -2))
-        ds = p * (dp - delta[:, :, r0:r1].reshape(b, g, -1)[..., None].to(dp.dtype)) * scale
+        row_delta = delta[:, :, r0:r1].reshape(b, g, -1)[..., None].to(dp.dtype)
+        ds = dp.sub_(row_delta).mul_(p).mul_(scale)                  # dp's buffer reused
         dq[:, :, r0:r1] = torch.matmul(ds, k).view(qt.shape)
         dk += torch.matmul(ds.transpose(-1, -2), _grouped(qt, g))
     return dq, dk, dv
