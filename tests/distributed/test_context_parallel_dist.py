@@ -340,3 +340,31 @@ def test_saved_activations_fall_as_one_over_cp(dist):
             a2a = rank_result["a2a", cp] / rank_result["a2a", 1]
             assert abs(p2p * cp - 1) <= 0.01, (cp, p2p)
             assert 0.9 <= a2a * cp <= 1.0, (cp, a2a)
+
+
+def _straight_and_resumed(argv, path):
+    """Four iterations straight, and two + save + load + two (CP ranks hold the same
+    weights; the distributed optimizer's shards span dp-cp)."""
+    from test_training_dist import resumed_losses
+
+    def make(extra):
+        from megalite.arguments import parse_args
+        from megalite.training.loop import Trainer
+
+        cfg = parse_args(["--world-size", str(WORLD), *LOOP, *argv, *extra])
+        state = ParallelState.build(RankGrid.from_config(cfg), torch_dist.get_rank())
+        trainer = Trainer(cfg, state, "cpu")
+        trainer.setup()
+        return trainer
+
+    trainer = make([])
+    it = trainer.data_iterator(trainer.train_ds, 0)
+    straight = [trainer.train_step(it)["lm_loss"] for _ in range(4)]
+    return straight, resumed_losses(make, [], path)
+
+
+def test_checkpoint_resume_is_exact_under_cp(dist, tmp_path):
+    out = dist.run(WORLD, _straight_and_resumed, CP2 + ["--use-distributed-optimizer"],
+                   str(tmp_path / "cp2"))
+    for straight, resumed in out:
+        assert straight == resumed, (straight, resumed)
