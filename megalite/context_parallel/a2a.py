@@ -24,6 +24,9 @@ from megalite.context_parallel.load_balance import gathered_order
 from megalite.context_parallel.ring import check_cp_attention_args, work
 from megalite.transformer.spec import AttnMaskType
 
+# SDPA's enable_gqa arrived in torch 2.5 (transformer/attention.py has the same fallback)
+SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
 
 class AllToAll(torch.autograd.Function):
     """x [CP, ...]: slice j goes to CP rank j; the output's slice j came from rank j.  The
@@ -83,8 +86,11 @@ class UlyssesAttention(nn.Module):
         y = y.index_select(2, inverse)                             # sequence order
         qf, kf, vf = y.split([hq, hk, hk], dim=1)
         work.add(qf, kf, self.is_causal)
+        if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
+            kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
+        gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}
         o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=self.is_causal,
-                                           enable_gqa=hq != hk)    # [b, h/cp, S, d]
+                                           **gqa)                  # [b, h/cp, S, d]
         o = o.index_select(2, order)                               # rank order again
         o = o.reshape(b, hq, cp, s, d).permute(2, 0, 1, 3, 4)       # [cp (dst), b, h/cp, s, d]
         o = AllToAll.apply(o, self.group)                          # [cp (head block), ...]

@@ -15,7 +15,6 @@ from megalite.models.gpt_step import get_batch
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.process_groups import ModelCommGroups
 from megalite.transformer.attention import DotProductAttention
-from megalite.transformer.spec import AttnMaskType
 
 
 def test_rank_holds_chunks_r_and_mirror_with_true_positions():
