@@ -215,6 +215,27 @@ def batch_send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group
     Posting both directions at once is what keeps two neighbouring pipeline stages from
     deadlocking when each sends before it receives.  Ranks are global.
     """
+    batch_send_recv_async(sends, recvs, group).wait()
+
+
+class PendingP2P:
+    """Point-to-point transfers in flight: ``wait()`` blocks until every one is done."""
+
+    def __init__(self, works, ops=()):
+        self._works = list(works)
+        self._ops = ops   # keeps the (possibly copied) message buffers alive until wait()
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works, self._ops = [], ()
+
+
+def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
+                          group: Group) -> PendingP2P:
+    """``batch_send_recv`` that returns at once, so the caller computes while the messages
+    travel (ring attention overlaps the next K/V block with attention on the current one).
+    The send tensors must stay unchanged and the receive tensors unread until ``wait()``."""
     ops = []
     for tensor, peer in sends:
         counter.add(group.name, "send", tensor)
@@ -222,6 +243,4 @@ def batch_send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group
     for tensor, peer in recvs:
         counter.add(group.name, "recv", tensor)
         ops.append(dist.P2POp(dist.irecv, tensor, peer, group=group.handle))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], ops)

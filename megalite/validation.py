@@ -229,6 +229,12 @@ def check_sequence(cfg: MegaliteConfig) -> None:
     if p.sequence_parallel_active and (m.seq_length // p.cp) % p.tp:
         raise ConfigError(f"--sequence-parallel needs --seq-length ({m.seq_length}) / CP to be "
                           f"divisible by --tensor-model-parallel-size ({p.tp})")
+    if p.cp > 1 and p.cp_comm_type == "a2a":
+        heads, groups = m.num_attention_heads, m.resolved_query_groups()
+        if heads % (p.tp * p.cp) or groups % (p.tp * p.cp):
+            raise ConfigError(f"--cp-comm-type a2a scatters heads over CP: --num-attention-heads "
+                              f"({heads}) and query groups ({groups}) must be divisible by TP x "
+                              f"CP ({p.tp * p.cp}); use --cp-comm-type p2p or another CP")
     if m.max_position_embeddings is not None and m.position_embedding_type == "learned_absolute" \
             and m.max_position_embeddings < m.seq_length:
         raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) is smaller "
@@ -295,9 +301,9 @@ def validate_training(cfg: MegaliteConfig) -> None:
             raise ConfigError("--lr is required")
     if not t.dry_run:  # parts of the grid whose layers have not landed yet: refuse, never ignore
         m, p = cfg.model, cfg.parallel
-        if p.cp > 1:
-            raise ConfigError("--context-parallel-size > 1: context-parallel attention is not "
-                              "implemented yet (its groups and --dry-run are); use CP=1")
+        if p.cp > 1 and m.attention_dropout:
+            raise ConfigError("--context-parallel-size > 1 has no attention dropout: set "
+                              "--attention-dropout 0")
         if m.num_experts:
             raise ConfigError("--num-experts: MoE layers are not implemented yet (the expert grid "
                               "and --dry-run are); drop --num-experts")

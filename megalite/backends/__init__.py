@@ -8,6 +8,9 @@ Nothing here imports transformer_engine unless that backend is asked for.
 """
 from __future__ import annotations
 
+import dataclasses
+
+from megalite.context_parallel import core_attention_class
 from megalite.transformer.spec import LayerSpec  # noqa: F401  (re-exported)
 
 
@@ -21,3 +24,15 @@ def get_layer_spec(impl: str = "local") -> LayerSpec:
         raise NotImplementedError("--transformer-impl transformer_engine is not available yet; "
                                   "use --transformer-impl local")
     raise ValueError(f"unknown --transformer-impl '{impl}'")
+
+
+def context_parallel_spec(spec: LayerSpec, cp_comm_type: str) -> LayerSpec:
+    """``spec`` with context-parallel core attention in the core-attention slot (ring
+    attention for ``--cp-comm-type p2p``, Ulysses all-to-all for ``a2a``); every other slot
+    and every parameter name unchanged.  GPTModel applies it when CP > 1."""
+    layer = spec.layer.submodules
+    attn = layer.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(
+        attn.submodules, core_attention=core_attention_class(cp_comm_type)))
+    layer = dataclasses.replace(layer, self_attention=attn)
+    return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))

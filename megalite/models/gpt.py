@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.backends import get_layer_spec
+from megalite.backends import context_parallel_spec, get_layer_spec
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
 from megalite.process_groups import ModelCommGroups
@@ -106,6 +106,8 @@ class GPTModel(nn.Module):
         self.vocab_size = m.vocab_size
         impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
         spec = get_layer_spec(impl)
+        if state.cp.size > 1:
+            spec = context_parallel_spec(spec, cfg.parallel.cp_comm_type)
         self.rng_tracker = None                      # attached by the parallelize phase
         kw = dict(device=device, dtype=params_dtype)
         sp = self.sequence_parallel

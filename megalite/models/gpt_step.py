@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from megalite.context_parallel.load_balance import slice_batch
 from megalite.models.family import ModelFamily, StepContext
 from megalite.transformer.extra_losses import collect_extra_losses
 
@@ -30,14 +31,14 @@ def build_model_chunks(cfg, state, device) -> list:
 def get_batch(batch: dict, state, device) -> dict:
     """This rank's micro-batch (tokens, labels, loss_mask[, position_ids]) on ``device``.
 
-    Context parallelism slices the sequence HERE, before the loop counts loss tokens: the
+    Context parallelism slices the sequence HERE (``context_parallel.load_balance``: CP
+    rank r keeps chunks r and 2CP-1-r of 2CP), before the loop counts loss tokens: the
     loop sums ``loss_mask`` of what this returns and all-reduces over dp-cp, so each token
     is counted exactly once.  Counting the unsliced batch would make the denominator CP x
     too large.
     """
-    if state.cp.size > 1:
-        raise NotImplementedError("context parallelism: get_batch must slice the sequence "
-                                  "(load-balanced 2*CP chunks) before the token count")
+    if state.cp.size > 1:  # chunks r and 2CP-1-r, with their true position ids
+        batch = slice_batch(batch, state.cp.size, state.cp.rank)
     return {k: v.to(device) for k, v in batch.items()}
 
 

@@ -122,12 +122,27 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
             # vocab-parallel cross entropy: the max, then (target logit, sum of exp)
             out += [Event("tp", "all_reduce", T, mbs, dtype_bytes=4),
                     Event("tp", "all_reduce", 2 * T, mbs, dtype_bytes=4)]
-    # Context parallel: ring attention passes K and V around (backward: K, V and dK, dV).
+    # Context parallel, per attention (context_parallel/ring.py, a2a.py).  Recomputation
+    # (full, or selective: its default module is core attention) repeats the forward's up
+    # to the last tensor backward needs (non-reentrant checkpointing stops there).
     if L.cp > 1:
-        kv = 2 * T * m.resolved_query_groups() * m.resolved_kv_channels() // t
-        steps = (L.cp - 1) * n_layers * mbs * ((2 if full else 1) + 2)
-        out += [Event("cp", "send", kv, steps, a, kind="cp"),
-                Event("cp", "recv", kv, steps, a, kind="cp")]
+        fwd = 2 if L.recompute in ("full", "selective") else 1
+        d, g = m.resolved_kv_channels(), m.resolved_query_groups()
+        if L.cp_comm == "a2a":
+            # q|k|v in and the output back, forward; the same two on the gradients backward.
+            # Recomputing core attention alone stops after attention, before the output's
+            # all-to-all (which saves nothing); a full-layer recompute runs it too.
+            qkv = T * (m.num_attention_heads + 2 * g) * d // t
+            ctx = T * m.num_attention_heads * d // t
+            out += [Event("cp", "all_to_all", qkv, n_layers * mbs * (fwd + 1), a, kind="cp"),
+                    Event("cp", "all_to_all", ctx, n_layers * mbs * (3 if full else 2), a,
+                          kind="cp")]
+        else:
+            # ring: CP-1 K/V transfers forward; backward CP-1 K/V and CP dK/dV transfers
+            kv = 2 * T * g * d // t
+            steps = n_layers * mbs * ((L.cp - 1) * (fwd + 1) + L.cp)
+            out += [Event("cp", "send", kv, steps, a, kind="cp"),
+                    Event("cp", "recv", kv, steps, a, kind="cp")]
     # Expert parallel: dispatch + combine forward, the same backward.
     if L.ep > 1 and n_moe:
         copies = T // (t if L.sp else 1) * m.moe_router_topk
@@ -227,8 +242,8 @@ def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
     if e.group in ("pp", "embedding"):               # stage neighbours: other nodes unless
         size = 2                                      # the whole job fits in one node
         bw, alpha = cluster.link(L.world)
-    elif e.group == "cp":                             # ring steps: p2p, one NIC when the
-        size = 2                                      # group leaves the node
+    elif e.group == "cp" and e.op in ("send", "recv"):  # ring steps: p2p, one NIC when
+        size = 2                                          # the group leaves the node
         bw, alpha = cluster.link(L.cp * L.tp)
     else:
         size, stride = group_geometry(L, e.group)

@@ -119,9 +119,12 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     comm = cm.comm_seconds(cm.events(m, L, seq, r, 4 if opts.fp32 else opts.grad_bytes,
                                      dtype_bytes=4 if opts.fp32 else 2), L, cluster)
     tp = comm.get("tp", 0.0) + (0.0 if opts.tp_async_backward else comm.get("tp_hidden", 0.0))
+    # ring attention sends the next K/V block behind the current block's attention;
+    # the all-to-alls of --cp-comm-type a2a block (nothing to hide them behind)
+    ring_hidden = 3 * f["core"] / per_gpu / F if L.cp_comm == "p2p" else 0.0
     row = dict(r=r, t_f=t_f, t_b=t_b, rec=f["recompute"] / per_gpu / F,
                tp=tp * (1 - opts.tp_overlap) / mbs,
-               cp=max(0.0, comm.get("cp", 0.0) / mbs - 3 * f["core"] / per_gpu / F),
+               cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden),
                ep=comm.get("ep", 0.0) / mbs, pp=comm.get("pp", 0.0) / mbs,
                dp=comm.get("dp", 0.0))
     row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"]

@@ -33,6 +33,7 @@ class Layout:
     # count as a pipeline layer, so the first / last (virtual) stage holds a layer fewer.
     account_embedding: bool = False
     account_loss: bool = False
+    cp_comm: str = "p2p"             # --cp-comm-type: p2p (ring) | a2a (Ulysses)
 
     @property
     def dp(self) -> int:
@@ -63,7 +64,8 @@ class Layout:
         return self.zero <= 1
 
     def short(self) -> str:
-        parts = [f"TP{self.tp}" + ("+SP" if self.sp else ""), f"CP{self.cp}", f"PP{self.pp}",
+        parts = [f"TP{self.tp}" + ("+SP" if self.sp else ""), f"CP{self.cp}" + ("/a2a" if self.cp > 1 and self.cp_comm == "a2a" else ""),
+                 f"PP{self.pp}",
                  f"DP{self.dp}"]
         if self.vpp > 1:
             parts.insert(3, f"VPP{self.vpp}")
@@ -89,6 +91,7 @@ class Layout:
         p, t = cfg.parallel, cfg.training
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
         p.context_parallel_size, p.expert_model_parallel_size = self.cp, self.ep
+        p.cp_comm_type = self.cp_comm
         p.expert_tensor_parallel_size = self.etp if self.etp != self.tp else None
         p.num_virtual_stages_per_pipeline_rank = self.vpp if self.vpp > 1 else None
         p.decoder_first_pipeline_num_layers = self.first_layers
@@ -123,6 +126,8 @@ class Layout:
             f += ["--pipeline-schedule", "zero-bubble"]
         if self.cp > 1:
             f += ["--context-parallel-size", str(self.cp)]
+            if self.cp_comm != "p2p":
+                f += ["--cp-comm-type", self.cp_comm]
         if self.ep > 1:
             f += ["--expert-model-parallel-size", str(self.ep)]
         if self.etp != self.tp:
@@ -157,4 +162,5 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   first_layers=p.decoder_first_pipeline_num_layers,
                   last_layers=p.decoder_last_pipeline_num_layers,
                   account_embedding=p.account_for_embedding_in_pipeline_split,
-                  account_loss=p.account_for_loss_in_pipeline_split)
+                  account_loss=p.account_for_loss_in_pipeline_split,
+                  cp_comm=p.cp_comm_type)

@@ -109,7 +109,7 @@ class Trainer:
     # -- one iteration -----------------------------------------------------------------
     def _next_batches(self, iterator) -> list:
         """This rank's micro-batches of one iteration, as the model family's ``get_batch``
-        shapes them (where CP will slice the sequence)."""
+        shapes them (where CP slices the sequence)."""
         raw = [next(iterator) for _ in range(self.cfg.num_micro_batches)]
         return [self.family.get_batch(b, self.state, self.device) for b in raw]
 

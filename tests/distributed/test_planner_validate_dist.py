@@ -13,6 +13,7 @@ LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--s
          "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "160",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
 
 CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) unless LLAMA
     "single_llama_selective": (1, LLAMA + ["--recompute-granularity", "selective"]),
@@ -22,6 +23,11 @@ CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) 
     "pp2_llama": (2, PP2 + LLAMA),
     "tp2_dp2_sp": (4, TP2 + ["--sequence-parallel"]),
     "tp2_pp2_sp_llama_bf16": (4, TP2 + PP2 + LLAMA + ["--sequence-parallel", "--bf16"]),
+    # context parallelism: ring K/V and dK/dV messages, all-to-alls (recompute repeats them)
+    "cp2_ring_llama": (2, CP2 + LLAMA),
+    "cp2_a2a_llama_selective": (2, CP2 + LLAMA + ["--cp-comm-type", "a2a",
+                                                  "--recompute-granularity", "selective"]),
+    "tp2_cp2_sp_ring_llama_bf16": (4, TP2 + CP2 + LLAMA + ["--sequence-parallel", "--bf16"]),
 }
 
 

@@ -193,13 +193,14 @@ def test_extra_loss_channel_rules():
     assert extra.attach(out, 0.5) is out                  # nothing needs grad: unchanged
 
 
-def test_get_batch_moves_to_device_and_refuses_unsliced_cp():
+def test_get_batch_moves_to_device_and_slices_for_cp():
     b = batches(1)[0]
     got = get_batch(b, single_rank_state(), "cpu")
     assert all(torch.equal(got[k], b[k]) for k in b)
     cp_state = ParallelState.build(RankGrid(2, cp=2), 0, create_groups=False)
-    with pytest.raises(NotImplementedError, match="slice the sequence"):
-        get_batch(b, cp_state, "cpu")
+    seq = b["tokens"].shape[-1]
+    got = get_batch(b, cp_state, "cpu")        # chunks 0 and 3 of 4 (context_parallel tests)
+    assert got["tokens"].shape[-1] == seq // 2 and got["position_ids"][0, 0] == 0
 
 
 # -- the loop's use of the family --------------------------------------------------------------

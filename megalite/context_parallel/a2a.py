@@ -1,0 +1,97 @@
+"""All-to-all context parallelism (``--cp-comm-type a2a``, DeepSpeed-Ulysses).
+
+Before attention one all-to-all trades sequence for heads: each CP rank sends every other
+rank that rank's share of its heads (q, k and v packed in one message) for its own tokens,
+and receives its heads for every token.  Attention then runs on the whole sequence with
+np/CP query heads (ng/CP K/V heads, so GQA is kept), and a second all-to-all trades the
+output back.  Backward runs the same two all-to-alls on the gradients (an all-to-all is its
+own adjoint), so there are 2 all-to-alls forward and 2 backward per attention.
+
+Tokens arrive as the rank-ordered concatenation of the load-balanced chunks
+(``load_balance.py``); they are put in sequence order for the causal mask and back after.
+Needs the (TP-local) head and K/V-head counts divisible by CP (``validation.py``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite import comm
+from megalite.context_parallel.load_balance import gathered_order
+from megalite.context_parallel.ring import check_cp_attention_args, work
+from megalite.transformer.spec import AttnMaskType
+
+# SDPA's enable_gqa arrived in torch 2.5 (transformer/attention.py has the same fallback)
+SDPA_HAS_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class AllToAll(torch.autograd.Function):
+    """x [CP, ...]: slice j goes to CP rank j; the output's slice j came from rank j.  The
+    same exchange is its own adjoint, so backward runs it on the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return exchange(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return exchange(grad, ctx.group), None
+
+
+def exchange(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous()       # (empty_like would copy a transposed input's strides)
+    return comm.all_to_all_single(torch.empty(x.shape, dtype=x.dtype, device=x.device), x, group)
+
+
+class UlyssesAttention(nn.Module):
+    """Core attention that all-to-alls heads for sequence over CP (layout ``bhsd``)."""
+    qkv_format = "bhsd"
+
+    def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None):
+        super().__init__()
+        check_cp_attention_args(model_cfg, attn_mask_type, "all-to-all attention")
+        self.group = comm_groups.cp
+        heads = model_cfg.num_attention_heads // comm_groups.tp.size
+        groups = model_cfg.resolved_query_groups() // comm_groups.tp.size
+        if heads % self.group.size or groups % self.group.size:
+            raise ValueError(f"all-to-all context parallelism needs this rank's attention "
+                             f"heads ({heads}) and query groups ({groups}) divisible by CP "
+                             f"({self.group.size})")
+        self.layer_number = layer_number
+        self.is_causal = attn_mask_type == AttnMaskType.causal
+        self.scale = 1.0 / math.sqrt(model_cfg.resolved_kv_channels())
+        self._order = None
+
+    def _orders(self, seq: int, device):
+        if self._order is None or self._order[0].numel() != seq:
+            order = gathered_order(seq, self.group.size, device)
+            self._order = (order, torch.argsort(order))
+        return self._order
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cp = self.group.size
+        b, h, s, d = q.shape
+        g = k.shape[1]
+        hq, hk = h // cp, g // cp
+        # [b, heads, s, d] -> [cp, b, heads/cp, s, d] per tensor, q|k|v packed per rank
+        x = torch.cat([t.reshape(b, cp, t.shape[1] // cp, s, d) for t in (q, k, v)], dim=2)
+        y = AllToAll.apply(x.transpose(0, 1), self.group)         # [cp (src), b, H, s, d]
+        y = y.permute(1, 2, 0, 3, 4).reshape(b, hq + 2 * hk, cp * s, d)
+        order, inverse = self._orders(cp * s, q.device)
+        y = y.index_select(2, inverse)                             # sequence order
+        qf, kf, vf = y.split([hq, hk, hk], dim=1)
+        work.add(qf, kf, self.is_causal)
+        if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
+            kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
+        gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}
+        o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=self.is_causal,
+                                           **gqa)                  # [b, h/cp, S, d]
+        o = o.index_select(2, order)                               # rank order again
+        o = o.reshape(b, hq, cp, s, d).permute(2, 0, 1, 3, 4)       # [cp (dst), b, h/cp, s, d]
+        o = AllToAll.apply(o, self.group)                          # [cp (head block), ...]
+        return o.permute(1, 0, 2, 3, 4).reshape(b, h, s, d)

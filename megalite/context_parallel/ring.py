@@ -1,0 +1,170 @@
+"""Ring attention (``--cp-comm-type p2p``): K/V blocks travel around the CP ring.
+
+Each CP rank holds its load-balanced tokens (``load_balance.py``: chunks r and 2CP-1-r).
+In CP steps every rank sees every other rank's K/V: at step i rank r holds the K/V of
+rank (r - i) mod CP, and while it computes attention on that block it is already sending
+it to r + 1 and receiving the next from r - 1 (``comm.batch_send_recv_async``).  Block
+outputs merge exactly by the log-sum-exp rule.  Only the K/V heads travel (GQA).
+
+Causal masking with the 2CP chunk layout needs only three kinds of block pair:
+  * step 0 (own K/V): a plain causal mask on the local tokens (they are in order);
+  * K/V of an earlier rank (src < r): all local queries vs the K/V's first chunk, no mask
+    (its second chunk lies after both local chunks and is skipped);
+  * K/V of a later rank (src > r): the local second chunk vs both K/V chunks, no mask
+    (the local first chunk precedes them both and is skipped).
+Every rank computes the same amount: 2 chunk-pairs per step.
+
+Backward sends K/V around the ring again (CP - 1 transfers), with a dK/dV accumulator that
+travels with them and is back at its owner after CP transfers.  Forward keeps only q, k, v,
+the output and the LSE (fp32 for 16-bit inputs).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megalite import comm
+from megalite.context_parallel.block_attention import (accum_dtype, block_backward,
+                                                       block_flops, block_forward, merge)
+from megalite.transformer.spec import AttnMaskType
+
+
+class AttentionWork:
+    """Forward attention work of this process: matmul FLOPs computed and FLOPs of unmasked
+    (query, key) pairs; tests check that CP ranks are balanced."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.computed = self.useful = self.blocks = 0
+
+    def add(self, q, k, causal: bool):
+        flops = block_flops(q, k)
+        self.blocks += 1
+        self.computed += flops
+        sq, sk = q.shape[2], k.shape[2]
+        self.useful += flops * (sk * (sk + 1) // 2 + (sq - sk) * sk) // (sq * sk) \
+            if causal else flops
+
+
+work = AttentionWork()
+
+
+def _ring_peers(group):
+    r, n = group.rank, group.size
+    return group.ranks[(r + 1) % n], group.ranks[(r - 1) % n]
+
+
+def _pairs(step: int, rank: int, cp: int, causal: bool, c: int):
+    """(query slice, key slice, masked) of the block pair at ``step``, or None when every
+    pair of it is masked.  Slices index the local sequence (two chunks of ``c`` tokens)."""
+    every = slice(None)
+    if not causal:
+        return every, every, False
+    src = (rank - step) % cp
+    if step == 0:
+        return every, every, True
+    if src < rank:
+        return every, slice(0, c), False
+    return slice(c, None), every, False
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    """q [b, np, s, d], k and v [b, ng, s, d] (this rank's 2 chunks) -> [b, np, s, d]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale: float, causal: bool):
+        cp, rank = group.size, group.rank
+        nxt, prv = _ring_peers(group)
+        c = q.shape[2] // 2
+        kv = torch.stack([k, v])                                   # the message: K/V heads
+        acc = accum_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        for step in range(cp):
+            pending = None
+            if step < cp - 1:
+                incoming = torch.empty_like(kv)
+                pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
+            qs, ks, masked = _pairs(step, rank, cp, causal, c)
+            qb, kb, vb = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
+            work.add(qb, kb, masked)
+            blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked)
+            merge(out[:, :, qs], lse[:, :, qs], blk_out.to(acc), blk_lse)
+            if pending is not None:
+                pending.wait()
+                kv = incoming
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale, ctx.causal = group, scale, causal
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, scale, causal = ctx.group, ctx.scale, ctx.causal
+        cp, rank = group.size, group.rank
+        nxt, prv = _ring_peers(group)
+        c = q.shape[2] // 2
+        dout = dout.contiguous()
+        acc = lse.dtype
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)               # rowsum(dO * O)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
+        dkv_pending = dkv_in = None
+        for step in range(cp):
+            kv_pending = None
+            if step < cp - 1:
+                incoming = torch.empty_like(kv)
+                kv_pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
+            qs, ks, masked = _pairs(step, rank, cp, causal, c)
+            dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks],
+                                              kv[1][:, :, ks], lse[:, :, qs],
+                                              delta[:, :, qs], scale, masked)
+            dq[:, :, qs] += dq_b
+            # the dK/dV accumulator of the K/V held now arrives from the previous rank
+            if dkv_pending is not None:
+                dkv_pending.wait()
+                dkv = dkv_in
+            else:
+                dkv = torch.zeros_like(kv)
+            dkv[0][:, :, ks] += dk_b
+            dkv[1][:, :, ks] += dv_b
+            dkv_in = torch.empty_like(dkv)
+            dkv_pending = comm.batch_send_recv_async([(dkv, nxt)], [(dkv_in, prv)], group)
+            if kv_pending is not None:
+                kv_pending.wait()
+                kv = incoming
+        dkv_pending.wait()                                          # our own K/V's grads
+        return dq.to(q.dtype), dkv_in[0], dkv_in[1], None, None, None
+
+
+class RingAttention(nn.Module):
+    """Core attention over the CP ring (layout ``bhsd``); a slot of the submodule spec."""
+    qkv_format = "bhsd"
+
+    def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None):
+        super().__init__()
+        check_cp_attention_args(model_cfg, attn_mask_type, "ring attention")
+        self.group = comm_groups.cp
+        self.layer_number = layer_number
+        self.is_causal = attn_mask_type == AttnMaskType.causal
+        self.scale = 1.0 / math.sqrt(model_cfg.resolved_kv_channels())
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.group.size == 1:
+            out, _ = block_forward(q, k, v, self.scale, self.is_causal)
+            return out
+        return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal)
+
+
+def check_cp_attention_args(model_cfg, attn_mask_type, what: str) -> None:
+    if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
+        raise ValueError(f"{what} supports causal and no_mask masks, not {attn_mask_type}")
+    if model_cfg.attention_dropout:
+        raise ValueError(f"{what} has no attention dropout: set --attention-dropout 0 "
+                         "with --context-parallel-size > 1")
