@@ -172,14 +172,11 @@ def raw_batch(seq, seed=0):
 def model_step(model, batch, denom):
     """Masked loss over the global token count, backward; (loss sum, {name: (param, grad,
     shard meta)})."""
-    from megalite.checkpointing.sharding import ParamMeta
-
     per_token = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
     total = (per_token * batch["loss_mask"]).sum()
     (total / denom).backward()
-    return total.detach(), {n: (p.detach().clone(), p.grad.detach().clone(),
-                                getattr(p, "shard_meta", ParamMeta(tuple(p.shape))).to_dict())
-                            for n, p in model.canonical_named_parameters()}
+    return total.detach(), {n: (p.detach().clone(), p.grad.detach().clone(), spec.to_meta_dict())
+                            for n, p, spec in model.param_table.named(model)}
 
 
 MODEL_CASES = [("llama", "p2p", 2, 1, False, 64), ("llama", "p2p", 4, 1, False, 64),
@@ -388,7 +385,7 @@ def _hf_llama_under_cp(path, layouts, ids):
         cfg.model.seq_length, cfg.model.attention_dropout = ids.shape[1], 0.0
         state = ParallelState.build(RankGrid(WORLD, cp=cp), rank)
         model = build_model(cfg, state).eval()
-        load_full_state_dict(model, full, 0, 1)
+        load_full_state_dict(model, full, state)
         b = get_batch({"tokens": ids, "labels": ids.roll(-1, 1),
                        "loss_mask": torch.ones(ids.shape)}, state, "cpu")
         with torch.no_grad():
