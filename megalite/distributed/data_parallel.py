@@ -117,6 +117,11 @@ class DataParallelStrategy:
         raise NotImplementedError
 
     scheduler = None            # OverlapScheduler with --overlap-grad-reduce
+    gathers_waited_in_forward = 0   # --overlap-param-gather: gathers a forward hook waited on
+
+    def wait_param_gathers(self) -> None:
+        """Finish parameter all-gathers still in flight (before reading parameters outside a
+        forward: checkpoints, replica checks)."""
 
     def finish_grad_sync(self) -> None:
         """Every reduction a gradient needs after the last micro-batch's backward: SP
@@ -177,12 +182,15 @@ class DataParallelStrategy:
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict:
+        self.wait_param_gathers()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
+        self.wait_param_gathers()
         self.optimizer.load_state_dict(sd)
 
     def reload_model_params(self) -> None:
+        self.wait_param_gathers()
         self.optimizer.reload_model_params()
 
 
@@ -270,6 +278,7 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
     def __init__(self, named_params, cfg, state, specs=None):
         super().__init__(named_params, cfg, state, specs)
         overlap = cfg.parallel.overlap_grad_reduce
+        self.param_gathers: Dict[int, comm.Pending] = {}
         if overlap:     # one sharded buffer per bucket; ZeRO-2: only the shard is kept
             size = bucket_size(cfg, state["dp-cp"].size)
             groups = [((g, dt), ps, deferred) for (g, dt, deferred), ps in
@@ -318,6 +327,7 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
         return self._grad_of[id(p)]
 
     def finish_grad_sync(self):
+        self.wait_param_gathers()        # buckets no forward used: before the next update
         if self.scheduler is not None:   # deferred buckets are read before their reduction
             for b in self.scheduler.buckets:
                 if b.deferred:
@@ -358,9 +368,43 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
         return sq
 
     def _sync_params(self):
-        for buf in self.sharded_buffers:
-            buf.all_gather_params()
+        if not self.cfg.parallel.overlap_param_gather:
+            for buf in self.sharded_buffers:
+                buf.all_gather_params()
+            super()._sync_params()
+            return
+        # --overlap-param-gather: bucket k's gather is waited on by the forward pre-hook of
+        # the first module that uses it (``attach_param_gather_hooks``)
+        self.param_gathers = {i: buf.start_all_gather_params()
+                              for i, buf in enumerate(self.sharded_buffers)}
+        tied = {i for i, buf in enumerate(self.sharded_buffers)
+                for p in buf.params if is_tied_embedding(self._spec_of[id(p)])}
+        for i in tied:              # the owner's broadcast below overwrites the copy
+            self._wait_param_gather(i)
         super()._sync_params()
+
+    def _wait_param_gather(self, index: int, in_forward: bool = False) -> None:
+        pending = self.param_gathers.pop(index, None)
+        if pending is not None:
+            pending.wait()
+            self.gathers_waited_in_forward += int(in_forward)
+
+    def wait_param_gathers(self) -> None:
+        for i in list(self.param_gathers):
+            self._wait_param_gather(i)
+
+    def attach_param_gather_hooks(self, model_chunks) -> None:
+        """A forward pre-hook on every module that owns parameters: wait for the gathers of
+        the buckets holding them (the first forward use of each bucket)."""
+        index = {id(p): i for i, buf in enumerate(self.sharded_buffers) for p in buf.params}
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                mine = sorted({index[id(p)] for p in module.parameters(recurse=False)
+                               if id(p) in index})
+                if mine:
+                    module.register_forward_pre_hook(
+                        lambda _m, _args, mine=mine: [self._wait_param_gather(i, True)
+                                                      for i in mine] and None)
 
 
 class FSDP2Strategy(DataParallelStrategy):
@@ -420,5 +464,8 @@ def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
     if cfg.parallel.use_torch_fsdp2:
         return FSDP2Strategy(named, cfg, state, specs)
     if cfg.parallel.use_distributed_optimizer:
-        return DistributedOptimizerStrategy(named, cfg, state, specs)
+        strategy = DistributedOptimizerStrategy(named, cfg, state, specs)
+        if cfg.parallel.overlap_param_gather:
+            strategy.attach_param_gather_hooks(model_chunks)
+        return strategy
     return DDPStrategy(named, cfg, state, specs)

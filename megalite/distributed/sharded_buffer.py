@@ -111,6 +111,11 @@ class ShardedBuffer:
         comm.reduce_scatter_tensor(out, self.grad_data, self.group)
         self.grad_shard.copy_(out)
 
+    def start_all_gather_params(self) -> "comm.Pending":
+        """Asynchronous ``all_gather_params`` (``--overlap-param-gather``)."""
+        return comm.all_gather_into_tensor(self.param_data, self.param_shard.clone(), self.group,
+                                           async_op=True)
+
     def all_gather_params(self) -> None:
         """Every rank's updated shard into every rank's param buffer (param dtype)."""
         if self.group.size == 1:

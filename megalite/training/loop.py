@@ -31,6 +31,7 @@ from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
 from megalite.training.flops import device_peak_flops, flops_per_iteration
+from megalite.training.memory_report import memory_record
 from megalite.training.metrics import TrainingLogger
 
 
@@ -169,6 +170,7 @@ class Trainer:
         logger.info(f"> training {self.train_iters} iterations; model FLOPs/iteration "
                     f"{flops:.3e}; device peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
         world = self.cfg.world_size
+        first = self.iteration
         while self.iteration < self.train_iters:
             t0 = time.perf_counter()
             out = self.train_step(iterator)
@@ -181,6 +183,9 @@ class Trainer:
                       "mfu": flops / elapsed / world / peak,
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
+            if self.iteration == first + 1:      # planner vs measured, once
+                logger.log_memory(memory_record(cfg, self.state.rank, record["peak_mem_bytes"],
+                                                self.iteration))
             if not math.isfinite(out["lm_loss"]):
                 raise FloatingPointError(f"loss is {out['lm_loss']} at iteration {self.iteration}")
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \

@@ -1,5 +1,5 @@
 """Issue 12 on real gloo ranks: --overlap-grad-reduce (DDP, and the distributed optimizer
-with ZeRO-2 shards), --use-torch-fsdp2 (ZeRO-3, alone and with TP2 + SP), against DP = 1.
+with ZeRO-2 shards, also with --overlap-param-gather), --use-torch-fsdp2 (ZeRO-3, alone and with TP2 + SP), against DP = 1.
 
 Per run, 10 iterations: every iteration's loss within 1e-5 (relative, fp32) of the DP = 1
 run of the same model; final parameters, assembled from every rank's sharded state dict,
@@ -42,7 +42,8 @@ DO, FSDP = ["--use-distributed-optimizer"], ["--use-torch-fsdp2"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 CASES = {   # name: (model, flags)
     2: {"ddp": (LLAMA, []), "ddp_ov": (LLAMA, OV), "do": (LLAMA, DO),
-        "do_ov": (LLAMA, DO + OV), "fsdp2": (LLAMA, FSDP)},
+        "do_ov": (LLAMA, DO + OV), "do_ov_pg": (LLAMA, DO + OV + ["--overlap-param-gather"]),
+        "fsdp2": (LLAMA, FSDP)},
     4: {"ddp_ov": (LLAMA, OV), "do_ov": (LLAMA, DO + OV), "fsdp2": (LLAMA, FSDP),
         "fsdp2_tp2": (LLAMA, FSDP + TP2 + ["--sequence-parallel"]),
         "do_ov_tp2_pp2": (GPT2, DO + OV + TP2 + PP2)},
@@ -81,6 +82,7 @@ def _train(flags, world):
             1 for b in s.scheduler.buckets if not b.deferred and
             b.t_launch is not None and s.scheduler.t_backward_end is not None and
             b.t_launch < s.scheduler.t_backward_end)
+    out["gathers_in_forward"] = s.gathers_waited_in_forward
     if s.sharded_buffers:
         out["padded"] = sum(b.padded for b in s.sharded_buffers)
         out["full_grad_bytes"] = sum(b.grad_data.untyped_storage().nbytes()
@@ -170,6 +172,8 @@ def _check(results, world, reference):
             if "_ov" in name and "pp2" not in name:   # (PP2 stages: 1 bucket + the tied one)
                 # buckets launched while backward was still running
                 assert r["launched_in_backward"] >= 1, (name, r)
+            if name.endswith("_pg"):        # each bucket's gather waited by a forward hook
+                assert r["gathers_in_forward"] == (ITERS - 1) * r["buckets"], r
             if name.startswith("do_ov"):    # ZeRO-2: the full gradient is freed
                 assert r["full_grad_bytes"] == 0
     if world == 2:
