@@ -62,14 +62,14 @@ class Bucket:
         self.t_launch = self.t_done = None
 
     def launch(self) -> None:
-        self.t_launch = time.perf_counter()
+        self.t_launch = time.time()
         self.pending = self._launch()
 
     def wait(self) -> None:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-            self.t_done = time.perf_counter()
+            self.t_done = time.time()
             if self.on_done is not None:
                 self.on_done()
 
@@ -95,7 +95,7 @@ class OverlapScheduler:
     def start_step(self) -> None:
         self.seen.clear()
         self.in_flight = []
-        self.t_step, self.t_backward_end = time.perf_counter(), None
+        self.t_step, self.t_backward_end = time.time(), None
         for b in self.buckets:
             b.pending, b.t_launch, b.t_done = None, None, None
             if self.expected is not None:
@@ -103,7 +103,7 @@ class OverlapScheduler:
 
     def _on_accumulated(self, p) -> None:
         self.seen[id(p)] += 1
-        self.t_backward_end = time.perf_counter()
+        self.t_backward_end = time.time()
         if self.expected is None:
             return
         b = self.bucket_of[id(p)]
@@ -142,7 +142,7 @@ class OverlapScheduler:
                 b.wait()
         if self.expected is None:
             self.expected = dict(self.seen)
+        # wall-clock times, as the pipeline executor's events (timeline.records_from_buckets)
         self.trace = [{"bucket": b.index, "elements": sum(p.numel() for p in b.params),
-                       "launch": b.t_launch - self.t_step, "done": b.t_done - self.t_step}
+                       "launch": b.t_launch, "done": b.t_done, "deferred": b.deferred}
                       for b in self.buckets]
-        self.backward_end = (self.t_backward_end - self.t_step) if self.t_backward_end else None
