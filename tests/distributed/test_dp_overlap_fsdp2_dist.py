@@ -23,6 +23,7 @@ from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
     model_sharded_state_dict
 from megalite.config import ConfigError
 from megalite.distributed.fsdp2 import counting_fsdp_collectives, fsdp_units
+from megalite.distributed.replicas import check_replicas
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer
 from megalite.validation import validate
@@ -71,7 +72,12 @@ def _train(flags, world):
             comm.counter.reset()
             losses.append(trainer.train_step(it)["lm_loss"])
     s = trainer.strategy
-    out = {"losses": losses, "comm": comm.counter.snapshot(),
+    try:                # replicas bit-identical (FSDP2: over TP only, DP holds shards)
+        check_replicas(trainer.model_chunks, trainer.state)
+        replicas = None
+    except RuntimeError as e:
+        replicas = str(e)
+    out = {"losses": losses, "replicas": replicas, "comm": comm.counter.snapshot(),
            "sd": model_sharded_state_dict(trainer.model_chunks, trainer.state),
            "psi": sum(p.numel() for p in s.params),          # TP-local, unsharded
            "micro": trainer.cfg.num_micro_batches, "last_stage": trainer.is_writer or
@@ -123,6 +129,7 @@ def _batch(world, path=None):
     out = {name: _train(model + flags, world)[0] for name, (model, flags) in CASES[world].items()}
     if path:
         out["ckpt"] = _checkpoint_round_trip(world, path)
+        out["bf16"] = [_train(LLAMA + ["--bf16"] + f, world)[0]["losses"] for f in ([], FSDP)]
     return out
 
 
@@ -152,6 +159,7 @@ def _check(results, world, reference):
         for k, want in ref_params.items():
             torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-5, msg=name + k)
         for r in runs:
+            assert r["replicas"] is None, (name, r["replicas"])
             c, psi = r["comm"], r["psi"]
             if "fsdp2" in name:
                 # gathered: every unit twice (forward, backward), the root once (kept for
@@ -177,6 +185,10 @@ def _check(results, world, reference):
             if name.startswith("do_ov"):    # ZeRO-2: the full gradient is freed
                 assert r["full_grad_bytes"] == 0
     if world == 2:
+        # bf16: FSDP2's bf16 compute copies of fp32 shards vs DDP's bf16 weights + fp32
+        # masters: the same rounding of the same masters, different reduction dtypes
+        ddp16, fsdp16 = results[-1]["bf16"]
+        assert all(abs(a - b) <= 2e-3 * b for a, b in zip(fsdp16, ddp16)), (fsdp16, ddp16)
         saved, in_ddp, back = zip(*[r["ckpt"] for r in results])
         a, b, c = _full(saved), _full(in_ddp), _full(back)
         for k in a:
