@@ -9,8 +9,11 @@ and without FSDP2, ~1e-7 without TP).  Communication of the last
 step against theory for Psi = this rank's parameters: DDP all-reduce Psi (+2 elements:
 the step's token count and loss); ZeRO-2
 reduce-scatter + all-gather Psi each (padded per bucket); FSDP2 (counted by hooking the
-collectives it calls) all-gather 2 Psi - root + reduce-scatter Psi per micro-batch.  An
-FSDP2 checkpoint loads into a DDP run and back.  One ``dist.run`` per world size.
+collectives it calls) all-gather 2 Psi - root + reduce-scatter Psi per micro-batch.  Bytes
+of weights / grads / optimizer states each rank keeps, measured on the tensors, equal the
+planner's state bytes for the layout (ZeRO-1: optimizer / DP, ZeRO-2: grads too, FSDP2:
+weights too).  Replicas stay bit-identical.  An FSDP2 checkpoint loads into a DDP run and
+back; bf16 FSDP2 (fp32 reduce) tracks bf16 DDP.  One ``dist.run`` per world size.
 """
 import pytest
 import torch
@@ -45,7 +48,8 @@ CASES = {   # name: (model, flags)
     2: {"ddp": (LLAMA, []), "ddp_ov": (LLAMA, OV), "do": (LLAMA, DO),
         "do_ov": (LLAMA, DO + OV), "do_ov_pg": (LLAMA, DO + OV + ["--overlap-param-gather"]),
         "fsdp2": (LLAMA, FSDP)},
-    4: {"ddp_ov": (LLAMA, OV), "do_ov": (LLAMA, DO + OV), "fsdp2": (LLAMA, FSDP),
+    4: {"ddp": (LLAMA, []), "ddp_ov": (LLAMA, OV), "do": (LLAMA, DO), "do_ov": (LLAMA, DO + OV),
+        "fsdp2": (LLAMA, FSDP),
         "fsdp2_tp2": (LLAMA, FSDP + TP2 + ["--sequence-parallel"]),
         "do_ov_tp2_pp2": (GPT2, DO + OV + TP2 + PP2)},
 }
@@ -93,12 +97,48 @@ def _train(flags, world):
         out["padded"] = sum(b.padded for b in s.sharded_buffers)
         out["full_grad_bytes"] = sum(b.grad_data.untyped_storage().nbytes()
                                      for b in s.sharded_buffers)
+    out["state_bytes"] = _state_bytes(trainer)
+    out["planned_bytes"] = _planned_bytes(trainer.cfg, trainer.state.rank)
     if trainer.cfg.parallel.use_torch_fsdp2:
         dp, root = trainer.state["dp"].size, trainer.model_chunks[0]
         in_units = {id(q) for u in fsdp_units(root) for q in u.parameters()}
         out["padded"] = sum(_fsdp_padded(p, dp) for p in s.params)
         out["root_padded"] = sum(_fsdp_padded(p, dp) for p in s.params if id(p) not in in_units)
     return out, trainer
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _state_bytes(trainer) -> dict:
+    """Weights / grads / optimizer states this rank keeps between steps, from the tensors."""
+    s, opt = trainer.strategy, trainer.optimizer
+    if s.sharded_buffers:
+        grads = [b.grad_shard if b.keep_shard_only else b.grad_data for b in s.sharded_buffers]
+    else:
+        grads = [s.grad(p) for p in s.params]
+    moments = [v for st in opt.inner.state.values() for k, v in st.items()
+               if k in ("exp_avg", "exp_avg_sq")]
+    return {"weights": _storage_bytes([p for c in trainer.model_chunks for p in c.parameters()]),
+            "grads": _storage_bytes(grads), "optimizer": _storage_bytes(moments)}
+
+
+def _planned_bytes(cfg, rank) -> dict:
+    """The planner's state bytes for this layout and rank (its ZeRO stage from the flags)."""
+    from megalite.planner import model_spec as ms
+    from megalite.planner.layout import layout_from_config
+    from megalite.planner.memory import Precision, state_bytes
+
+    L = layout_from_config(cfg)
+    pp_rank = rank // (cfg.world_size // L.pp)
+    params = ms.stage_params(cfg.model, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
+    return state_bytes(params, L.dp * L.cp, L.edp, L.zero, Precision.fp32())
 
 
 def _fsdp_padded(p, dp) -> int:
@@ -160,6 +200,10 @@ def _check(results, world, reference):
             torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-5, msg=name + k)
         for r in runs:
             assert r["replicas"] is None, (name, r["replicas"])
+            # memory per rank: what the tensors hold = the planner's state bytes for the
+            # layout (DDP, ZeRO-1 optimizer/DP, ZeRO-2 grads/DP too, FSDP2 weights/DP too)
+            for k in ("weights", "grads", "optimizer"):
+                assert r["state_bytes"][k] == r["planned_bytes"][k], (name, k, r)
             c, psi = r["comm"], r["psi"]
             if "fsdp2" in name:
                 # gathered: every unit twice (forward, backward), the root once (kept for
