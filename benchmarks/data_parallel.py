@@ -7,7 +7,7 @@
   micro-batch (the root unit is gathered once: it stays gathered for backward);
 * memory -- bytes per rank of weights, gradients and optimizer states kept between steps, at
   DP = 1, 2, 4 for DDP, ZeRO-1, ZeRO-2 and FSDP2, next to the planner's prediction for the
-  same layout (``planner.memory.state_bytes``), and the process's measured peak (VmHWM);
+  same layout (``planner.memory.state_bytes``);
 * overlap -- step time on 2 processes with --overlap-grad-reduce off and on (median of
   alternating steps), and a timeline of one overlapped step (Chrome trace + SVG) showing
   the bucket reductions starting while backward still runs.
@@ -85,11 +85,6 @@ def _state_bytes(trainer) -> dict:
             "optimizer": _bytes(masters + moments)}
 
 
-def _vmhwm() -> int:
-    from megalite.training.loop import peak_memory_bytes
-    return peak_memory_bytes("cpu")
-
-
 # -- comm ---------------------------------------------------------------------------------
 def comm_rank(world):
     from megalite import comm
@@ -146,7 +141,7 @@ def memory_rank(world):
         params = ms.stage_params(cfg.model, 0, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
         pred = state_bytes(params, L.dp * L.cp, L.edp, L.zero,
                            Precision.bf16() if cfg.optimizer.bf16 else Precision.fp32())
-        out.append((name, L.zero, _state_bytes(trainer), pred, _vmhwm()))
+        out.append((name, L.zero, _state_bytes(trainer), pred))
         del trainer
     return out
 
@@ -154,16 +149,17 @@ def memory_rank(world):
 def run_memory(pool):
     print("\n== bytes per rank kept between steps (fp32: 4 B weights, 4 B grads, 8 B Adam) ==")
     print(f"{'DP':>2s} {'strategy':8s} {'what':9s} {'measured':>10s} {'planner':>10s} "
-          f"{'meas/plan':>9s}   peak RSS (MiB)")
+          f"{'meas/plan':>9s}")
     for world in (1, 2, 4):
-        rows = pool.run(world, memory_rank, world)[0]
-        for name, zero, meas, pred, peak in rows:
-            for i, k in enumerate(("weights", "grads", "optimizer")):
-                tail = f"   {peak / 2**20:.0f}" if i == 0 else ""
+        for name, zero, meas, pred in pool.run(world, memory_rank, world)[0]:
+            for k in ("weights", "grads", "optimizer"):
                 print(f"{world:2d} {name:8s} {k:9s} {meas[k]:10d} {pred[k]:10d} "
-                      f"{meas[k] / pred[k]:9.3f}{tail}")
+                      f"{meas[k] / pred[k]:9.3f}")
     print("(planner: state_bytes of the same layout; FSDP2 also holds up to two gathered "
-          "layers during forward/backward, which the planner adds to its peak)")
+          "layers during forward/backward, which the planner adds to its peak.  The process's "
+          "resident peak is not compared on CPU: the model is built whole before it is "
+          "sharded, and glibc keeps freed pages -- on GPU compare the allocator's peak, which "
+          "the start-up memory report prints)")
 
 
 # -- overlap ------------------------------------------------------------------------------
