@@ -13,7 +13,7 @@ collectives it calls) all-gather 2 Psi - root + reduce-scatter Psi per micro-bat
 of weights / grads / optimizer states each rank keeps, measured on the tensors, equal the
 planner's state bytes for the layout (ZeRO-1: optimizer / DP, ZeRO-2: grads too, FSDP2:
 weights too).  Replicas stay bit-identical.  An FSDP2 checkpoint loads into a DDP run and
-back; bf16 FSDP2 (fp32 reduce) tracks bf16 DDP.  One ``dist.run`` per world size.
+back; FSDP2 and --overlap-param-gather runs resume from a training checkpoint exactly; bf16 FSDP2 (fp32 reduce) tracks bf16 DDP.  One ``dist.run`` per world size.
 """
 import pytest
 import torch
@@ -169,6 +169,11 @@ def _batch(world, path=None):
     out = {name: _train(model + flags, world)[0] for name, (model, flags) in CASES[world].items()}
     if path:
         out["ckpt"] = _checkpoint_round_trip(world, path)
+        from test_training_dist import resumed_losses   # save after 2, load, 2 more
+
+        out["resumed"] = {name: resumed_losses(lambda a: _trainer(a, world), LLAMA + flags,
+                                               f"{path}/{name}")
+                          for name, flags in (("fsdp2", FSDP), ("do_ov_pg", CASES[2]["do_ov_pg"][1]))}
         out["bf16"] = [_train(LLAMA + ["--bf16"] + f, world)[0]["losses"] for f in ([], FSDP)]
     return out
 
@@ -233,6 +238,10 @@ def _check(results, world, reference):
         # masters: the same rounding of the same masters, different reduction dtypes
         ddp16, fsdp16 = results[-1]["bf16"]
         assert all(abs(a - b) <= 2e-3 * b for a, b in zip(fsdp16, ddp16)), (fsdp16, ddp16)
+        for name in ("fsdp2", "do_ov_pg"):     # resume (optimizer state too) is exact
+            straight = results[-1][name]["losses"][:4]
+            got = results[-1]["resumed"][name]
+            assert all(abs(a - b) <= 1e-6 * b for a, b in zip(got, straight)), (name, got)
         saved, in_ddp, back = zip(*[r["ckpt"] for r in results])
         a, b, c = _full(saved), _full(in_ddp), _full(back)
         for k in a:
