@@ -13,7 +13,8 @@ collectives it calls) all-gather 2 Psi - root + reduce-scatter Psi per micro-bat
 of weights / grads / optimizer states each rank keeps, measured on the tensors, equal the
 planner's state bytes for the layout (ZeRO-1: optimizer / DP, ZeRO-2: grads too, FSDP2:
 weights too).  Replicas stay bit-identical.  An FSDP2 checkpoint loads into a DDP run and
-back; FSDP2 and --overlap-param-gather runs resume from a training checkpoint exactly; bf16 FSDP2 (fp32 reduce) tracks bf16 DDP.  One ``dist.run`` per world size.
+back; stand-in expert parameters in buckets reduce over expert-DP (same grads and norm as
+without buckets); FSDP2 and --overlap-param-gather runs resume from a training checkpoint exactly; bf16 FSDP2 (fp32 reduce) tracks bf16 DDP.  One ``dist.run`` per world size.
 """
 import pytest
 import torch
@@ -165,8 +166,19 @@ def _checkpoint_round_trip(world, path):
     return saved, in_ddp, model_sharded_state_dict(back.model_chunks, back.state)
 
 
+def _experts(world):
+    """Stand-in experts (test_data_parallel_dist: layer 0's MLP marked expert, EP2): with
+    buckets their gradients reduce over expert-DP only, as without."""
+    from test_data_parallel_dist import LAYOUTS, _one_step
+
+    flags = LAYOUTS["ep2_dp4"]
+    return _one_step(flags, world), _one_step(flags + OV, world)
+
+
 def _batch(world, path=None):
     out = {name: _train(model + flags, world)[0] for name, (model, flags) in CASES[world].items()}
+    if world == 4:
+        out["experts"] = _experts(world)
     if path:
         out["ckpt"] = _checkpoint_round_trip(world, path)
         from test_training_dist import resumed_losses   # save after 2, load, 2 more
@@ -233,6 +245,14 @@ def _check(results, world, reference):
                 assert r["gathers_in_forward"] == (ITERS - 1) * r["buckets"], r
             if name.startswith("do_ov"):    # ZeRO-2: the full gradient is freed
                 assert r["full_grad_bytes"] == 0
+    if world == 4:
+        for r in results:
+            plain, ov = r["experts"]
+            assert abs(ov["norm"] - plain["norm"]) <= 1e-6 * plain["norm"]
+            assert {c for c, _ in ov["grads"].values()} == {"dense", "expert"}
+            for n, (cls, g) in plain["grads"].items():
+                torch.testing.assert_close(ov["grads"][n][1], g, rtol=1e-6, atol=1e-9)
+            assert ov["comm"]["expert-dp/all_reduce"]["calls"] >= 1
     if world == 2:
         # bf16: FSDP2's bf16 compute copies of fp32 shards vs DDP's bf16 weights + fp32
         # masters: the same rounding of the same masters, different reduction dtypes
