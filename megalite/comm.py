@@ -104,6 +104,17 @@ class Pending:
         return self.output
 
 
+def all_reduce_async(tensor: torch.Tensor, group: Group) -> "Pending":
+    """Start an in-place sum of ``tensor`` over ``group``; ``wait()`` on the result before
+    reading it (the overlapped gradient buckets, ``distributed.grad_buckets``)."""
+    if group.size == 1:
+        return Pending(tensor)
+    counter.add(group.name, "all_reduce", tensor)
+    work = tensor.float() if _needs_fp32(group, tensor) else tensor
+    handle = dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
+    return Pending(tensor, handle, (lambda: tensor.copy_(work)) if work is not tensor else None)
+
+
 def all_reduce_coalesced(tensors: List[torch.Tensor], group: Group,
                          bucket_elements: int = 40_000_000) -> None:
     """Sum many tensors in place with a few flat all-reduces (dtype-homogeneous buckets of at

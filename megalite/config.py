@@ -201,6 +201,20 @@ class ParallelConfig:
     use_distributed_optimizer: bool = opt(
         False, "Shard optimizer states (and gradients) over data-parallel ranks (ZeRO-1/2).",
         action="store_true")
+    # -- data-parallel communication (issue 12; docs/data_parallel.md) --
+    overlap_grad_reduce: bool = opt(
+        False, "Reduce gradients in buckets, each launched asynchronously as soon as its last "
+        "gradient of the step is accumulated (overlaps backward).", action="store_true")
+    ddp_bucket_size: Optional[int] = opt(
+        None, "Elements per gradient bucket with --overlap-grad-reduce "
+        "(default: max(40M, 1M x DP), as Megatron-Core).")
+    overlap_param_gather: bool = opt(
+        False, "Distributed optimizer: wait for a bucket's parameter all-gather just before "
+        "its first forward use in the next iteration (needs --overlap-grad-reduce).",
+        action="store_true")
+    use_torch_fsdp2: bool = opt(
+        False, "ZeRO-3 through torch FSDP2 (fully_shard) over DP: one unit per transformer "
+        "layer, the embedding and the output layer.", action="store_true")
     distributed_backend: str = opt("auto", "Collective backend; auto = nccl on CUDA, gloo on CPU.",
                                    choices=["auto", "nccl", "gloo"])
     distributed_timeout_minutes: float = opt(

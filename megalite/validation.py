@@ -334,8 +334,31 @@ def validate_logging(cfg: MegaliteConfig) -> None:
         raise ConfigError("--loss-plot draws from the metrics file: also give --metrics-file PATH")
 
 
+def check_data_parallel(cfg: MegaliteConfig) -> None:
+    """Data-parallel strategy flags (docs/data_parallel.md): combinations that do not compose
+    are refused, never ignored."""
+    p = cfg.parallel
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
+        raise ConfigError(f"--ddp-bucket-size must be >= 1, got {p.ddp_bucket_size}")
+    if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
+                          "--overlap-grad-reduce")
+    if p.use_torch_fsdp2:
+        if p.pp > 1:
+            raise ConfigError("--use-torch-fsdp2 does not compose with pipeline parallelism "
+                              "(PP > 1, tied embeddings across stages); use "
+                              "--use-distributed-optimizer with PP")
+        if p.use_distributed_optimizer:
+            raise ConfigError("--use-torch-fsdp2 and --use-distributed-optimizer both shard the "
+                              "optimizer; pick one")
+        if p.cp > 1 or cfg.model.num_experts:
+            raise ConfigError("--use-torch-fsdp2 shards over DP only: not with CP > 1 or "
+                              "--num-experts")
+
+
 def validate(cfg: MegaliteConfig) -> None:
     validate_layout(cfg)
+    check_data_parallel(cfg)
     if not cfg.training.dry_run:
         validate_files(cfg)
     validate_training(cfg)

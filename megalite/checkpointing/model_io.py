@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalite import comm
 from megalite.checkpointing.sharding import shard_tensor, unshard_tensors
@@ -55,8 +56,9 @@ def local_shards(model_chunks) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]
     """This rank's shards and split rules, keyed by global name (tied copies once)."""
     tensors, metas = {}, {}
     for name, p, spec in _named(_chunks(model_chunks)):
-        if name not in tensors:
-            tensors[name] = p.detach().cpu().clone()
+        if name not in tensors:        # FSDP2: the TP-local tensor (collective over DP)
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            tensors[name] = full.detach().cpu().clone()
             metas[name] = spec.to_meta_dict()
     return tensors, metas
 
@@ -90,10 +92,12 @@ def save_model_shards(directory: str, iteration: int, model_chunks, cfg, state,
     ``extra`` is stored per (tp, pp) rank in ``extra.pt`` (see ``load_extra``) and, when it
     is JSON-serializable, global rank 0's copy also goes into metadata.json["extra"].
     """
+    fsdp = any(isinstance(p, DTensor) for c in _chunks(model_chunks) for p in c.parameters())
+    gathered = local_shards(model_chunks) if fsdp else None   # every DP rank gathers
     if state["dp"].rank == 0 and state["cp"].rank == 0:
         path = shard_dir(directory, iteration, state.tp.rank, state.pp.rank)
         os.makedirs(path, exist_ok=True)
-        tensors, metas = local_shards(model_chunks)
+        tensors, metas = gathered or local_shards(model_chunks)
         _atomic_save({"model": tensors, "meta": metas}, os.path.join(path, "model.pt"))
         if extra is not None:
             _atomic_save(extra, os.path.join(path, "extra.pt"))
@@ -181,7 +185,11 @@ def load_model_shards(directory: str, model_chunks, cfg, state,
         if name not in reader.stage_of:
             missing.append(name)
             continue
-        p.copy_(reader.shard(name, spec, coords))
+        value = reader.shard(name, spec, coords)
+        if isinstance(p, DTensor):     # FSDP2: keep this rank's dim-0 piece (no communication)
+            value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements,
+                                      src_data_rank=None)
+        p.copy_(value)
     if missing and strict:
         raise KeyError(f"checkpoint '{directory}' lacks {len(missing)} parameters, e.g. "
                        f"{missing[:3]}")

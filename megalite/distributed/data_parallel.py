@@ -12,7 +12,12 @@ never reaches into optimizer internals and FSDP2 can be a third implementation:
   in fp32), all-reduced over data parallel; ``MixedPrecisionOptimizer`` keeps whole masters.
 * ``DistributedOptimizerStrategy`` (``--use-distributed-optimizer``): flat padded buffers per
   (DP group, dtype), reduce-scattered; ``DistributedOptimizer`` steps this rank's shard and
-  the strategy all-gathers the parameters.
+  the strategy all-gathers the parameters.  With ``--overlap-grad-reduce``: one buffer per
+  bucket, and only the reduced shard of the gradient is kept (ZeRO-2).
+* ``FSDP2Strategy`` (``--use-torch-fsdp2``): torch's ``fully_shard`` (ZeRO-3).
+
+``--overlap-grad-reduce`` (DDP and distributed optimizer): gradients live in per-bucket
+buffers whose reductions start during backward (``grad_buckets.OverlapScheduler``).
 
 The grad norm is per parameter class (``grad_sync.param_class``): dense squares summed over
 TP x PP ("mp"), expert squares over expert-TP x EP x PP ("expert-mp"), then added -- each
@@ -21,14 +26,19 @@ experts (``--num-experts``), so every rank of the expert group takes part in it.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 import torch
 
 from megalite import comm
 from megalite.distributed.distributed_optimizer import DistributedOptimizer
+from megalite.distributed.fsdp2 import apply_fsdp2
+from megalite.distributed.grad_buckets import (Bucket, OverlapScheduler, bucket_size,
+                                               split_into_buckets)
 from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_parallel_grads,
-                                            counts_toward_norm, dp_group_name, param_class,
+                                            counts_toward_norm, dp_group_name,
+                                            is_tied_embedding, param_class,
                                             reduce_model_parallel_grads)
 from megalite.distributed.replicas import broadcast_tied_embeddings
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
@@ -41,6 +51,23 @@ def accumulate_main_grad(param) -> None:
     (accumulation over micro-batches happens in fp32) and drop the bf16 one."""
     param.main_grad.add_(param.grad.float())
     param.grad = None
+
+
+def add_into(buffer, view: torch.Tensor):
+    """ZeRO-2 hook (any dtype): make sure ``buffer``'s full-size storage exists, add this
+    backward's gradient into ``view`` and drop ``.grad`` (0 + g == g: the first micro-batch
+    is exact, later ones accumulate as autograd would)."""
+    def hook(p):
+        buffer.ensure_full_grads()
+        view.add_(p.grad)
+        p.grad = None
+    return hook
+
+
+def needs_model_parallel_reduction(spec: ParamSpec, state) -> bool:
+    """Sequence-parallel replicated params and PP-tied embeddings are summed over TP / the
+    embedding group before DP: their bucket is reduced after those sums (deferred)."""
+    return bool(spec.sequence_parallel) or (is_tied_embedding(spec) and state.pp.size > 1)
 
 
 def keep_grad_in_buffer(view: torch.Tensor):
@@ -89,11 +116,35 @@ class DataParallelStrategy:
     def zero_grad(self) -> None:
         raise NotImplementedError
 
+    scheduler = None            # OverlapScheduler with --overlap-grad-reduce
+    gathers_waited_in_forward = 0   # --overlap-param-gather: gathers a forward hook waited on
+
+    def wait_param_gathers(self) -> None:
+        """Finish parameter all-gathers still in flight (before reading parameters outside a
+        forward: checkpoints, replica checks)."""
+
     def finish_grad_sync(self) -> None:
         """Every reduction a gradient needs after the last micro-batch's backward: SP
-        replicated params over TP, tied embeddings over 'embedding', then data parallel."""
+        replicated params over TP, tied embeddings over 'embedding', then data parallel.
+        With --overlap-grad-reduce most buckets are in flight already: wait for them, then
+        the model-parallel sums and the deferred buckets (``needs_model_parallel_reduction``)."""
+        if self.scheduler is not None:
+            deferred = [(p, s) for p, s in zip(self.params, self.specs)
+                        if needs_model_parallel_reduction(s, self.state)]
+            self.scheduler.finish(between=lambda: reduce_model_parallel_grads(
+                [p for p, _ in deferred], self.grad, self.state, [s for _, s in deferred]))
+            return
         reduce_model_parallel_grads(self.params, self.grad, self.state, self.specs)
         self._reduce_data_parallel()
+
+    def _bucket_keys(self):
+        """Per parameter: (DP group, dtype, deferred) -- params of one bucket share all three."""
+        return [(dp_group_name(s), p.dtype, needs_model_parallel_reduction(s, self.state))
+                for p, s in zip(self.params, self.specs)]
+
+    def _start_overlap(self, buckets: List[Bucket], max_in_flight=None) -> None:
+        names = {id(p): n for n, p in self.named}
+        self.scheduler = OverlapScheduler(buckets, names, max_in_flight)
 
     def _reduce_data_parallel(self) -> None:
         raise NotImplementedError
@@ -131,12 +182,15 @@ class DataParallelStrategy:
 
     # -- checkpoints -------------------------------------------------------------------
     def state_dict(self) -> dict:
+        self.wait_param_gathers()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
+        self.wait_param_gathers()
         self.optimizer.load_state_dict(sd)
 
     def reload_model_params(self) -> None:
+        self.wait_param_gathers()
         self.optimizer.reload_model_params()
 
 
@@ -145,11 +199,39 @@ class DDPStrategy(DataParallelStrategy):
 
     def __init__(self, named_params, cfg, state, specs=None):
         super().__init__(named_params, cfg, state, specs)
-        if self.bf16:
+        self._views: Dict[int, torch.Tensor] = {}
+        if cfg.parallel.overlap_grad_reduce:
+            self._build_buckets()
+        elif self.bf16:
             for p in self.params:
                 p.main_grad = torch.zeros_like(p, dtype=torch.float32)
                 p.register_post_accumulate_grad_hook(accumulate_main_grad)
         self.optimizer = MixedPrecisionOptimizer(self.named, cfg.optimizer, self.grad)
+
+    def _build_buckets(self):
+        """One flat gradient buffer per bucket; each parameter's gradient is a view of it."""
+        size = bucket_size(self.cfg, self.state["dp-cp"].size)
+        buckets, self.bucket_buffers = [], []
+        for i, ((group, dtype, deferred), ps) in enumerate(
+                split_into_buckets(self.params, self._bucket_keys(), size)):
+            flat = torch.zeros(sum(p.numel() for p in ps),
+                               dtype=torch.float32 if self.bf16 else dtype, device=ps[0].device)
+            off = 0
+            for p in ps:
+                view = flat[off:off + p.numel()].view_as(p)
+                off += p.numel()
+                self._views[id(p)] = view
+                if self.bf16:
+                    p.main_grad = view
+                    p.register_post_accumulate_grad_hook(accumulate_main_grad)
+                else:
+                    p.grad = view
+                    p.register_post_accumulate_grad_hook(keep_grad_in_buffer(view))
+            g = self.state[group]
+            buckets.append(Bucket(i, ps, lambda flat=flat, g=g: comm.all_reduce_async(flat, g),
+                                  deferred))
+            self.bucket_buffers.append(flat)
+        self._start_overlap(buckets)
 
     def grad(self, p):
         """``main_grad`` under bf16; ``.grad`` in fp32 (zeros if backward left none, so an
@@ -157,10 +239,20 @@ class DDPStrategy(DataParallelStrategy):
         if self.bf16:
             return p.main_grad
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
+            p.grad = self._views[id(p)] if id(p) in self._views else torch.zeros_like(p)
         return p.grad
 
     def zero_grad(self):
+        if self.scheduler is not None:
+            for flat in self.bucket_buffers:
+                flat.zero_()
+            for p in self.params:
+                if self.bf16:
+                    p.grad = None
+                elif p.grad is None or p.grad.data_ptr() != self._views[id(p)].data_ptr():
+                    p.grad = self._views[id(p)]
+            self.scheduler.start_step()
+            return
         for p in self.params:
             if self.bf16:
                 p.main_grad.zero_()
@@ -185,16 +277,28 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
 
     def __init__(self, named_params, cfg, state, specs=None):
         super().__init__(named_params, cfg, state, specs)
-        by_key: Dict[tuple, list] = {}
-        for p, spec in zip(self.params, self.specs):
-            by_key.setdefault((dp_group_name(spec), p.dtype), []).append(p)
-        self.sharded_buffers = [ShardedBuffer(ps, state[g], torch.float32 if self.bf16 else dt)
-                                for (g, dt), ps in by_key.items()]
+        overlap = cfg.parallel.overlap_grad_reduce
+        self.param_gathers: Dict[int, comm.Pending] = {}
+        if overlap:     # one sharded buffer per bucket; ZeRO-2: only the shard is kept
+            size = bucket_size(cfg, state["dp-cp"].size)
+            groups = [((g, dt), ps, deferred) for (g, dt, deferred), ps in
+                      split_into_buckets(self.params, self._bucket_keys(), size)]
+        else:
+            by_key: Dict[tuple, list] = {}
+            for p, spec in zip(self.params, self.specs):
+                by_key.setdefault((dp_group_name(spec), p.dtype), []).append(p)
+            groups = [(key, ps, False) for key, ps in by_key.items()]
+        self.sharded_buffers = [
+            ShardedBuffer(ps, state[g], torch.float32 if self.bf16 else dt,
+                          keep_shard_only=overlap) for (g, dt), ps, _ in groups]
         self._grad_of: Dict[int, torch.Tensor] = {}
         for buf in self.sharded_buffers:
             for p, view in zip(buf.params, buf.grad_views):
                 self._grad_of[id(p)] = view
-                if self.bf16:
+                if overlap:
+                    p.grad = None
+                    p.register_post_accumulate_grad_hook(add_into(buf, view))
+                elif self.bf16:
                     p.main_grad = view
                     p.register_post_accumulate_grad_hook(accumulate_main_grad)
                 else:
@@ -202,6 +306,12 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
                     p.register_post_accumulate_grad_hook(keep_grad_in_buffer(view))
         names = {id(p): n for n, p in self.named}
         self.optimizer = DistributedOptimizer(self.sharded_buffers, names, cfg.optimizer)
+        if overlap:
+            self._start_overlap([
+                Bucket(i, buf.params, buf.start_reduce_scatter, deferred,
+                       on_done=buf.release_full_grads)
+                for i, (buf, (_, _, deferred)) in enumerate(zip(self.sharded_buffers, groups))],
+                max_in_flight=2)
         # per buffer: the shard ranges [lo, hi) that count toward the grad norm
         self._norm_spans = []
         for buf in self.sharded_buffers:
@@ -212,9 +322,26 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
             self._norm_spans.append((cls, buf, [(lo, hi) for lo, hi, c in runs if c]))
 
     def grad(self, p):
+        """``p``'s view of its grad buffer (ZeRO-2: storage-less between the reduce-scatter
+        and the next step's first gradient; the shard is in ``buf.grad_shard``)."""
         return self._grad_of[id(p)]
 
+    def finish_grad_sync(self):
+        self.wait_param_gathers()        # buckets no forward used: before the next update
+        if self.scheduler is not None:   # deferred buckets are read before their reduction
+            for b in self.scheduler.buckets:
+                if b.deferred:
+                    self.sharded_buffers[b.index].ensure_full_grads()
+        super().finish_grad_sync()
+
     def zero_grad(self):
+        if self.scheduler is not None:     # ZeRO-2: full buffers come back on first use
+            for buf in self.sharded_buffers:
+                buf.release_full_grads()
+            for p in self.params:
+                p.grad = None
+            self.scheduler.start_step()
+            return
         for buf in self.sharded_buffers:
             buf.grad_data.zero_()
         for p in self.params:
@@ -241,19 +368,104 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
         return sq
 
     def _sync_params(self):
-        for buf in self.sharded_buffers:
-            buf.all_gather_params()
+        if not self.cfg.parallel.overlap_param_gather:
+            for buf in self.sharded_buffers:
+                buf.all_gather_params()
+            super()._sync_params()
+            return
+        # --overlap-param-gather: bucket k's gather is waited on by the forward pre-hook of
+        # the first module that uses it (``attach_param_gather_hooks``)
+        self.param_gathers = {i: buf.start_all_gather_params()
+                              for i, buf in enumerate(self.sharded_buffers)}
+        tied = {i for i, buf in enumerate(self.sharded_buffers)
+                for p in buf.params if is_tied_embedding(self._spec_of[id(p)])}
+        for i in tied:              # the owner's broadcast below overwrites the copy
+            self._wait_param_gather(i)
         super()._sync_params()
+
+    def _wait_param_gather(self, index: int, in_forward: bool = False) -> None:
+        pending = self.param_gathers.pop(index, None)
+        if pending is not None:
+            pending.wait()
+            self.gathers_waited_in_forward += int(in_forward)
+
+    def wait_param_gathers(self) -> None:
+        for i in list(self.param_gathers):
+            self._wait_param_gather(i)
+
+    def attach_param_gather_hooks(self, model_chunks) -> None:
+        """A forward pre-hook on every module that owns parameters: wait for the gathers of
+        the buckets holding them (the first forward use of each bucket)."""
+        index = {id(p): i for i, buf in enumerate(self.sharded_buffers) for p in buf.params}
+        for chunk in model_chunks:
+            for module in chunk.modules():
+                mine = sorted({index[id(p)] for p in module.parameters(recurse=False)
+                               if id(p) in index})
+                if mine:
+                    module.register_forward_pre_hook(
+                        lambda _m, _args, mine=mine: [self._wait_param_gather(i, True)
+                                                      for i in mine] and None)
+
+
+class FSDP2Strategy(DataParallelStrategy):
+    """ZeRO-3 through torch FSDP2 (``megalite.distributed.fsdp2``): parameters (DTensor
+    shards over DP), gradients and optimizer states are all 1/DP per rank.  FSDP reduce-
+    scatters each unit's gradients during backward; ``finish_grad_sync`` adds the
+    sequence-parallel sums over TP on the local shards (every TP rank shards alike)."""
+
+    def __init__(self, named_params, cfg, state, specs=None):
+        super().__init__(named_params, cfg, state, specs)
+        # the fp32 shards are the masters (bf16 lives in FSDP's compute copies only)
+        optim = dataclasses.replace(cfg.optimizer, bf16=False)
+        self.optimizer = MixedPrecisionOptimizer(self.named, optim, self.grad)
+
+    def grad(self, p):
+        """The sharded gradient (a DTensor; zeros if backward left none)."""
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    @staticmethod
+    def local_grad(p):
+        return None if p.grad is None else p.grad.to_local()
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def finish_grad_sync(self):
+        reduce_model_parallel_grads(self.params, self.local_grad, self.state, self.specs)
+
+    def _local_squares(self, cls):
+        """Squares of this rank's shards of counted parameters, summed over DP (the shards
+        of all DP ranks cover each element once); the base class adds TP."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self._device())
+        for p, spec in zip(self.params, self.specs):
+            if param_class(spec) == cls and counts_toward_norm(spec, self.coords):
+                g = self.local_grad(p)
+                if g is not None:
+                    sq += g.float().pow(2).sum()
+        comm.all_reduce(sq, self.state[PARAM_CLASS_GROUPS[cls].dp])
+        return sq
 
 
 def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
-    """The strategy for ``cfg``: ``DistributedOptimizerStrategy`` with
-    --use-distributed-optimizer, else ``DDPStrategy``."""
+    """The strategy for ``cfg``: ``FSDP2Strategy`` with --use-torch-fsdp2 (the chunks are
+    fully sharded first), ``DistributedOptimizerStrategy`` with --use-distributed-optimizer,
+    else ``DDPStrategy``."""
+    if cfg.parallel.use_torch_fsdp2:
+        for chunk in model_chunks:
+            apply_fsdp2(chunk, state, cfg, next(chunk.parameters()).device.type)
     triples = named_specs(model_chunks)      # FQNs are unique over a rank's chunks
     named = [(n, p) for n, p, _ in triples]
     specs = {n: spec for n, _, spec in triples}
     if len(specs) != len(triples):
         raise ValueError("parameter names repeat across this rank's model chunks")
+    if cfg.parallel.use_torch_fsdp2:
+        return FSDP2Strategy(named, cfg, state, specs)
     if cfg.parallel.use_distributed_optimizer:
-        return DistributedOptimizerStrategy(named, cfg, state, specs)
+        strategy = DistributedOptimizerStrategy(named, cfg, state, specs)
+        if cfg.parallel.overlap_param_gather:
+            strategy.attach_param_gather_hooks(model_chunks)
+        return strategy
     return DDPStrategy(named, cfg, state, specs)

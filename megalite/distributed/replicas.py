@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Iterable, List, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megalite import comm
 from megalite.distributed.grad_sync import dp_group_name, is_tied_embedding
@@ -74,7 +75,10 @@ def _replica_groups(model_chunks, state) -> List[Tuple[str, str, torch.Tensor]]:
         table = param_table(chunk)
         for fqn, p, spec in named_specs(chunk):
             name = table.canonical(fqn)
-            out.append((dp_group_name(spec), f"{i}:{name}", p))
+            if isinstance(p, DTensor):   # FSDP2: DP ranks hold different shards, TP ranks
+                p = p.to_local()         # the same shard of their (replicated) tensor
+            else:
+                out.append((dp_group_name(spec), f"{i}:{name}", p))
             for group in ("tp", "expert-tp"):   # replicated over the model-parallel dim
                 if group in spec.replica_groups():
                     out.append((group, f"{i}:{name}", p))

@@ -24,8 +24,13 @@ class ShardedBuffer:
     belongs to no parameter and stays zero.
     """
 
-    def __init__(self, params: List[torch.nn.Parameter], group, grad_dtype: torch.dtype):
+    def __init__(self, params: List[torch.nn.Parameter], group, grad_dtype: torch.dtype,
+                 keep_shard_only: bool = False):
         self.params, self.group = list(params), group
+        # ZeRO-2 (``keep_shard_only``): the reduced shard lives in its own tensor and the
+        # full-size grad buffer is freed after the reduce-scatter, re-allocated (zeroed) on
+        # the next step's first gradient (``ensure_full_grads``).
+        self.keep_shard_only = keep_shard_only
         self.offsets, total = [], 0
         for p in self.params:
             self.offsets.append(total)
@@ -45,6 +50,9 @@ class ShardedBuffer:
                 view.copy_(p)
                 p.data = view                  # the model now reads its weights from here
                 self.grad_views.append(self.grad_data[off:off + p.numel()].view_as(p))
+        self._own_shard = torch.zeros(self.shard_size, dtype=grad_dtype, device=first.device) \
+            if keep_shard_only else None
+        self.full_grads_allocated = True
 
     @property
     def param_shard(self) -> torch.Tensor:
@@ -52,7 +60,34 @@ class ShardedBuffer:
 
     @property
     def grad_shard(self) -> torch.Tensor:
+        if self._own_shard is not None:
+            return self._own_shard
         return self.grad_data[self.start:self.end]
+
+    def release_full_grads(self) -> None:
+        """ZeRO-2: free the full-size gradient storage (the views stay, storage-less)."""
+        if self.keep_shard_only and self.full_grads_allocated:
+            self.grad_data.untyped_storage().resize_(0)
+            self.full_grads_allocated = False
+
+    def ensure_full_grads(self) -> None:
+        """Give the full-size gradient storage back, zeroed, before a gradient lands in it."""
+        if not self.full_grads_allocated:
+            storage = self.grad_data.untyped_storage()
+            storage.resize_(self.padded * self.grad_data.element_size())
+            self.grad_data.zero_()
+            self.full_grads_allocated = True
+
+    def start_reduce_scatter(self) -> "comm.Pending":
+        """Asynchronous ``reduce_scatter_grads`` (the overlapped buckets): ``wait()`` leaves
+        the DP-summed shard in ``grad_shard``."""
+        self.ensure_full_grads()
+        if self._own_shard is not None:
+            return comm.reduce_scatter_tensor(self._own_shard, self.grad_data, self.group,
+                                              async_op=True)
+        out = torch.empty_like(self.grad_shard)
+        pending = comm.reduce_scatter_tensor(out, self.grad_data, self.group, async_op=True)
+        return comm.Pending(self.grad_shard, pending, lambda: self.grad_shard.copy_(out))
 
     def shard_ranges(self) -> List[Tuple[torch.nn.Parameter, int, int]]:
         """``(param, lo, hi)``: the part of each parameter inside this rank's shard, in
@@ -67,11 +102,19 @@ class ShardedBuffer:
     def reduce_scatter_grads(self) -> None:
         """Sum the grad buffer over the DP group; this rank keeps its (summed) shard.  The
         rest of the buffer keeps this rank's local, unreduced values: nothing reads them."""
+        if self._own_shard is not None:
+            self.start_reduce_scatter().wait()
+            return
         if self.group.size == 1:
             return
         out = torch.empty_like(self.grad_shard)
         comm.reduce_scatter_tensor(out, self.grad_data, self.group)
         self.grad_shard.copy_(out)
+
+    def start_all_gather_params(self) -> "comm.Pending":
+        """Asynchronous ``all_gather_params`` (``--overlap-param-gather``)."""
+        return comm.all_gather_into_tensor(self.param_data, self.param_shard.clone(), self.group,
+                                           async_op=True)
 
     def all_gather_params(self) -> None:
         """Every rank's updated shard into every rank's param buffer (param dtype)."""

@@ -41,14 +41,20 @@ from megalite.pipeline_parallel.weight_grad import backward_input
 
 def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, cfg,
                                    forward_only: bool = False, events=None):
-    """Gradient accumulation: forward and backward each micro-batch in turn (no events)."""
+    """Gradient accumulation: forward and backward each micro-batch in turn.  ``events``,
+    when a list, receives each F and BW with wall-clock times (the DP overlap timeline)."""
     (model,) = model_chunks
     reports = []
-    for batch in batches:
+    for i, batch in enumerate(batches):
+        t0 = time.time()
         output, loss_func = forward_step(batch, model)
         loss, report = loss_func(output)
+        t1 = time.time()
         if not forward_only:
             loss.backward()
+        if events is not None:
+            events += [(simulator.Op("F", i), t0, t1)] + (
+                [] if forward_only else [(simulator.Op("BW", i), t1, time.time())])
         reports.append(report)
     return reports
 

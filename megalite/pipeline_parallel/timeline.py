@@ -43,6 +43,15 @@ def records_from_events(events, pp_rank: int, global_rank: int) -> List[dict]:
     return out
 
 
+def records_from_buckets(trace: List[dict], pp_rank: int, global_rank: int) -> List[dict]:
+    """``--overlap-grad-reduce`` bucket reductions (``grad_buckets.OverlapScheduler.trace``:
+    wall-clock launch and completion) as comm-thread records named "reduce k"."""
+    return [dict(rank=pp_rank, global_rank=global_rank, start=b["launch"], end=b["done"],
+                 mb=-1, chunk=0, kind="reduce", label=f"reduce {b['bucket']}",
+                 elements=b["elements"], deferred=b["deferred"])
+            for b in trace if b["launch"] is not None and b["done"] is not None]
+
+
 def records_from_sim(result) -> List[dict]:
     """A ``simulator.SimResult`` in the same form (unit time = 1 second)."""
     return [dict(rank=e.rank, global_rank=e.rank, start=e.start, end=e.end, mb=e.mb,
@@ -61,7 +70,7 @@ def chrome_trace(records: List[dict], metadata: dict) -> dict:
                       "args": {"sort_index": pp_rank}})
     for r in records:
         compute = r["kind"] in ("F", "B", "W", "BW")
-        name = f"{r['kind']}{r['mb']}" if compute else r["kind"]
+        name = f"{r['kind']}{r['mb']}" if compute else r.get("label", r["kind"])
         args = {k: v for k, v in r.items() if k not in ("start", "end", "rank")}
         trace.append({"name": name, "cat": r["kind"] if compute else "comm", "ph": "X",
                       "ts": (r["start"] - t0) * 1e6, "dur": (r["end"] - r["start"]) * 1e6,
@@ -80,18 +89,20 @@ def is_timeline_writer(state) -> bool:
         state.cp.rank == 0 and state.dp.rank == 0
 
 
-def record_iteration(cfg, state, events, schedule: str) -> None:
+def record_iteration(cfg, state, events, schedule: str, buckets=()) -> None:
     """Gather this iteration's events over the pp group; the writer appends and rewrites.
 
     Collective over the pp group: every stage calls it (the training loop, after the
-    schedule, with the executor events the schedule handed back)."""
+    gradient sync, with the events the schedule handed back and, with
+    --overlap-grad-reduce, the strategy's bucket trace)."""
     path = cfg.logging.pipeline_timeline
     hist = _HISTORY.setdefault(path, {"iterations": 0, "events": []})
     if hist["iterations"] >= MAX_ITERATIONS:
         return
     hist["iterations"] += 1
     it = hist["iterations"]
-    mine = records_from_events(events, state.pp.rank, state.rank)
+    mine = records_from_events(events, state.pp.rank, state.rank) + \
+        records_from_buckets(list(buckets), state.pp.rank, state.rank)
     for r in mine:
         r["iteration"] = it
     gathered = comm.all_gather_object(mine, state.pp)

@@ -60,8 +60,9 @@ class Layout:
 
     @property
     def emittable(self) -> bool:
-        """ZeRO-2/3 have no megalite flag yet: such layouts are advice, not a command."""
-        return self.zero <= 1
+        """Stages 0-2 always have megalite flags; ZeRO-3 (``--use-torch-fsdp2``) only without
+        PP, CP and EP (validation refuses those): otherwise the layout is advice only."""
+        return self.zero <= 2 or (self.pp == 1 and self.cp == 1 and self.ep == 1)
 
     def short(self) -> str:
         parts = [f"TP{self.tp}" + ("+SP" if self.sp else ""), f"CP{self.cp}" + ("/a2a" if self.cp > 1 and self.cp_comm == "a2a" else ""),
@@ -101,7 +102,9 @@ class Layout:
         p.pipeline_schedule = {"1f1b": "auto", "interleaved": "interleaved",
                                "zero-bubble": "zero-bubble"}[self.schedule]
         p.sequence_parallel = self.sp
-        p.use_distributed_optimizer = self.zero >= 1
+        p.use_distributed_optimizer = self.zero in (1, 2)
+        p.overlap_grad_reduce = self.zero == 2       # ZeRO-2: bucketed, shard-only grads
+        p.use_torch_fsdp2 = self.zero == 3
         t.micro_batch_size, t.global_batch_size = self.micro_batch, self.global_batch
         t.recompute_granularity = None if self.recompute == "none" else self.recompute
         if self.recompute == "full":
@@ -134,8 +137,12 @@ class Layout:
             f += ["--expert-tensor-parallel-size", str(self.etp)]
         if self.sp:
             f.append("--sequence-parallel")
-        if self.zero >= 1:
+        if self.zero in (1, 2):
             f.append("--use-distributed-optimizer")
+        if self.zero == 2:
+            f.append("--overlap-grad-reduce")
+        if self.zero == 3:
+            f.append("--use-torch-fsdp2")
         f += ["--micro-batch-size", str(self.micro_batch),
               "--global-batch-size", str(self.global_batch)]
         if self.recompute == "full":
@@ -144,6 +151,17 @@ class Layout:
         elif self.recompute == "selective":
             f += ["--recompute-granularity", "selective"]
         return f + ["--bf16"]
+
+
+def zero_stage(p) -> int:
+    """The ZeRO stage a run's flags give: 3 with --use-torch-fsdp2, 2 with the distributed
+    optimizer and --overlap-grad-reduce (only its shard of the gradient is kept), 1 with the
+    distributed optimizer alone, else 0."""
+    if p.use_torch_fsdp2:
+        return 3
+    if p.use_distributed_optimizer:
+        return 2 if p.overlap_grad_reduce else 1
+    return 0
 
 
 def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layout:
@@ -157,7 +175,7 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   micro_batch=t.micro_batch_size,
                   global_batch=t.global_batch_size or t.micro_batch_size * dp,
                   recompute=t.recompute_granularity or "none",
-                  zero=(1 if p.use_distributed_optimizer else 0) if zero is None else zero,
+                  zero=zero_stage(p) if zero is None else zero,
                   sp=p.sequence_parallel_active, schedule=sched,
                   first_layers=p.decoder_first_pipeline_num_layers,
                   last_layers=p.decoder_last_pipeline_num_layers,

@@ -32,6 +32,7 @@ def _layout(trainer) -> dict:
 
 def save_training_checkpoint(trainer) -> str:
     cfg, state = trainer.cfg, trainer.state
+    trainer.strategy.wait_param_gathers()         # --overlap-param-gather: gathers in flight
     check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
     root = cfg.checkpoint.save
     d = cfg.data

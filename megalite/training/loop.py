@@ -31,6 +31,7 @@ from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
 from megalite.training.flops import device_peak_flops, flops_per_iteration
+from megalite.training.memory_report import memory_record
 from megalite.training.metrics import TrainingLogger
 
 
@@ -49,7 +50,9 @@ class Trainer:
         self.scheduler = None
         self.train_ds = self.valid_ds = self.test_ds = None
         self.forward_backward = get_forward_backward_func(cfg, state)
-        self.record_timeline = bool(cfg.logging.pipeline_timeline) and state.pp.size > 1
+        self.record_timeline = bool(cfg.logging.pipeline_timeline) and (
+            state.pp.size > 1 or cfg.parallel.overlap_grad_reduce)   # schedule / DP buckets
+        self._timeline_events = None       # this step's schedule events, recorded after sync
 
     # -- construction ------------------------------------------------------------------
     @property
@@ -128,9 +131,7 @@ class Trainer:
         reports = self.forward_backward(functools.partial(self.family.forward_step, ctx=ctx),
                                         batches, self.model_chunks, self.state, self.cfg,
                                         forward_only=forward_only, events=events)
-        if events is not None:   # a collective over pp: every stage records
-            record_iteration(self.cfg, self.state, events,
-                             pipeline_schedule_name(self.cfg, self.state))
+        self._timeline_events = events      # recorded after finish_grad_sync (buckets)
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
         if reports:
             loss += sum(r["loss_sum"].double() for r in reports)
@@ -145,6 +146,13 @@ class Trainer:
         self.strategy.zero_grad()
         loss, extra_losses = self._run_schedule(batches, forward_only=False)
         self.strategy.finish_grad_sync()
+        if self._timeline_events is not None:     # a collective over pp: every stage records
+            sched = self.strategy.scheduler
+            record_iteration(self.cfg, self.state, self._timeline_events,
+                             pipeline_schedule_name(self.cfg, self.state)
+                             if self.state.pp.size > 1 else "no-pipelining",
+                             sched.trace if sched is not None else ())
+            self._timeline_events = None
         lr = self.scheduler.lr(self.iteration + 1)
         grad_norm = self.strategy.step(lr)
         self.iteration += 1
@@ -169,6 +177,7 @@ class Trainer:
         logger.info(f"> training {self.train_iters} iterations; model FLOPs/iteration "
                     f"{flops:.3e}; device peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
         world = self.cfg.world_size
+        first = self.iteration
         while self.iteration < self.train_iters:
             t0 = time.perf_counter()
             out = self.train_step(iterator)
@@ -181,6 +190,9 @@ class Trainer:
                       "mfu": flops / elapsed / world / peak,
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
+            if self.iteration == first + 1:      # planner vs measured, once
+                logger.log_memory(memory_record(cfg, self.state.rank, record["peak_mem_bytes"],
+                                                self.iteration))
             if not math.isfinite(out["lm_loss"]):
                 raise FloatingPointError(f"loss is {out['lm_loss']} at iteration {self.iteration}")
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \

@@ -92,6 +92,16 @@ class TrainingLogger:
         self._print(f"{bar}\n {split} loss at iteration {iteration} | lm loss value: {loss:.6E} "
                     f"| lm loss PPL: {ppl:.6E}\n{bar}")
 
+    def log_memory(self, record: dict):
+        """The start-up memory report (``training.memory_report``): log and metrics file."""
+        if not self.is_writer:
+            return
+        from megalite.training.memory_report import format_memory_report
+
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+        self._print(format_memory_report(record))
+
     def close(self):
         if self.bar is not None:
             self.bar.close()

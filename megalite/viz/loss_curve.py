@@ -14,6 +14,8 @@ def plot_loss_curve(metrics_file: str, out_png: str) -> str:
     with open(metrics_file) as fh:
         for line in fh:
             rec = json.loads(line)
+            if "lm_loss" not in rec:          # e.g. the start-up memory report
+                continue
             (valid if rec.get("split") == "valid" else train).append(
                 (rec["iteration"], rec["lm_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -94,12 +94,19 @@ def test_evaluate_rejects_illegal_layout():
         evaluate(m, 8192, Layout(world=64, tp=3, global_batch=512), make_cluster(64))
 
 
-def test_fsdp_layouts_are_advice_only():
+def test_zero_2_and_3_layouts_emit_their_flags():
     m = ms.recipe("llama3-70b")
     res = search(m, 4096, 1024, make_cluster(1024), SearchSpace(zero=(3,), tp=[1], pp=[1]),
                  ModelOptions())
-    assert res.ranked and not res.ranked[0].layout.emittable
-    assert "--use-distributed-optimizer" in res.ranked[0].layout.parallel_flags()
+    assert res.ranked and res.ranked[0].layout.emittable
+    flags = res.ranked[0].layout.parallel_flags()
+    assert "--use-torch-fsdp2" in flags and "--use-distributed-optimizer" not in flags
+    assert not Layout(world=64, pp=2, zero=3).emittable       # FSDP2 does not compose with PP
+    z2 = Layout(world=64, zero=2)
+    assert z2.emittable and {"--use-distributed-optimizer", "--overlap-grad-reduce"} <= \
+        set(z2.parallel_flags())
+    from megalite.planner.layout import layout_from_config
+    assert layout_from_config(z2.to_config(m, 4096)).zero == 2
 
 
 def test_account_for_split_offered_with_interleaving_and_round_trips():

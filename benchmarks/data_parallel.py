@@ -1,0 +1,265 @@
+#!/usr/bin/env python
+"""Data-parallel strategies side by side (issue 12), on gloo processes of this machine:
+
+* comm  -- elements per step per DP rank, measured by comm.py's counters (FSDP2: by hooking
+  the collectives it calls) over theory for Psi parameters: DDP all-reduce Psi; ZeRO-1/2
+  reduce-scatter Psi + all-gather Psi; FSDP2 all-gather 2 Psi + reduce-scatter Psi per
+  micro-batch (the root unit is gathered once: it stays gathered for backward);
+* memory -- bytes per rank of weights, gradients and optimizer states kept between steps, at
+  DP = 1, 2, 4 for DDP, ZeRO-1, ZeRO-2 and FSDP2, next to the planner's prediction for the
+  same layout (``planner.memory.state_bytes``);
+* overlap -- step time on 2 processes with --overlap-grad-reduce off and on (median of
+  alternating steps), and a timeline of one overlapped step (Chrome trace + SVG) showing
+  the bucket reductions starting while backward still runs.
+
+    python benchmarks/data_parallel.py [comm memory overlap] [--svg docs/img/dp_overlap.svg]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--vocab-size", "256", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--mock-data", "--lr", "1e-3",
+         "--train-iters", "100", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--eval-iters", "0", "--micro-batch-size", "1"]
+STRATEGIES = {"DDP": [], "ZeRO-1": ["--use-distributed-optimizer"],
+              "ZeRO-2": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
+              "FSDP2": ["--use-torch-fsdp2"]}
+ZERO = {"DDP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "FSDP2": 3}
+
+
+def _trainer(flags, world):
+    import torch.distributed as torch_dist
+
+    from megalite.arguments import parse_args
+    from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.training.loop import Trainer
+
+    cfg = parse_args(["--world-size", str(world), *MODEL, *flags])
+    grid = RankGrid(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    state = ParallelState.build(grid, 0, create_groups=False) if world == 1 else \
+        ParallelState.build(grid, torch_dist.get_rank())
+    trainer = Trainer(cfg, state, "cpu")
+    trainer.setup()
+    return trainer
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
+    seen = {}
+    for t in tensors:
+        if t is None:
+            continue
+        t = t.to_local() if hasattr(t, "to_local") else t
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _state_bytes(trainer) -> dict:
+    """Weights / grads / optimizer kept between steps on this rank, measured on tensors."""
+    s, opt = trainer.strategy, trainer.optimizer
+    params = [p for c in trainer.model_chunks for p in c.parameters()]
+    if s.sharded_buffers:
+        grads = [b.grad_shard if b.keep_shard_only else b.grad_data for b in s.sharded_buffers]
+    elif s.__class__.__name__ == "FSDP2Strategy":
+        grads = [p.grad for p in s.params]
+    else:
+        grads = [s.grad(p) for p in s.params]
+    moments = [v for st in opt.inner.state.values() for k, v in st.items()
+               if k in ("exp_avg", "exp_avg_sq")]
+    masters = [m for m in opt.masters if all(m is not p for p in params)] if opt.bf16 else []
+    return {"weights": _bytes(params), "grads": _bytes(grads),
+            "optimizer": _bytes(masters + moments)}
+
+
+# -- comm ---------------------------------------------------------------------------------
+def comm_rank(world):
+    from megalite import comm
+    from megalite.distributed.fsdp2 import counting_fsdp_collectives
+
+    rows = []
+    for name, flags in STRATEGIES.items():
+        trainer = _trainer(flags + ["--global-batch-size", str(world)], world)
+        it = trainer.data_iterator(trainer.train_ds, 0)
+        with counting_fsdp_collectives(comm.counter, "fsdp"):
+            for _ in range(2):
+                comm.counter.reset()
+                trainer.train_step(it)
+        c = comm.counter.snapshot()
+        psi = sum(p.numel() for p in trainer.strategy.params)
+        get = lambda k: c.get(k, {}).get("elements", 0)        # noqa: E731
+        if name == "DDP":
+            meas = {"all-reduce": get("dp-cp/all_reduce") - 2}   # minus token count + loss
+            theory = {"all-reduce": psi}
+        elif name == "FSDP2":
+            meas = {"all-gather": get("fsdp/all_gather"), "reduce-scatter": get("fsdp/reduce_scatter")}
+            theory = {"all-gather": 2 * psi, "reduce-scatter": psi}
+        else:
+            meas = {"reduce-scatter": get("dp-cp/reduce_scatter"),
+                    "all-gather": get("dp-cp/all_gather")}
+            theory = {"reduce-scatter": psi, "all-gather": psi}
+        rows.append((name, psi, meas, theory))
+    return rows
+
+
+def run_comm(pool, world):
+    print(f"\n== communication per step per DP rank, DP={world}, 1 micro-batch per rank ==")
+    print(f"{'strategy':8s} {'Psi':>8s}  {'op':15s} {'measured':>10s} {'theory':>10s} {'ratio':>7s}")
+    for name, psi, meas, theory in pool.run(world, comm_rank, world)[0]:
+        for op, m in meas.items():
+            print(f"{name:8s} {psi:8d}  {op:15s} {m:10d} {theory[op]:10d} {m / theory[op]:7.3f}")
+    print("(ZeRO: buffers padded to a multiple of DP per bucket; FSDP2: dim 0 padded to DP "
+          "per parameter, the root unit gathered once per micro-batch, not twice)")
+
+
+# -- memory -------------------------------------------------------------------------------
+def memory_rank(world):
+    from megalite.planner import model_spec as ms
+    from megalite.planner.layout import layout_from_config
+    from megalite.planner.memory import Precision, state_bytes
+
+    out = []
+    for name, flags in STRATEGIES.items():
+        trainer = _trainer(flags + ["--global-batch-size", str(world)], world)
+        it = trainer.data_iterator(trainer.train_ds, 0)
+        trainer.train_step(it)
+        cfg = trainer.cfg
+        L = layout_from_config(cfg)
+        params = ms.stage_params(cfg.model, 0, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
+        pred = state_bytes(params, L.dp * L.cp, L.edp, L.zero,
+                           Precision.bf16() if cfg.optimizer.bf16 else Precision.fp32())
+        out.append((name, L.zero, _state_bytes(trainer), pred))
+        del trainer
+    return out
+
+
+def run_memory(pool):
+    print("\n== bytes per rank kept between steps (fp32: 4 B weights, 4 B grads, 8 B Adam) ==")
+    print(f"{'DP':>2s} {'strategy':8s} {'what':9s} {'measured':>10s} {'planner':>10s} "
+          f"{'meas/plan':>9s}")
+    for world in (1, 2, 4):
+        for name, zero, meas, pred in pool.run(world, memory_rank, world)[0]:
+            for k in ("weights", "grads", "optimizer"):
+                print(f"{world:2d} {name:8s} {k:9s} {meas[k]:10d} {pred[k]:10d} "
+                      f"{meas[k] / pred[k]:9.3f}")
+    print("(planner: state_bytes of the same layout; FSDP2 also holds up to two gathered "
+          "layers during forward/backward, which the planner adds to its peak.  The process's "
+          "resident peak is not compared on CPU: the model is built whole before it is "
+          "sharded, and glibc keeps freed pages -- on GPU compare the allocator's peak, which "
+          "the start-up memory report prints)")
+
+
+# -- overlap ------------------------------------------------------------------------------
+OVERLAP_MODEL = ["--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "1024",
+                 "--seq-length", "128", "--global-batch-size", "4", "--ddp-bucket-size",
+                 "400000"]
+
+
+def overlap_rank(steps, trace_path):
+    import torch.distributed as torch_dist
+
+    times = {"off": [], "on": []}
+    trainers, iters = {}, {}
+    for mode, extra in (("off", []), ("on", ["--overlap-grad-reduce"])):
+        flags = OVERLAP_MODEL + extra + (["--pipeline-timeline", trace_path] if mode == "on"
+                                         else [])
+        trainers[mode] = _trainer(MODEL + flags, 2)   # later flags win
+        iters[mode] = trainers[mode].data_iterator(trainers[mode].train_ds, 0)
+    for i in range(steps + 1):
+        for mode in ("off", "on") if i % 2 == 0 else ("on", "off"):
+            torch_dist.barrier()
+            t0 = time.perf_counter()
+            trainers[mode].train_step(iters[mode])
+            if i:        # the first step learns the accumulation counts: not timed
+                times[mode].append(time.perf_counter() - t0)
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def svg_timeline(trace_path: str, out: str) -> None:
+    """The last recorded iteration of a --pipeline-timeline trace as an SVG: compute (F/BW)
+    on one row, bucket reductions (launch -> wait returned) on the row below."""
+    with open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    last = max(e["args"].get("iteration", 1) for e in events)
+    events = [e for e in events if e["args"].get("iteration", 1) == last and e["pid"] == 0]
+    t0 = min(e["ts"] for e in events)
+    t1 = max(e["ts"] + e["dur"] for e in events)
+    width, scale = 900, 860 / (t1 - t0)
+    colors = {"F": "#4C72B0", "BW": "#55A868", "comm": "#DD8452"}
+    rows = sorted({e["name"] for e in events if e["cat"] == "comm"},
+                  key=lambda n: int(n.split()[-1]))
+    height = 60 + 18 * len(rows)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             'font-family="sans-serif" font-size="11">',
+             f'<text x="20" y="14">one DP=2 step with --overlap-grad-reduce (rank 0, '
+             f'{(t1 - t0) / 1e3:.0f} ms): compute, then one row per gradient bucket '
+             '(bar = launch to wait returned)</text>']
+    for e in events:
+        x = 20 + (e["ts"] - t0) * scale
+        w = max(1.0, e["dur"] * scale)
+        if e["cat"] == "comm":
+            y, color = 42 + 18 * rows.index(e["name"]), colors["comm"]
+        else:
+            y, color = 22, colors.get(e["cat"], "#999")
+        parts.append(f'<rect x="{x:.1f}" y="{y}" width="{w:.1f}" height="16" fill="{color}" '
+                     f'stroke="white"><title>{e["name"]} {e["dur"] / 1e3:.1f} ms</title></rect>')
+        if w > 40:
+            parts.append(f'<text x="{x + 3:.1f}" y="{y + 12}" fill="white">{e["name"]}</text>')
+    parts.append("</svg>")
+    with open(out, "w") as f:
+        f.write("\n".join(parts))
+
+
+def run_overlap(pool, steps, svg):
+    import tempfile
+
+    trace = os.path.join(tempfile.mkdtemp(), "dp_overlap_trace.json")
+    res = pool.run(2, overlap_rank, steps, trace)
+    off = statistics.median(r["off"] for r in res)
+    on = statistics.median(r["on"] for r in res)
+    print(f"\n== step time, 2 processes, DP=2, {steps} steps each (median) ==")
+    print(f"overlap off: {1e3 * off:.1f} ms   overlap on: {1e3 * on:.1f} ms   "
+          f"on/off: {on / off:.3f}   (cores: {os.cpu_count()})")
+    if svg:
+        svg_timeline(trace, svg)
+        print(f"timeline: {trace} (Chrome trace), {svg}")
+
+
+def main(argv=None):
+    from megalite.testing import PoolManager
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("parts", nargs="*", default=["comm", "memory", "overlap"])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--svg", default=None, help="write the overlap timeline as SVG here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    pool = PoolManager()
+    try:
+        if "comm" in args.parts:
+            run_comm(pool, 2)
+            run_comm(pool, 4)
+        if "memory" in args.parts:
+            run_memory(pool)
+        if "overlap" in args.parts:
+            run_overlap(pool, args.steps, args.svg)
+    finally:
+        pool.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
