@@ -52,7 +52,10 @@ BAD_INPUTS = [
       "--num-layers", "8"], 8, ["--num-layers (8)", "--num-layers-per-virtual-pipeline-stage (3)"]),
     (["--fp16"], 8, ["--fp16", "--bf16"]),
     (["--context-parallel-size", "2"], 8, ["--context-parallel-size", "not implemented yet"]),
-    (["--num-experts", "4"], 8, ["--num-experts", "not implemented yet"]),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 8,
+     ["--num-experts", "--sequence-parallel"]),
+    (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+      "zero-bubble"], 8, ["zero-bubble", "--num-experts"]),
     (["--transformer-impl", "transformer_engine"], 8, ["--transformer-impl", "local"]),
     (["--sample-windows", "random"], 8, ["--sample-windows random", "--mock-data"]),
 ]
