@@ -80,3 +80,23 @@ def moe_layers(chunks):
             if isinstance(module, MoELayer):
                 out[module.layer_number] = module
     return out
+
+
+def expert_bias_state(chunks, state) -> dict:
+    """{layer number (str): bias list} of every MoE layer of the model, on every rank
+    (gathered over pp), for a checkpoint's JSON metadata.  Collective over pp."""
+    from megalite import comm
+
+    mine = {str(n): layer.router.expert_bias.tolist() for n, layer in moe_layers(chunks).items()
+            if layer.router.expert_bias is not None}
+    out = {}
+    for part in comm.all_gather_object(mine, state.pp):
+        out.update(part)
+    return out
+
+
+@torch.no_grad()
+def load_expert_bias_state(chunks, saved: dict) -> None:
+    for n, layer in moe_layers(chunks).items():
+        if layer.router.expert_bias is not None and str(n) in saved:
+            layer.router.expert_bias.copy_(torch.tensor(saved[str(n)]))
