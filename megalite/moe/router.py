@@ -84,8 +84,8 @@ class TopKRouter(nn.Module):
         return n * (self.tp_group.size if self.sequence_parallel else 1)
 
     # -- routing --------------------------------------------------------------------------
-    def _select(self, logits: torch.Tensor):
-        """(probs [T, k], indices [T, k], scores for the aux loss [T, E])."""
+    def _select(self, logits: torch.Tensor, need_aux: bool):
+        """(probs [T, k], indices [T, k], scores for the aux loss [T, E] or None)."""
         m, k = self.cfg, self.topk
         bias = self.expert_bias
         if m.moe_router_score_function == "sigmoid":
@@ -95,7 +95,7 @@ class TopKRouter(nn.Module):
             probs = scores.gather(1, idx)
             if k > 1:
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
-            aux_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+            aux_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20) if need_aux else None
             return probs, idx, aux_scores
         if m.moe_router_pre_softmax:
             scores = torch.softmax(logits, dim=-1)
@@ -106,7 +106,7 @@ class TopKRouter(nn.Module):
             routed = logits if bias is None else logits + bias
             _, idx = torch.topk(routed, k, dim=-1)
             probs = torch.softmax(logits.gather(1, idx), dim=-1)
-        return probs, idx, torch.softmax(logits, dim=-1)
+        return probs, idx, torch.softmax(logits, dim=-1) if need_aux else None
 
     def _drop(self, probs, idx) -> torch.Tensor:
         """Capacity-factor dropping: each expert keeps at most ``capacity`` of this rank's
@@ -131,15 +131,16 @@ class TopKRouter(nn.Module):
     def forward(self, tokens: torch.Tensor, batch: int):
         m = self.cfg
         logits = F.linear(tokens, self.weight).float()                       # [T, E]
-        probs, idx, aux_scores = self._select(logits)
+        lb = m.moe_router_load_balancing_type
+        need_aux = lb != "none" and bool(m.moe_aux_loss_coeff)
+        probs, idx, aux_scores = self._select(logits, need_aux)
         keep = self._drop(probs, idx)
         T, E, k = logits.shape[0], self.num_experts, self.topk
         routing_map = torch.zeros(T, E, dtype=torch.float32, device=logits.device)
         routing_map.scatter_(1, idx, 1.0)
         counts = self._token_sum(routing_map.sum(0))                          # [E]
         stats = {"counts": counts.detach(), "aux_loss": 0.0, "z_loss": 0.0}
-        lb = m.moe_router_load_balancing_type
-        if lb != "none" and m.moe_aux_loss_coeff:
+        if need_aux:
             if lb == "aux_loss":
                 n = self._tp_tokens(T)
                 score_sum = self._token_sum(aux_scores.sum(0))

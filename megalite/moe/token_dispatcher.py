@@ -70,8 +70,11 @@ class Pairs:
         return tokens.index_select(0, self.token)
 
     def unpermute(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``out[token] += weight * y`` (index_put keeps only the index for backward, where
+        index_add would also keep its weighted source)."""
         out = y.new_zeros((num_tokens, y.shape[-1]))
-        return out.index_add(0, self.token, y * self.weight.unsqueeze(-1).to(y.dtype))
+        return out.index_put((self.token,), y * self.weight.unsqueeze(-1).to(y.dtype),
+                             accumulate=True)
 
 
 class AllToAllDispatcher:

@@ -13,6 +13,8 @@ LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--s
          "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "160",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) unless LLAMA
     "single_llama_selective": (1, LLAMA + ["--recompute-granularity", "selective"]),
@@ -22,6 +24,10 @@ CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) 
     "pp2_llama": (2, PP2 + LLAMA),
     "tp2_dp2_sp": (4, TP2 + ["--sequence-parallel"]),
     "tp2_pp2_sp_llama_bf16": (4, TP2 + PP2 + LLAMA + ["--sequence-parallel", "--bf16"]),
+    "moe_ep2": (2, MOE + ["--expert-model-parallel-size", "2"]),
+    "moe_ep2_tp2_sp_etp1_shared_llama": (4, MOE + LLAMA + TP2 + [
+        "--expert-model-parallel-size", "2", "--sequence-parallel",
+        "--expert-tensor-parallel-size", "1", "--moe-shared-expert-intermediate-size", "32"]),
 }
 
 
