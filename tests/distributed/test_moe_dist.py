@@ -1,7 +1,8 @@
 """MoE through the real loop on 4 gloo processes against one process: LM loss, aux loss,
 z-loss and grad norm equal the single-process run (rel <= 1e-5 at step 1, <= 1e-4 over 10
 steps) for EP=2, EP=4, EP=2 with attention TP=2 + SP (expert-TP=1), EP=2 with expert-TP=2,
-EP x PP = 2, EP with DP and the distributed optimizer, the allgather dispatcher, and
+EP x PP = 2, EP with DP and the distributed optimizer, full and MLP recomputation, the
+allgather dispatcher, and
 sigmoid scores + per-sequence aux loss + expert bias + a shared expert.
 
 The router weights are scaled up (identically in every run) so routing is skewed: the test
@@ -45,6 +46,10 @@ CASES = {   # name: (world, flags, reference)
     "ep2-etp2": (WORLD, EP2 + ["--expert-tensor-parallel-size", "2"], "ref"),
     "ep2-pp2": (WORLD, EP2 + ["--pp", "2"], "ref"),
     "ep2-dp-distopt": (WORLD, EP2 + ["--use-distributed-optimizer"], "ref"),
+    "ep2-pp2-full-recompute": (WORLD, EP2 + ["--pp", "2", "--recompute-granularity", "full",
+                                             "--recompute-method", "uniform"], "ref"),
+    "ep4-recompute-mlp": (WORLD, ["--ep", "4", "--recompute-granularity", "selective",
+                                  "--recompute-modules", "mlp"], "ref"),
     "ep2-etp2-allgather": (WORLD, EP2 + ["--expert-tensor-parallel-size", "2",
                                          "--moe-token-dispatcher-type", "allgather"], "ref"),
     "ref-variant": (1, VARIANT, None),
