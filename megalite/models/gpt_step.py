@@ -13,6 +13,8 @@ import functools
 import torch
 
 from megalite.models.family import ModelFamily, StepContext
+from megalite.moe.metrics import moe_step_metrics
+from megalite.moe.router import extra_loss_names as moe_extra_loss_names
 from megalite.transformer.extra_losses import collect_extra_losses
 
 
@@ -62,14 +64,11 @@ def forward_step(batch: dict, model, ctx: StepContext):
 
 def extra_loss_names(cfg):
     """The MoE layers' load-balancing terms (none for a dense model)."""
-    from megalite.moe.router import extra_loss_names as moe_names
-
-    return moe_names(cfg.model)
+    return moe_extra_loss_names(cfg.model)
 
 
 def after_train_step(chunks, cfg, state) -> dict:
-    from megalite.moe.metrics import moe_step_metrics
-
+    """Per-layer expert loads and terms; the expert-bias update ({} for a dense model)."""
     return moe_step_metrics(chunks, cfg, state)
 
 

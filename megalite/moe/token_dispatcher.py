@@ -31,9 +31,9 @@ from megalite.moe.comm_ops import (all_gather_counts, all_to_all, gather_equal, 
                                    reduce_scatter_equal, reduce_scatter_uneven)
 
 
-def sort_chunks(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """Permutation of the rows of ``x``, laid out as chunks ``sizes`` [A, B] in row-major
-    order, that orders them B-major (chunk (a, b) moves to position b * A + a)."""
+def sort_chunks(sizes: torch.Tensor) -> torch.Tensor:
+    """Permutation of rows laid out as chunks ``sizes`` [A, B] in row-major order that
+    orders them B-major (chunk (a, b) moves to position b * A + a)."""
     a, b = sizes.shape
     chunk = torch.repeat_interleave(torch.arange(a * b, device=sizes.device), sizes.reshape(-1))
     key = (chunk % b) * a + chunk // b
@@ -97,7 +97,7 @@ class AllToAllDispatcher:
             chunks = all_gather_counts(mine.contiguous(), etp)
             x = gather_uneven(x, etp, chunks.sum((1, 2)).tolist())
         sizes = chunks.reshape(-1, n_local)                              # [etp*ep, local]
-        perm = sort_chunks(x, sizes)
+        perm = sort_chunks(sizes)
         per_expert = sizes.sum(0).tolist()
         self.last_tokens_per_local_expert = per_expert
         y = experts(x.index_select(0, perm), per_expert)
@@ -109,7 +109,7 @@ class AllToAllDispatcher:
 
 
 class AllGatherDispatcher:
-    def __init__(self, num_experts: int, ep_group, expert_tp_group, tp_ep_group):
+    def __init__(self, num_experts: int, ep_group, tp_ep_group):
         self.num_experts, self.ep, self.group = num_experts, ep_group, tp_ep_group
         self.num_local = num_experts // ep_group.size
         self.last_tokens_per_local_expert: Optional[List[int]] = None
@@ -135,6 +135,5 @@ def build_dispatcher(model_cfg, comm_groups):
     if kind == "alltoall":
         return AllToAllDispatcher(model_cfg.num_experts, comm_groups.ep, comm_groups.expert_tp)
     if kind == "allgather":
-        return AllGatherDispatcher(model_cfg.num_experts, comm_groups.ep, comm_groups.expert_tp,
-                                   comm_groups.tp_ep)
+        return AllGatherDispatcher(model_cfg.num_experts, comm_groups.ep, comm_groups.tp_ep)
     raise ValueError(f"unknown --moe-token-dispatcher-type {kind!r}")

@@ -111,7 +111,7 @@ def test_dispatchers_equal_the_per_token_reference_with_idle_experts(kind):
     keep = torch.ones(10, K, dtype=torch.bool)
     keep[0, 1] = False                                        # a dropped pair
     disp = AllToAllDispatcher(E, g.ep, g.expert_tp) if kind == "alltoall" else \
-        AllGatherDispatcher(E, g.ep, g.expert_tp, g.tp_ep)
+        AllGatherDispatcher(E, g.ep, g.tp_ep)
     out = disp(x, probs, idx, keep, experts)
     assert disp.last_tokens_per_local_expert == [6, 9, 0, 4]
     torch.testing.assert_close(out, reference_moe(x, probs, idx, keep, experts))
@@ -120,7 +120,7 @@ def test_dispatchers_equal_the_per_token_reference_with_idle_experts(kind):
 def test_sort_chunks_reorders_source_major_to_expert_major():
     sizes = torch.tensor([[1, 0, 2], [2, 1, 0]])             # [source, expert]
     rows = torch.tensor([0, 2, 2, 10, 10, 11])                # value = 10*source + expert
-    perm = sort_chunks(rows, sizes)
+    perm = sort_chunks(sizes)
     assert rows[perm].tolist() == [0, 10, 10, 11, 2, 2]
     assert torch.equal(rows[perm][inverse_permutation(perm)], rows)
 
