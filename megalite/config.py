@@ -129,6 +129,29 @@ class ModelConfig:
     moe_layer_freq: Union[int, list] = opt(
         1, "MoE layers: every n-th layer from layer 0, or a 0/1 pattern with one entry per "
         "layer, e.g. '[1,0]*2' (Megatron's form).", type=parse_moe_layer_freq)
+    moe_router_score_function: str = opt("softmax", "Router score: softmax or sigmoid.",
+                                         choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = opt(
+        False, "Softmax over all experts before top-k (else softmax over the top-k logits).",
+        action="store_true")
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "Load balancing: aux_loss (per micro-batch), seq_aux_loss (per sequence) or "
+        "none.", choices=["aux_loss", "seq_aux_loss", "none"])
+    moe_z_loss_coeff: Optional[float] = opt(None, "Router z-loss coefficient (none = off).")
+    moe_router_enable_expert_bias: bool = opt(
+        False, "DeepSeek-V3 aux-loss-free balancing: a per-expert bias added to the scores "
+        "for top-k selection only, nudged after each step.", action="store_true")
+    moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert-bias update.")
+    moe_expert_capacity_factor: Optional[float] = opt(
+        None, "Expert capacity = factor x tokens x topk / experts; extra tokens are dropped "
+        "(none = no dropping).")
+    moe_token_drop_policy: str = opt("probs", "Which tokens an over-full expert drops: lowest "
+                                     "probability (probs) or latest (position).",
+                                     choices=["probs", "position"])
+    moe_shared_expert_intermediate_size: Optional[int] = opt(
+        None, "Hidden size of the shared expert (a dense MLP every token goes through).")
+    moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch over the EP group.",
+                                         choices=["alltoall", "allgather"])
     transformer_impl: str = opt(
         "auto", "Hot-layer implementation: 'local' (pure PyTorch), 'transformer_engine', or "
         "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"])
@@ -146,6 +169,10 @@ class ModelConfig:
             raise ValueError(f"--moe-layer-freq pattern has {len(freq)} entries for "
                              f"{self.num_layers} layers")
         return bool(freq[layer])
+
+    def resolved_moe_ffn_hidden_size(self) -> int:
+        """Hidden size of one routed expert (``--moe-ffn-hidden-size``, else the MLP's)."""
+        return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()
 
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:

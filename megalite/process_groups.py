@@ -7,6 +7,7 @@ without new constructor arguments (Megatron-Core's ``ProcessGroupCollection``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megalite.parallel_state import Group, ParallelState
 
@@ -17,8 +18,9 @@ class ModelCommGroups:
     cp: Group          # context parallelism: splits the sequence inside core attention
     ep: Group          # expert parallelism: which experts this rank holds
     expert_tp: Group   # tensor parallelism inside an expert (may differ from ``tp``)
+    tp_ep: Optional[Group] = None   # expert-TP x EP (the allgather token dispatcher)
 
     @classmethod
     def from_parallel_state(cls, state: ParallelState) -> "ModelCommGroups":
         return cls(tp=state["tp"], cp=state["cp"], ep=state["ep"],
-                   expert_tp=state["expert-tp"])
+                   expert_tp=state["expert-tp"], tp_ep=state.groups.get("tp-ep"))

@@ -249,6 +249,22 @@ def check_experts(cfg: MegaliteConfig) -> None:
                               f"--expert-model-parallel-size ({p.ep})")
         if m.moe_router_topk > m.num_experts:
             raise ConfigError(f"--moe-router-topk ({m.moe_router_topk}) exceeds --num-experts")
+        if p.tp > 1 and not p.sequence_parallel:
+            raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
+                              "--sequence-parallel (each token must live on one rank for the "
+                              "expert dispatch, as in Megatron)")
+        if p.pipeline_schedule == "zero-bubble":
+            raise ConfigError("--pipeline-schedule zero-bubble with --num-experts: the split "
+                              "input/weight backward would reorder the expert all-to-alls "
+                              "across EP ranks; use 1f1b or interleaved")
+        if m.moe_shared_expert_intermediate_size is not None and \
+                m.moe_shared_expert_intermediate_size % p.tp:
+            raise ConfigError("--moe-shared-expert-intermediate-size must be divisible by "
+                              "--tensor-model-parallel-size")
+        ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        if ffn is not None and ffn % p.etp:
+            raise ConfigError(f"the expert hidden size ({ffn}) is not divisible by "
+                              f"--expert-tensor-parallel-size ({p.etp})")
     elif p.ep > 1:
         raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
 
@@ -304,9 +320,6 @@ def validate_training(cfg: MegaliteConfig) -> None:
         if p.cp > 1 and m.attention_dropout:
             raise ConfigError("--context-parallel-size > 1 has no attention dropout: set "
                               "--attention-dropout 0")
-        if m.num_experts:
-            raise ConfigError("--num-experts: MoE layers are not implemented yet (the expert grid "
-                              "and --dry-run are); drop --num-experts")
         if m.transformer_impl == "transformer_engine":
             raise ConfigError("--transformer-impl transformer_engine is not implemented yet; "
                               "use local (or auto)")

@@ -20,8 +20,12 @@ from megalite.transformer.attention import DotProductAttention, SelfAttention
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norms import IdentityNorm, build_norm
-from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, ModuleSpec,
-                                       SelfAttentionSubmodules, TransformerLayerSubmodules)
+from megalite.moe.experts import GroupedMLP
+from megalite.moe.moe_layer import MoELayer
+from megalite.moe.router import TopKRouter
+from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, MoESubmodules,
+                                       ModuleSpec, SelfAttentionSubmodules,
+                                       TransformerLayerSubmodules)
 
 
 def local_spec() -> LayerSpec:
@@ -32,9 +36,11 @@ def local_spec() -> LayerSpec:
                                linear_proj=RowParallelLinear))
     mlp = ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                    linear_fc2=RowParallelLinear))
+    moe = ModuleSpec(MoELayer, submodules=MoESubmodules(router=TopKRouter, experts=GroupedMLP,
+                                                        shared_experts=mlp))
     layer = ModuleSpec(TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=build_norm, self_attention=attention, pre_mlp_layernorm=build_norm,
-        mlp=mlp))
+        mlp=mlp, moe_mlp=moe))
     return LayerSpec(layer=layer, norm=build_norm, column_parallel_linear=ColumnParallelLinear)
 
 
@@ -61,6 +67,9 @@ def fuse_norms(spec: LayerSpec, model_cfg) -> LayerSpec:
     becomes ``NormColumnParallelLinear`` (the norm's own slot becomes ``IdentityNorm``)."""
     layer = spec.layer.submodules
     attn, mlp = layer.self_attention, layer.mlp
+    if model_cfg.num_experts:   # an MoE layer keeps its own pre-MLP norm (as Megatron's TE spec)
+        raise NotImplementedError("fused norm+linear slots with MoE layers: the MoE block has no "
+                                  "linear to fuse the pre-MLP norm into")
 
     def fused(norm):
         return ModuleSpec(NormColumnParallelLinear,

@@ -52,15 +52,43 @@ def _named(chunks: List[nn.Module]):
         yield from param_table(chunk).named(chunk)
 
 
-def local_shards(model_chunks) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
-    """This rank's shards and split rules, keyed by global name (tied copies once)."""
+def local_shards(model_chunks, whole: Optional[Dict[str, torch.Tensor]] = None
+                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, dict]]:
+    """This rank's shards and split rules, keyed by global name (tied copies once);
+    tensors in ``whole`` (expert parameters gathered by ``gather_expert_params``) are
+    written whole, with no split."""
     tensors, metas = {}, {}
+    whole = whole or {}
     for name, p, spec in _named(_chunks(model_chunks)):
-        if name not in tensors:        # FSDP2: the TP-local tensor (collective over DP)
+        if name in whole:
+            tensors[name] = whole[name]
+            metas[name] = ParamSpec(tuple(whole[name].shape)).to_meta_dict()
+        elif name not in tensors:      # FSDP2: the TP-local tensor (collective over DP)
             full = p.full_tensor() if isinstance(p, DTensor) else p
             tensors[name] = full.detach().cpu().clone()
             metas[name] = spec.to_meta_dict()
     return tensors, metas
+
+
+def gather_expert_params(model_chunks, state) -> Dict[str, torch.Tensor]:
+    """Full tensors of the parameters split over the expert grid (EP x expert-TP), gathered
+    over the tp-ep group on every rank: the shard files are per (tp, pp) rank, so an expert
+    tensor must be whole in them (it then reloads at any EP / expert-TP).  Collective."""
+    named = [(n, p, s) for n, p, s in _named(_chunks(model_chunks))
+             if s.expert and s.splits]
+    if not named:
+        return {}
+    group = state["tp-ep"]
+    coords = group_coords(state)
+    mine = {g: coords[g] for g in ("ep", "expert-tp")}
+    members = comm.all_gather_object(mine, group)
+    out = {}
+    for name, p, spec in named:
+        local = p.detach().contiguous()
+        buf = local.new_empty((group.size * local.shape[0], *local.shape[1:]))
+        comm.all_gather_into_tensor(buf, local, group)
+        out[name] = spec.unshard(list(zip(members, buf.cpu().chunk(group.size))))
+    return out
 
 
 def _atomic_save(obj, path: str) -> None:
@@ -92,12 +120,13 @@ def save_model_shards(directory: str, iteration: int, model_chunks, cfg, state,
     ``extra`` is stored per (tp, pp) rank in ``extra.pt`` (see ``load_extra``) and, when it
     is JSON-serializable, global rank 0's copy also goes into metadata.json["extra"].
     """
+    whole = gather_expert_params(model_chunks, state)
     fsdp = any(isinstance(p, DTensor) for c in _chunks(model_chunks) for p in c.parameters())
-    gathered = local_shards(model_chunks) if fsdp else None   # every DP rank gathers
+    gathered = local_shards(model_chunks, whole) if fsdp else None  # every DP rank gathers
     if state["dp"].rank == 0 and state["cp"].rank == 0:
         path = shard_dir(directory, iteration, state.tp.rank, state.pp.rank)
         os.makedirs(path, exist_ok=True)
-        tensors, metas = gathered or local_shards(model_chunks)
+        tensors, metas = gathered or local_shards(model_chunks, whole)
         _atomic_save({"model": tensors, "meta": metas}, os.path.join(path, "model.pt"))
         if extra is not None:
             _atomic_save(extra, os.path.join(path, "extra.pt"))

@@ -23,6 +23,10 @@ def no_extra_losses(cfg) -> Tuple[str, ...]:
     return ()
 
 
+def no_step_metrics(chunks, cfg, state) -> dict:
+    return {}
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
@@ -35,6 +39,9 @@ class ModelFamily:
     forward_step: Callable
     # cfg -> names of the extra loss terms modules may register (logged under these keys)
     extra_loss_names: Callable = no_extra_losses
+    # (chunks, cfg, state) -> {metric: value} after each optimizer step (every rank calls
+    # it: it may reduce statistics; MoE logs expert loads and updates its expert bias)
+    after_train_step: Callable = no_step_metrics
 
 
 @dataclass

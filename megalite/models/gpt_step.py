@@ -3,7 +3,8 @@
 ``GPT_FAMILY`` bundles ``build_model_chunks``, ``get_batch`` and ``forward_step`` (whose
 ``loss_func`` is the masked per-token loss over the global token count).  Extra loss terms
 that modules register (``transformer/extra_losses.py``) join the backward of the chunk
-that computed them and are logged under their names; GPT itself declares none yet.
+that computed them and are logged under their names: the MoE layers' aux and z losses
+(``moe/router.py``); ``after_train_step`` adds the per-layer expert-load statistics.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 
 from megalite.context_parallel.load_balance import slice_batch
 from megalite.models.family import ModelFamily, StepContext
+from megalite.moe.metrics import moe_step_metrics
+from megalite.moe.router import extra_loss_names as moe_extra_loss_names
 from megalite.transformer.extra_losses import collect_extra_losses
 
 
@@ -60,5 +63,16 @@ def forward_step(batch: dict, model, ctx: StepContext):
     return output, functools.partial(loss_func, batch["loss_mask"], ctx.num_loss_tokens)
 
 
+def extra_loss_names(cfg):
+    """The MoE layers' load-balancing terms (none for a dense model)."""
+    return moe_extra_loss_names(cfg.model)
+
+
+def after_train_step(chunks, cfg, state) -> dict:
+    """Per-layer expert loads and terms; the expert-bias update ({} for a dense model)."""
+    return moe_step_metrics(chunks, cfg, state)
+
+
 GPT_FAMILY = ModelFamily(name="gpt", build_model_chunks=build_model_chunks,
-                         get_batch=get_batch, forward_step=forward_step)
+                         get_batch=get_batch, forward_step=forward_step,
+                         extra_loss_names=extra_loss_names, after_train_step=after_train_step)

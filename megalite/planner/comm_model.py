@@ -96,7 +96,8 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     # each layer's last exit, whose output no saved tensor needs (non-reentrant
     # checkpointing stops early).
     if t > 1:
-        mlp_tp = n_layers - n_moe + (n_moe if L.etp > 1 else 0)
+        # MoE layers: only the shared expert is a TP MLP (experts use expert-TP)
+        mlp_tp = n_dense + (n_moe if m.moe_shared_expert_intermediate_size else 0)
         pairs = n_layers + mlp_tp                       # blocks with a TP entry/exit pair
         rec_in, rec_out = (pairs, pairs - n_layers) if full else (0, 0)
         if L.sp:
@@ -144,10 +145,27 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
             out += [Event("cp", "send", kv, steps, a, kind="cp"),
                     Event("cp", "recv", kv, steps, a, kind="cp")]
     # Expert parallel: dispatch + combine forward, the same backward.
+    # (this rank sends its pairs and receives as many on average: the EP group's mean is
+    # exact, a single rank's depends on routing); the per-expert counts are all-gathered
+    # (int64) before each dispatch.
+    fwd = n_moe * mbs * (2 if full else 1)
     if L.ep > 1 and n_moe:
         copies = T // (t if L.sp else 1) * m.moe_router_topk
         calls = n_moe * mbs * ((4 if full else 2) + 2)
         out.append(Event("ep", "all_to_all", copies * h, calls, a, kind="ep"))
+        out.append(Event("ep", "all_gather", L.ep * m.num_experts, fwd, 8, kind="ep"))
+    if L.etp > 1 and n_moe:
+        out.append(Event("expert-tp", "all_gather", L.etp * m.num_experts, fwd, 8, kind="ep"))
+    # The router's statistics under SP: summed over TP (forward all-reduces, fp32).
+    if L.sp and t > 1 and n_moe:
+        E, lb = m.num_experts, m.moe_router_load_balancing_type
+        stats = [E]                                                   # expert counts
+        if lb != "none" and m.moe_aux_loss_coeff:
+            stats += [E] if lb == "aux_loss" else [L.micro_batch * E, L.micro_batch * E]
+        if m.moe_z_loss_coeff:
+            stats.append(1)
+        for n in stats:
+            out.append(Event("tp", "all_reduce", n, fwd, 4))
     # Pipeline: one activation forward and one gradient backward per micro-batch and chunk.
     if L.pp > 1:
         msg = T * h // t            # SP shard, or Megatron's scatter/gather split over TP
@@ -162,7 +180,9 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     if L.sp and t > 1:          # params that saw a sequence shard: norms, row-parallel
         per_norm = h * (2 if m.normalization == "LayerNorm" else 1)     # biases, positions
         n = (2 * n_layers + (1 if last else 0)) * per_norm
-        n += 2 * n_layers * h if m.add_bias_linear else 0
+        mlp_rows = n_dense + (n_moe if m.moe_shared_expert_intermediate_size else 0)
+        n += (n_layers + mlp_rows) * h if m.add_bias_linear else 0     # (experts: no bias)
+        n += n_moe * m.num_experts * h if m.num_experts else 0         # MoE routers
         if first and m.position_embedding_type == "learned_absolute":
             n += ms.max_positions(m) * h
         out.append(Event("tp", "all_reduce", n, 1, dtype_bytes=grad_bytes, kind="dp"))

@@ -25,6 +25,7 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     linear = 2 * h * (a + 2 * g) * d + 2 * a * d * h
     if moe:
         linear += 2 * h * m.num_experts + m.moe_router_topk * 2 * h * ms.moe_ffn(m) * gate
+        linear += 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gate
     else:
         linear += 2 * h * m.resolved_ffn_hidden_size() * gate
     core = 4 * seq * a * d

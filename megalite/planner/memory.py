@@ -87,8 +87,8 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
     TP without SP leaves the 10*s*b*h of norms, their outputs and dropout masks replicated.
     """
     recompute = L.recompute if recompute is None else recompute
-    if opts.local_layers and not moe:
-        return local_layer_bytes(m, L, seq, opts, recompute)
+    if opts.local_layers:
+        return local_layer_bytes(m, L, seq, opts, recompute, moe)
     t, T = L.tp, (seq // L.cp) * L.micro_batch      # tokens on this rank
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
@@ -188,7 +188,7 @@ def _local_norm(m: ModelConfig, tokens: int, e: int) -> int:
 
 
 def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions,
-                      recompute: str) -> int:
+                      recompute: str, moe: bool = False) -> int:
     """One dense layer of megalite's local kernels per micro-batch (docs/planner.md, "Local
     layers"): they keep more than the fused kernels Korthikanti et al. count -- RoPE'd q
     and k are new buffers, the attention output is copied for the projection, SwiGLU keeps
@@ -222,9 +222,36 @@ def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     f = m.resolved_ffn_hidden_size()
     if "mlp" in mods:
         mlp = e * Tn * h                           # checkpointed pre-MLP-norm output
+    elif moe:
+        mlp = local_moe_bytes(m, L, Tn, e)
     else:                                          # fc1 input; fc1 output, (silu,) fc2 input
         mlp = e * Tn * h + (4 if m.swiglu else 2) * e * T * f // t
     return norms + drop + attn + mlp
+
+
+def local_moe_bytes(m: ModelConfig, L: Layout, Tn: int, e: int) -> int:
+    """megalite's MoE block (``megalite/moe``) per micro-batch with alltoall dispatch and
+    uniform routing (each rank receives as many pairs as it sends): the router input, fp32
+    logits / scores, int64 choices and permutations, the sorted expert input, fc1 output,
+    (silu,) fc2 input, the returned expert output, and the shared expert's MLP."""
+    h, E, k = m.hidden_size, m.num_experts, m.moe_router_topk
+    pairs = Tn * k
+    rows = pairs * L.etp                           # expert rows after the expert-TP gather
+    fe = ms.moe_ffn(m) // L.etp
+    n = e * Tn * h                                 # router / dispatch input (pre-MLP norm)
+    n += 4 * Tn * E + 4 * Tn * k                   # fp32 logits; softmax over the top-k
+    if m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff:
+        n += 4 * Tn * E                            # scores over all experts for the aux loss
+    if m.moe_z_loss_coeff:
+        n += 4 * Tn                                # logsumexp
+    n += 8 * Tn * k + 2 * 8 * pairs + 2 * 8 * rows  # int64 choices, pair order and token,
+    n += e * pairs                                 # sort permutation + inverse; pair weights
+    n += e * rows * h + (4 if m.swiglu else 2) * e * rows * fe   # expert input; fc1 out, act
+    n += e * pairs * h                             # expert output back at this rank (x prob)
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:                                     # its fc1 input is the router's input
+        n += (4 if m.swiglu else 2) * e * (Tn * (L.tp if L.sp else 1)) * shared // L.tp
+    return n
 
 
 def local_stage_extra_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,

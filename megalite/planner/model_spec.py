@@ -172,8 +172,11 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
         return ParamCount(dense=n)
     fe, local = moe_ffn(m), m.num_experts // ep
     n += m.num_experts * h                                          # router
-    per_expert = gate * fe * h // etp + (gate * fe // etp if bias else 0) + \
-        h * fe // etp + (h if bias else 0)
+    shared = m.moe_shared_expert_intermediate_size                  # a dense MLP (TP)
+    if shared:
+        n += gate * shared * h // tp + (gate * shared // tp if bias else 0)
+        n += h * shared // tp + (h if bias else 0)
+    per_expert = gate * fe * h // etp + h * fe // etp                # grouped, no biases
     return ParamCount(dense=n, expert=local * per_expert)
 
 

@@ -5,6 +5,9 @@ The planner is only worth trusting at scale if, where it can be checked, it is r
 weights, gradients and optimizer states must match byte for byte, activations (a model of
 the kernels) within 10%, and communication per group and op within 1%.
 
+MoE runs: a rank's all-to-all bytes depend on the routing; they are compared as the mean over
+its EP group, which the planner's uniform share equals exactly (``ep_group_means``).
+
 Activations are the *peak* bytes held for backward during the iteration (so with PP this
 is the in-flight peak of the schedule): every tensor autograd saves, followed live through
 ``saved_tensors_hooks`` and deduplicated by storage, plus tensors custom autograd Functions
@@ -226,8 +229,29 @@ def validate(flags: List[str], nproc: int, pool=None) -> tuple:
             pool.close()
     else:
         measured = pool.run(nproc, measure_rank, argv)
+    measured = ep_group_means(cfg, measured)
     rows = [compare(p, m) for p, m in zip(preds, measured)]
     return rows, all(x["ok"] for r in rows for x in r)
+
+
+def ep_group_means(cfg, measured: List[dict]) -> List[dict]:
+    """MoE: what one rank's all-to-alls carry depends on where its tokens were routed (it
+    sends its pairs, it receives what the others chose to send it); the planner predicts
+    the uniform share, which is exactly the mean over the EP group.  So those bytes are
+    compared as the EP group's mean (calls are per rank and stay as measured)."""
+    if not cfg.model.num_experts or cfg.parallel.ep == 1:
+        return measured
+    from megalite.parallel_state import RankGrid
+
+    grid = RankGrid.from_config(cfg)
+    key = "ep/all_to_all"
+    out = [dict(m, comm={k: dict(v) for k, v in m["comm"].items()}) for m in measured]
+    for r, m in enumerate(out):
+        if key in m["comm"]:
+            members = grid.group_of("ep", r)
+            m["comm"][key]["bytes"] = sum(measured[q]["comm"][key]["bytes"]
+                                          for q in members) // len(members)
+    return out
 
 
 USAGE = """usage: megalite plan --validate-run --nproc N [pretrain_gpt.py flags]

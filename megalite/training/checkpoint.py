@@ -15,6 +15,7 @@ from megalite import comm
 from megalite.checkpointing.model_io import (load_model_shards, read_metadata,
                                              save_model_shards)
 from megalite.distributed.replicas import check_replicas
+from megalite.moe.moe_layer import expert_bias_state, load_expert_bias_state
 
 
 def _iter_dir(root: str, iteration: int) -> str:
@@ -41,6 +42,8 @@ def save_training_checkpoint(trainer) -> str:
                            "tokenizer_model": os.path.abspath(d.tokenizer_model)
                            if d.tokenizer_model else None,
                            "vocab_size": cfg.model.vocab_size}}
+    if cfg.model.moe_router_enable_expert_bias:   # a buffer, not a parameter: kept here
+        extra["moe_expert_bias"] = expert_bias_state(trainer.model_chunks, state)
     save_model_shards(root, trainer.iteration, trainer.model_chunks, cfg, state, extra)
     path = os.path.join(_iter_dir(root, trainer.iteration), "optim", f"rank_{state.rank:05d}.pt")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -56,6 +59,7 @@ def load_training_checkpoint(trainer) -> None:
     trainer.optimizer.reload_model_params()    # fp32 masters follow the loaded weights
     meta = read_metadata(root, iteration)
     extra = meta.get("extra", {})
+    load_expert_bias_state(trainer.model_chunks, extra.get("moe_expert_bias", {}))
     if cfg.checkpoint.finetune:
         return
     trainer.iteration = iteration

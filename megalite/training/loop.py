@@ -155,9 +155,10 @@ class Trainer:
             self._timeline_events = None
         lr = self.scheduler.lr(self.iteration + 1)
         grad_norm = self.strategy.step(lr)
+        metrics = self.family.after_train_step(self.model_chunks, self.cfg, self.state)
         self.iteration += 1
         self.consumed_samples += self.cfg.training.global_batch_size
-        return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses}
+        return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses, **metrics}
 
     @torch.no_grad()
     def evaluate(self, dataset, iters: int) -> float:

@@ -15,6 +15,15 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _moe_summary(record: dict) -> str:
+    """MoE terms and the worst layer's max/mean tokens per expert (per layer: metrics file)."""
+    parts = [f" | {k.replace('_', ' ')}: {record[k]:.6E}" for k in ("moe_aux_loss", "moe_z_loss")
+             if k in record]
+    if "moe_load_balance" in record:
+        parts.append(f" | moe load max/mean: {record['moe_load_balance']:.3f}")
+    return "".join(parts)
+
+
 class TrainingLogger:
     def __init__(self, cfg, is_writer: bool, total_iters: int, start_iter: int = 0):
         self.cfg, self.is_writer = cfg, is_writer
@@ -75,7 +84,7 @@ class TrainingLogger:
                 f" | tokens/s: {record['tokens_per_sec']:.0f}"
                 f" | TFLOP/s/device: {record['tflops_per_device']:.3f}"
                 f" | MFU: {100 * record['mfu']:.2f}%"
-                f" | peak mem: {_fmt_bytes(record['peak_mem_bytes'])}")
+                f" | peak mem: {_fmt_bytes(record['peak_mem_bytes'])}" + _moe_summary(record))
 
     def log_eval(self, iteration: int, loss: float, split: str = "valid"):
         if not self.is_writer:

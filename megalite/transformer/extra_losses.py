@@ -78,6 +78,12 @@ def collect_extra_losses(names: Sequence[str]):
         _COLLECTORS.remove(collector)
 
 
+def is_collecting() -> bool:
+    """True inside a forward step's collection (not in recomputation or plain inference):
+    where per-step statistics such as MoE token counts should be recorded, once."""
+    return bool(_COLLECTORS)
+
+
 def add_extra_loss(name: str, value: torch.Tensor) -> None:
     """Register a scalar loss term from inside a model's forward (see module docstring)."""
     if _COLLECTORS:

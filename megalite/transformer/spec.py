@@ -11,6 +11,7 @@ context-parallel attention and MoE become spec choices rather than constructor e
         linear_proj        row-parallel linear
       pre_mlp_layernorm    norm builder
       mlp / moe_mlp        chosen per layer by ``ModelConfig.is_moe_layer`` (``mlp_for_layer``)
+        router, experts, shared_experts   (MoESubmodules)
 
 A slot holds either a plain callable (a class or factory) or a ``ModuleSpec`` that adds fixed
 keyword arguments (``params``) and, for composite modules, their own ``submodules``.
@@ -64,8 +65,15 @@ class MLPSubmodules:
 
 
 @dataclass(frozen=True, eq=False)
+class MoESubmodules:
+    router: Spec                            # (model_cfg, comm_groups, *, sequence_parallel, ...)
+    experts: Spec                           # routed experts: (model_cfg, comm_groups, ...)
+    shared_experts: Optional[Spec] = None   # a dense MLP spec (--moe-shared-expert-...)
+
+
+@dataclass(frozen=True, eq=False)
 class TransformerLayerSubmodules:
-    """The slots of one layer.  ``mlp`` is the dense MLP; ``moe_mlp`` (None until MoE lands)
+    """The slots of one layer.  ``mlp`` is the dense MLP; ``moe_mlp`` (``MoELayer``)
     fills the layers that ``ModelConfig.is_moe_layer`` marks as expert layers."""
     input_layernorm: Spec
     self_attention: Spec
@@ -81,7 +89,7 @@ class TransformerLayerSubmodules:
             raise NotImplementedError(
                 f"layer {layer_number} is an MoE layer (--num-experts {model_cfg.num_experts}, "
                 f"--moe-layer-freq {model_cfg.moe_layer_freq}) but this layer spec has no MoE "
-                "module: MoE layers are not implemented yet")
+                "module (moe_mlp)")
         return self.moe_mlp
 
 

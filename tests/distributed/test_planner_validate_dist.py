@@ -14,6 +14,8 @@ LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--s
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) unless LLAMA
     "single_llama_selective": (1, LLAMA + ["--recompute-granularity", "selective"]),
@@ -28,6 +30,10 @@ CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) 
     "cp2_a2a_llama_selective": (2, CP2 + LLAMA + ["--cp-comm-type", "a2a",
                                                   "--recompute-granularity", "selective"]),
     "tp2_cp2_sp_ring_llama_bf16": (4, TP2 + CP2 + LLAMA + ["--sequence-parallel", "--bf16"]),
+    "moe_ep2": (2, MOE + ["--expert-model-parallel-size", "2"]),
+    "moe_ep2_tp2_sp_etp1_shared_llama": (4, MOE + LLAMA + TP2 + [
+        "--expert-model-parallel-size", "2", "--sequence-parallel",
+        "--expert-tensor-parallel-size", "1", "--moe-shared-expert-intermediate-size", "32"]),
 }
 
 

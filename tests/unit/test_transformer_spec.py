@@ -188,9 +188,14 @@ def test_a_different_mlp_on_pattern_layers_leaves_the_dense_layers_alone():
     assert calls == [(1, (S, B, 32)), (2, (S, B, 32))]
 
 
-def test_moe_layers_refuse_to_build_until_moe_exists():
-    with pytest.raises(NotImplementedError, match="layer 0 is an MoE layer.*not implemented"):
-        build_model(MegaliteConfig(model=mcfg(num_experts=4)), single_rank_state())
+def test_moe_slot_follows_is_moe_layer_and_a_spec_without_it_refuses():
+    model = build_model(MegaliteConfig(model=mcfg(num_experts=4, moe_layer_freq=2)),
+                        single_rank_state())
+    kinds = [type(layer.mlp).__name__ for layer in model.decoder.layers.values()]
+    assert kinds == ["MoELayer", "MLP", "MoELayer", "MLP"]
+    with layer_spec(with_layer_slots(get_layer_spec("local"), moe_mlp=None)):
+        with pytest.raises(NotImplementedError, match="layer 0 is an MoE layer.*no MoE module"):
+            build_model(MegaliteConfig(model=mcfg(num_experts=4)), single_rank_state())
     # without experts the MoE slot is never consulted
     spec = with_layer_slots(get_layer_spec("local"), moe_mlp=ModuleSpec(ZeroMLP))
     with layer_spec(spec):

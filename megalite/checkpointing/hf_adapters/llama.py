@@ -142,12 +142,21 @@ class LlamaAdapter(HFAdapter):
             out[mg + "self_attention.linear_proj.weight"] = get(hf + "self_attn.o_proj.weight")
             out[mg + "input_layernorm.weight"] = get(hf + "input_layernorm.weight")
             out[mg + "pre_mlp_layernorm.weight"] = get(hf + "post_attention_layernorm.weight")
-            out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-                [get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], dim=0)
-            out[mg + "mlp.linear_fc2.weight"] = get(hf + "mlp.down_proj.weight")
+            out.update(self.mlp_from_hf(get, hf, mg, m))
         if m["untie_embeddings_and_output_weights"]:
             out["output_layer.weight"] = get("lm_head.weight")
         return out
+
+    def mlp_from_hf(self, get, hf: str, mg: str, m: dict) -> Dict[str, torch.Tensor]:
+        """One layer's MLP tensors (a subclass maps its MoE block here)."""
+        return {mg + "mlp.linear_fc1.weight": torch.cat(
+                    [get(hf + "mlp.gate_proj.weight"), get(hf + "mlp.up_proj.weight")], dim=0),
+                mg + "mlp.linear_fc2.weight": get(hf + "mlp.down_proj.weight")}
+
+    def mlp_to_hf(self, get, put, mg: str, hf: str, m: dict) -> Dict[str, torch.Tensor]:
+        gate, up = get(mg + "mlp.linear_fc1.weight").chunk(2, dim=0)
+        return {hf + "mlp.gate_proj.weight": put(gate), hf + "mlp.up_proj.weight": put(up),
+                hf + "mlp.down_proj.weight": put(get(mg + "mlp.linear_fc2.weight"))}
 
     def to_hf(self, sd: Dict[str, torch.Tensor], m: dict,
               dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
@@ -172,10 +181,7 @@ class LlamaAdapter(HFAdapter):
             out[hf + "input_layernorm.weight"] = put(take(sd, mg + "input_layernorm.weight"))
             out[hf + "post_attention_layernorm.weight"] = put(
                 take(sd, mg + "pre_mlp_layernorm.weight"))
-            gate, up = take(sd, mg + "mlp.linear_fc1.weight").chunk(2, dim=0)
-            out[hf + "mlp.gate_proj.weight"] = put(gate)
-            out[hf + "mlp.up_proj.weight"] = put(up)
-            out[hf + "mlp.down_proj.weight"] = put(take(sd, mg + "mlp.linear_fc2.weight"))
+            out.update(self.mlp_to_hf(lambda k: take(sd, k), put, mg, hf, m))
         if m["untie_embeddings_and_output_weights"]:
             out["lm_head.weight"] = put(take(sd, "output_layer.weight"))
         return out

@@ -1,0 +1,53 @@
+"""Per-step MoE statistics for the log, and the expert-bias update that needs them.
+
+Called by the loop after each optimizer step (``ModelFamily.after_train_step``).  Every
+rank fills the rows of the MoE layers it holds -- expert counts (already summed over the
+TP ranks that hold parts of the same tokens), summed aux / z terms and the number of
+micro-batches -- then the table is summed over dp-cp (other tokens of the global batch)
+and pp (other layers).  So every rank ends with the global-batch statistics of every MoE
+layer, the expert bias moves identically on every rank that holds a layer, and the writer
+(last stage) can log the layers of all stages.
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite import comm
+from megalite.moe.moe_layer import moe_layers
+
+
+def moe_step_metrics(chunks, cfg, state) -> dict:
+    m = cfg.model
+    if not m.num_experts:
+        return {}
+    ids = [n for n in range(m.num_layers) if m.is_moe_layer(n)]
+    E = m.num_experts
+    held = moe_layers(chunks)
+    device = next(iter(chunks[0].parameters())).device
+    table = torch.zeros(len(ids), E + 3, dtype=torch.float64, device=device)
+    for row, n in enumerate(ids):
+        stats = held[n].step_stats if n in held else None
+        if stats is not None:
+            table[row, :E] = stats["counts"]
+            table[row, E:] = torch.tensor([stats["aux_loss"], stats["z_loss"],
+                                           stats["micro_batches"]], dtype=torch.float64)
+    comm.all_reduce(table, state["dp-cp"])
+    comm.all_reduce(table, state.pp)
+    out = {}
+    ratios = []
+    for row, n in enumerate(ids):
+        counts, (aux, z, mbs) = table[row, :E], table[row, E:].tolist()
+        if mbs == 0:
+            continue
+        if n in held:
+            held[n].update_expert_bias(counts, m.moe_router_bias_update_rate)
+            held[n].step_stats = None
+        ratio = float(counts.max() / counts.mean().clamp_min(1e-12))
+        ratios.append(ratio)
+        out[f"moe_layer_{n}_aux_loss"] = aux / mbs
+        out[f"moe_layer_{n}_z_loss"] = z / mbs
+        out[f"moe_layer_{n}_tokens_per_expert"] = [int(c) for c in counts.tolist()]
+        out[f"moe_layer_{n}_load_balance"] = ratio
+    if ratios:
+        out["moe_load_balance"] = max(ratios)   # worst layer's max/mean tokens per expert
+    return out

@@ -1,0 +1,102 @@
+"""The MoE block that fills a layer's ``moe_mlp`` slot: router -> dispatch -> local experts
+-> combine (+ the shared expert), with per-step load statistics.
+
+Parameter names follow Megatron-Core: ``mlp.router.weight``, ``mlp.experts.linear_fc1
+.weight`` / ``linear_fc2.weight`` (all experts, expert dimension first) and
+``mlp.shared_experts.linear_fc1/linear_fc2``.
+
+Statistics: each training forward (inside the family's extra-loss collection, so never a
+recomputation) adds the router's expert counts and terms to ``step_stats``;
+``moe_step_metrics`` (called by the loop after the optimizer step) reduces them over the
+global batch, nudges the expert bias, logs and clears them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from megalite.moe.token_dispatcher import build_dispatcher
+from megalite.transformer.extra_losses import is_collecting
+from megalite.transformer.spec import build_module
+
+
+class MoELayer(nn.Module):
+    def __init__(self, model_cfg, comm_groups, *, submodules, sequence_parallel: bool,
+                 layer_number: int = 0, device=None, dtype=None):
+        super().__init__()
+        m = model_cfg
+        kw = dict(device=device, dtype=dtype)
+        self.layer_number = layer_number
+        self.router = build_module(submodules.router, m, comm_groups,
+                                   sequence_parallel=sequence_parallel,
+                                   layer_number=layer_number, **kw)
+        self.experts = build_module(submodules.experts, m, comm_groups, **kw)
+        self.shared_experts = None
+        if m.moe_shared_expert_intermediate_size and submodules.shared_experts is not None:
+            shared_cfg = dataclasses.replace(
+                m, ffn_hidden_size=m.moe_shared_expert_intermediate_size)
+            self.shared_experts = build_module(submodules.shared_experts, shared_cfg,
+                                               comm_groups, sequence_parallel=sequence_parallel,
+                                               layer_number=layer_number, **kw)
+        self.token_dispatcher = build_dispatcher(m, comm_groups)
+        self.step_stats = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        s, b, h = hidden.shape
+        tokens = hidden.reshape(-1, h)
+        probs, indices, keep = self.router(tokens, b)
+        out = self.token_dispatcher(tokens, probs, indices, keep, self.experts).view(s, b, h)
+        if self.training and torch.is_grad_enabled() and is_collecting():
+            self._record(self.router.last_stats)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
+    def _record(self, stats) -> None:
+        if self.step_stats is None:
+            self.step_stats = {"counts": torch.zeros_like(stats["counts"], dtype=torch.float64),
+                               "aux_loss": 0.0, "z_loss": 0.0, "micro_batches": 0}
+        acc = self.step_stats
+        acc["counts"] += stats["counts"].double()
+        acc["aux_loss"] += stats["aux_loss"]
+        acc["z_loss"] += stats["z_loss"]
+        acc["micro_batches"] += 1
+
+    @torch.no_grad()
+    def update_expert_bias(self, global_counts: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3: raise the bias of experts below the mean load, lower the others."""
+        bias = self.router.expert_bias
+        if bias is not None:
+            bias += rate * torch.sign(global_counts.mean() - global_counts).to(bias.dtype)
+
+
+def moe_layers(chunks):
+    """{global layer number: MoELayer} of this rank's model chunks."""
+    out = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                out[module.layer_number] = module
+    return out
+
+
+def expert_bias_state(chunks, state) -> dict:
+    """{layer number (str): bias list} of every MoE layer of the model, on every rank
+    (gathered over pp), for a checkpoint's JSON metadata.  Collective over pp."""
+    from megalite import comm
+
+    mine = {str(n): layer.router.expert_bias.tolist() for n, layer in moe_layers(chunks).items()
+            if layer.router.expert_bias is not None}
+    out = {}
+    for part in comm.all_gather_object(mine, state.pp):
+        out.update(part)
+    return out
+
+
+@torch.no_grad()
+def load_expert_bias_state(chunks, saved: dict) -> None:
+    for n, layer in moe_layers(chunks).items():
+        if layer.router.expert_bias is not None and str(n) in saved:
+            layer.router.expert_bias.copy_(torch.tensor(saved[str(n)]))

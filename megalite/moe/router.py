@@ -1,0 +1,162 @@
+"""The top-k router: which experts each token goes to, with what weight, and the
+load-balancing terms (Megatron-Core's ``TopKRouter`` / ``topk_softmax_with_capacity``).
+
+Scores: ``softmax`` (pre-softmax over all experts, or softmax over the top-k logits) or
+``sigmoid`` (normalized over the top-k).  With the DeepSeek-V3 expert bias the top-k is
+chosen on ``score + bias`` while the weights stay the unbiased scores; the bias is not
+trained by gradients but nudged after each step toward the under-loaded experts
+(``MoELayer.update_expert_bias``).
+
+Load-balancing terms go through the extra-loss channel (``add_extra_loss``), so any pipeline
+stage adds them.  Their statistics (expert counts, summed scores, logsumexp^2) are summed
+over the TP group with sequence parallelism -- the ranks holding other parts of the SAME
+tokens -- with a forward all-reduce whose backward is the identity: every TP rank then
+sees the same term (the channel's contract) and back-propagates it into its own tokens.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalite.param_spec import ParamSpec, make_param
+from megalite.tensor_parallel.mappings import reduce_from_tp_region
+from megalite.transformer.extra_losses import add_extra_loss
+
+AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
+
+
+def extra_loss_names(model_cfg) -> Tuple[str, ...]:
+    """The extra-loss names MoE layers register under this configuration."""
+    m = model_cfg
+    if not m.num_experts:
+        return ()
+    names = []
+    if m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff:
+        names.append(AUX_LOSS)
+    if m.moe_z_loss_coeff:
+        names.append(Z_LOSS)
+    return tuple(names)
+
+
+def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:
+    """Megatron's expert capacity: ceil(tokens x topk / experts x factor)."""
+    return int(math.ceil(num_tokens * topk / num_experts * factor))
+
+
+class TopKRouter(nn.Module):
+    """``forward(tokens [T, h], batch) -> (probs [T, k], indices [T, k], keep [T, k])``.
+
+    ``batch``: the micro-batch size b (tokens are laid out [s, b] flattened, as the layer's
+    hidden states), needed by the per-sequence aux loss.  ``keep`` is False for pairs
+    dropped by the capacity factor.  ``last_stats`` holds this forward's detached
+    statistics for the layer's metrics (counts before dropping, the terms' values).
+    """
+
+    def __init__(self, model_cfg, comm_groups, *, sequence_parallel: bool, layer_number: int,
+                 device=None, dtype=None):
+        super().__init__()
+        m = model_cfg
+        self.cfg = m
+        self.num_experts, self.topk = m.num_experts, m.moe_router_topk
+        self.layer_number = layer_number
+        self.tp_group = comm_groups.tp
+        self.sequence_parallel = sequence_parallel and comm_groups.tp.size > 1
+        sp = self.tp_group.name if self.sequence_parallel else None
+        make_param(self, "weight", ParamSpec((m.num_experts, m.hidden_size),
+                                             init=("normal", m.init_method_std),
+                                             sequence_parallel=sp), {}, device=device,
+                   dtype=dtype)
+        bias = torch.zeros(m.num_experts, device=device, dtype=torch.float32) \
+            if m.moe_router_enable_expert_bias else None
+        self.register_buffer("expert_bias", bias)   # not trained: nudged after each step
+        self.last_stats: Optional[dict] = None
+
+    # -- statistics over the ranks holding parts of the same tokens -----------------------
+    def _token_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the TP group with SP (forward all-reduce, backward identity)."""
+        return reduce_from_tp_region(t, self.tp_group) if self.sequence_parallel else t
+
+    def _tp_tokens(self, n: int) -> int:
+        return n * (self.tp_group.size if self.sequence_parallel else 1)
+
+    # -- routing --------------------------------------------------------------------------
+    def _select(self, logits: torch.Tensor, need_aux: bool):
+        """(probs [T, k], indices [T, k], scores for the aux loss [T, E] or None)."""
+        m, k = self.cfg, self.topk
+        bias = self.expert_bias
+        if m.moe_router_score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            routed = scores if bias is None else scores + bias
+            _, idx = torch.topk(routed, k, dim=-1)
+            probs = scores.gather(1, idx)
+            if k > 1:
+                probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
+            aux_scores = scores / (scores.sum(-1, keepdim=True) + 1e-20) if need_aux else None
+            return probs, idx, aux_scores
+        if m.moe_router_pre_softmax:
+            scores = torch.softmax(logits, dim=-1)
+            routed = scores if bias is None else scores + bias
+            _, idx = torch.topk(routed, k, dim=-1)
+            probs = scores.gather(1, idx)
+        else:
+            routed = logits if bias is None else logits + bias
+            _, idx = torch.topk(routed, k, dim=-1)
+            probs = torch.softmax(logits.gather(1, idx), dim=-1)
+        return probs, idx, torch.softmax(logits, dim=-1) if need_aux else None
+
+    def _drop(self, probs, idx) -> torch.Tensor:
+        """Capacity-factor dropping: each expert keeps at most ``capacity`` of this rank's
+        pairs, by probability or by position (Megatron's ``--moe-token-drop-policy``)."""
+        m = self.cfg
+        T, k, E = probs.shape[0], self.topk, self.num_experts
+        keep = torch.ones_like(idx, dtype=torch.bool)
+        if not m.moe_expert_capacity_factor:
+            return keep
+        cap = capacity(T, E, k, m.moe_expert_capacity_factor)
+        dense = torch.zeros(T, E, dtype=probs.dtype, device=probs.device)
+        dense.scatter_(1, idx, probs.detach() + 1.0)        # > 0 where routed
+        if m.moe_token_drop_policy == "position":
+            rank = torch.arange(T, 0, -1, device=probs.device, dtype=probs.dtype)[:, None]
+            dense = torch.where(dense > 0, rank.expand(T, E), dense)
+        top = torch.topk(dense, min(cap, T), dim=0).indices           # [cap, E]
+        kept = torch.zeros(T, E, dtype=torch.bool, device=probs.device)
+        kept.scatter_(0, top, True)
+        kept &= dense > 0
+        return kept.gather(1, idx)
+
+    def forward(self, tokens: torch.Tensor, batch: int):
+        m = self.cfg
+        logits = F.linear(tokens, self.weight).float()                       # [T, E]
+        lb = m.moe_router_load_balancing_type
+        need_aux = lb != "none" and bool(m.moe_aux_loss_coeff)
+        probs, idx, aux_scores = self._select(logits, need_aux)
+        keep = self._drop(probs, idx)
+        T, E, k = logits.shape[0], self.num_experts, self.topk
+        routing_map = torch.zeros(T, E, dtype=torch.float32, device=logits.device)
+        routing_map.scatter_(1, idx, 1.0)
+        counts = self._token_sum(routing_map.sum(0))                          # [E]
+        stats = {"counts": counts.detach(), "aux_loss": 0.0, "z_loss": 0.0}
+        if need_aux:
+            if lb == "aux_loss":
+                n = self._tp_tokens(T)
+                score_sum = self._token_sum(aux_scores.sum(0))
+                aux = (score_sum * counts).sum() * (E * m.moe_aux_loss_coeff / (k * n * n))
+            else:   # per sequence: tokens are [s, b] flattened
+                s = self._tp_tokens(T // batch)
+                per_seq_counts = self._token_sum(routing_map.view(-1, batch, E).sum(0))
+                per_seq_scores = self._token_sum(aux_scores.view(-1, batch, E).sum(0))
+                aux = (per_seq_scores * per_seq_counts).sum() * (
+                    E * m.moe_aux_loss_coeff / (k * s * s * batch))
+            add_extra_loss(AUX_LOSS, aux)
+            stats["aux_loss"] = float(aux.detach())
+        if m.moe_z_loss_coeff:
+            lse = torch.logsumexp(logits, dim=-1)
+            z = self._token_sum(lse.square().sum()) * (m.moe_z_loss_coeff / self._tp_tokens(T))
+            add_extra_loss(Z_LOSS, z)
+            stats["z_loss"] = float(z.detach())
+        self.last_stats = stats
+        return probs.to(tokens.dtype), idx, keep

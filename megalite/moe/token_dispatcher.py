@@ -1,0 +1,139 @@
+"""Token dispatchers: get each (token, expert) pair to the rank holding that expert, run
+the local experts, bring the outputs back and sum them weighted by the router's probs.
+
+``alltoall`` (Megatron's ``MoEAlltoAllTokenDispatcher``), per MoE layer and micro-batch:
+1. permute: this rank's pairs sorted by expert (so the rows for EP rank j are contiguous);
+2. the per-expert counts are all-gathered over EP (every rank then knows every split);
+3. all-to-all over EP with uneven splits: the rows arrive ordered [source rank][expert];
+4. expert-TP > 1: the EP-received rows are all-gathered over expert-TP (its peers hold the
+   same experts, other column shards, and received other tokens);
+5. rows sorted to [local expert][source], the local experts run as a grouped GEMM;
+6. the reverse: unsort, reduce-scatter over expert-TP (sums the partial outputs of the
+   shards), all-to-all back, then unpermute: ``out[token] += prob * y``.
+So each token's hidden state crosses EP to its top-k experts and back: two all-to-alls
+forward and their two transposes backward, each of ``pairs x h`` elements in total.
+
+``allgather`` (Megatron's ``MoEAllGatherTokenDispatcher``): all-gather the tokens, probs
+and choices over the expert-TP x EP group, run the local experts on the pairs routed to
+them, scatter the weighted outputs into the gathered layout, and reduce-scatter back
+(the reduce sums the other experts' and the other shards' contributions).  Simple and
+balanced in volume, but every rank sees every token of the group.
+
+A rank that receives no token for an expert (or at all) runs empty GEMMs: nothing breaks.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from megalite.moe.comm_ops import (all_gather_counts, all_to_all, gather_equal, gather_uneven,
+                                   reduce_scatter_equal, reduce_scatter_uneven)
+
+
+def sort_chunks(sizes: torch.Tensor) -> torch.Tensor:
+    """Permutation of rows laid out as chunks ``sizes`` [A, B] in row-major order that
+    orders them B-major (chunk (a, b) moves to position b * A + a)."""
+    a, b = sizes.shape
+    chunk = torch.repeat_interleave(torch.arange(a * b, device=sizes.device), sizes.reshape(-1))
+    key = (chunk % b) * a + chunk // b
+    return torch.argsort(key, stable=True)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+class Pairs:
+    """This rank's (token, expert) pairs sorted by expert: which token, its weight, and how
+    many pairs each of the ``num_experts`` experts got."""
+
+    def __init__(self, probs, indices, keep, num_experts: int, first_expert: int = 0,
+                 last_expert: Optional[int] = None):
+        T, k = indices.shape
+        expert = indices.reshape(-1)
+        token = torch.arange(T, device=indices.device).repeat_interleave(k)
+        weight = probs.reshape(-1)
+        mask = keep.reshape(-1)
+        if last_expert is not None:     # only the experts in [first, last)
+            mask = mask & (expert >= first_expert) & (expert < last_expert)
+        if not bool(mask.all()):
+            expert, token, weight = expert[mask], token[mask], weight[mask]
+        order = torch.argsort(expert, stable=True)
+        self.token, self.weight = token[order], weight[order]
+        self.counts = torch.bincount(expert - first_expert,
+                                     minlength=num_experts)[:num_experts]
+
+    def permute(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens.index_select(0, self.token)
+
+    def unpermute(self, y: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``out[token] += weight * y`` (index_put keeps only the index for backward, where
+        index_add would also keep its weighted source)."""
+        out = y.new_zeros((num_tokens, y.shape[-1]))
+        return out.index_put((self.token,), y * self.weight.unsqueeze(-1).to(y.dtype),
+                             accumulate=True)
+
+
+class AllToAllDispatcher:
+    def __init__(self, num_experts: int, ep_group, expert_tp_group):
+        self.num_experts, self.ep, self.etp = num_experts, ep_group, expert_tp_group
+        self.num_local = num_experts // ep_group.size
+        self.last_tokens_per_local_expert: Optional[List[int]] = None
+
+    def __call__(self, tokens, probs, indices, keep, experts) -> torch.Tensor:
+        ep, etp, n_local = self.ep, self.etp, self.num_local
+        pairs = Pairs(probs, indices, keep, self.num_experts)
+        x = pairs.permute(tokens)                                        # [pairs, h]
+        counts = all_gather_counts(pairs.counts, ep)                     # [ep, E]
+        mine = counts[:, ep.rank * n_local:(ep.rank + 1) * n_local]      # [ep src, local]
+        input_splits = pairs.counts.view(ep.size, n_local).sum(1).tolist()
+        output_splits = mine.sum(1).tolist()
+        x = all_to_all(x, ep, output_splits, input_splits)               # [src][expert]
+        chunks = mine.unsqueeze(0)                                       # [etp, ep, local]
+        if etp.size > 1:
+            chunks = all_gather_counts(mine.contiguous(), etp)
+            x = gather_uneven(x, etp, chunks.sum((1, 2)).tolist())
+        sizes = chunks.reshape(-1, n_local)                              # [etp*ep, local]
+        perm = sort_chunks(sizes)
+        per_expert = sizes.sum(0).tolist()
+        self.last_tokens_per_local_expert = per_expert
+        y = experts(x.index_select(0, perm), per_expert)
+        y = y.index_select(0, inverse_permutation(perm))
+        if etp.size > 1:
+            y = reduce_scatter_uneven(y, etp, chunks.sum((1, 2)).tolist())
+        y = all_to_all(y, ep, input_splits, output_splits)
+        return pairs.unpermute(y, tokens.shape[0])
+
+
+class AllGatherDispatcher:
+    def __init__(self, num_experts: int, ep_group, tp_ep_group):
+        self.num_experts, self.ep, self.group = num_experts, ep_group, tp_ep_group
+        self.num_local = num_experts // ep_group.size
+        self.last_tokens_per_local_expert: Optional[List[int]] = None
+
+    def __call__(self, tokens, probs, indices, keep, experts) -> torch.Tensor:
+        g = self.group
+        all_tokens = gather_equal(tokens, g)
+        all_probs = gather_equal(probs, g)
+        if g.size > 1:
+            indices = all_gather_counts(indices.contiguous(), g).reshape(-1, indices.shape[1])
+            keep = all_gather_counts(keep.to(torch.uint8).contiguous(), g).reshape(
+                -1, keep.shape[1]).bool()
+        first = self.ep.rank * self.num_local
+        pairs = Pairs(all_probs, indices, keep, self.num_local, first, first + self.num_local)
+        per_expert = pairs.counts.tolist()
+        self.last_tokens_per_local_expert = per_expert
+        y = experts(pairs.permute(all_tokens), per_expert)
+        return reduce_scatter_equal(pairs.unpermute(y, all_tokens.shape[0]), g)
+
+
+def build_dispatcher(model_cfg, comm_groups):
+    kind = model_cfg.moe_token_dispatcher_type
+    if kind == "alltoall":
+        return AllToAllDispatcher(model_cfg.num_experts, comm_groups.ep, comm_groups.expert_tp)
+    if kind == "allgather":
+        return AllGatherDispatcher(model_cfg.num_experts, comm_groups.ep, comm_groups.tp_ep)
+    raise ValueError(f"unknown --moe-token-dispatcher-type {kind!r}")

@@ -1,0 +1,158 @@
+"""MoE pieces on one process: the router's selection, terms and capacity dropping, the
+dispatchers against a per-token reference (including experts that get no token), the
+chunk sort, the expert parameter specs over EP x expert-TP, and the expert-bias update."""
+import dataclasses
+
+import pytest
+import torch
+
+from megalite.config import ModelConfig
+from megalite.models.gpt import single_rank_state
+from megalite.moe.experts import GroupedMLP
+from megalite.moe.moe_layer import MoELayer
+from megalite.moe.router import AUX_LOSS, Z_LOSS, TopKRouter, capacity
+from megalite.moe.token_dispatcher import (AllGatherDispatcher, AllToAllDispatcher,
+                                           inverse_permutation, sort_chunks)
+from megalite.process_groups import ModelCommGroups
+from megalite.tensor_parallel.random import init_parameters
+from megalite.param_spec import ParamTable, group_coords
+from megalite.transformer.extra_losses import collect_extra_losses
+
+E, H, K = 4, 8, 2
+
+
+def mcfg(**kw):
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=2, seq_length=6, vocab_size=50,
+                num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=6, swiglu=True,
+                moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def groups():
+    return ModelCommGroups.from_parallel_state(single_rank_state())
+
+
+def initialized(module):
+    init_parameters(ParamTable.from_module(module).named(module), 1234,
+                    group_coords(single_rank_state()))
+    return module
+
+
+def test_softmax_router_terms_match_megatron_formulas():
+    torch.manual_seed(0)
+    router = initialized(TopKRouter(mcfg(), groups(), sequence_parallel=False, layer_number=0))
+    x = torch.randn(12, H)
+    with collect_extra_losses((AUX_LOSS, Z_LOSS)) as extra:
+        probs, idx, keep = router(x, 3)
+    logits = x @ router.weight.t()
+    top, ref_idx = torch.topk(logits, K)
+    assert torch.equal(idx, ref_idx) and keep.all()
+    torch.testing.assert_close(probs, torch.softmax(top, -1))
+    counts = torch.zeros(E).scatter_add_(0, idx.reshape(-1), torch.ones(12 * K))
+    aux = (torch.softmax(logits, -1).sum(0) * counts).sum() * E * 1e-2 / (K * 12 * 12)
+    z = torch.logsumexp(logits, -1).square().mean() * 1e-3
+    terms = dict(extra.terms)
+    torch.testing.assert_close(terms[AUX_LOSS], aux)
+    torch.testing.assert_close(terms[Z_LOSS], z)
+    assert router.last_stats["counts"].tolist() == counts.tolist()
+
+
+def test_sigmoid_router_with_expert_bias_selects_on_biased_scores_weights_unbiased():
+    router = initialized(TopKRouter(mcfg(moe_router_score_function="sigmoid",
+                                         moe_router_enable_expert_bias=True), groups(),
+                                    sequence_parallel=False, layer_number=0))
+    router.expert_bias.copy_(torch.tensor([10.0, 0, 0, 0]))    # expert 0 always chosen
+    x = torch.randn(5, H)
+    probs, idx, _ = router(x, 1)
+    assert (idx == 0).any(-1).all()
+    scores = torch.sigmoid(x @ router.weight.t()).gather(1, idx)
+    torch.testing.assert_close(probs, scores / scores.sum(-1, keepdim=True))
+
+
+def test_capacity_factor_drops_the_lowest_probability_pairs():
+    cfg = mcfg(moe_expert_capacity_factor=1.0, moe_router_load_balancing_type="none",
+               moe_z_loss_coeff=None)
+    router = initialized(TopKRouter(cfg, groups(), sequence_parallel=False, layer_number=0))
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0, 0] = router.weight[1, 0] = 5.0    # every token wants experts 0, 1
+    x = torch.randn(8, H)
+    x[:, 0] = torch.linspace(0.1, 2.0, 8)
+    probs, idx, keep = router(x, 1)
+    cap = capacity(8, E, K, 1.0)
+    assert cap == 4
+    for e in range(E):
+        assert int((keep & (idx == e)).sum()) <= cap
+    assert int(keep.sum()) < 8 * K                          # something was dropped
+
+
+def reference_moe(x, probs, idx, keep, experts):
+    """Per-token loop: out[t] = sum_k p * expert_e(x_t)."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            if keep[t, j]:
+                e = int(idx[t, j])
+                counts = [0] * E
+                counts[e] = 1
+                out[t] += probs[t, j] * experts(x[t:t + 1], counts)[0]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "allgather"])
+def test_dispatchers_equal_the_per_token_reference_with_idle_experts(kind):
+    cfg = mcfg()
+    g = groups()
+    experts = initialized(GroupedMLP(cfg, g))
+    x = torch.randn(10, H)
+    idx = torch.tensor([[0, 1]] * 6 + [[1, 3]] * 4)         # expert 2 receives no token
+    probs = torch.rand(10, K)
+    keep = torch.ones(10, K, dtype=torch.bool)
+    keep[0, 1] = False                                        # a dropped pair
+    disp = AllToAllDispatcher(E, g.ep, g.expert_tp) if kind == "alltoall" else \
+        AllGatherDispatcher(E, g.ep, g.tp_ep)
+    out = disp(x, probs, idx, keep, experts)
+    assert disp.last_tokens_per_local_expert == [6, 9, 0, 4]
+    torch.testing.assert_close(out, reference_moe(x, probs, idx, keep, experts))
+
+
+def test_sort_chunks_reorders_source_major_to_expert_major():
+    sizes = torch.tensor([[1, 0, 2], [2, 1, 0]])             # [source, expert]
+    rows = torch.tensor([0, 2, 2, 10, 10, 11])                # value = 10*source + expert
+    perm = sort_chunks(sizes)
+    assert rows[perm].tolist() == [0, 10, 10, 11, 2, 2]
+    assert torch.equal(rows[perm][inverse_permutation(perm)], rows)
+
+
+def test_expert_params_split_over_ep_and_expert_tp_in_the_spec_table():
+    cfg = mcfg()
+    layer = MoELayer(cfg, groups(), submodules=_local_moe_submodules(), sequence_parallel=False,
+                     layer_number=0, device="meta")
+    specs = ParamTable.from_module(layer).specs
+    fc1, fc2 = specs["experts.linear_fc1.weight"], specs["experts.linear_fc2.weight"]
+    assert fc1.expert and fc2.expert and not specs["router.weight"].expert
+    assert fc1.full_shape == (E, 12, H) and fc2.full_shape == (E, H, 6)
+    assert fc1.local_shape({"ep": 2, "expert-tp": 2}) == (2, 6, H)
+    # rank (ep 1, expert-tp 1) holds experts 2..3, the second half of gate and of up
+    chunks = fc1.chunks({"ep": (1, 2), "expert-tp": (1, 2)})
+    assert [(c.offsets, c.sizes) for c in chunks] == [((2, 3, 0), (2, 3, H)),
+                                                      ((2, 9, 0), (2, 3, H))]
+    assert fc1.replica_groups() == ("expert-dp",)
+
+
+def _local_moe_submodules():
+    from megalite.backends.local import local_spec
+
+    return local_spec().layer.submodules.moe_mlp.submodules
+
+
+def test_expert_bias_moves_toward_the_underloaded_experts():
+    cfg = mcfg(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid")
+    layer = MoELayer(cfg, groups(), submodules=_local_moe_submodules(), sequence_parallel=False,
+                     layer_number=0)
+    layer.update_expert_bias(torch.tensor([8.0, 0.0, 4.0, 4.0]), 0.1)
+    assert layer.router.expert_bias.tolist() == pytest.approx([-0.1, 0.1, 0.0, 0.0])
+    dense = dataclasses.replace(cfg, moe_router_enable_expert_bias=False)
+    assert TopKRouter(dense, groups(), sequence_parallel=False, layer_number=0).expert_bias \
+        is None
