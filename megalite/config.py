@@ -258,21 +258,46 @@ class OptimizerConfig:
     optimizer: str = opt("adam", "Optimizer (AdamW).", choices=["adam", "sgd"])
     lr: Optional[float] = opt(None, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate floor after decay.")
-    lr_decay_style: str = opt("linear", "Decay style.",
-                              choices=["constant", "linear", "cosine", "WSD"])
+    lr_decay_style: str = opt("linear", "Decay style (Megatron-Core's OptimizerParamScheduler).",
+                              choices=["constant", "linear", "cosine", "inverse-square-root",
+                                       "WSD"])
     lr_decay_iters: Optional[int] = opt(None, "Iterations to decay over; default --train-iters.")
+    lr_decay_samples: Optional[int] = opt(
+        None, "Samples to decay over (--train-samples runs); default --train-samples.")
     lr_warmup_iters: int = opt(0, "Linear warmup iterations.")
-    lr_warmup_fraction: Optional[float] = opt(None, "Warmup as a fraction of decay iterations.")
-    lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: iterations of the final decay phase.")
+    lr_warmup_samples: int = opt(0, "Linear warmup samples (--train-samples runs).")
+    lr_warmup_fraction: Optional[float] = opt(None, "Warmup as a fraction of the decay steps.")
+    lr_warmup_init: float = opt(0.0, "Learning rate at the start of warmup.")
+    lr_wsd_decay_iters: Optional[int] = opt(
+        None, "WSD: iterations of the final decay phase (default: 10%% of the decay).")
+    lr_wsd_decay_samples: Optional[int] = opt(
+        None, "WSD: samples of the final decay phase (--train-samples runs).")
     lr_wsd_decay_style: str = opt("linear", "WSD: shape of the final decay.",
-                                  choices=["linear", "cosine", "exponential"])
+                                  choices=["linear", "cosine", "exponential", "minus_sqrt"])
+    decoupled_lr: Optional[float] = opt(
+        None, "Separate peak lr for the input embedding and output layer.")
+    decoupled_min_lr: Optional[float] = opt(
+        None, "Minimum lr of the input embedding and output layer under --decoupled-lr.")
     weight_decay: float = opt(0.01, "Weight decay (not applied to norms and biases).")
+    start_weight_decay: Optional[float] = opt(
+        None, "Weight decay at the start of the run (default --weight-decay).")
+    end_weight_decay: Optional[float] = opt(
+        None, "Weight decay at the end of the run (default --weight-decay).")
+    weight_decay_incr_style: str = opt("constant", "How weight decay moves from start to end.",
+                                       choices=["constant", "linear", "cosine"])
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this; 0 disables.")
     adam_beta1: float = opt(0.9, "Adam beta1.")
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     bf16: bool = opt(False, "bf16 compute with fp32 master weights.", action="store_true")
-    fp16: bool = opt(False, "fp16 is not supported; use --bf16.", action="store_true")
+    fp16: bool = opt(False, "fp16 compute with fp32 master weights and a loss scaler.",
+                     action="store_true")
+    loss_scale: Optional[float] = opt(
+        None, "fp16: static loss scale (a power of 2); default: dynamic loss scaling.")
+    initial_loss_scale: float = opt(2.0 ** 32, "fp16: initial dynamic loss scale.")
+    min_loss_scale: float = opt(1.0, "fp16: smallest dynamic loss scale.")
+    loss_scale_window: float = opt(1000, "fp16: steps without overflow before the scale grows.")
+    hysteresis: int = opt(2, "fp16: overflows tolerated before the scale shrinks.")
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, make_inner_optimizer,
-                                          uses_weight_decay)
+                                          param_groups, uses_weight_decay)
 
 
 class DistributedOptimizer(MasterWeightOptimizer):
@@ -56,8 +56,7 @@ class DistributedOptimizer(MasterWeightOptimizer):
                 piece = master[lo:hi]
                 piece.grad = buf.grad_shard[lo:hi]
                 (decay if wd else no_decay).append(piece)
-        self.inner = make_inner_optimizer([{"params": decay, "weight_decay": o.weight_decay},
-                                           {"params": no_decay, "weight_decay": 0.0}], o)
+        self.inner = make_inner_optimizer(param_groups(decay, no_decay, o), o)
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """``p``'s gradient: its view of the grad buffer (after the reduce-scatter only

@@ -30,6 +30,13 @@ def clip_coefficient(norm: float, clip_grad: float) -> float:
     return 1.0
 
 
+def param_groups(decay: list, no_decay: list, o) -> list:
+    """The two AdamW groups; ``wd_mult`` lets the scheduler set each group's weight decay
+    as Megatron does (``wd * wd_mult``) when ``--weight-decay-incr-style`` moves it."""
+    return [{"params": decay, "weight_decay": o.weight_decay, "wd_mult": 1.0},
+            {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+
+
 def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
     """The torch optimizer over ``groups`` (empty groups dropped): fused AdamW, or SGD."""
     groups = [g for g in groups if g["params"]]
@@ -67,7 +74,8 @@ class MasterWeightOptimizer:
         update the masters and the model's copy of them; returns ``grad_norm``."""
         coef = clip_coefficient(grad_norm, self.clip_grad)
         for group in self.inner.param_groups:
-            group["lr"] = lr
+            if not group.get("decoupled_lr"):   # --decoupled-lr groups: set by the scheduler
+                group["lr"] = lr
         self._prepare_grads(coef)
         self.inner.step()
         with torch.no_grad():
@@ -132,8 +140,7 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
         triples = list(zip(names, self.params, self.masters))
         decay = [m for n, p, m in triples if uses_weight_decay(n, p)]
         no_decay = [m for n, p, m in triples if not uses_weight_decay(n, p)]
-        self.inner = make_inner_optimizer([{"params": decay, "weight_decay": o.weight_decay},
-                                           {"params": no_decay, "weight_decay": 0.0}], o)
+        self.inner = make_inner_optimizer(param_groups(decay, no_decay, o), o)
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         return self._grad_of(p)

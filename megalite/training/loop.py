@@ -145,7 +145,9 @@ class Trainer:
         self.strategy.zero_grad()
         loss, extra_losses = self._run_schedule(batches, forward_only=False)
         self.strategy.finish_grad_sync()
-        lr = self.scheduler.lr(self.iteration + 1)
+        # Megatron's order: the update uses the lr (and weight decay) of the samples consumed
+        # before it; then the schedule advances by this iteration's samples.
+        lr = self.scheduler.apply(self.optimizer.inner.param_groups, self.consumed_samples)
         grad_norm = self.strategy.step(lr)
         self.iteration += 1
         self.consumed_samples += self.cfg.training.global_batch_size
