@@ -112,6 +112,10 @@ class ModelConfig:
     position_embedding_type: str = opt(
         "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
     rotary_base: int = opt(10000, "Base period of rotary position embeddings.")
+    rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated (1.0 only here).")
+    apply_layernorm_1p: bool = opt(
+        False, "Zero-centred norm weights (w + 1); parses, refused at run time until landed.",
+        action="store_true")
     swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU).", action="store_true")
     untie_embeddings_and_output_weights: bool = opt(
         False, "Give the output layer its own weight instead of the input embedding.",
@@ -310,8 +314,11 @@ class DataConfig:
     tokenizer_type: Optional[str] = opt(
         None, "Tokenizer.", choices=["SentencePieceTokenizer", "ByteLevelTokenizer",
                                      "CharacterTokenizer", "NullTokenizer",
-                                     "HuggingFaceTokenizer"])
-    tokenizer_model: Optional[str] = opt(None, "Tokenizer model file.")
+                                     "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                                     "Llama2Tokenizer", "GPTSentencePieceTokenizer"])
+    tokenizer_model: Optional[str] = opt(None, "Tokenizer model file (or HF directory).")
+    vocab_file: Optional[str] = opt(None, "GPT2BPETokenizer: vocab.json.")
+    merge_file: Optional[str] = opt(None, "GPT2BPETokenizer: merges.txt.")
     data_cache_path: Optional[str] = opt(None, "Where dataset index caches are written.")
     eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",
                               action="store_true")
@@ -330,6 +337,12 @@ class TrainingConfig:
         None, "Samples per iteration over all data-parallel ranks; default micro*DP.")
     train_iters: Optional[int] = opt(None, "Training iterations.")
     train_samples: Optional[int] = opt(None, "Training samples (alternative to --train-iters).")
+    rampup_batch_size: Optional[list] = opt(
+        None, "START INCREMENT SAMPLES: grow the global batch; parses, refused at run time "
+        "until landed.", nargs=3)
+    step_batch_size_schedule: Optional[list] = opt(
+        None, "'SAMPLES:BATCH ...' global batch steps; parses, refused at run time until landed.",
+        nargs="+")
     eval_interval: int = opt(1000, "Evaluate every this many iterations.")
     eval_iters: int = opt(100, "Iterations per evaluation.")
     skip_train: bool = opt(False, "Only evaluate (a loaded checkpoint).", action="store_true")
@@ -391,6 +404,8 @@ class MegaliteConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     world_size: int = 1
+    # Megatron flags given that have no setting here: [(flag, value, note)] (compat_flags)
+    accepted_flags: list = field(default_factory=list)
 
     @property
     def data_parallel_size(self) -> int:

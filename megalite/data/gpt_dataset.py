@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import warnings
 from typing import Sequence
 
@@ -60,8 +59,6 @@ _INDEX_VERSION = 2   # 2: Megatron-Core's index rules
 def parse_split(split: str) -> list[float]:
     """``"969,30,1"`` (or ``"969/30/1"``, ``"'99,1,0'"`` with quotes, or fewer than 3 numbers)
     -> 3 normalized weights, as Megatron parses it."""
-    if re.search(r"-\s*[.0-9]", str(split)):
-        raise ValueError(f"--split {split!r}: weights must be non-negative")
     return parse_split_numbers(split)
 
 

@@ -38,6 +38,8 @@ def normalize(weights: Sequence[float]) -> List[float]:
 def parse_split_numbers(split: str) -> List[float]:
     """Megatron's ``parse_and_normalize_split``: every number in the string, up to three,
     padded with zeros and normalized.  Quotes and spaces around the numbers are ignored."""
+    if re.search(r"-\s*[.0-9]", str(split)):
+        raise ValueError(f"--split {split!r}: weights must be non-negative")
     numbers = [float(x) for x in re.findall(r"[.0-9]+", str(split)) if x.strip(".")]
     if not numbers or len(numbers) > 3 or sum(numbers) <= 0:
         raise ValueError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive "

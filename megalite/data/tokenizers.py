@@ -202,11 +202,23 @@ TOKENIZER_TYPES = (
     "ByteLevelTokenizer",
     "NullTokenizer",
     "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "Llama2Tokenizer",
+    "GPTSentencePieceTokenizer",
 )
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None):
-    """Build a tokenizer from Megatron-style ``--tokenizer-type/--tokenizer-model/--vocab-size``."""
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None):
+    """Build a tokenizer from Megatron-style ``--tokenizer-type/--tokenizer-model/--vocab-size``
+    (``--vocab-file/--merge-file`` for GPT-2 BPE)."""
+    if tokenizer_type in ("GPT2BPETokenizer", "Llama2Tokenizer", "GPTSentencePieceTokenizer"):
+        from megalite.data import megatron_tokenizers as mt
+
+        if tokenizer_type == "GPT2BPETokenizer":
+            return mt.GPT2BPETokenizer(vocab_file, merge_file)
+        return getattr(mt, tokenizer_type)(tokenizer_model)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "CharacterTokenizer":

@@ -5,6 +5,7 @@ line on stderr and exit status 2.
 """
 from __future__ import annotations
 
+from megalite import compat_flags
 from megalite.arguments import parse_args, run_cli
 from megalite.parallel_state import RankGrid
 
@@ -49,6 +50,11 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
         cfg = parse_args(argv, prog=prog, defaults=defaults)
         if cfg.training.dry_run:
             print(describe_run(cfg))
+            if cfg.accepted_flags:
+                print(compat_flags.describe(cfg.accepted_flags))
+            from megalite.validation import missing_logging_packages
+            for line in missing_logging_packages(cfg):
+                print(f"> note: {line} (not installed here)")
             return 0
         from megalite.models.gpt_step import GPT_FAMILY
         from megalite.training.loop import pretrain

@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from megalite import comm
+from megalite import comm, compat_flags
+from megalite.config import ConfigError
 from megalite.distributed.data_parallel import build_data_parallel
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
@@ -73,7 +74,8 @@ class Trainer:
         d = self.cfg.data
         if d.tokenizer_type:
             self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model,
-                                             self.cfg.model.vocab_size)
+                                             self.cfg.model.vocab_size, d.vocab_file,
+                                             d.merge_file)
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
@@ -259,6 +261,9 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     from megalite.parallel_state import pick_device_and_backend
 
     device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
+    refusal = compat_flags.runtime_refusal(cfg.accepted_flags, device)
+    if refusal:    # before any process group: one line, exit status 2
+        raise ConfigError(refusal)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.world_size, 1)))
     state = initialize(cfg)
@@ -266,6 +271,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     trainer.setup()
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
+    if cfg.accepted_flags:
+        logger.info(compat_flags.describe(cfg.accepted_flags))
     t = cfg.training
     try:
         if not t.skip_train:
