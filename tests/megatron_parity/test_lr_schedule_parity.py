@@ -109,3 +109,24 @@ def test_decoupled_lr_follows_its_own_peak_and_floor():
         sched.apply(groups, (it - 1) * 4)
         assert [g["lr"] for g in groups] == [g["lr"] for g in opt.param_groups]
         ref.step(increment=4)
+
+
+def test_trainer_gives_embedding_and_output_the_decoupled_lr():
+    from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.training.loop import Trainer
+
+    cfg = parse_args(BASE + ["--train-iters", "3", "--decoupled-lr", "5e-3",
+                             "--decoupled-min-lr", "5e-4", "--untie-embeddings-and-output-weights",
+                             "--eval-iters", "0"])
+    trainer = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
+    trainer.setup()
+    it = trainer.data_iterator(trainer.train_ds, 0)
+    for step in range(2):
+        out = trainer.train_step(it)
+        groups = trainer.optimizer.inner.param_groups
+        dec = [g["lr"] for g in groups if g.get("decoupled_lr")]
+        rest = [g["lr"] for g in groups if not g.get("decoupled_lr")]
+        assert dec and set(dec) == {trainer.scheduler.lr_at(step * 4, decoupled=True)}
+        assert set(rest) == {out["lr"]} and out["lr"] == trainer.scheduler.lr_at(step * 4)
+        n_dec = sum(len(g["params"]) for g in groups if g.get("decoupled_lr"))
+        assert n_dec == 2        # word embedding and output layer
