@@ -31,7 +31,8 @@ from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
-from megalite.training.flops import device_peak_flops, flops_per_iteration
+from megalite.training.flops import (device_peak_flops, flops_per_iteration,
+                                     model_flops_utilization)
 from megalite.training.metrics import TrainingLogger
 
 
@@ -182,14 +183,15 @@ class Trainer:
                       "consumed_samples": self.consumed_samples, **out,
                       "elapsed_ms": 1000 * elapsed, "tokens_per_sec": tokens / elapsed,
                       "tflops_per_device": flops / elapsed / world / 1e12,
-                      "mfu": flops / elapsed / world / peak,
+                      "mfu": model_flops_utilization(flops / elapsed / world, peak),
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
             if not math.isfinite(out["lm_loss"]):
                 raise FloatingPointError(f"loss is {out['lm_loss']} at iteration {self.iteration}")
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \
                     self.iteration < self.train_iters:
-                logger.log_eval(self.iteration, self.evaluate(self.valid_ds, t.eval_iters))
+                logger.log_eval(self.iteration, self.evaluate(self.valid_ds, t.eval_iters),
+                                consumed_samples=self.consumed_samples)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                     self.iteration % cfg.checkpoint.save_interval == 0:
                 self.save()
@@ -282,7 +284,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
                 logger.info(f"> saved checkpoint at iteration {trainer.iteration} to "
                             f"{cfg.checkpoint.save}")
         if t.eval_iters:
-            logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters))
+            logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters),
+                            consumed_samples=trainer.consumed_samples)
         if cfg.logging.loss_plot and trainer.is_writer and cfg.logging.metrics_file:
             from megalite.viz.loss_curve import plot_loss_curve
 
