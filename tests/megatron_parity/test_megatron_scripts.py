@@ -25,7 +25,7 @@ def paths(tmp_path_factory):
     d = tmp_path_factory.mktemp("megatron_scripts")
     rng = np.random.default_rng(0)
     data = write_documents(str(d / "corpus_text_document"),
-                           [list(rng.integers(1, 200, size=40)) for _ in range(400)], np.int32)
+                           [list(rng.integers(3, 50, size=40)) for _ in range(400)], np.int32)
     tokenizers = pytest.importorskip("tokenizers")
     bpe = tokenizers.ByteLevelBPETokenizer()
     text = ["the quick brown fox jumps over the lazy dog %d" % i for i in range(200)]
@@ -105,3 +105,30 @@ def test_fp8_parses_but_a_cpu_run_refuses_it(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert res.returncode == 2 and "FP8 training needs Transformer Engine" in res.stderr
     assert res.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_cpu_twin_trains_a_few_iterations(name, paths, tmp_path):
+    from megatron_examples import twin
+
+    text, _ = SCRIPTS[name]
+    local = dict(paths, CKPT=str(tmp_path / "ckpt"), TB=str(tmp_path / "tb"))
+    args = twin(argv(text, **local))
+    if "--tensorboard-dir" in args and not _has("tensorboard"):
+        k = args.index("--tensorboard-dir")
+        del args[k:k + 2]
+    metrics = str(tmp_path / "metrics.jsonl")
+    cmd = [sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args, "--device", "cpu",
+           "--metrics-file", metrics, "--no-progress-bar"]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    iters = [json.loads(x) for x in open(metrics) if "split" not in x]
+    assert [r["iteration"] for r in iters] == [1, 2, 3]
+    assert all(np.isfinite(r["lm_loss"]) and 0 <= r["mfu"] <= 1 for r in iters)
+    assert os.path.isdir(local["CKPT"])
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
