@@ -38,3 +38,15 @@ def test_mfu_never_exceeds_one():
 
     assert model_flops_utilization(2.07e12, 1e12) == 1.0
     assert model_flops_utilization(5e11, 1e12) == 0.5
+
+
+def test_plan_hf_config_reads_rope_parameters(tmp_path):
+    """transformers >= 5 stores the RoPE base under rope_parameters."""
+    from megalite.planner.model_spec import from_hf_config
+
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "vocab_size": 100, "intermediate_size": 128,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert from_hf_config(str(path)).rotary_base == 500000
