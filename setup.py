@@ -17,7 +17,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "transformers>=4.40", "matplotlib"],
+        # megatron-core is the oracle of the Megatron parity tests (CPU: its wheel ships the
+        # compiled dataset helpers; launch/setup_env.sh installs it with --no-deps first)
+        "test": ["pytest>=7", "transformers>=4.40", "matplotlib", "tokenizers",
+                 "megatron-core", "einops"],
         "te": ["transformer-engine[pytorch]"],
         "wandb": ["wandb"],
         "plot": ["matplotlib"],

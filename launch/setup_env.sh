@@ -16,6 +16,9 @@ fi
 stamp="$VENV/.megalite-installed-$EXTRAS"
 if [ ! -f "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ]; then
   python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+  if [[ ",$EXTRAS," == *",test,"* ]]; then   # the parity tests' oracle, without its CUDA extras
+    pip install -q --no-deps megatron-core einops
+  fi
   pip install -q -e "$ROOT[$EXTRAS]"
   touch "$stamp"
 fi

@@ -11,6 +11,7 @@ import sys
 from dataclasses import MISSING
 from typing import Optional, Sequence
 
+from megalite import compat_flags
 from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
                              all_fields, field_flag)
 from megalite.model_presets import preset_fields
@@ -78,6 +79,7 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
             if meta.get("nargs"):
                 kwargs["nargs"] = meta["nargs"]
         groups[section].add_argument(*flags, **kwargs)
+    compat_flags.register(parser)
     return parser
 
 
@@ -156,10 +158,15 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     world = ns.pop("world_size") or env_world_size(published_world or 1)
     for key in ("config", "model_preset", "gpu", "gpus_per_node"):
         ns.pop(key, None)
+    accepted = compat_flags.pop_given(ns)
     sections = {}
     for section, f in all_fields():
         sections.setdefault(section, {})[f.name] = ns[f.name]
-    cfg = MegaliteConfig(world_size=world, **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+    data = sections["data"]
+    if data["tokenizer_type"] is None and data["vocab_file"] and data["merge_file"]:
+        data["tokenizer_type"] = "GPT2BPETokenizer"   # Megatron's GPT-2 examples omit the type
+    cfg = MegaliteConfig(world_size=world, accepted_flags=accepted,
+                         **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
     if validate_config:
         from megalite.validation import validate
         validate(cfg)

@@ -112,6 +112,10 @@ class ModelConfig:
     position_embedding_type: str = opt(
         "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
     rotary_base: int = opt(10000, "Base period of rotary position embeddings.")
+    rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated (1.0 only here).")
+    apply_layernorm_1p: bool = opt(
+        False, "Zero-centred norm weights (w + 1); parses, refused at run time until landed.",
+        action="store_true")
     swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU).", action="store_true")
     untie_embeddings_and_output_weights: bool = opt(
         False, "Give the output layer its own weight instead of the input embedding.",
@@ -299,21 +303,46 @@ class OptimizerConfig:
     optimizer: str = opt("adam", "Optimizer (AdamW).", choices=["adam", "sgd"])
     lr: Optional[float] = opt(None, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate floor after decay.")
-    lr_decay_style: str = opt("linear", "Decay style.",
-                              choices=["constant", "linear", "cosine", "WSD"])
+    lr_decay_style: str = opt("linear", "Decay style (Megatron-Core's OptimizerParamScheduler).",
+                              choices=["constant", "linear", "cosine", "inverse-square-root",
+                                       "WSD"])
     lr_decay_iters: Optional[int] = opt(None, "Iterations to decay over; default --train-iters.")
+    lr_decay_samples: Optional[int] = opt(
+        None, "Samples to decay over (--train-samples runs); default --train-samples.")
     lr_warmup_iters: int = opt(0, "Linear warmup iterations.")
-    lr_warmup_fraction: Optional[float] = opt(None, "Warmup as a fraction of decay iterations.")
-    lr_wsd_decay_iters: Optional[int] = opt(None, "WSD: iterations of the final decay phase.")
+    lr_warmup_samples: int = opt(0, "Linear warmup samples (--train-samples runs).")
+    lr_warmup_fraction: Optional[float] = opt(None, "Warmup as a fraction of the decay steps.")
+    lr_warmup_init: float = opt(0.0, "Learning rate at the start of warmup.")
+    lr_wsd_decay_iters: Optional[int] = opt(
+        None, "WSD: iterations of the final decay phase (default: 10%% of the decay).")
+    lr_wsd_decay_samples: Optional[int] = opt(
+        None, "WSD: samples of the final decay phase (--train-samples runs).")
     lr_wsd_decay_style: str = opt("linear", "WSD: shape of the final decay.",
-                                  choices=["linear", "cosine", "exponential"])
+                                  choices=["linear", "cosine", "exponential", "minus_sqrt"])
+    decoupled_lr: Optional[float] = opt(
+        None, "Separate peak lr for the input embedding and output layer.")
+    decoupled_min_lr: Optional[float] = opt(
+        None, "Minimum lr of the input embedding and output layer under --decoupled-lr.")
     weight_decay: float = opt(0.01, "Weight decay (not applied to norms and biases).")
+    start_weight_decay: Optional[float] = opt(
+        None, "Weight decay at the start of the run (default --weight-decay).")
+    end_weight_decay: Optional[float] = opt(
+        None, "Weight decay at the end of the run (default --weight-decay).")
+    weight_decay_incr_style: str = opt("constant", "How weight decay moves from start to end.",
+                                       choices=["constant", "linear", "cosine"])
     clip_grad: float = opt(1.0, "Clip the global gradient norm to this; 0 disables.")
     adam_beta1: float = opt(0.9, "Adam beta1.")
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     bf16: bool = opt(False, "bf16 compute with fp32 master weights.", action="store_true")
-    fp16: bool = opt(False, "fp16 is not supported; use --bf16.", action="store_true")
+    fp16: bool = opt(False, "fp16 compute with fp32 master weights and a loss scaler.",
+                     action="store_true")
+    loss_scale: Optional[float] = opt(
+        None, "fp16: static loss scale (a power of 2); default: dynamic loss scaling.")
+    initial_loss_scale: float = opt(2.0 ** 32, "fp16: initial dynamic loss scale.")
+    min_loss_scale: float = opt(1.0, "fp16: smallest dynamic loss scale.")
+    loss_scale_window: float = opt(1000, "fp16: steps without overflow before the scale grows.")
+    hysteresis: int = opt(2, "fp16: overflows tolerated before the scale shrinks.")
 
 
 @dataclass
@@ -326,8 +355,11 @@ class DataConfig:
     tokenizer_type: Optional[str] = opt(
         None, "Tokenizer.", choices=["SentencePieceTokenizer", "ByteLevelTokenizer",
                                      "CharacterTokenizer", "NullTokenizer",
-                                     "HuggingFaceTokenizer"])
-    tokenizer_model: Optional[str] = opt(None, "Tokenizer model file.")
+                                     "HuggingFaceTokenizer", "GPT2BPETokenizer",
+                                     "Llama2Tokenizer", "GPTSentencePieceTokenizer"])
+    tokenizer_model: Optional[str] = opt(None, "Tokenizer model file (or HF directory).")
+    vocab_file: Optional[str] = opt(None, "GPT2BPETokenizer: vocab.json.")
+    merge_file: Optional[str] = opt(None, "GPT2BPETokenizer: merges.txt.")
     data_cache_path: Optional[str] = opt(None, "Where dataset index caches are written.")
     eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",
                               action="store_true")
@@ -346,6 +378,12 @@ class TrainingConfig:
         None, "Samples per iteration over all data-parallel ranks; default micro*DP.")
     train_iters: Optional[int] = opt(None, "Training iterations.")
     train_samples: Optional[int] = opt(None, "Training samples (alternative to --train-iters).")
+    rampup_batch_size: Optional[list] = opt(
+        None, "START INCREMENT SAMPLES: grow the global batch; parses, refused at run time "
+        "until landed.", nargs=3)
+    step_batch_size_schedule: Optional[list] = opt(
+        None, "'SAMPLES:BATCH ...' global batch steps; parses, refused at run time until landed.",
+        nargs="+")
     eval_interval: int = opt(1000, "Evaluate every this many iterations.")
     eval_iters: int = opt(100, "Iterations per evaluation.")
     skip_train: bool = opt(False, "Only evaluate (a loaded checkpoint).", action="store_true")
@@ -407,6 +445,8 @@ class MegaliteConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     world_size: int = 1
+    # Megatron flags given that have no setting here: [(flag, value, note)] (compat_flags)
+    accepted_flags: list = field(default_factory=list)
 
     @property
     def data_parallel_size(self) -> int:

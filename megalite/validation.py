@@ -272,11 +272,23 @@ def check_experts(cfg: MegaliteConfig) -> None:
 def validate_files(cfg: MegaliteConfig) -> None:
     """Data and tokenizer files exist (skipped by the planner)."""
     d = cfg.data
-    if d.tokenizer_type in ("SentencePieceTokenizer", "CharacterTokenizer"):
+    if d.tokenizer_type in ("SentencePieceTokenizer", "CharacterTokenizer", "Llama2Tokenizer",
+                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"):
         if not d.tokenizer_model:
             raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE")
-        if not os.path.isfile(d.tokenizer_model):
-            raise ConfigError(f"--tokenizer-model: file '{d.tokenizer_model}' does not exist")
+        if not os.path.exists(d.tokenizer_model):
+            raise ConfigError(f"--tokenizer-model: '{d.tokenizer_model}' does not exist")
+    if d.tokenizer_type == "GPT2BPETokenizer":
+        for value, flag in ((d.vocab_file, "--vocab-file"), (d.merge_file, "--merge-file")):
+            if not value:
+                raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE")
+            if not os.path.isfile(value):
+                raise ConfigError(f"{flag}: file '{value}' does not exist")
+    from megalite.data.megatron_indices import parse_split_numbers
+    try:
+        parse_split_numbers(d.split)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if d.tokenizer_type == "NullTokenizer" and cfg.model.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
     if cfg.training.skip_train and not cfg.checkpoint.load:
@@ -306,8 +318,9 @@ def validate_files(cfg: MegaliteConfig) -> None:
 
 def validate_training(cfg: MegaliteConfig) -> None:
     o, t = cfg.optimizer, cfg.training
-    if o.fp16:
-        raise ConfigError("--fp16 is not supported; use --bf16 (fp32 master weights)")
+    if o.fp16 and o.bf16:
+        raise ConfigError("give only one of --fp16 and --bf16")
+    check_megatron_compat(cfg)
     if not t.skip_train and not t.dry_run:
         if t.train_iters is None and t.train_samples is None:
             raise ConfigError("give --train-iters or --train-samples")
@@ -331,18 +344,49 @@ def validate_training(cfg: MegaliteConfig) -> None:
         raise ConfigError(f"--recompute-modules: unknown {sorted(bad)}; choose from {sorted(allowed)}")
 
 
-def validate_logging(cfg: MegaliteConfig) -> None:
-    """Optional packages asked for by a flag must be installed (checked without importing)."""
+def check_megatron_compat(cfg: MegaliteConfig) -> None:
+    """Megatron flags that parse (a script runs --dry-run unchanged) but whose feature has not
+    landed: refused when the run would start, one line each, never ignored."""
+    m, o, t = cfg.model, cfg.optimizer, cfg.training
+    if m.rotary_percent != 1.0:
+        raise ConfigError(f"--rotary-percent {m.rotary_percent}: only 1.0 (full rotary) is "
+                          "implemented")
+    if t.dry_run:
+        return
+    pending = [(o.fp16, "--fp16", "fp16 with a loss scaler is not implemented yet; use --bf16"),
+               (m.apply_layernorm_1p, "--apply-layernorm-1p",
+                "zero-centred norm weights are not implemented yet; drop the flag"),
+               (t.rampup_batch_size, "--rampup-batch-size",
+                "batch-size ramp-up is not implemented yet; drop the flag"),
+               (t.step_batch_size_schedule, "--step-batch-size-schedule",
+                "batch-size schedules are not implemented yet; drop the flag")]
+    for given, flag, why in pending:
+        if given:
+            raise ConfigError(f"{flag}: {why}")
+
+
+def missing_logging_packages(cfg: MegaliteConfig) -> list:
+    """One line per optional package a logging flag needs that is not installed."""
     import importlib.util
 
-    lg = cfg.logging
+    lg, out = cfg.logging, []
     if lg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard-dir needs the tensorboard package: "
-                          "pip install 'megalite[tensorboard]'")
+        out.append("--tensorboard-dir needs the tensorboard package: "
+                   "pip install 'megalite[tensorboard]'")
     if lg.wandb_project and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("--wandb-project needs the wandb package: pip install 'megalite[wandb]'")
+        out.append("--wandb-project needs the wandb package: pip install 'megalite[wandb]'")
     if lg.loss_plot and importlib.util.find_spec("matplotlib") is None:
-        raise ConfigError("--loss-plot needs matplotlib: pip install 'megalite[plot]'")
+        out.append("--loss-plot needs matplotlib: pip install 'megalite[plot]'")
+    return out
+
+
+def validate_logging(cfg: MegaliteConfig) -> None:
+    """Optional packages asked for by a flag must be installed (checked without importing);
+    ``--dry-run`` (often on a login node) prints them as notes instead."""
+    lg = cfg.logging
+    missing = missing_logging_packages(cfg)
+    if missing and not cfg.training.dry_run:
+        raise ConfigError(missing[0])
     if lg.loss_plot and not lg.metrics_file:
         raise ConfigError("--loss-plot draws from the metrics file: also give --metrics-file PATH")
 
@@ -372,7 +416,6 @@ def check_data_parallel(cfg: MegaliteConfig) -> None:
 def validate(cfg: MegaliteConfig) -> None:
     validate_layout(cfg)
     check_data_parallel(cfg)
-    if not cfg.training.dry_run:
-        validate_files(cfg)
+    validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes
     validate_training(cfg)
     validate_logging(cfg)

@@ -1,16 +1,18 @@
 """GPT pretraining datasets: packed samples from an indexed dataset, mock data, and blends.
 
-Packing (as in Megatron): the selected documents are concatenated, epoch after epoch, each
-epoch in a fresh shuffled order, into one token stream. Sample ``j`` (before shuffling) is the
-``seq_length + 1`` tokens starting at stream position ``j * seq_length``; consecutive samples
-share one boundary token. ``tokens = sample[:-1]``, ``labels = sample[1:]``. The sample order
-is then shuffled. The three index arrays (document order, sample starts, sample shuffle) are
-cached as ``.npy`` files keyed by a hash of everything they depend on.
+Packing is Megatron-Core's ``GPTDataset`` (rules in ``megatron_indices``): the split's
+documents, tiled once per epoch and shuffled across epochs, form one token stream. Sample
+``j`` (before shuffling) is the ``seq_length + 1`` tokens starting at stream position
+``j * seq_length``; consecutive samples share one boundary token. ``tokens = sample[:-1]``,
+``labels = sample[1:]``. The order of all samples of all epochs is then shuffled, so a
+dataset holds at least the samples asked for. Same seed, split, sequence length and sample
+counts: the same samples in the same order as Megatron-LM. The three index arrays are cached
+as ``.npy`` files keyed by a hash of everything they depend on.
 
-Split rule (``--split 969,30,1``): weights are normalized and turned into contiguous document
-ranges with Megatron's rounding. If that leaves a split with nonzero weight without any
-document (e.g. a single-document corpus with ``90,10,0``), the corpus is instead split by
-tokens: the concatenated token stream is cut at the same fractions, cutting inside documents.
+Split rule (``--split 969,30,1``): Megatron's, over the sequences of the ``.idx`` file. If
+that leaves a split with nonzero weight without any sequence (e.g. a single-document corpus
+with ``90,10,0``, where Megatron-LM stops), the corpus is instead split by tokens: the
+concatenated token stream is cut at the same fractions, cutting inside documents.
 ``contiguous=True`` always splits by tokens and keeps documents in corpus order (a
 nanoGPT-style contiguous stream); samples are still drawn in shuffled order.
 """
@@ -28,6 +30,9 @@ import numpy as np
 import torch
 
 from megalite.data.indexed_dataset import IndexedDataset, bin_path
+from megalite.data.megatron_indices import (MID_LEVEL_DATASET_SURPLUS, blend_sizes,
+                                            blending_indices, build_indices, normalize,
+                                            parse_split_numbers, split_ranges)
 from megalite.data.samples import make_sample
 
 __all__ = [
@@ -45,23 +50,16 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 SPLIT_NAMES = ("train", "valid", "test")
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2   # 2: Megatron-Core's index rules
 
 
 # ---------------------------------------------------------------------------------------
 # argument parsing
 # ---------------------------------------------------------------------------------------
 def parse_split(split: str) -> list[float]:
-    """``"969,30,1"`` (or ``"969/30/1"``, or fewer than 3 numbers) -> 3 normalized weights."""
-    try:
-        parts = [float(s) for s in split.replace("/", ",").split(",") if s.strip() != ""]
-    except ValueError:
-        raise ValueError(f"--split {split!r}: expected up to 3 comma-separated numbers like 969,30,1") from None
-    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive sum")
-    parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [p / total for p in parts]
+    """``"969,30,1"`` (or ``"969/30/1"``, ``"'99,1,0'"`` with quotes, or fewer than 3 numbers)
+    -> 3 normalized weights, as Megatron parses it."""
+    return parse_split_numbers(split)
 
 
 def split_boundaries(size: int, weights: Sequence[float]) -> list[int]:
@@ -109,8 +107,9 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
 class Segments:
     """Token ranges ``(sequence id, start token, length)`` that make up one split, in order."""
 
-    def __init__(self, seq: np.ndarray, start: np.ndarray, length: np.ndarray) -> None:
-        keep = length > 0
+    def __init__(self, seq: np.ndarray, start: np.ndarray, length: np.ndarray,
+                 keep_empty: bool = False) -> None:
+        keep = np.ones(len(length), dtype=bool) if keep_empty else np.asarray(length) > 0
         self.seq = np.asarray(seq, dtype=np.int64)[keep]
         self.start = np.asarray(start, dtype=np.int64)[keep]
         self.length = np.asarray(length, dtype=np.int64)[keep]
@@ -134,16 +133,15 @@ def split_segments(
 ) -> tuple[list[Segments], str]:
     """Segments of train/valid/test for ``indexed`` and the rule used (``"document"``/``"token"``)."""
     lengths = indexed.sequence_lengths.astype(np.int64)
-    docs = indexed.document_indices
-    n_docs = len(docs) - 1
-    if not contiguous:
-        bounds = split_boundaries(n_docs, weights)
-        counts = [bounds[i + 1] - bounds[i] for i in range(3)]
-        if all(c > 0 for c, w in zip(counts, weights) if w > 0):
+    if not contiguous:   # Megatron: split the sequences (empty ones included)
+        ranges = split_ranges(len(lengths), weights)
+        if all(r is not None and r[1] > r[0] and lengths[r[0]:r[1]].sum() > 1
+               for r, w in zip(ranges, weights) if w > 0):
             out = []
-            for i in range(3):
-                s0, s1 = int(docs[bounds[i]]), int(docs[bounds[i + 1]])
-                out.append(Segments(np.arange(s0, s1), np.zeros(s1 - s0), lengths[s0:s1]))
+            for r in ranges:
+                s0, s1 = r if r is not None else (0, 0)
+                out.append(Segments(np.arange(s0, s1), np.zeros(s1 - s0), lengths[s0:s1],
+                                    keep_empty=True))
             return out, "document"
     # token-level split over the concatenated stream of all sequences
     ends = np.cumsum(lengths)
@@ -170,7 +168,7 @@ def _save_npy(path: str, arr: np.ndarray) -> None:
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """``num_samples`` packed samples of ``seq_length`` tokens from the given segments.
+    """At least ``num_samples`` packed samples of ``seq_length`` tokens from the segments.
 
     Sample ``i`` is a dict of ``tokens``, ``labels`` (tokens shifted by one), ``loss_mask`` and
     ``position_ids``. The same arguments always give the same samples in the same order.
@@ -201,13 +199,10 @@ class GPTDataset(torch.utils.data.Dataset):
                 f"{name} split of {indexed.path_prefix!r} has {tokens} tokens; need at least 2 "
                 "(check --split and the data)"
             )
-        if num_samples is None:  # one pass over the split
-            num_samples = max((tokens - 1) // self.seq_length, 1)
-        self.num_samples = int(num_samples)
-        if self.num_samples < 1:
+        if num_samples is not None and int(num_samples) < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        # smallest number of epochs whose stream holds every sample's seq_length + 1 tokens
-        self.num_epochs = max(1, -(-(self.num_samples * self.seq_length + 1) // tokens))
+        # None: one epoch (Megatron's rule); the dataset then holds every sample of it
+        self.requested_samples = None if num_samples is None else int(num_samples)
         self.shuffle_documents = shuffle_documents
 
         description = {
@@ -218,7 +213,7 @@ class GPTDataset(torch.utils.data.Dataset):
             "split": name,
             "segments": segments.digest(),
             "seq_length": self.seq_length,
-            "num_samples": self.num_samples,
+            "num_samples": self.requested_samples,
             "seed": self.seed,
             "shuffle_documents": shuffle_documents,
         }
@@ -241,7 +236,7 @@ class GPTDataset(torch.utils.data.Dataset):
         if all(os.path.isfile(p) for p in paths):
             try:
                 arrays = tuple(np.load(p, mmap_mode="r") for p in paths)
-                if len(arrays[1]) == self.num_samples + 1 and len(arrays[2]) == self.num_samples:
+                if len(arrays[1]) == len(arrays[2]) + 1:
                     self.loaded_from_cache = True
                     return arrays
             except (OSError, ValueError):
@@ -258,21 +253,17 @@ class GPTDataset(torch.utils.data.Dataset):
         return arrays
 
     def _build(self):
-        rng = np.random.default_rng(self.seed)
-        n_seg = len(self.segments)
-        if self.shuffle_documents:
-            document_index = np.concatenate([rng.permutation(n_seg) for _ in range(self.num_epochs)])
-        else:
-            document_index = np.tile(np.arange(n_seg, dtype=np.int64), self.num_epochs)
-        lengths = self.segments.length[document_index]
-        ends = np.cumsum(lengths)
-        # sample j starts at stream position j * seq_length; row num_samples closes the last one
-        positions = np.arange(self.num_samples + 1, dtype=np.int64) * self.seq_length
-        rows = np.searchsorted(ends, positions, side="right")
-        offsets = positions - (ends[rows] - lengths[rows])
-        sample_index = np.stack([rows, offsets], axis=1).astype(np.int64)
-        shuffle_index = rng.permutation(self.num_samples).astype(np.int64)
-        return document_index.astype(np.int64), sample_index, shuffle_index
+        return build_indices(self.segments.length, self.seq_length, self.requested_samples,
+                             self.seed, self.shuffle_documents)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this dataset holds: every sample of its epochs (>= the number asked)."""
+        return len(self.shuffle_index)
+
+    @property
+    def num_epochs(self) -> int:
+        return max(1, len(self.document_index) // max(len(self.segments), 1))
 
     # -- access ------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -340,33 +331,6 @@ class MockGPTDataset(torch.utils.data.Dataset):
 # ---------------------------------------------------------------------------------------
 # blending
 # ---------------------------------------------------------------------------------------
-def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Megatron's greedy blend: sample ``i`` goes to the dataset furthest below its target.
-
-    Returns ``(dataset_index, dataset_sample_index)``: sample ``i`` is sample
-    ``dataset_sample_index[i]`` of dataset ``dataset_index[i]``. Deterministic, no RNG; after
-    any prefix of ``n`` samples each dataset's count is within one of ``weight * n``.
-    """
-    w = [float(x) for x in weights]
-    total = sum(w)
-    w = [x / total for x in w]
-    taken = [0] * len(w)
-    dataset_index = np.empty(size, dtype=np.int16 if len(w) < 2**15 else np.int64)
-    sample_index = np.empty(size, dtype=np.int64)
-    nd = range(len(w))
-    for i in range(size):
-        n = max(i, 1)
-        best, best_err = 0, w[0] * n - taken[0]
-        for d in nd:
-            err = w[d] * n - taken[d]
-            if err > best_err:
-                best, best_err = d, err
-        dataset_index[i] = best
-        sample_index[i] = taken[best]
-        taken[best] += 1
-    return dataset_index, sample_index
-
-
 class BlendedDataset(torch.utils.data.Dataset):
     """``size`` samples drawn from ``datasets`` in proportion to ``weights`` (see blending_indices).
 
@@ -377,7 +341,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError("BlendedDataset needs one weight per dataset")
         self.datasets, self.size = list(datasets), int(size)
-        self.weights = [float(w) / sum(weights) for w in weights]
+        self.weights = normalize(weights)
         if indices is None:  # callers that already ran blending_indices pass its result
             indices = blending_indices(self.weights, self.size)
         self.dataset_index, self.dataset_sample_index = indices
@@ -438,7 +402,8 @@ def build_train_valid_test_datasets(
     if not data_path:
         raise ValueError("no --data-path given (pass --mock-data for synthetic data)")
     split_weights = parse_split(split)
-    blend_weights, prefixes = parse_data_path(data_path)
+    _, prefixes = parse_data_path(data_path)
+    raw_weights = megatron_blend_weights(data_path)
     indexed = [IndexedDataset(p) for p in prefixes]
     segments = []
     for ds in indexed:
@@ -446,11 +411,11 @@ def build_train_valid_test_datasets(
         logger.info("%s: split %s by %s -> %s tokens", ds.path_prefix, split, rule, [s.num_tokens for s in segs])
         segments.append(segs)
 
-    def one(d: int, i: int, n: int):
+    def one(d: int, i: int, n: int | None, want: int):
         if i == 0 and sample_windows == "random":
             from megalite.data.random_windows import RandomWindowDataset
 
-            return RandomWindowDataset(indexed[d], segments[d][i], seq_length, n, seed,
+            return RandomWindowDataset(indexed[d], segments[d][i], seq_length, n or want, seed,
                                        name=SPLIT_NAMES[i], eod_token=eod_token,
                                        eod_mask_loss=eod_mask_loss)
         return GPTDataset(
@@ -463,13 +428,31 @@ def build_train_valid_test_datasets(
     for i, n in enumerate(num_samples):
         if n <= 0 or split_weights[i] == 0:
             out.append(None)
-            continue
-        if len(indexed) == 1:
-            out.append(one(0, i, n))
-            continue
-        # blend: count exactly how many samples each dataset must supply, then build those
-        indices = blending_indices(blend_weights, n)
-        counts = np.bincount(indices[0].astype(np.int64), minlength=len(indexed))
-        parts = [one(d, i, int(c)) if c > 0 else None for d, c in enumerate(counts)]
-        out.append(BlendedDataset(parts, blend_weights, n, indices))
+        elif raw_weights is None and len(indexed) == 1:
+            out.append(one(0, i, n, n))
+        elif raw_weights is not None:
+            # Megatron's blend: ceil(n * w) samples per dataset (+0.5% built), greedy order
+            weights = normalize(raw_weights)
+            target = blend_sizes(weights, n)
+            built = blend_sizes(weights, n, MID_LEVEL_DATASET_SURPLUS)
+            parts = [one(d, i, built[d], built[d]) for d in range(len(indexed))]
+            out.append(BlendedDataset(parts, weights, sum(target)))
+        else:
+            # prefixes without weights: one epoch of each, blended by their sizes
+            parts = [one(d, i, None, n) for d in range(len(indexed))]
+            sizes = [len(p) for p in parts]
+            out.append(BlendedDataset(parts, sizes, min(n, sum(sizes))))
     return tuple(out)
+
+
+def megatron_blend_weights(data_path: Sequence[str]) -> list[float] | None:
+    """The raw weights of a ``--data-path`` weight/prefix list, None for bare prefixes
+    (Megatron then blends one epoch of each dataset by size)."""
+    weights, _ = parse_data_path(data_path)
+    items = list(data_path)
+    if len(items) % 2 == 0 and len(items) >= 2:
+        try:
+            return [float(items[k]) for k in range(0, len(items), 2)]
+        except ValueError:
+            pass
+    return None

@@ -15,7 +15,10 @@ __all__ = [
     "TOKENIZER_TYPES",
     "ByteLevelTokenizer",
     "CharacterTokenizer",
+    "GPT2BPETokenizer",
+    "GPTSentencePieceTokenizer",
     "HuggingFaceTokenizer",
+    "Llama2Tokenizer",
     "NullTokenizer",
     "SentencePieceTokenizer",
     "build_tokenizer",
@@ -196,17 +199,69 @@ class HuggingFaceTokenizer:
         return self.tok.decode([int(i) for i in ids if int(i) < len(self.tok)])
 
 
+# Megatron-LM's tokenizer types on the well-kept libraries (no hand-written BPE):
+# GPT2BPETokenizer (--vocab-file vocab.json --merge-file merges.txt, through `tokenizers`;
+# eod is <|endoftext|>), Llama2Tokenizer (sentencepiece; <s> before each document, eod </s>),
+# GPTSentencePieceTokenizer (sentencepiece without bos).
+class GPT2BPETokenizer:
+    name = "GPT2BPETokenizer"
+
+    def __init__(self, vocab_file: str | None, merge_file: str | None) -> None:
+        for path, flag in ((vocab_file, "--vocab-file"), (merge_file, "--merge-file")):
+            if not path or not os.path.isfile(path):
+                raise FileNotFoundError(f"GPT2BPETokenizer needs {flag} FILE (got {path!r})")
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+        self.tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        self.tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self.tok.decoder = decoders.ByteLevel()
+        self.vocab_size = len(vocab)
+        self.eod = vocab.get("<|endoftext|>", self.vocab_size - 1)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self.tok.decode([int(i) for i in ids])
+
+
+class GPTSentencePieceTokenizer(SentencePieceTokenizer):
+    name = "GPTSentencePieceTokenizer"
+
+
+class Llama2Tokenizer(SentencePieceTokenizer):
+    name = "Llama2Tokenizer"
+
+    def tokenize(self, text: str) -> list[int]:
+        bos = self.sp.bos_id()
+        return ([bos] if bos >= 0 else []) + list(self.sp.encode(text))
+
+
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
     "CharacterTokenizer",
     "ByteLevelTokenizer",
     "NullTokenizer",
     "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "Llama2Tokenizer",
+    "GPTSentencePieceTokenizer",
 )
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None):
-    """Build a tokenizer from Megatron-style ``--tokenizer-type/--tokenizer-model/--vocab-size``."""
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None):
+    """Build a tokenizer from Megatron-style ``--tokenizer-type/--tokenizer-model/--vocab-size``
+    (``--vocab-file/--merge-file`` for GPT-2 BPE)."""
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "Llama2Tokenizer":
+        return Llama2Tokenizer(tokenizer_model)
+    if tokenizer_type == "GPTSentencePieceTokenizer":
+        return GPTSentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "CharacterTokenizer":

@@ -28,6 +28,7 @@ import torch
 
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, make_inner_optimizer,
+                                          param_groups, uses_decoupled_lr,
                                           uses_weight_decay)
 
 
@@ -48,16 +49,22 @@ class DistributedOptimizer(MasterWeightOptimizer):
                          for p, view in zip(buf.params, buf.grad_views)}
         self.masters = [buf.param_shard.detach().float().clone() if self.bf16
                         else buf.param_shard for buf in self.sharded_buffers]
-        decay, no_decay = [], []
+        split = o.decoupled_lr is not None
+        pieces = {(True, False): [], (False, False): [], (True, True): [], (False, True): []}
+
+        def key(p):   # (weight decay?, --decoupled-lr group?)
+            if p is None:
+                return (False, False)
+            return (uses_weight_decay(names[id(p)], p),
+                    split and uses_decoupled_lr(names[id(p)]))
         for buf, master in zip(self.sharded_buffers, self.masters):
-            for lo, hi, wd in contiguous_runs(
-                    buf.shard_ranges(), buf.shard_size,
-                    lambda p: p is not None and uses_weight_decay(names[id(p)], p)):
+            for lo, hi, k in contiguous_runs(buf.shard_ranges(), buf.shard_size, key):
                 piece = master[lo:hi]
                 piece.grad = buf.grad_shard[lo:hi]
-                (decay if wd else no_decay).append(piece)
-        self.inner = make_inner_optimizer([{"params": decay, "weight_decay": o.weight_decay},
-                                           {"params": no_decay, "weight_decay": 0.0}], o)
+                pieces[k].append(piece)
+        self.inner = make_inner_optimizer(param_groups(
+            pieces[(True, False)], pieces[(False, False)], o, pieces[(True, True)],
+            pieces[(False, True)]), o)
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """``p``'s gradient: its view of the grad buffer (after the reduce-scatter only

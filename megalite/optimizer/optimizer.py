@@ -30,6 +30,30 @@ def clip_coefficient(norm: float, clip_grad: float) -> float:
     return 1.0
 
 
+def uses_decoupled_lr(name: str) -> bool:
+    """Megatron's ``is_embedding_or_output_parameter``: the word embedding and the output
+    layer follow ``--decoupled-lr`` when it is given."""
+    return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
+
+
+def param_groups(decay: list, no_decay: list, o, decoupled_decay=(),
+                 decoupled_no_decay=()) -> list:
+    """The AdamW groups; ``wd_mult`` lets the scheduler set each group's weight decay as
+    Megatron does (``wd * wd_mult``).  Under ``--decoupled-lr`` the embedding and output
+    parameters form their own groups (``decoupled_lr``); otherwise there are two groups."""
+    groups = [{"params": decay, "weight_decay": o.weight_decay, "wd_mult": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+    if o.decoupled_lr is not None:
+        groups += [{"params": list(decoupled_decay), "weight_decay": o.weight_decay,
+                    "wd_mult": 1.0, "decoupled_lr": True},
+                   {"params": list(decoupled_no_decay), "weight_decay": 0.0, "wd_mult": 0.0,
+                    "decoupled_lr": True}]
+    else:
+        groups[0]["params"] = list(decay) + list(decoupled_decay)
+        groups[1]["params"] = list(no_decay) + list(decoupled_no_decay)
+    return groups
+
+
 def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
     """The torch optimizer over ``groups`` (empty groups dropped): fused AdamW, or SGD."""
     groups = [g for g in groups if g["params"]]
@@ -67,7 +91,8 @@ class MasterWeightOptimizer:
         update the masters and the model's copy of them; returns ``grad_norm``."""
         coef = clip_coefficient(grad_norm, self.clip_grad)
         for group in self.inner.param_groups:
-            group["lr"] = lr
+            if not group.get("decoupled_lr"):   # --decoupled-lr groups: set by the scheduler
+                group["lr"] = lr
         self._prepare_grads(coef)
         self.inner.step()
         with torch.no_grad():
@@ -130,10 +155,13 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
         self.masters = [p.detach().float().clone().requires_grad_(True) if self.bf16 else p
                         for p in self.params]
         triples = list(zip(names, self.params, self.masters))
-        decay = [m for n, p, m in triples if uses_weight_decay(n, p)]
-        no_decay = [m for n, p, m in triples if not uses_weight_decay(n, p)]
-        self.inner = make_inner_optimizer([{"params": decay, "weight_decay": o.weight_decay},
-                                           {"params": no_decay, "weight_decay": 0.0}], o)
+        split = o.decoupled_lr is not None
+
+        def pick(wd: bool, decoupled: bool) -> list:
+            return [m for n, p, m in triples if uses_weight_decay(n, p) == wd
+                    and (split and uses_decoupled_lr(n)) == decoupled]
+        self.inner = make_inner_optimizer(param_groups(
+            pick(True, False), pick(False, False), o, pick(True, True), pick(False, True)), o)
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         return self._grad_of(p)

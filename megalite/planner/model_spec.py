@@ -66,7 +66,8 @@ def from_hf_config(path: str) -> ModelConfig:
         ffn_hidden_size=hf.get("intermediate_size"), vocab_size=hf["vocab_size"],
         seq_length=min(hf.get("max_position_embeddings", 4096), 8192),
         normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-5),
-        position_embedding_type="rope", rotary_base=int(hf.get("rope_theta", 10000)),
+        position_embedding_type="rope", rotary_base=int(hf.get(
+            "rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000))),
         swiglu=act in ("silu", "swish", "swiglu"),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=bool(hf.get("attention_bias", False) and hf.get("mlp_bias", False)),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+from megalite import compat_flags
 from megalite.arguments import parse_args, run_cli
 from megalite.parallel_state import RankGrid
 
@@ -55,7 +56,12 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
         cfg = parse_args(argv, prog=prog, defaults=defaults)
         if cfg.training.dry_run:
             from megalite.training.dry_run import dry_run
+            from megalite.validation import missing_logging_packages
 
+            if cfg.accepted_flags:
+                print(compat_flags.describe(cfg.accepted_flags))
+            for line in missing_logging_packages(cfg):
+                print(f"> note: {line} (not installed here)")
             return dry_run(cfg, argv if argv is not None else sys.argv[1:], describe_batch(cfg))
         from megalite.models.gpt_step import GPT_FAMILY
         from megalite.training.loop import pretrain

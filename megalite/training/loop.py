@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from megalite import comm
+from megalite import comm, compat_flags
+from megalite.config import ConfigError
 from megalite.distributed.data_parallel import build_data_parallel
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
@@ -30,7 +31,8 @@ from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
-from megalite.training.flops import device_peak_flops, flops_per_iteration
+from megalite.training.flops import (device_peak_flops, flops_per_iteration,
+                                     model_flops_utilization)
 from megalite.training.memory_report import memory_record
 from megalite.training.metrics import TrainingLogger
 
@@ -76,7 +78,8 @@ class Trainer:
         d = self.cfg.data
         if d.tokenizer_type:
             self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model,
-                                             self.cfg.model.vocab_size)
+                                             self.cfg.model.vocab_size, d.vocab_file,
+                                             d.merge_file)
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
@@ -153,7 +156,9 @@ class Trainer:
                              if self.state.pp.size > 1 else "no-pipelining",
                              sched.trace if sched is not None else ())
             self._timeline_events = None
-        lr = self.scheduler.lr(self.iteration + 1)
+        # Megatron's order: the update uses the lr (and weight decay) of the samples consumed
+        # before it; then the schedule advances by this iteration's samples.
+        lr = self.scheduler.apply(self.optimizer.inner.param_groups, self.consumed_samples)
         grad_norm = self.strategy.step(lr)
         metrics = self.family.after_train_step(self.model_chunks, self.cfg, self.state)
         self.iteration += 1
@@ -188,7 +193,7 @@ class Trainer:
                       "consumed_samples": self.consumed_samples, **out,
                       "elapsed_ms": 1000 * elapsed, "tokens_per_sec": tokens / elapsed,
                       "tflops_per_device": flops / elapsed / world / 1e12,
-                      "mfu": flops / elapsed / world / peak,
+                      "mfu": model_flops_utilization(flops / elapsed / world, peak),
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
             if self.iteration == first + 1:      # planner vs measured, once
@@ -198,7 +203,8 @@ class Trainer:
                 raise FloatingPointError(f"loss is {out['lm_loss']} at iteration {self.iteration}")
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \
                     self.iteration < self.train_iters:
-                logger.log_eval(self.iteration, self.evaluate(self.valid_ds, t.eval_iters))
+                logger.log_eval(self.iteration, self.evaluate(self.valid_ds, t.eval_iters),
+                                consumed_samples=self.consumed_samples)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                     self.iteration % cfg.checkpoint.save_interval == 0:
                 self.save()
@@ -270,6 +276,9 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     from megalite.parallel_state import pick_device_and_backend
 
     device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
+    refusal = compat_flags.runtime_refusal(cfg.accepted_flags, device)
+    if refusal:    # before any process group: one line, exit status 2
+        raise ConfigError(refusal)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.world_size, 1)))
     state = initialize(cfg)
@@ -277,6 +286,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     trainer.setup()
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
+    if cfg.accepted_flags:
+        logger.info(compat_flags.describe(cfg.accepted_flags))
     t = cfg.training
     try:
         if not t.skip_train:
@@ -286,7 +297,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
                 logger.info(f"> saved checkpoint at iteration {trainer.iteration} to "
                             f"{cfg.checkpoint.save}")
         if t.eval_iters:
-            logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters))
+            logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters),
+                            consumed_samples=trainer.consumed_samples)
         if cfg.logging.loss_plot and trainer.is_writer and cfg.logging.metrics_file:
             from megalite.viz.loss_curve import plot_loss_curve
 

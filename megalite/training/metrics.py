@@ -33,7 +33,7 @@ class TrainingLogger:
             return
         if lg.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
-            self.metrics = open(lg.metrics_file, "a", buffering=1)
+            self.metrics = open_metrics_file(lg.metrics_file, start_iter)
         if lg.tensorboard_dir:  # presence of the package was checked in validation
             from torch.utils.tensorboard import SummaryWriter
 
@@ -65,11 +65,12 @@ class TrainingLogger:
         it = record["iteration"]
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
+        scalars = train_scalars(record, self.cfg.training.global_batch_size)
         if self.tb:
-            for k in ("lm_loss", "lr", "grad_norm", "tokens_per_sec", "mfu"):
-                self.tb.add_scalar(f"train/{k}", record[k], it)
+            for tag, value, step in scalars:
+                self.tb.add_scalar(tag, value, step)
         if self.wandb:
-            self.wandb.log({f"train/{k}": v for k, v in record.items()}, step=it)
+            self.wandb.log({tag: v for tag, v, step in scalars if step == it}, step=it)
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['lm_loss']:.4f}")
@@ -86,17 +87,21 @@ class TrainingLogger:
                 f" | MFU: {100 * record['mfu']:.2f}%"
                 f" | peak mem: {_fmt_bytes(record['peak_mem_bytes'])}" + _moe_summary(record))
 
-    def log_eval(self, iteration: int, loss: float, split: str = "valid"):
+    def log_eval(self, iteration: int, loss: float, split: str = "valid",
+                 consumed_samples: int | None = None):
         if not self.is_writer:
             return
         ppl = math.exp(min(loss, 20))
         rec = {"split": split, "iteration": iteration, "lm_loss": loss, "ppl": ppl}
         if self.metrics:
             self.metrics.write(json.dumps(rec) + "\n")
+        scalars = eval_scalars(loss, ppl, split, iteration, consumed_samples)
         if self.tb:
-            self.tb.add_scalar(f"{split}/lm_loss", loss, iteration)
+            for tag, value, step in scalars:
+                self.tb.add_scalar(tag, value, step)
         if self.wandb:
-            self.wandb.log({f"{split}/lm_loss": loss}, step=iteration)
+            self.wandb.log({tag: v for tag, v, step in scalars if step == iteration},
+                           step=iteration)
         bar = "-" * 80
         self._print(f"{bar}\n {split} loss at iteration {iteration} | lm loss value: {loss:.6E} "
                     f"| lm loss PPL: {ppl:.6E}\n{bar}")
@@ -120,3 +125,58 @@ class TrainingLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+
+
+# Megatron-LM's TensorBoard / W&B names (``training_log`` / ``evaluate_and_print_results``):
+# each series by iteration, and again "vs samples" by consumed samples; megalite's own
+# figures live under "megalite/".
+_MEGATRON_TRAIN_TAGS = (("lm_loss", "lm loss"), ("lr", "learning-rate"),
+                        ("grad_norm", "grad-norm"), ("loss_scale", "loss-scale"))
+_MEGALITE_EXTRAS = ("tokens_per_sec", "tflops_per_device", "mfu", "peak_mem_bytes",
+                    "elapsed_ms")
+_NOT_SCALARS = {"iteration", "train_iters", "consumed_samples"}
+
+
+def train_scalars(record: dict, global_batch_size: int) -> list:
+    """``[(tag, value, step)]`` of one training record under Megatron's names."""
+    it, samples = record["iteration"], record["consumed_samples"]
+    out = []
+    named = {"batch-size": record.get("global_batch_size", global_batch_size)}
+    for key, tag in _MEGATRON_TRAIN_TAGS:
+        if key in record:
+            named[tag] = record[key]
+    for tag, value in named.items():
+        out += [(tag, value, it), (f"{tag} vs samples", value, samples)]
+    known = {k for k, _ in _MEGATRON_TRAIN_TAGS} | _NOT_SCALARS | {"global_batch_size"}
+    for key, value in record.items():
+        if key not in known and isinstance(value, (int, float)):
+            out.append((f"megalite/{key.replace('_', '-')}", value, it))
+    return out
+
+
+def eval_scalars(loss: float, ppl: float, split: str, iteration: int,
+                 consumed_samples: int | None) -> list:
+    """Megatron's "lm loss validation" (and "... ppl", "... vs samples") tags."""
+    name = "validation" if split == "valid" else split
+    out = [(f"lm loss {name}", loss, iteration), (f"lm loss {name} ppl", ppl, iteration)]
+    if consumed_samples is not None:
+        out += [(f"lm loss {name} vs samples", loss, consumed_samples),
+                (f"lm loss {name} ppl vs samples", ppl, consumed_samples)]
+    return out
+
+
+def open_metrics_file(path: str, start_iter: int):
+    """A fresh metrics file per run; a run resumed at ``start_iter`` keeps the records up
+    to it and continues them, so the file (and the loss plot) holds one run."""
+    kept = []
+    if start_iter > 0 and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line).get("iteration", 0) <= start_iter:
+                        kept.append(line)
+                except ValueError:
+                    continue
+    out = open(path, "w", buffering=1)
+    out.writelines(kept)
+    return out

@@ -44,15 +44,15 @@ def test_packing_concatenates_documents(corpus, tmp_path):
     ds = IndexedDataset(prefix)
     seq, n = 7, 40  # 40 samples * 7 tokens = 280 > 57 tokens per epoch: several epochs
     gpt = GPTDataset(ds, all_segments(ds), seq, n, seed=3, cache_dir=str(tmp_path / "c"))
-    assert len(gpt) == n and gpt.num_epochs == -(-(n * seq + 1) // sum(LENGTHS))
-    # every epoch visits every document once, in a fresh order
-    orders = gpt.document_index.reshape(gpt.num_epochs, len(docs))
-    assert all(sorted(o) == list(range(len(docs))) for o in orders)
-    assert len({tuple(o) for o in orders}) > 1
+    epochs = -(-(n * seq + 1) // sum(LENGTHS))
+    total = (epochs * sum(LENGTHS) - 1) // seq   # Megatron keeps every sample of its epochs
+    assert len(gpt) == total >= n and gpt.num_epochs == epochs
+    # every document appears once per epoch; the epochs are shuffled together (Megatron)
+    assert sorted(gpt.document_index.tolist()) == sorted(list(range(len(docs))) * epochs)
     stream = np.concatenate([docs[k] for k in gpt.document_index])
-    assert sorted(gpt.shuffle_index.tolist()) == list(range(n))
+    assert sorted(gpt.shuffle_index.tolist()) == list(range(total))
     seen = set()
-    for i in range(n):
+    for i in range(total):
         j = int(gpt.shuffle_index[i])
         seen.add(j)
         expect = stream[j * seq : j * seq + seq + 1]
@@ -62,7 +62,7 @@ def test_packing_concatenates_documents(corpus, tmp_path):
         assert s["labels"].tolist() == expect[1:].tolist()
         assert s["position_ids"].tolist() == list(range(seq))
         assert s["loss_mask"].tolist() == [1.0] * seq
-    assert seen == set(range(n))
+    assert seen == set(range(total))
 
 
 def test_eod_mask_loss(corpus):
@@ -105,7 +105,8 @@ def test_parse_split_and_boundaries():
     assert parse_split("98/2") == pytest.approx([0.98, 0.02, 0.0])
     assert parse_split("1") == [1.0, 0.0, 0.0]
     assert parse_split("969, 30, 1") == pytest.approx([0.969, 0.03, 0.001])  # the config default
-    for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2"):
+    assert parse_split("'99,1,0'") == pytest.approx([0.99, 0.01, 0.0])  # quotes: Megatron parses
+    for bad in ("a,b", "1,2,3,4", "0,0,0", "-1,2", "abc"):
         with pytest.raises(ValueError, match="--split"):
             parse_split(bad)
     assert split_boundaries(1000, parse_split("969,30,1")) == [0, 969, 999, 1000]
@@ -204,7 +205,8 @@ def test_blended_train_valid_test(tmp_path):
     a = write_documents(str(tmp_path / "a"), make_docs([20] * 30), np.int32)  # tokens < 3000
     b = write_documents(str(tmp_path / "b"), make_docs([20] * 30, base=10000), np.int32)
     tr, va, te = build_train_valid_test_datasets(["0.3", a, "0.7", b], "80,20,0", 8, 1, (200, 50, 0), False, None)
-    assert isinstance(tr, BlendedDataset) and len(tr) == 200 and len(va) == 50 and te is None
+    # Megatron's sizes: ceil(n * w) per dataset, summed
+    assert isinstance(tr, BlendedDataset) and len(tr) == 60 + 140 and len(va) == 50 and te is None
     from_b = []
     for i in range(len(tr)):
         s = tr[i]
@@ -214,12 +216,12 @@ def test_blended_train_valid_test(tmp_path):
         assert int(s["dataset_id"]) == int(is_b)
         from_b.append(is_b)
     assert sum(from_b) == 140  # 0.7 * 200
-    assert [len(d) for d in tr.datasets] == [60, 140]
+    assert [d.requested_samples for d in tr.datasets] == [61, 141]   # +0.5% built (Megatron)
     # valid draws only from the last 20% of each corpus' documents (documents 24..29)
     for i in range(len(va)):
         doc_ids = (va[i]["tokens"][va[i]["tokens"] != EOD] % 10000) // 100
         assert bool((doc_ids >= 24).all())
-    # bare prefixes: equal weights
+    # bare prefixes: one epoch of each, blended by size (equal here)
     tr2, _, _ = build_train_valid_test_datasets([a, b], "80,20,0", 8, 1, (100, 0, 0), False, None)
     assert np.bincount(tr2.dataset_index).tolist() == [50, 50]
 

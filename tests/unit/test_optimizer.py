@@ -12,18 +12,19 @@ from megalite.parallel_state import ParallelState, RankGrid
 
 
 def test_warmup_then_decay_styles():
-    lin = LRScheduler(1.0, 0.1, warmup_iters=10, decay_iters=110, style="linear")
-    assert lin.lr(5) == pytest.approx(0.5) and lin.lr(10) == pytest.approx(1.0)
-    assert lin.lr(60) == pytest.approx(0.1 + 0.9 * 0.5) and lin.lr(110) == pytest.approx(0.1)
+    """``lr(i)`` is the lr of update ``i``: Megatron's value at the steps consumed before it."""
+    lin = LRScheduler(1.0, 0.1, warmup_steps=10, decay_steps=110, style="linear")
+    assert lin.lr(6) == pytest.approx(0.5) and lin.lr(11) == pytest.approx(1.0)
+    assert lin.lr(61) == pytest.approx(0.1 + 0.9 * 0.5) and lin.lr(111) == pytest.approx(0.1)
     assert lin.lr(500) == pytest.approx(0.1)
-    cos = LRScheduler(1.0, 0.1, warmup_iters=10, decay_iters=110, style="cosine")
-    assert cos.lr(60) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert cos.lr(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
-    const = LRScheduler(1.0, 0.1, warmup_iters=4, decay_iters=100, style="constant")
-    assert const.lr(2) == pytest.approx(0.5) and const.lr(99) == 1.0
-    wsd = LRScheduler(1.0, 0.0, warmup_iters=10, decay_iters=100, style="WSD", wsd_decay_iters=20)
-    assert wsd.lr(50) == 1.0 and wsd.lr(80) == 1.0
-    assert wsd.lr(90) == pytest.approx(0.5) and wsd.lr(100) == pytest.approx(0.0)
+    cos = LRScheduler(1.0, 0.1, warmup_steps=10, decay_steps=110, style="cosine")
+    assert cos.lr(61) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert cos.lr(36) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    const = LRScheduler(1.0, 0.1, warmup_steps=4, decay_steps=100, style="constant")
+    assert const.lr(3) == pytest.approx(0.5) and const.lr(99) == 1.0
+    wsd = LRScheduler(1.0, 0.0, warmup_steps=10, decay_steps=100, style="WSD", wsd_decay_steps=20)
+    assert wsd.lr(51) == 1.0 and wsd.lr(81) == 1.0
+    assert wsd.lr(91) == pytest.approx(0.5) and wsd.lr(101) == pytest.approx(0.0)
 
 
 def test_warmup_fraction_from_config():
@@ -31,9 +32,9 @@ def test_warmup_fraction_from_config():
                       "--seq-length", "8", "--mock-data", "--vocab-size", "10", "--lr", "2.0",
                       "--train-iters", "100", "--lr-warmup-fraction", "0.1",
                       "--lr-decay-style", "cosine", "--min-lr", "0.2"])
-    sched = LRScheduler.from_config(cfg, 100)
-    assert sched.warmup_iters == 10 and sched.decay_iters == 100
-    assert sched.lr(10) == pytest.approx(2.0) and sched.lr(100) == pytest.approx(0.2)
+    sched = LRScheduler.from_config(cfg, 100)   # steps in samples: global batch 1 here
+    assert sched.warmup_steps == 10 and sched.decay_steps == 100
+    assert sched.lr(11) == pytest.approx(2.0) and sched.lr(101) == pytest.approx(0.2)
 
 
 def _cfg(extra=()):

@@ -1,0 +1,162 @@
+"""Megatron-LM flags megalite accepts without a setting of its own.
+
+A Megatron script ports by changing the program name, so every flag its ``examples/``
+training scripts pass must parse.  Three kinds live here (flags with a real setting are
+dataclass fields in ``config.py``):
+
+* ``NO_EFFECT``: distinctions megalite does not have (fusion switches, kernel backends,
+  memory housekeeping).  Accepted and listed once in the log as having no effect here.
+* ``PENDING``: features that arrive with another issue (DP overlap / FSDP2, MoE dispatch,
+  checkpoint formats and exits).  They parse now; once the feature lands its flag becomes a
+  config field and the entry here is skipped (``register`` never adds a flag twice).
+* ``RUNTIME_ONLY``: features that need hardware (FP8 needs Transformer Engine on a GPU with
+  FP8).  They parse and pass ``--dry-run``; a run refuses them with one line where the
+  machine cannot run them.
+
+Unknown flags stay errors.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+FLAG = "store_true"   # a switch
+VALUE = None          # one value
+LIST = "+"            # one or more values
+
+
+@dataclass(frozen=True)
+class CompatFlag:
+    flag: str
+    nargs: Optional[str]      # FLAG, VALUE or LIST
+    note: str
+
+    @property
+    def dest(self) -> str:
+        return "compat_" + self.flag.lstrip("-").replace("-", "_")
+
+
+_FUSION = "fusion switch: megalite runs one PyTorch implementation"
+NO_EFFECT = [
+    CompatFlag("--use-mcore-models", FLAG, "megalite has one model implementation"),
+    CompatFlag("--use-legacy-models", FLAG, "megalite has one model implementation"),
+    CompatFlag("--attention-backend", VALUE, "attention runs PyTorch SDPA, which picks the kernel"),
+    CompatFlag("--use-flash-attn", FLAG, "attention runs PyTorch SDPA, which picks the kernel"),
+    CompatFlag("--no-masked-softmax-fusion", FLAG, _FUSION),
+    CompatFlag("--no-bias-gelu-fusion", FLAG, _FUSION),
+    CompatFlag("--no-bias-swiglu-fusion", FLAG, _FUSION),
+    CompatFlag("--no-bias-dropout-fusion", FLAG, _FUSION),
+    CompatFlag("--no-gradient-accumulation-fusion", FLAG, _FUSION),
+    CompatFlag("--no-rope-fusion", FLAG, _FUSION),
+    CompatFlag("--cross-entropy-loss-fusion", FLAG, _FUSION),
+    CompatFlag("--cross-entropy-fusion-impl", VALUE, _FUSION),
+    CompatFlag("--manual-gc", FLAG, "Python's garbage collector is left alone"),
+    CompatFlag("--manual-gc-interval", VALUE, "Python's garbage collector is left alone"),
+    CompatFlag("--empty-unused-memory-level", VALUE, "the allocator cache is not emptied"),
+    CompatFlag("--log-throughput", FLAG, "throughput (tokens/s, TFLOP/s, MFU) is always logged"),
+    CompatFlag("--log-timers-to-tensorboard", FLAG, "timers are not separate series here"),
+    CompatFlag("--log-memory-to-tensorboard", FLAG, "peak memory is always logged"),
+    CompatFlag("--log-validation-ppl-to-tensorboard", FLAG,
+               "validation perplexity is always logged"),
+    CompatFlag("--log-params-norm", FLAG, "parameter norms are not computed here"),
+    CompatFlag("--log-num-zeros-in-grad", FLAG, "zero-gradient counts are not computed here"),
+    CompatFlag("--timing-log-level", VALUE, "timers are not separate series here"),
+    CompatFlag("--num-workers", VALUE, "samples are read in-process from memory-mapped files"),
+    CompatFlag("--no-mmap-bin-files", FLAG, ".bin files are always memory-mapped"),
+    CompatFlag("--no-create-attention-mask-in-dataloader", FLAG,
+               "the causal mask is built inside attention"),
+    CompatFlag("--calculate-per-token-loss", FLAG,
+               "the loss is always divided by the loss tokens of the global batch"),
+    CompatFlag("--grad-reduce-in-bf16", FLAG, "gradients are reduced in fp32 here"),
+    CompatFlag("--no-position-embedding", FLAG,
+               "--position-embedding-type decides (rope/none have no learned table)"),
+    CompatFlag("--tiktoken-pattern", VALUE, "only tiktoken models read it"),
+    CompatFlag("--profile", FLAG, "no torch profiler hook yet; see --pipeline-timeline"),
+    CompatFlag("--profile-step-start", VALUE, "no torch profiler hook yet"),
+    CompatFlag("--profile-step-end", VALUE, "no torch profiler hook yet"),
+    CompatFlag("--profile-ranks", LIST, "no torch profiler hook yet"),
+    CompatFlag("--use-pytorch-profiler", FLAG, "no torch profiler hook yet"),
+]
+
+# ---- PENDING: flags of features owned by other issues (12: DP overlap/FSDP2, 14: MoE,
+# ---- 15: checkpoints and exits).  When the owner adds the config field, its entry here
+# ---- is skipped automatically; delete it then.
+PENDING = [
+    CompatFlag("--overlap-grad-reduce", FLAG, "gradient reduction is not overlapped yet (issue 12)"),
+    CompatFlag("--overlap-param-gather", FLAG, "parameter gathers are not overlapped yet (issue 12)"),
+    CompatFlag("--ddp-bucket-size", VALUE, "gradient buckets arrive with issue 12"),
+    CompatFlag("--use-torch-fsdp2", FLAG, "FSDP2 training arrives with issue 12"),
+    CompatFlag("--moe-router-load-balancing-type", VALUE, "MoE layers arrive with issue 14"),
+    CompatFlag("--moe-grouped-gemm", FLAG, "MoE layers arrive with issue 14"),
+    CompatFlag("--moe-token-dispatcher-type", VALUE, "MoE layers arrive with issue 14"),
+    CompatFlag("--exit-duration-in-mins", VALUE, "timed exit arrives with issue 15"),
+    CompatFlag("--exit-signal-handler", FLAG, "signal-triggered save arrives with issue 15"),
+    CompatFlag("--ckpt-format", VALUE, "megalite writes its own checkpoint format (issue 15)"),
+    CompatFlag("--async-save", FLAG, "asynchronous saves arrive with issue 15"),
+    CompatFlag("--check-for-nan-in-loss-and-grad", FLAG,
+               "a non-finite loss always stops the run; grad checks arrive with issue 15"),
+]
+# ---- end of PENDING
+
+RUNTIME_ONLY = [
+    CompatFlag("--fp8-format", VALUE, "FP8 needs Transformer Engine on a GPU with FP8 support"),
+    CompatFlag("--fp8-recipe", VALUE, "FP8 needs Transformer Engine on a GPU with FP8 support"),
+    CompatFlag("--fp8-amax-history-len", VALUE, "FP8 needs Transformer Engine"),
+    CompatFlag("--fp8-amax-compute-algo", VALUE, "FP8 needs Transformer Engine"),
+    CompatFlag("--fp8-param-gather", FLAG, "FP8 needs Transformer Engine"),
+    CompatFlag("--fp8-margin", VALUE, "FP8 needs Transformer Engine"),
+]
+
+ALL = NO_EFFECT + PENDING + RUNTIME_ONLY
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """Add every compat flag the parser does not define already (a config field wins)."""
+    taken = {s for a in parser._actions for s in a.option_strings}
+    group = parser.add_argument_group(
+        "Megatron-LM flags accepted without effect here (listed once in the log)")
+    for c in ALL:
+        if c.flag in taken:
+            continue
+        if c.nargs == FLAG:
+            group.add_argument(c.flag, dest=c.dest, action="store_true", default=False,
+                               help=argparse.SUPPRESS)
+        else:
+            group.add_argument(c.flag, dest=c.dest, nargs=c.nargs, default=None,
+                               help=argparse.SUPPRESS)
+
+
+def pop_given(namespace: dict) -> list:
+    """Remove the compat entries from parsed flags; ``[(flag, value, note)]`` of those given."""
+    given = []
+    for c in ALL:
+        if c.dest not in namespace:
+            continue
+        value = namespace.pop(c.dest)
+        if value not in (None, False):
+            given.append((c.flag, value, c.note))
+    return given
+
+
+def runtime_refusal(given: list, device: str) -> Optional[str]:
+    """One line when a given flag needs hardware this run does not have, else None."""
+    fp8 = [f for f, _, _ in given if any(f == c.flag for c in RUNTIME_ONLY)]
+    if not fp8:
+        return None
+    try:
+        import transformer_engine  # noqa: F401
+        has_te = True
+    except ImportError:
+        has_te = False
+    if device != "cuda" or not has_te:
+        return (f"{fp8[0]}: FP8 training needs Transformer Engine on a CUDA GPU with FP8 "
+                f"support; this run has device={device}, transformer_engine "
+                f"{'installed' if has_te else 'missing'}. Drop the --fp8-* flags.")
+    return (f"{fp8[0]}: FP8 through Transformer Engine is not wired into megalite's layers yet; "
+            "drop the --fp8-* flags")
+
+
+def describe(given: list) -> str:
+    """The one log block naming each accepted flag that has no effect here."""
+    return "\n".join(f"> {flag} accepted, no effect here: {note}" for flag, _, note in given)
