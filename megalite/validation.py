@@ -301,6 +301,8 @@ def validate_files(cfg: MegaliteConfig) -> None:
             raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type)")
         return
     if not d.data_path:
+        if cfg.training.dry_run:   # a layout check (recipes): given files are still checked
+            return
         raise ConfigError("--data-path is required (or use --mock-data)")
     if d.tokenizer_type is None:
         raise ConfigError("--tokenizer-type is required with --data-path")

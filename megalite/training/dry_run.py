@@ -107,6 +107,7 @@ def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
     elif info.source:
         head += f": {info.source}"
     preset = flag_value(argv, "--model-preset") or info.model
+    cfg = _with_tokenizer_vocab(cfg)
     print(head if info.path else "dry run (no recipe file)")
     print(f"model{' ' + preset if preset else ''}: {ms.describe(cfg.model)}")
     print(layout_table(cfg, gpn))
@@ -115,6 +116,12 @@ def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
     print(batch_lines)
     est, cluster, opts = planner_estimate(cfg, gpu, gpn)
     print(estimate_text(est, cluster, opts, cfg.model.seq_length))
+    if not est.fits and not (info.path or flag_value(argv, "--gpu")):
+        # no recipe and no --gpu: the hardware is the planner's guess, so warn, don't fail
+        print(f"warning: the planner predicts {est.memory['total'] / GiB:.1f} GiB on the most "
+              f"loaded rank, over the {est.capacity / GiB:.1f} GiB usable of a "
+              f"{cluster.gpu.name} (assumed; give --gpu to check against yours)")
+        return 0
     if not est.fits:
         raise ConfigError(
             f"does not fit: the planner predicts {est.memory['total'] / GiB:.1f} GiB on the most "
@@ -122,3 +129,21 @@ def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
             f"see 'megalite plan' for layouts that fit (docs/launching.md, \"Recipes\")")
     print(f"fits: {est.memory['total'] / GiB:.1f} of {est.capacity / GiB:.1f} GiB usable")
     return 0
+
+
+def _with_tokenizer_vocab(cfg: MegaliteConfig) -> MegaliteConfig:
+    """The vocabulary size from the tokenizer files when ``--vocab-size`` is absent (a
+    Megatron script gives ``--vocab-file``/``--merge-file`` instead): validation has already
+    checked the files exist; without any, the planner cannot size the embedding."""
+    d = cfg.data
+    if cfg.model.vocab_size is not None:
+        return cfg
+    if not d.tokenizer_type:
+        raise ConfigError("--dry-run needs the vocabulary size: give --vocab-size or a tokenizer")
+    import dataclasses
+
+    from megalite.data import build_tokenizer
+
+    tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model, None, d.vocab_file, d.merge_file)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                              vocab_size=tok.vocab_size))

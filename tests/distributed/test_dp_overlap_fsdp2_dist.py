@@ -77,6 +77,7 @@ def _train(flags, world):
             comm.counter.reset()
             losses.append(trainer.train_step(it)["lm_loss"])
     s = trainer.strategy
+    s.wait_param_gathers()      # --overlap-param-gather: the last step's gathers are in flight
     try:                # replicas bit-identical (FSDP2: over TP only, DP holds shards)
         check_replicas(trainer.model_chunks, trainer.state)
         replicas = None

@@ -31,7 +31,8 @@ def test_pretrain_moe_ep2_logs_expert_loads_and_resumes_at_ep1(tmp_path):
                 "--loss-plot", str(tmp_path / "loss.png")])
     assert "iteration        4/       4" in out and "moe aux loss" in out
     assert "moe load max/mean" in out
-    train = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train = [r for r in map(json.loads, metrics.read_text().splitlines())
+             if "split" not in r]                        # training lines (not the memory report)
     assert [r["iteration"] for r in train] == [1, 2, 3, 4]
     for r in train:
         for n in (0, 1):   # 8 experts (the MoE default), top-2: every pair counted once
@@ -44,7 +45,8 @@ def test_pretrain_moe_ep2_logs_expert_loads_and_resumes_at_ep1(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 1000
     out = _run([PY, "pretrain_moe.py", *FLAGS, "--train-iters", "6", "--load", str(ckpt),
                 "--metrics-file", str(tmp_path / "resumed.jsonl")])
-    resumed = [json.loads(line) for line in (tmp_path / "resumed.jsonl").read_text().splitlines()]
+    resumed = [r for r in map(json.loads, (tmp_path / "resumed.jsonl").read_text().splitlines())
+               if "split" not in r]
     assert [r["iteration"] for r in resumed] == [5, 6]
     assert abs(resumed[0]["lm_loss"] - train[-1]["lm_loss"]) < 0.5
     meta = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())
