@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import resource
 import sys
@@ -30,6 +29,7 @@ from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
+from megalite.training.faults import ExitWatcher, check_finite
 from megalite.training.flops import device_peak_flops, flops_per_iteration
 from megalite.training.metrics import TrainingLogger
 
@@ -50,6 +50,7 @@ class Trainer:
         self.train_ds = self.valid_ds = self.test_ds = None
         self.forward_backward = get_forward_backward_func(cfg, state)
         self.record_timeline = bool(cfg.logging.pipeline_timeline) and state.pp.size > 1
+        self.exit_reason = ""       # set when a signal or the clock ended training early
 
     # -- construction ------------------------------------------------------------------
     @property
@@ -79,6 +80,10 @@ class Trainer:
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
         self.optimizer = self.strategy.optimizer
         self.scheduler = LRScheduler.from_config(cfg, self.train_iters)
+        if cfg.checkpoint.save:             # a bad --save fails now, not at the first save
+            from megalite.training.checkpoint import preflight_save_dir
+
+            preflight_save_dir(cfg.checkpoint.save)
         if cfg.checkpoint.load:
             from megalite.training.checkpoint import load_training_checkpoint
 
@@ -169,6 +174,15 @@ class Trainer:
         logger.info(f"> training {self.train_iters} iterations; model FLOPs/iteration "
                     f"{flops:.3e}; device peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
         world = self.cfg.world_size
+        c = cfg.checkpoint
+        watcher = ExitWatcher(c.exit_signal_handler, c.exit_duration_in_mins)
+        try:
+            self._train_iterations(logger, iterator, flops, peak, world, watcher)
+        finally:
+            watcher.close()
+
+    def _train_iterations(self, logger, iterator, flops, peak, world, watcher):
+        cfg, t = self.cfg, self.cfg.training
         while self.iteration < self.train_iters:
             t0 = time.perf_counter()
             out = self.train_step(iterator)
@@ -181,8 +195,8 @@ class Trainer:
                       "mfu": flops / elapsed / world / peak,
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
-            if not math.isfinite(out["lm_loss"]):
-                raise FloatingPointError(f"loss is {out['lm_loss']} at iteration {self.iteration}")
+            check_finite(out["lm_loss"], out["grad_norm"], self.iteration, self.state.rank,
+                         cfg.checkpoint.check_for_nan_in_loss_and_grad)
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \
                     self.iteration < self.train_iters:
                 logger.log_eval(self.iteration, self.evaluate(self.valid_ds, t.eval_iters))
@@ -190,6 +204,11 @@ class Trainer:
                     self.iteration % cfg.checkpoint.save_interval == 0:
                 self.save()
             if t.exit_interval and self.iteration % t.exit_interval == 0:
+                break
+            if watcher.should_exit():      # collective: every rank stops at this iteration
+                self.exit_reason = watcher.reason
+                logger.info(f"> {watcher.reason}: saving at iteration {self.iteration} "
+                            f"and exiting")
                 break
 
     def save(self):
@@ -265,6 +284,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
     t = cfg.training
+    failed = False
     try:
         if not t.skip_train:
             trainer.train(logger)
@@ -272,6 +292,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
                 trainer.save()
                 logger.info(f"> saved checkpoint at iteration {trainer.iteration} to "
                             f"{cfg.checkpoint.save}")
+        if trainer.exit_reason:              # preempted: the checkpoint is what matters
+            return 0
         if t.eval_iters:
             logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters))
         if cfg.logging.loss_plot and trainer.is_writer and cfg.logging.metrics_file:
@@ -279,7 +301,11 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
 
             plot_loss_curve(cfg.logging.metrics_file, cfg.logging.loss_plot)
             logger.info(f"> wrote loss curve to {cfg.logging.loss_plot}")
+    except BaseException:
+        failed = True       # no final barrier: a peer may be stuck in p2p (the caller aborts)
+        raise
     finally:
         logger.close()
-        comm.barrier()
+        if not failed:
+            comm.barrier()
     return 0
