@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -164,24 +165,29 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return meta
 
 
-def _pg_args(group) -> dict:
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+def _pg_args(single: bool) -> dict:
+    """A run of one rank (possibly inside a larger test process group) is not collective."""
+    if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return {"no_dist": True}
-    return {"process_group": group}
+    return {"process_group": None}
 
 
-def save_chunked(state_dict: Dict[str, object], directory: str, group=None) -> None:
-    """Write ``state_dict`` (``ChunkedTensor`` values) with DCP; collective over ``group``
-    (default: the world).  Every rank writes its own files in parallel."""
+def save_chunked(state_dict: Dict[str, object], directory: str, single: bool = False) -> None:
+    """Write ``state_dict`` (``ChunkedTensor`` values) with DCP; collective over the world
+    unless ``single``.  Every rank writes its own files in parallel."""
     os.makedirs(directory, exist_ok=True)
-    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, thread_count=1),
-             planner=ChunkedSavePlanner(), **_pg_args(group))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
+        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, thread_count=1),
+                 planner=ChunkedSavePlanner(), **_pg_args(single))
 
 
-def load_chunked(state_dict: Dict[str, object], directory: str, group=None) -> None:
+def load_chunked(state_dict: Dict[str, object], directory: str, single: bool = False) -> None:
     """Fill the chunks of ``state_dict`` from a DCP checkpoint saved at any layout."""
-    dcp.load(state_dict, storage_reader=SafeFileSystemReader(directory),
-             planner=SafeLoadPlanner(), **_pg_args(group))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(directory),
+                 planner=SafeLoadPlanner(), **_pg_args(single))
 
 
 def saved_tensors(directory: str) -> Dict[str, TensorStorageMetadata]:
@@ -196,6 +202,5 @@ def load_full(directory: str, keys: Optional[Sequence[str]] = None) -> Dict[str,
     keys = list(metas) if keys is None else list(keys)
     out = {k: torch.empty(metas[k].size, dtype=metas[k].properties.dtype) for k in keys}
     sd = {k: ChunkedTensor(t.shape, [((0,) * t.dim(), t)]) for k, t in out.items()}
-    dcp.load(sd, storage_reader=SafeFileSystemReader(directory), planner=SafeLoadPlanner(),
-             no_dist=True)
+    load_chunked(sd, directory, single=True)
     return out

@@ -189,7 +189,9 @@ def load_model_shards(directory: str, model_chunks, cfg, state,
 
         sd = {k: ChunkedTensor(v.global_shape, v.chunks)
               for k, v in model_sharded_state_dict(_chunks(model_chunks), state).items()}
-        load_chunked(sd, iteration_dir(directory, meta["iteration"]))
+        grid = getattr(state, "grid", None)
+        load_chunked(sd, iteration_dir(directory, meta["iteration"]),
+                     single=grid is None or grid.world_size == 1)
         return meta["iteration"]
     reader = _Reader(directory, iteration)
     coords = group_coords(state)

@@ -55,16 +55,26 @@ def _rng_coords(trainer) -> dict:
             "vpp": s.vpp_size, "cuda": trainer.device == "cuda"}
 
 
-def _gather(obj) -> list:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _single(trainer) -> bool:
+    """A one-rank run (tests run those inside a larger process group): no collectives."""
+    return trainer.state.grid.world_size == 1 or not dist.is_initialized()
+
+
+def _barrier(single: bool) -> None:
+    if not single:
+        comm.barrier()
+
+
+def _gather(obj, single: bool = False) -> list:
+    if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
-def _broadcast(obj):
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _broadcast(obj, single: bool = False):
+    if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
@@ -141,16 +151,17 @@ def save_training_checkpoint(trainer) -> str:
     if mf.read_marker(root)[0] == trainer.iteration and mf.verify_iteration(it_dir) is None:
         return it_dir                      # already saved (interval save at the last step)
     check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
+    single = _single(trainer)
     if state.rank == 0 and os.path.isdir(it_dir):   # leftovers of an interrupted save
         shutil.rmtree(it_dir)
-    comm.barrier()
+    _barrier(single)
     sd, step = _training_state_dict(trainer)
-    save_chunked(sd, it_dir)                 # raises on every rank if any rank failed
+    save_chunked(sd, it_dir, single)         # raises on every rank if any rank failed
     mine = [n for n in os.listdir(it_dir) if n.startswith(f"__{state.rank}_")]
     files = {}
-    for part in _gather(mf.digest_files(it_dir, mine)):
+    for part in _gather(mf.digest_files(it_dir, mine), single):
         files.update(part)
-    rng_ranks = _gather(_rng_coords(trainer))
+    rng_ranks = _gather(_rng_coords(trainer), single)
     if state.rank == 0:
         meta = _metadata(trainer, step, rng_ranks)
         mf.atomic_write(os.path.join(it_dir, "metadata.json"),
@@ -159,7 +170,7 @@ def save_training_checkpoint(trainer) -> str:
         mf.write_manifest(it_dir, files, {"format": FORMAT, "iteration": trainer.iteration})
         mf.write_marker(root, trainer.iteration)
         _prune(root, cfg.checkpoint.keep_last_n_checkpoints, trainer.iteration)
-    comm.barrier()
+    _barrier(single)
     return it_dir
 
 
@@ -173,14 +184,13 @@ def _prune(root: str, keep: Optional[int], current: int) -> None:
 
 # -- load ------------------------------------------------------------------------------
 
-def select_checkpoint(root: str) -> Optional[int]:
+def select_checkpoint(root: str, single: bool = False) -> Optional[int]:
     """The iteration every rank will load (rank 0 verifies, then broadcasts), saying so
     when it falls back past a broken one; None when ``root`` holds no checkpoint at all."""
     verdict = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        it, problems = mf.find_loadable(root)
-        verdict = (it, problems)
-    it, problems = _broadcast(verdict)
+    if single or not dist.is_initialized() or dist.get_rank() == 0:
+        verdict = mf.find_loadable(root)
+    it, problems = _broadcast(verdict, single)
     if it is None:
         if problems:
             raise ValueError(f"no complete checkpoint in {root}: " + "; ".join(problems))
@@ -212,11 +222,12 @@ def load_training_checkpoint(trainer) -> None:
 
         load_legacy_checkpoint(trainer, root, iteration)
     else:
-        iteration = select_checkpoint(root)
+        iteration = select_checkpoint(root, _single(trainer))
         if iteration is None:
             raise FileNotFoundError(f"--load {root}: no checkpoint found")
         _load_dcp(trainer, mf.iteration_dir(root, iteration))
-    seen = set(map(tuple, _gather([iteration, trainer.iteration, trainer.consumed_samples])))
+    seen = set(map(tuple, _gather([iteration, trainer.iteration, trainer.consumed_samples],
+                                  _single(trainer))))
     if len(seen) != 1:
         raise RuntimeError(f"ranks loaded different checkpoints from {root}: {sorted(seen)}")
     _print0(f"> loaded {mf.iteration_dir(root, iteration)} (iteration {iteration})")
@@ -268,7 +279,7 @@ def _load_dcp(trainer, it_dir: str) -> None:
         sd.update(rng_sd)
     _check_shapes(it_dir, sd, saved)
     with torch.no_grad():
-        load_chunked(sd, it_dir)
+        load_chunked(sd, it_dir, _single(trainer))
     trainer.optimizer.reload_model_params()       # masters follow the loaded weights
     if cfg.checkpoint.finetune:
         return
