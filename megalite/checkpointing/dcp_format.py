@@ -17,6 +17,7 @@ data itself is read by DCP with ``weights_only=True``.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -26,6 +27,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta,
@@ -172,22 +174,43 @@ def _pg_args(single: bool) -> dict:
     return {"process_group": None}
 
 
+class CheckpointError(RuntimeError):
+    """A DCP save or load that failed on some rank, as one line on every rank."""
+
+
+@contextlib.contextmanager
+def _one_line_failure(what: str, directory: str):
+    """DCP reports a failure on any rank to every rank as a ``CheckpointException`` (a
+    BaseException carrying tracebacks); make it one ordinary error line naming the
+    directory, the ranks and the first cause (e.g. ENOSPC)."""
+    try:
+        yield
+    except CheckpointException as exc:
+        ranks = sorted(exc.failures)
+        cause = exc.failures[ranks[0]][0] if ranks else exc
+        first = (str(cause).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{what} {directory} failed on rank(s) {ranks}: "
+                              f"{type(cause).__name__}: {first}") from cause
+
+
 def save_chunked(state_dict: Dict[str, object], directory: str, single: bool = False) -> None:
     """Write ``state_dict`` (``ChunkedTensor`` values) with DCP; collective over the world
     unless ``single``.  Every rank writes its own files in parallel."""
     os.makedirs(directory, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
-        dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, thread_count=1),
-                 planner=ChunkedSavePlanner(), **_pg_args(single))
+        with _one_line_failure("saving", directory):
+            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, thread_count=1),
+                     planner=ChunkedSavePlanner(), **_pg_args(single))
 
 
 def load_chunked(state_dict: Dict[str, object], directory: str, single: bool = False) -> None:
     """Fill the chunks of ``state_dict`` from a DCP checkpoint saved at any layout."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(directory),
-                 planner=SafeLoadPlanner(), **_pg_args(single))
+        with _one_line_failure("loading", directory):
+            dcp.load(state_dict, storage_reader=SafeFileSystemReader(directory),
+                     planner=SafeLoadPlanner(), **_pg_args(single))
 
 
 def saved_tensors(directory: str) -> Dict[str, TensorStorageMetadata]:
