@@ -315,11 +315,26 @@ def initialize(cfg) -> ParallelState:
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
+            store = _restart_store(timeout)
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=timeout)
+                                    timeout=timeout, **({"store": store} if store else {}))
     grid = RankGrid.from_config(cfg)
     return ParallelState.build(grid, dist.get_rank(),
                                timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+
+
+def _restart_store(timeout):
+    """Under torchrun after a restart (``--max-restarts``), the agent's store still holds
+    the previous attempt's keys, so gloo would try to connect to the dead workers' addresses;
+    each attempt gets keys of its own.  None on the first attempt or outside torchrun."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megalite/attempt_{attempt}", store)
 
 
 def main(argv=None):

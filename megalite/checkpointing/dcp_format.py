@@ -167,11 +167,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return meta
 
 
-def _pg_args(single: bool) -> dict:
+def _pg_args(single: bool, group=None) -> dict:
     """A run of one rank (possibly inside a larger test process group) is not collective."""
     if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return {"no_dist": True}
-    return {"process_group": None}
+    return {"process_group": group}
 
 
 class CheckpointError(RuntimeError):
@@ -193,15 +193,16 @@ def _one_line_failure(what: str, directory: str):
                               f"{type(cause).__name__}: {first}") from cause
 
 
-def save_chunked(state_dict: Dict[str, object], directory: str, single: bool = False) -> None:
-    """Write ``state_dict`` (``ChunkedTensor`` values) with DCP; collective over the world
-    unless ``single``.  Every rank writes its own files in parallel."""
+def save_chunked(state_dict: Dict[str, object], directory: str, single: bool = False,
+                 group=None) -> None:
+    """Write ``state_dict`` (``ChunkedTensor`` values) with DCP; collective over ``group``
+    (default: the world) unless ``single``.  Every rank writes its own files in parallel."""
     os.makedirs(directory, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
         with _one_line_failure("saving", directory):
             dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, thread_count=1),
-                     planner=ChunkedSavePlanner(), **_pg_args(single))
+                     planner=ChunkedSavePlanner(), **_pg_args(single, group))
 
 
 def load_chunked(state_dict: Dict[str, object], directory: str, single: bool = False) -> None:

@@ -17,9 +17,11 @@ newest complete iteration, and checks that every rank loaded the same one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
+import threading
 from typing import Dict, Optional
 
 import torch
@@ -32,6 +34,7 @@ from megalite.checkpointing.dcp_format import (ChunkedTensor, load_chunked, save
 from megalite.checkpointing.sharded_state import (master_pieces, model_sharded_state_dict,
                                                   optimizer_sharded_state_dict, spec_chunks)
 from megalite.distributed.replicas import check_replicas
+from megalite.parallel_state import Group
 from megalite.param_spec import group_coords, param_table
 
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
@@ -60,17 +63,20 @@ def _single(trainer) -> bool:
     return trainer.state.grid.world_size == 1 or not dist.is_initialized()
 
 
-def _barrier(single: bool) -> None:
-    if not single:
-        comm.barrier()
+def _world(handle=None) -> Group:
+    """The world (or a group over all of it) as a ``comm`` group."""
+    return Group("world", list(range(dist.get_world_size())), handle, dist.get_rank())
 
 
-def _gather(obj, single: bool = False) -> list:
+def _barrier(single: bool, handle=None) -> None:
+    if not single and dist.is_initialized():
+        comm.barrier(_world(handle))
+
+
+def _gather(obj, single: bool = False, handle=None) -> list:
     if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    return comm.all_gather_object(obj, _world(handle))
 
 
 def _broadcast(obj, single: bool = False):
@@ -128,24 +134,34 @@ def _training_state_dict(trainer):
 
 
 def _metadata(trainer, step, rng_ranks) -> dict:
+    """What metadata.json says (JSON only; readers of the interim format find ``model``,
+    the TP/PP sizes and ``extra`` where they always were)."""
     cfg, d = trainer.cfg, trainer.cfg.data
+    tokenizer = {"tokenizer_type": d.tokenizer_type,
+                 "tokenizer_model": os.path.abspath(d.tokenizer_model)
+                 if d.tokenizer_model else None, "vocab_size": cfg.model.vocab_size}
     return {"format": FORMAT, "iteration": trainer.iteration,
             "consumed_samples": trainer.consumed_samples, "optimizer_step": step,
             "layout": run_layout(trainer), "rng_ranks": rng_ranks,
             "tensor_model_parallel_size": cfg.parallel.tp,
             "pipeline_model_parallel_size": cfg.parallel.pp,
             "model": dataclasses.asdict(cfg.model),
-            "tokenizer": {"tokenizer_type": d.tokenizer_type,
-                          "tokenizer_model": os.path.abspath(d.tokenizer_model)
-                          if d.tokenizer_model else None, "vocab_size": cfg.model.vocab_size},
+            "extra": {"consumed_samples": trainer.consumed_samples,
+                      "layout": run_layout(trainer), "tokenizer": tokenizer},
             "args": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
 
 
 def save_training_checkpoint(trainer) -> str:
     """Collective over the world.  The marker moves only after every rank's files, the
     metadata and the manifest are on disk; any rank's failure (ENOSPC, ...) raises on every
-    rank and leaves the previous checkpoint the latest."""
+    rank and leaves the previous checkpoint the latest.
+
+    With ``--async-save`` the loop stalls only while this rank's chunks are copied; the
+    files, the manifest and the marker are written by a background thread over a process
+    group of its own (so its collectives never interleave with training's), and the next
+    save -- or the end of training -- waits for it first."""
     cfg, state = trainer.cfg, trainer.state
+    finish_pending_save(trainer)
     root = cfg.checkpoint.save
     it_dir = mf.iteration_dir(root, trainer.iteration)
     if mf.read_marker(root)[0] == trainer.iteration and mf.verify_iteration(it_dir) is None:
@@ -156,22 +172,75 @@ def save_training_checkpoint(trainer) -> str:
         shutil.rmtree(it_dir)
     _barrier(single)
     sd, step = _training_state_dict(trainer)
-    save_chunked(sd, it_dir, single)         # raises on every rank if any rank failed
-    mine = [n for n in os.listdir(it_dir) if n.startswith(f"__{state.rank}_")]
-    files = {}
-    for part in _gather(mf.digest_files(it_dir, mine), single):
-        files.update(part)
     rng_ranks = _gather(_rng_coords(trainer), single)
-    if state.rank == 0:
-        meta = _metadata(trainer, step, rng_ranks)
+    meta = _metadata(trainer, step, rng_ranks) if state.rank == 0 else None
+    keep = cfg.checkpoint.keep_last_n_checkpoints
+    if not cfg.checkpoint.async_save:
+        _write(sd, it_dir, root, meta, state.rank, single, keep, None)
+        return it_dir
+    staged = {k: ChunkedTensor(v.global_shape, [(o, t.clone()) for o, t in v.chunks]
+                               if v.writer else [], v.writer) for k, v in sd.items()}
+    group = None if single else checkpoint_group()
+    trainer.pending_save = AsyncSave(functools.partial(
+        _write, staged, it_dir, root, meta, state.rank, single, keep, group))
+    return it_dir
+
+
+def _write(sd, it_dir, root, meta, rank, single, keep, group) -> None:
+    """Every rank's files, then (rank 0) metadata, manifest and -- last -- the marker."""
+    save_chunked(sd, it_dir, single, group)   # raises on every rank if any rank failed
+    mine = [n for n in os.listdir(it_dir) if n.startswith(f"__{rank}_")]
+    files = {}
+    for part in _gather(mf.digest_files(it_dir, mine), single, group):
+        files.update(part)
+    if rank == 0:
         mf.atomic_write(os.path.join(it_dir, "metadata.json"),
                         json.dumps(meta, indent=1, sort_keys=True))
         files.update(mf.digest_files(it_dir, [".metadata", "metadata.json"]))
-        mf.write_manifest(it_dir, files, {"format": FORMAT, "iteration": trainer.iteration})
-        mf.write_marker(root, trainer.iteration)
-        _prune(root, cfg.checkpoint.keep_last_n_checkpoints, trainer.iteration)
-    _barrier(single)
-    return it_dir
+        mf.write_manifest(it_dir, files, {"format": FORMAT, "iteration": meta["iteration"]})
+        mf.write_marker(root, meta["iteration"])
+        _prune(root, keep, meta["iteration"])
+    _barrier(single, group)
+
+
+_CHECKPOINT_GROUP = []
+
+
+def checkpoint_group():
+    """A gloo group over the world for background saves (created once, collectively)."""
+    if not _CHECKPOINT_GROUP:
+        _CHECKPOINT_GROUP.append(dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP[0]
+
+
+class AsyncSave:
+    """One checkpoint being written by a background thread; ``wait()`` re-raises its
+    error on the caller's thread."""
+
+    def __init__(self, job):
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                       name="megalite-async-save")
+        self.thread.start()
+
+    def _run(self, job) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001  (handed to the training thread)
+            self.error = exc
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def finish_pending_save(trainer) -> None:
+    """Wait for the background save, if any (before the next save and at exit)."""
+    pending = getattr(trainer, "pending_save", None)
+    if pending is not None:
+        trainer.pending_save = None
+        pending.wait()
 
 
 def _prune(root: str, keep: Optional[int], current: int) -> None:

@@ -51,6 +51,7 @@ class Trainer:
         self.forward_backward = get_forward_backward_func(cfg, state)
         self.record_timeline = bool(cfg.logging.pipeline_timeline) and state.pp.size > 1
         self.exit_reason = ""       # set when a signal or the clock ended training early
+        self.pending_save = None    # a checkpoint still being written (--async-save)
 
     # -- construction ------------------------------------------------------------------
     @property
@@ -216,6 +217,12 @@ class Trainer:
 
         save_training_checkpoint(self)
 
+    def finish_saves(self):
+        """Wait until a background (--async-save) checkpoint is complete on disk."""
+        from megalite.training.checkpoint import finish_pending_save
+
+        finish_pending_save(self)
+
 
 def peak_memory_bytes(device: str) -> int:
     """This process's peak memory: the CUDA allocator's, or on CPU the resident high-water mark.
@@ -290,6 +297,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
             trainer.train(logger)
             if cfg.checkpoint.save:
                 trainer.save()
+                trainer.finish_saves()
                 logger.info(f"> saved checkpoint at iteration {trainer.iteration} to "
                             f"{cfg.checkpoint.save}")
         if trainer.exit_reason:              # preempted: the checkpoint is what matters
