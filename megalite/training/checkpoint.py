@@ -36,6 +36,7 @@ from megalite.checkpointing.sharded_state import (master_pieces, model_sharded_s
 from megalite.distributed.replicas import check_replicas
 from megalite.parallel_state import Group
 from megalite.param_spec import group_coords, param_table
+from megalite.training.legacy_checkpoint import load_legacy_checkpoint
 
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq")
@@ -287,9 +288,7 @@ def load_training_checkpoint(trainer) -> None:
         raise FileNotFoundError(f"--load {root}: no {mf.MARKER} and no iter_* directory")
     iteration = _legacy_iteration(root)
     if iteration is not None:
-        from megalite.training.legacy_checkpoint import load_legacy_checkpoint
-
-        load_legacy_checkpoint(trainer, root, iteration)
+        load_legacy_checkpoint(trainer, root, iteration, run_layout(trainer))
     else:
         iteration = select_checkpoint(root, _single(trainer))
         if iteration is None:

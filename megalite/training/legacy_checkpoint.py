@@ -11,10 +11,10 @@ import os
 import torch
 
 from megalite.checkpointing.model_io import iteration_dir, load_model_shards, read_metadata
-from megalite.training.checkpoint import run_layout
 
 
-def load_legacy_checkpoint(trainer, root: str, iteration: int) -> None:
+def load_legacy_checkpoint(trainer, root: str, iteration: int, layout: dict) -> None:
+    """``layout``: this run's layout (optimizer and RNG state load only when it matches)."""
     cfg, state = trainer.cfg, trainer.state
     load_model_shards(root, trainer.model_chunks, cfg, state, iteration)
     trainer.optimizer.reload_model_params()
@@ -27,10 +27,10 @@ def load_legacy_checkpoint(trainer, root: str, iteration: int) -> None:
     if cfg.checkpoint.no_load_optim and cfg.checkpoint.no_load_rng:
         return
     path = os.path.join(iteration_dir(root, iteration), "optim", f"rank_{state.rank:05d}.pt")
-    if extra.get("layout") != run_layout(trainer) or not os.path.isfile(path):
+    if extra.get("layout") != layout or not os.path.isfile(path):
         if state.rank == 0:
             print(f"> optimizer and RNG state of the legacy checkpoint not loaded: its layout "
-                  f"{extra.get('layout')} differs from this run's {run_layout(trainer)}",
+                  f"{extra.get('layout')} differs from this run's {layout}",
                   flush=True)
         return
     try:

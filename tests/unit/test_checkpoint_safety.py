@@ -179,3 +179,25 @@ def test_auto_resume_from_own_save_dir(tmp_path):
     _run(t, 2)
     t.save()
     assert _trainer("--save", root, "--load", root).iteration == 2
+
+
+def test_legacy_checkpoint_still_resumes_exactly(tmp_path):
+    """A pre-DCP checkpoint (model shards + per-rank optimizer/RNG file, as the interim
+    format wrote them) resumes at the same layout bit for bit, read with weights_only."""
+    from megalite.checkpointing.model_io import save_model_shards
+    from megalite.training.checkpoint import run_layout
+
+    t = _trainer()
+    _run(t, 2)
+    root = tmp_path / "legacy"
+    save_model_shards(str(root), 2, t.model_chunks, t.cfg, t.state,
+                      {"consumed_samples": t.consumed_samples, "layout": run_layout(t)})
+    os.makedirs(root / "iter_0000002" / "optim")
+    torch.save({"optimizer": t.optimizer.state_dict(),
+                "rng": {"cpu": torch.get_rng_state(),
+                        "trackers": [c.rng_tracker.get_states() for c in t.model_chunks]}},
+               root / "iter_0000002" / "optim" / "rank_00000.pt")
+    straight = _run(t, 2)
+    resumed = _trainer("--load", str(root))
+    assert resumed.iteration == 2 and resumed.consumed_samples == 4
+    assert _run(resumed, 2) == straight
