@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How long a checkpoint stalls the training loop: synchronous save vs --async-save.
 
-A ~110M-parameter GPT (12 layers x 768 hidden, vocabulary 32000, tied embeddings) is trained one step so the
+A GPT of about 130M parameters (12 layers x 768 hidden, vocabulary 32000) is trained one step so the
 Adam moments exist, then saved with DCP twice per mode into fresh directories.  "stall" is
 the time ``trainer.save()`` blocks the loop (sync: everything; async: copying this rank's
 chunks to host memory), "total" the time until the checkpoint is complete on disk (marker
