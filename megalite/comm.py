@@ -53,6 +53,28 @@ class CommCounter:
 counter = CommCounter()
 
 
+class CommError(RuntimeError):
+    """A collective or p2p call that failed or timed out, naming the group, op and peers."""
+
+
+@contextmanager
+def _named_failure(op: str, group: Optional[Group], peers: Sequence[int] = ()):
+    """Re-raise a backend error (timeout, peer gone) as one ``CommError`` line that says
+    which group, op and peer(s) -- gloo's own message names none of them."""
+    try:
+        yield
+    except CommError:
+        raise
+    except (RuntimeError, dist.DistError) as exc:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        name = group.name if group is not None else "world"
+        members = group.ranks if group is not None else "all"
+        who = f"peer rank(s) {list(peers)}" if peers else f"ranks {members}"
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CommError(f"rank {me}: {op} on group '{name}' with {who} failed: {first}") \
+            from exc
+
+
 @contextmanager
 def counting(enabled: bool = True):
     """Temporarily switch byte counting on or off (e.g. around a warm-up)."""
@@ -79,7 +101,8 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     work = tensor.float() if _needs_fp32(group, tensor) else tensor
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
                  "max": dist.ReduceOp.MAX}[op]
-    dist.all_reduce(work, op=reduce_op, group=group.handle)
+    with _named_failure("all_reduce", group):
+        dist.all_reduce(work, op=reduce_op, group=group.handle)
     if op == "avg":
         work.div_(group.size)
     if work is not tensor:
@@ -91,12 +114,15 @@ class Pending:
     """An asynchronous collective in flight: ``wait()`` blocks until it is done and returns
     its output (after any copy back from gloo's fp32 staging buffer)."""
 
-    def __init__(self, output: torch.Tensor, work=None, finish=None):
+    def __init__(self, output: torch.Tensor, work=None, finish=None, op: str = "",
+                 group: Optional[Group] = None):
         self.output, self._work, self._finish = output, work, finish
+        self._op, self._group = op, group
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            with _named_failure(self._op, self._group):
+                self._work.wait()
             self._work = None
         if self._finish is not None:
             self._finish()
@@ -151,9 +177,10 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
         output.copy_(input)
         return Pending(output) if async_op else output
     counter.add(group.name, "all_gather", output)
-    work = dist.all_gather_into_tensor(output, input.contiguous(), group=group.handle,
-                                       async_op=async_op)
-    return Pending(output, work) if async_op else output
+    with _named_failure("all_gather", group):
+        work = dist.all_gather_into_tensor(output, input.contiguous(), group=group.handle,
+                                           async_op=async_op)
+    return Pending(output, work, op="all_gather", group=group) if async_op else output
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -166,18 +193,19 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
         return Pending(output) if async_op else output
     counter.add(group.name, "reduce_scatter", input)
     finish = None
-    if _needs_fp32(group, input):
-        out32 = output.float()
-        work = dist.reduce_scatter_tensor(out32, input.float().contiguous(),
-                                          group=group.handle, async_op=async_op)
+    with _named_failure("reduce_scatter", group):
+        if _needs_fp32(group, input):
+            out32 = output.float()
+            work = dist.reduce_scatter_tensor(out32, input.float().contiguous(),
+                                              group=group.handle, async_op=async_op)
 
-        def finish():
-            output.copy_(out32)
-    else:
-        work = dist.reduce_scatter_tensor(output, input.contiguous(), group=group.handle,
-                                          async_op=async_op)
+            def finish():
+                output.copy_(out32)
+        else:
+            work = dist.reduce_scatter_tensor(output, input.contiguous(), group=group.handle,
+                                              async_op=async_op)
     if async_op:
-        return Pending(output, work, finish)
+        return Pending(output, work, finish, op="reduce_scatter", group=group)
     if finish is not None:
         finish()
     return output
@@ -190,8 +218,9 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
         output.copy_(input)
         return output
     counter.add(group.name, "all_to_all", input)
-    dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes,
-                           group=group.handle)
+    with _named_failure("all_to_all", group):
+        dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
+                               input_split_sizes, group=group.handle)
     return output
 
 
@@ -200,7 +229,8 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     if group.size == 1:
         return tensor
     counter.add(group.name, "broadcast", tensor)
-    dist.broadcast(tensor, src=src, group=group.handle)
+    with _named_failure("broadcast", group, [src]):
+        dist.broadcast(tensor, src=src, group=group.handle)
     return tensor
 
 
@@ -208,16 +238,19 @@ def all_gather_object(obj, group: Group) -> list:
     if group.size == 1:
         return [obj]
     out = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.handle)
+    with _named_failure("all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group.handle)
     return out
 
 
 def barrier(group: Optional[Group] = None):
     if group is None:
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+            with _named_failure("barrier", None):
+                dist.barrier()
     elif group.size > 1:
-        dist.barrier(group=group.handle)
+        with _named_failure("barrier", group):
+            dist.barrier(group=group.handle)
 
 
 def batch_send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group):
@@ -232,13 +265,17 @@ def batch_send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group
 class PendingP2P:
     """Point-to-point transfers in flight: ``wait()`` blocks until every one is done."""
 
-    def __init__(self, works, ops=()):
+    def __init__(self, works, ops=(), desc: str = "", group: Optional[Group] = None,
+                 peers: Sequence[int] = ()):
         self._works = list(works)
         self._ops = ops   # keeps the (possibly copied) message buffers alive until wait()
+        self._desc, self._group, self._peers = desc, group, list(peers)
 
     def wait(self) -> None:
-        for work in self._works:
-            work.wait()
+        if self._works:
+            with _named_failure(self._desc, self._group, self._peers):
+                for work in self._works:
+                    work.wait()
         self._works, self._ops = [], ()
 
 
@@ -254,4 +291,11 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
     for tensor, peer in recvs:
         counter.add(group.name, "recv", tensor)
         ops.append(dist.P2POp(dist.irecv, tensor, peer, group=group.handle))
-    return PendingP2P(dist.batch_isend_irecv(ops) if ops else [], ops)
+    if not ops:
+        return PendingP2P([], ops)
+    desc = " + ".join(([f"send to {[p for _, p in sends]}"] if sends else []) +
+                      ([f"recv from {[p for _, p in recvs]}"] if recvs else []))
+    peers = [p for _, p in (*sends, *recvs)]
+    with _named_failure(desc, group, peers):
+        works = dist.batch_isend_irecv(ops)
+    return PendingP2P(works, ops, desc, group, peers)

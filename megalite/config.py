@@ -421,6 +421,18 @@ class CheckpointConfig:
     no_load_rng: bool = opt(False, "Do not load RNG state.", action="store_true")
     finetune: bool = opt(False, "Load weights only and reset the iteration count.",
                          action="store_true")
+    # -- checkpoint safety and preemption (issue 15; docs/checkpoints.md) ----------------
+    keep_last_n_checkpoints: Optional[int] = opt(
+        None, "Delete older checkpoints after a save, keeping this many (default: all).")
+    async_save: bool = opt(False, "Write checkpoints in a background thread: the loop stalls "
+                           "only while state is copied to host memory.", action="store_true")
+    exit_signal_handler: bool = opt(False, "On SIGTERM or SIGUSR1, save a checkpoint at the "
+                                    "end of the iteration and exit cleanly.", action="store_true")
+    exit_duration_in_mins: Optional[float] = opt(
+        None, "Save and exit once training has run this many minutes.")
+    check_for_nan_in_loss_and_grad: bool = opt(
+        False, "Stop with the iteration and rank when the loss or the gradient norm is NaN/Inf.",
+        action="store_true")
 
 
 SECTIONS = {

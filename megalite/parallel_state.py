@@ -183,14 +183,17 @@ class ParallelState:
     meshes: Dict[tuple, object] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, grid: RankGrid, rank: int, create_groups: bool = True) -> "ParallelState":
-        """Create every group.  All ranks must call this with the same grid."""
+    def build(cls, grid: RankGrid, rank: int, create_groups: bool = True,
+              timeout=None) -> "ParallelState":
+        """Create every group.  All ranks must call this with the same grid.  ``timeout``
+        (a timedelta, from ``--distributed-timeout-minutes``) applies to every group, not
+        just the world: torch's default for a new group would be 30 minutes."""
         state = cls(grid=grid, rank=rank)
         for name in [*GROUP_TOKENS, "embedding"]:
             for ranks in grid.groups(name):
                 handle = None
                 if create_groups and len(ranks) > 1:
-                    handle = _new_group(ranks)  # collective over the world: every rank calls
+                    handle = _new_group(ranks, timeout)  # collective over the world
                 if rank in ranks:
                     state.groups[name] = Group(name, ranks, handle, rank)
         return state
@@ -253,12 +256,12 @@ class ParallelState:
         return self.meshes[key]
 
 
-def _new_group(ranks: List[int]):
+def _new_group(ranks: List[int], timeout=None):
     import torch.distributed as dist
 
-    key = tuple(ranks)
+    key = (tuple(ranks), timeout)
     if key not in _HANDLE_CACHE:
-        _HANDLE_CACHE[key] = dist.new_group(ranks)
+        _HANDLE_CACHE[key] = dist.new_group(ranks, timeout=timeout)
     return _HANDLE_CACHE[key]
 
 
@@ -312,10 +315,26 @@ def initialize(cfg) -> ParallelState:
         else:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
+            store = _restart_store(timeout)
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=timeout)
+                                    timeout=timeout, **({"store": store} if store else {}))
     grid = RankGrid.from_config(cfg)
-    return ParallelState.build(grid, dist.get_rank())
+    return ParallelState.build(grid, dist.get_rank(),
+                               timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes))
+
+
+def _restart_store(timeout):
+    """Under torchrun after a restart (``--max-restarts``), the agent's store still holds
+    the previous attempt's keys, so gloo would try to connect to the dead workers' addresses;
+    each attempt gets keys of its own.  None on the first attempt or outside torchrun."""
+    import torch.distributed as dist
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"megalite/attempt_{attempt}", store)
 
 
 def main(argv=None):

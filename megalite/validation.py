@@ -5,6 +5,7 @@ Every message names the flag(s) at fault and the fix, on one line.  The planner 
 """
 from __future__ import annotations
 
+import math
 import os
 
 from megalite.config import ConfigError, MegaliteConfig
@@ -308,10 +309,14 @@ def validate_files(cfg: MegaliteConfig) -> None:
         raise ConfigError("--tokenizer-type is required with --data-path")
     for prefix in d.data_path:
         try:
-            float(prefix)
-            continue  # a blending weight
+            weight = float(prefix)
         except ValueError:
-            pass
+            weight = None
+        if weight is not None:  # a blending weight
+            if not (math.isfinite(weight) and weight >= 0):
+                raise ConfigError(f"--data-path weight {prefix!r} must be a finite, "
+                                  f"non-negative number")
+            continue
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise ConfigError(f"--data-path: '{prefix}{ext}' does not exist; run "

@@ -203,10 +203,29 @@ class _Reader:
         return spec.shard(self.full(name), coords)
 
 
+DCP_FORMAT = "megalite-dcp-v1"     # training checkpoints (megalite/training/checkpoint.py)
+
+
+def is_dcp(meta: dict) -> bool:
+    return meta.get("format") == DCP_FORMAT
+
+
 @torch.no_grad()
 def load_model_shards(directory: str, model_chunks, cfg, state,
                       iteration: Optional[int] = None, strict: bool = True) -> int:
-    """Fill ``model_chunks`` from a checkpoint saved at any TP/PP; returns its iteration."""
+    """Fill ``model_chunks`` from a checkpoint saved at any TP/PP; returns its iteration.
+    Reads both this interim format and DCP training checkpoints (weights only)."""
+    meta = read_metadata(directory, iteration)
+    if is_dcp(meta):
+        from megalite.checkpointing.dcp_format import ChunkedTensor, load_chunked
+        from megalite.checkpointing.sharded_state import model_sharded_state_dict
+
+        sd = {k: ChunkedTensor(v.global_shape, v.chunks)
+              for k, v in model_sharded_state_dict(_chunks(model_chunks), state).items()}
+        grid = getattr(state, "grid", None)
+        load_chunked(sd, iteration_dir(directory, meta["iteration"]),
+                     single=grid is None or grid.world_size == 1)
+        return meta["iteration"]
     reader = _Reader(directory, iteration)
     coords = group_coords(state)
     missing = []
@@ -252,6 +271,13 @@ def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], state,
 def full_state_dict_from_checkpoint(directory: str, iteration: Optional[int] = None
                                     ) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """(model config dict, {global name: full unpadded tensor}); single process."""
+    meta = read_metadata(directory, iteration)
+    if is_dcp(meta):
+        from megalite.checkpointing.dcp_format import load_full, saved_tensors
+
+        it_dir = iteration_dir(directory, meta["iteration"])
+        keys = [k for k in saved_tensors(it_dir) if k.startswith("model.")]
+        return meta["model"], {k[len("model."):]: v for k, v in load_full(it_dir, keys).items()}
     reader = _Reader(directory, iteration)
     return reader.meta["model"], {name: reader.full(name) for name in reader.names()}
 

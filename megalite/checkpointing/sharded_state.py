@@ -228,3 +228,15 @@ def _scalars(st: dict) -> List[float]:
 
 def _as_list(model_chunks) -> list:
     return [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+
+
+def spec_chunks(spec: ParamSpec, local: torch.Tensor, coords) -> list:
+    """``(global offsets, view of local)`` of each chunk of a TP-local tensor shaped like the
+    parameter (views: a loader copies into them)."""
+    return _spec_chunks(spec, local, coords)
+
+
+def master_pieces(optimizer) -> List[List[Tuple[int, torch.Tensor]]]:
+    """Per sharded buffer, ``(offset in the master shard, piece)`` of every tensor the
+    distributed optimizer's torch optimizer steps."""
+    return _pieces_by_buffer(optimizer)

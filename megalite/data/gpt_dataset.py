@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import warnings
 from typing import Sequence
@@ -95,8 +96,9 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
             f"--data-path {' '.join(items)!r}: give either prefixes only, or weight/prefix pairs "
             "like '0.3 prefA 0.7 prefB'"
         )
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} must be non-negative with a positive sum")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"--data-path weights {weights} must be finite and non-negative with "
+                         f"a positive sum")
     total = sum(weights)
     return [w / total for w in weights], prefixes
 
@@ -405,6 +407,9 @@ def build_train_valid_test_datasets(
     _, prefixes = parse_data_path(data_path)
     raw_weights = megatron_blend_weights(data_path)
     indexed = [IndexedDataset(p) for p in prefixes]
+    if vocab_size:
+        for ds in indexed:
+            ds.check_token_range(vocab_size)
     segments = []
     for ds in indexed:
         segs, rule = split_segments(ds, split_weights, contiguous)

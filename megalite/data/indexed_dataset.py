@@ -261,6 +261,18 @@ class IndexedDataset:
             return [self[i] for i in range(start, stop)]
         return self.get(idx)
 
+    def check_token_range(self, vocab_size: int, block: int = 1 << 24) -> None:
+        """Raise, naming the file, if any token id is outside ``[0, vocab_size)``: at TP>1
+        the vocab-parallel embedding would otherwise silently map it to a zero vector."""
+        for lo in range(0, self.num_tokens, block):
+            part = np.asarray(self._tokens[lo:lo + block])
+            hi, low = int(part.max()), int(part.min())
+            if hi >= vocab_size or low < 0:
+                bad = hi if hi >= vocab_size else low
+                pos = lo + int(np.argmax(part == bad))
+                raise ValueError(f"{bin_path(self.path_prefix)}: token id {bad} at position "
+                                 f"{pos} is outside the vocabulary (size {vocab_size})")
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset .. offset+length`` of sequence ``idx`` (to its end when length is None)."""
         n = len(self)

@@ -1,102 +1,463 @@
-"""Save / resume a training run: model shards (any-layout reload) + optimizer + position.
+"""Save / resume a training run on torch.distributed.checkpoint, at any layout.
 
-Model weights use ``megalite.checkpointing.model_io`` (per-rank shards keyed by global
-parameter names, reloadable at another TP/PP).  Optimizer state is per rank and only
-reloads at the same layout; at another layout it is skipped with a message (as with
-``--no-load-optim``).
+Layout of ``--save DIR``::
+
+    DIR/latest_checkpointed_iteration.txt     written last, atomically, after a barrier
+    DIR/iter_0000100/.metadata, __<rank>_0.distcp   DCP: every rank writes its own shards
+    DIR/iter_0000100/metadata.json            iteration, consumed samples, layout, args, ...
+    DIR/iter_0000100/manifest.json            size + SHA-256 of every file above
+
+Every tensor is saved as its global shape and this rank's chunks at global offsets
+(``checkpointing.sharded_state``), so DCP reshards on load: weights, fp32 masters, Adam
+moments (plain or distributed optimizer), at any TP/PP/VPP/DP.  The optimizer step and the
+iteration are JSON; RNG states are per-rank uint8 tensors restored where the rank's model
+coordinates exist in the checkpoint.  Loading verifies the manifest, falls back to the
+newest complete iteration, and checks that every rank loaded the same one.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import os
+import shutil
+import threading
+from typing import Dict, Optional
 
 import torch
+import torch.distributed as dist
 
 from megalite import comm
-from megalite.checkpointing.model_io import (load_model_shards, read_metadata,
-                                             save_model_shards)
+from megalite.checkpointing import manifest as mf
+from megalite.checkpointing.dcp_format import (ChunkedTensor, load_chunked, save_chunked,
+                                               saved_tensors)
+from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
+from megalite.checkpointing.sharded_state import (master_pieces, model_sharded_state_dict,
+                                                  optimizer_sharded_state_dict, spec_chunks)
 from megalite.distributed.replicas import check_replicas
 from megalite.moe.moe_layer import expert_bias_state, load_expert_bias_state
+from megalite.parallel_state import Group
+from megalite.param_spec import group_coords, param_table
+from megalite.training.legacy_checkpoint import load_legacy_checkpoint
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq")
 
 
-def _iter_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def _layout(trainer) -> dict:
+def run_layout(trainer) -> dict:
     p = trainer.cfg.parallel
     out = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "world_size": trainer.cfg.world_size,
            "vpp": trainer.state.vpp_size, "bf16": trainer.cfg.optimizer.bf16}
-    if p.use_distributed_optimizer:     # sharded optimizer state: another layout entirely
+    if p.use_distributed_optimizer:
         out["distributed_optimizer"] = True
     return out
 
 
-def save_training_checkpoint(trainer) -> str:
-    cfg, state = trainer.cfg, trainer.state
-    trainer.strategy.wait_param_gathers()         # --overlap-param-gather: gathers in flight
-    check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
-    root = cfg.checkpoint.save
-    d = cfg.data
-    extra = {"consumed_samples": trainer.consumed_samples, "layout": _layout(trainer),
-             "tokenizer": {"tokenizer_type": d.tokenizer_type,
-                           "tokenizer_model": os.path.abspath(d.tokenizer_model)
-                           if d.tokenizer_model else None,
-                           "vocab_size": cfg.model.vocab_size}}
-    if cfg.model.moe_router_enable_expert_bias:   # a buffer, not a parameter: kept here
-        extra["moe_expert_bias"] = expert_bias_state(trainer.model_chunks, state)
-    save_model_shards(root, trainer.iteration, trainer.model_chunks, cfg, state, extra)
-    path = os.path.join(_iter_dir(root, trainer.iteration), "optim", f"rank_{state.rank:05d}.pt")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"optimizer": trainer.optimizer.state_dict(), "rng": _rng_states(trainer)}, path)
-    comm.barrier()
-    return path
+def _rng_coords(trainer) -> dict:
+    """Where this rank's generators belong: equal coordinates draw the same streams."""
+    s = trainer.state
+    return {"tp": [s.tp.rank, s.tp.size], "pp": [s.pp.rank, s.pp.size],
+            "cp": [s["cp"].rank, s["cp"].size], "dp": [s["dp"].rank, s["dp"].size],
+            "vpp": s.vpp_size, "cuda": trainer.device == "cuda"}
 
 
-def load_training_checkpoint(trainer) -> None:
-    cfg, state = trainer.cfg, trainer.state
-    root = cfg.checkpoint.load
-    iteration = load_model_shards(root, trainer.model_chunks, cfg, state)
-    trainer.optimizer.reload_model_params()    # fp32 masters follow the loaded weights
-    meta = read_metadata(root, iteration)
-    extra = meta.get("extra", {})
-    load_expert_bias_state(trainer.model_chunks, extra.get("moe_expert_bias", {}))
-    if cfg.checkpoint.finetune:
-        return
-    trainer.iteration = iteration
-    trainer.consumed_samples = extra.get("consumed_samples", iteration *
-                                         cfg.training.global_batch_size)
-    same_layout = extra.get("layout") == _layout(trainer)
-    path = os.path.join(_iter_dir(root, iteration), "optim", f"rank_{state.rank:05d}.pt")
-    if cfg.checkpoint.no_load_optim and cfg.checkpoint.no_load_rng:
-        return
-    if not same_layout or not os.path.isfile(path):
-        if state.rank == 0:
-            print(f"> optimizer and RNG state not loaded: checkpoint layout {extra.get('layout')} "
-                  f"differs from this run's {_layout(trainer)} (weights were resharded)", flush=True)
-        return
-    blob = torch.load(path, map_location="cpu", weights_only=False)
-    if not cfg.checkpoint.no_load_optim:
-        trainer.optimizer.load_state_dict(blob["optimizer"])
-    if not cfg.checkpoint.no_load_rng:
-        _set_rng_states(trainer, blob["rng"])
+def _single(trainer) -> bool:
+    """A one-rank run (tests run those inside a larger process group): no collectives."""
+    return trainer.state.grid.world_size == 1 or not dist.is_initialized()
 
 
-def _rng_states(trainer) -> dict:
-    """Every generator a resumed run must continue: the default CPU (and CUDA) generator and
-    each model chunk's tracker (dropout inside tensor-parallel regions draws from those)."""
-    out = {"cpu": torch.get_rng_state(),
-           "trackers": [c.rng_tracker.get_states() for c in trainer.model_chunks]}
+def _world(handle=None) -> Group:
+    """The world (or a group over all of it) as a ``comm`` group."""
+    return Group("world", list(range(dist.get_world_size())), handle, dist.get_rank())
+
+
+def _barrier(single: bool, handle=None) -> None:
+    if not single and dist.is_initialized():
+        comm.barrier(_world(handle))
+
+
+def _gather(obj, single: bool = False, handle=None) -> list:
+    if single or not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    return comm.all_gather_object(obj, _world(handle))
+
+
+def _broadcast(obj, single: bool = False):
+    if single or not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _print0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# -- save ------------------------------------------------------------------------------
+
+def preflight_save_dir(root: str) -> None:
+    """Create ``--save`` and prove it is writable before training starts (every rank: each
+    may sit on its own node)."""
+    probe = os.path.join(root, f".write_test.{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"megalite")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe)
+    except OSError as exc:
+        raise OSError(f"--save {root} is not writable: {exc.strerror or exc}") from None
+
+
+def _rng_tensors(trainer) -> Dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
     if trainer.device == "cuda":
         out["cuda"] = torch.cuda.get_rng_state()
+    for c, chunk in enumerate(trainer.model_chunks):
+        for name, st in chunk.rng_tracker.get_states().items():
+            for dev, t in st.items():
+                out[f"tracker{c}.{name}.{dev}"] = t
     return out
 
 
-def _set_rng_states(trainer, rng) -> None:
-    if isinstance(rng, torch.Tensor):   # checkpoints written before the trackers were saved
-        torch.set_rng_state(rng)
+def _training_state_dict(trainer):
+    """(DCP state dict, optimizer step or None) of this rank."""
+    sd = dict(model_sharded_state_dict(trainer.model_chunks, trainer.state))
+    sd.update(optimizer_sharded_state_dict(trainer.optimizer, trainer.model_chunks,
+                                           trainer.state))
+    step = sd.pop("optimizer.step", None)
+    step = float(step.chunks[0][1]) if step is not None else None
+    out = {k: ChunkedTensor(v.global_shape, v.chunks, v.writer) for k, v in sd.items()}
+    for k, t in _rng_tensors(trainer).items():
+        out[f"rng.rank{trainer.state.rank}.{k}"] = ChunkedTensor(t.shape, [((0,), t)])
+    return out, step
+
+
+def _metadata(trainer, step, rng_ranks) -> dict:
+    """What metadata.json says (JSON only; readers of the interim format find ``model``,
+    the TP/PP sizes and ``extra`` where they always were)."""
+    cfg, d = trainer.cfg, trainer.cfg.data
+    tokenizer = {"tokenizer_type": d.tokenizer_type,
+                 "tokenizer_model": os.path.abspath(d.tokenizer_model)
+                 if d.tokenizer_model else None, "vocab_size": cfg.model.vocab_size}
+    return {"format": FORMAT, "iteration": trainer.iteration,
+            "consumed_samples": trainer.consumed_samples, "optimizer_step": step,
+            "layout": run_layout(trainer), "rng_ranks": rng_ranks,
+            "tensor_model_parallel_size": cfg.parallel.tp,
+            "pipeline_model_parallel_size": cfg.parallel.pp,
+            "model": dataclasses.asdict(cfg.model),
+            "extra": {"consumed_samples": trainer.consumed_samples,
+                      "layout": run_layout(trainer), "tokenizer": tokenizer},
+            "args": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
+
+
+def save_training_checkpoint(trainer) -> str:
+    """Collective over the world.  The marker moves only after every rank's files, the
+    metadata and the manifest are on disk; any rank's failure (ENOSPC, ...) raises on every
+    rank and leaves the previous checkpoint the latest.
+
+    With ``--async-save`` the loop stalls only while this rank's chunks are copied; the
+    files, the manifest and the marker are written by a background thread over a process
+    group of its own (so its collectives never interleave with training's), and the next
+    save -- or the end of training -- waits for it first."""
+    cfg, state = trainer.cfg, trainer.state
+    finish_pending_save(trainer)
+    root = cfg.checkpoint.save
+    it_dir = mf.iteration_dir(root, trainer.iteration)
+    if mf.read_marker(root)[0] == trainer.iteration and mf.verify_iteration(it_dir) is None:
+        return it_dir                      # already saved (interval save at the last step)
+    trainer.strategy.wait_param_gathers()         # --overlap-param-gather: gathers in flight
+    check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
+    single = _single(trainer)
+    if state.rank == 0 and os.path.isdir(it_dir):   # leftovers of an interrupted save
+        shutil.rmtree(it_dir)
+    _barrier(single)
+    sd, step = _training_state_dict(trainer)
+    rng_ranks = _gather(_rng_coords(trainer), single)
+    bias = (expert_bias_state(trainer.model_chunks, state)       # collective over pp
+            if cfg.model.moe_router_enable_expert_bias else None)
+    meta = _metadata(trainer, step, rng_ranks) if state.rank == 0 else None
+    if meta is not None and bias is not None:   # a router buffer, not a parameter: JSON
+        meta["extra"]["moe_expert_bias"] = bias
+    keep = cfg.checkpoint.keep_last_n_checkpoints
+    if not cfg.checkpoint.async_save:
+        _write(sd, it_dir, root, meta, state.rank, single, keep, None)
+        return it_dir
+    staged = {k: ChunkedTensor(v.global_shape, [(o, t.clone()) for o, t in v.chunks]
+                               if v.writer else [], v.writer) for k, v in sd.items()}
+    group = None if single else checkpoint_group()
+    trainer.pending_save = AsyncSave(functools.partial(
+        _write, staged, it_dir, root, meta, state.rank, single, keep, group))
+    return it_dir
+
+
+def _write(sd, it_dir, root, meta, rank, single, keep, group) -> None:
+    """Every rank's files, then (rank 0) metadata, manifest and -- last -- the marker."""
+    save_chunked(sd, it_dir, single, group)   # raises on every rank if any rank failed
+    mine = [n for n in os.listdir(it_dir) if n.startswith(f"__{rank}_")]
+    files = {}
+    for part in _gather(mf.digest_files(it_dir, mine), single, group):
+        files.update(part)
+    if rank == 0:
+        mf.atomic_write(os.path.join(it_dir, "metadata.json"),
+                        json.dumps(meta, indent=1, sort_keys=True))
+        files.update(mf.digest_files(it_dir, [".metadata", "metadata.json"]))
+        mf.write_manifest(it_dir, files, {"format": FORMAT, "iteration": meta["iteration"]})
+        mf.write_marker(root, meta["iteration"])
+        _prune(root, keep, meta["iteration"])
+    _barrier(single, group)
+
+
+_CHECKPOINT_GROUP = []
+
+
+def checkpoint_group():
+    """A gloo group over the world for background saves (created once, collectively)."""
+    if not _CHECKPOINT_GROUP:
+        _CHECKPOINT_GROUP.append(dist.new_group(backend="gloo"))
+    return _CHECKPOINT_GROUP[0]
+
+
+class AsyncSave:
+    """One checkpoint being written by a background thread; ``wait()`` re-raises its
+    error on the caller's thread."""
+
+    def __init__(self, job):
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(job,), daemon=True,
+                                       name="megalite-async-save")
+        self.thread.start()
+
+    def _run(self, job) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001  (handed to the training thread)
+            self.error = exc
+
+    def wait(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def finish_pending_save(trainer) -> None:
+    """Wait for the background save, if any (before the next save and at exit)."""
+    pending = getattr(trainer, "pending_save", None)
+    if pending is not None:
+        trainer.pending_save = None
+        pending.wait()
+
+
+def _prune(root: str, keep: Optional[int], current: int) -> None:
+    if not keep:
         return
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng and trainer.device == "cuda":
-        torch.cuda.set_rng_state(rng["cuda"])
-    for chunk, states in zip(trainer.model_chunks, rng["trackers"]):
-        chunk.rng_tracker.set_states(states)
+    for it in mf.saved_iterations(root)[keep:]:
+        if it != current:
+            shutil.rmtree(mf.iteration_dir(root, it), ignore_errors=True)
+
+
+# -- load ------------------------------------------------------------------------------
+
+def select_checkpoint(root: str, single: bool = False) -> Optional[int]:
+    """The iteration every rank will load (rank 0 verifies, then broadcasts), saying so
+    when it falls back past a broken one; None when ``root`` holds no checkpoint at all."""
+    verdict = None
+    if single or not dist.is_initialized() or dist.get_rank() == 0:
+        verdict = mf.find_loadable(root)
+    it, problems = _broadcast(verdict, single)
+    if it is None:
+        if problems:
+            raise ValueError(f"no complete checkpoint in {root}: " + "; ".join(problems))
+        return None
+    for p in problems:
+        _print0(f"> WARNING: {p}")
+    if problems:
+        _print0(f"> falling back to the newest complete checkpoint: "
+                f"{mf.iteration_dir(root, it)}")
+    return it
+
+
+def load_training_checkpoint(trainer) -> None:
+    cfg = trainer.cfg
+    root = cfg.checkpoint.load
+    if not os.path.isdir(root) and root == cfg.checkpoint.save:
+        _print0(f"> no checkpoint in {root} yet: starting from scratch")
+        return
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"--load {root} does not exist")
+    if not os.path.isfile(os.path.join(root, mf.MARKER)) and not mf.saved_iterations(root):
+        if root == cfg.checkpoint.save:
+            _print0(f"> no checkpoint in {root} yet: starting from scratch")
+            return
+        raise FileNotFoundError(f"--load {root}: no {mf.MARKER} and no iter_* directory")
+    iteration = _legacy_iteration(root)
+    if iteration is not None:
+        load_legacy_checkpoint(trainer, root, iteration, run_layout(trainer))
+    else:
+        iteration = select_checkpoint(root, _single(trainer))
+        if iteration is None:
+            raise FileNotFoundError(f"--load {root}: no checkpoint found")
+        _load_dcp(trainer, mf.iteration_dir(root, iteration))
+    seen = set(map(tuple, _gather([iteration, trainer.iteration, trainer.consumed_samples],
+                                  _single(trainer))))
+    if len(seen) != 1:
+        raise RuntimeError(f"ranks loaded different checkpoints from {root}: {sorted(seen)}")
+    _print0(f"> loaded {mf.iteration_dir(root, iteration)} (iteration {iteration})")
+
+
+def _legacy_iteration(root: str) -> Optional[int]:
+    """The iteration of a pre-DCP checkpoint (metadata.json without a manifest) under the
+    marker, or None."""
+    it, _ = mf.read_marker(root)
+    d = mf.iteration_dir(root, it) if it is not None else None
+    if d and os.path.isfile(os.path.join(d, "metadata.json")) and \
+            not os.path.isfile(os.path.join(d, mf.MANIFEST)) and \
+            not os.path.isfile(os.path.join(d, ".metadata")):
+        return it
+    return None
+
+
+def _check_shapes(it_dir: str, sd: dict, saved) -> None:
+    for key, obj in sd.items():
+        if key in saved and tuple(saved[key].size) != tuple(obj.size()):
+            raise ValueError(f"{os.path.join(it_dir, '.metadata')}: '{key}' has shape "
+                             f"{tuple(saved[key].size)}, this run expects {tuple(obj.size())} "
+                             f"(a different model, which no layout change can reshard)")
+
+
+def _load_dcp(trainer, it_dir: str) -> None:
+    cfg, state = trainer.cfg, trainer.state
+    with open(os.path.join(it_dir, "metadata.json")) as f:
+        meta = json.load(f)
+    saved = saved_tensors(it_dir)
+    model = {k: ChunkedTensor(v.global_shape, v.chunks)
+             for k, v in model_sharded_state_dict(trainer.model_chunks, state).items()}
+    missing = [k for k in model if k not in saved]
+    if missing:
+        raise KeyError(f"{os.path.join(it_dir, '.metadata')}: lacks {len(missing)} model "
+                       f"tensors, e.g. {missing[:3]}")
+    sd = dict(model)
+    want_optim = not cfg.checkpoint.finetune and not cfg.checkpoint.no_load_optim
+    restore_optim = None
+    if want_optim:
+        if meta.get("optimizer_step") is None:
+            _print0(f"> {it_dir} holds no optimizer state: optimizer starts fresh")
+        else:
+            optim_sd, restore_optim = _optimizer_load_plan(trainer, saved)
+            sd.update(optim_sd)
+    rng_sd, restore_rng = {}, None
+    if not cfg.checkpoint.finetune and not cfg.checkpoint.no_load_rng:
+        rng_sd, restore_rng = _rng_load_plan(trainer, meta, saved)
+        sd.update(rng_sd)
+    _check_shapes(it_dir, sd, saved)
+    with torch.no_grad():
+        load_chunked(sd, it_dir, _single(trainer))
+    trainer.optimizer.reload_model_params()       # masters follow the loaded weights
+    load_expert_bias_state(trainer.model_chunks, meta.get("extra", {}).get("moe_expert_bias", {}))
+    if cfg.checkpoint.finetune:
+        return
+    trainer.iteration = meta["iteration"]
+    trainer.consumed_samples = meta["consumed_samples"]
+    if restore_optim is not None:
+        restore_optim(meta["optimizer_step"])
+    if restore_rng is not None:
+        restore_rng()
+    elif not cfg.checkpoint.no_load_rng:
+        _print0(f"> RNG state not loaded: no rank of {it_dir} had this rank's TP/PP/CP/VPP "
+                f"coordinates ({run_layout(trainer)}); generators keep their seeded state")
+
+
+def _optimizer_load_plan(trainer, saved):
+    """(DCP entries to load, a function that installs them into the optimizer).
+
+    Each parameter's state is loaded as its whole TP-local tensor (chunks from the spec),
+    so the same code serves the plain optimizer and the distributed one (which then keeps
+    its flat range); DCP reshards from whatever layout saved it."""
+    opt, state = trainer.optimizer, trainer.state
+    coords = group_coords(state)
+    names, specs = {}, {}
+    for chunk in trainer.model_chunks:
+        for name, p, spec in param_table(chunk).named(chunk):
+            names[id(p)], specs[id(p)] = name, spec
+    keys = [k for k in STATE_KEYS if any(s.startswith(f"optimizer.{k}.") for s in saved)]
+    if opt.bf16:
+        keys.append("master")
+    local: Dict[int, Dict[str, torch.Tensor]] = {}
+    sd = {}
+    held = opt.params                    # the distributed optimizer: only its ranges' params
+    if getattr(opt, "sharded_buffers", ()):
+        held = [p for buf in opt.sharded_buffers for p, _, _ in buf.shard_ranges()]
+    for p in held:
+        local[id(p)] = {}
+        for k in keys:
+            t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            local[id(p)][k] = t
+            sd[f"optimizer.{k}.{names[id(p)]}"] = ChunkedTensor(
+                specs[id(p)].full_shape, spec_chunks(specs[id(p)], t, coords))
+    missing = [k for k in sd if k not in saved]
+    if missing:
+        raise KeyError(f"checkpoint lacks optimizer tensors, e.g. {missing[:3]}")
+    state_keys = [k for k in keys if k != "master"]
+
+    def restore(step: float) -> None:
+        per_tensor = {}          # id(stepped tensor) -> {state key: values}
+        with torch.no_grad():
+            if getattr(opt, "sharded_buffers", ()):
+                pieces = master_pieces(opt)
+                for b, (buf, master) in enumerate(zip(opt.sharded_buffers, opt.masters)):
+                    index = {id(p): i for i, p in enumerate(buf.params)}
+                    for lo_, piece in pieces[b]:
+                        per_tensor[id(piece)] = {k: torch.zeros_like(piece) for k in state_keys}
+                    for p, lo, hi in buf.shard_ranges():
+                        p_lo = buf.start + lo - buf.offsets[index[id(p)]]
+                        flat = {k: v.reshape(-1)[p_lo:p_lo + hi - lo]
+                                for k, v in local[id(p)].items()}
+                        lo_, piece = next((a, t) for a, t in pieces[b]
+                                          if a <= lo and hi <= a + t.numel())
+                        for k in state_keys:
+                            per_tensor[id(piece)][k][lo - lo_:hi - lo_] = flat[k]
+                        if opt.bf16:
+                            master[lo:hi] = flat["master"]
+            else:
+                for p, master in zip(opt.params, opt.masters):
+                    per_tensor[id(master)] = {k: local[id(p)][k].to(master.dtype)
+                                              for k in state_keys}
+                    if opt.bf16:
+                        master.copy_(local[id(p)]["master"])
+        inner = opt.inner.state_dict()
+        flat_params = [t for g in opt.inner.param_groups for t in g["params"]]
+        inner["state"] = {i: {"step": torch.tensor(step, dtype=torch.float32),
+                              **per_tensor[id(t)]} for i, t in enumerate(flat_params)}
+        opt.inner.load_state_dict(inner)
+    return sd, restore
+
+
+def _rng_load_plan(trainer, meta, saved):
+    """(entries, installer) for the generators of the saved rank at this rank's
+    coordinates (same DP rank when it exists, else DP rank 0's); ({}, None) if none."""
+    mine = _rng_coords(trainer)
+    same = lambda c: all(c.get(k) == mine[k] for k in ("tp", "pp", "cp", "vpp", "cuda"))
+    ranks = [r for r, c in enumerate(meta.get("rng_ranks") or []) if same(c)]
+    if not ranks:
+        return {}, None
+    src = next((r for r in ranks if meta["rng_ranks"][r]["dp"][0] == mine["dp"][0]), ranks[0])
+    prefix = f"rng.rank{src}."
+    bufs = {k[len(prefix):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+            for k, v in saved.items() if k.startswith(prefix)}
+    sd = {prefix + k: ChunkedTensor(t.shape, [((0,), t)]) for k, t in bufs.items()}
+
+    def restore() -> None:
+        torch.set_rng_state(bufs["cpu"])
+        if "cuda" in bufs and trainer.device == "cuda":
+            torch.cuda.set_rng_state(bufs["cuda"])
+        for c, chunk in enumerate(trainer.model_chunks):
+            states: Dict[str, dict] = {}
+            for k, t in bufs.items():
+                parts = k.split(".")
+                if parts[0] == f"tracker{c}":
+                    states.setdefault(".".join(parts[1:-1]), {})[parts[-1]] = t
+            if states:
+                chunk.rng_tracker.set_states(states)
+    return sd, restore

@@ -63,9 +63,18 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
             for line in missing_logging_packages(cfg):
                 print(f"> note: {line} (not installed here)")
             return dry_run(cfg, argv if argv is not None else sys.argv[1:], describe_batch(cfg))
+        from megalite.config import ConfigError
         from megalite.models.gpt_step import GPT_FAMILY
+        from megalite.training.faults import abort_all_ranks
         from megalite.training.loop import pretrain
 
-        return pretrain(cfg, family or GPT_FAMILY)
+        try:
+            return pretrain(cfg, family or GPT_FAMILY)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            if cfg.world_size > 1:      # end every rank now, not after the timeout
+                abort_all_ranks(exc)
+            raise
 
     return run_cli(_run, argv)

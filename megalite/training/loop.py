@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import resource
 import sys
@@ -31,6 +30,7 @@ from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
+from megalite.training.faults import ExitWatcher, check_finite
 from megalite.training.flops import (device_peak_flops, flops_per_iteration,
                                      model_flops_utilization)
 from megalite.training.memory_report import memory_record
@@ -55,6 +55,8 @@ class Trainer:
         self.record_timeline = bool(cfg.logging.pipeline_timeline) and (
             state.pp.size > 1 or cfg.parallel.overlap_grad_reduce)   # schedule / DP buckets
         self._timeline_events = None       # this step's schedule events, recorded after sync
+        self.exit_reason = ""       # set when a signal or the clock ended training early
+        self.pending_save = None    # a checkpoint still being written (--async-save)
 
     # -- construction ------------------------------------------------------------------
     @property
@@ -85,6 +87,10 @@ class Trainer:
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
         self.optimizer = self.strategy.optimizer
         self.scheduler = LRScheduler.from_config(cfg, self.train_iters)
+        if cfg.checkpoint.save:             # a bad --save fails now, not at the first save
+            from megalite.training.checkpoint import preflight_save_dir
+
+            preflight_save_dir(cfg.checkpoint.save)
         if cfg.checkpoint.load:
             from megalite.training.checkpoint import load_training_checkpoint
 
@@ -183,6 +189,15 @@ class Trainer:
         logger.info(f"> training {self.train_iters} iterations; model FLOPs/iteration "
                     f"{flops:.3e}; device peak {peak / 1e12:.3f} TFLOP/s ({peak_src})")
         world = self.cfg.world_size
+        c = cfg.checkpoint
+        watcher = ExitWatcher(c.exit_signal_handler, c.exit_duration_in_mins)
+        try:
+            self._train_iterations(logger, iterator, flops, peak, world, watcher)
+        finally:
+            watcher.close()
+
+    def _train_iterations(self, logger, iterator, flops, peak, world, watcher):
+        cfg, t = self.cfg, self.cfg.training
         first = self.iteration
         while self.iteration < self.train_iters:
             t0 = time.perf_counter()
@@ -199,8 +214,8 @@ class Trainer:
             if self.iteration == first + 1:      # planner vs measured, once
                 logger.log_memory(memory_record(cfg, self.state.rank, record["peak_mem_bytes"],
                                                 self.iteration))
-            if not math.isfinite(out["lm_loss"]):
-                raise FloatingPointError(f"loss is {out['lm_loss']} at iteration {self.iteration}")
+            check_finite(out["lm_loss"], out["grad_norm"], self.iteration, self.state.rank,
+                         cfg.checkpoint.check_for_nan_in_loss_and_grad)
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \
                     self.iteration < self.train_iters:
                 logger.log_eval(self.iteration, self.evaluate(self.valid_ds, t.eval_iters),
@@ -210,11 +225,22 @@ class Trainer:
                 self.save()
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 break
+            if watcher.should_exit():      # collective: every rank stops at this iteration
+                self.exit_reason = watcher.reason
+                logger.info(f"> {watcher.reason}: saving at iteration {self.iteration} "
+                            f"and exiting")
+                break
 
     def save(self):
         from megalite.training.checkpoint import save_training_checkpoint
 
         save_training_checkpoint(self)
+
+    def finish_saves(self):
+        """Wait until a background (--async-save) checkpoint is complete on disk."""
+        from megalite.training.checkpoint import finish_pending_save
+
+        finish_pending_save(self)
 
 
 def peak_memory_bytes(device: str) -> int:
@@ -289,13 +315,17 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     if cfg.accepted_flags:
         logger.info(compat_flags.describe(cfg.accepted_flags))
     t = cfg.training
+    failed = False
     try:
         if not t.skip_train:
             trainer.train(logger)
             if cfg.checkpoint.save:
                 trainer.save()
+                trainer.finish_saves()
                 logger.info(f"> saved checkpoint at iteration {trainer.iteration} to "
                             f"{cfg.checkpoint.save}")
+        if trainer.exit_reason:              # preempted: the checkpoint is what matters
+            return 0
         if t.eval_iters:
             logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters),
                             consumed_samples=trainer.consumed_samples)
@@ -304,7 +334,11 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
 
             plot_loss_curve(cfg.logging.metrics_file, cfg.logging.loss_plot)
             logger.info(f"> wrote loss curve to {cfg.logging.loss_plot}")
+    except BaseException:
+        failed = True       # no final barrier: a peer may be stuck in p2p (the caller aborts)
+        raise
     finally:
         logger.close()
-        comm.barrier()
+        if not failed:
+            comm.barrier()
     return 0
