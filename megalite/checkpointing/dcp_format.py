@@ -188,6 +188,11 @@ def _one_line_failure(what: str, directory: str):
     except CheckpointException as exc:
         ranks = sorted(exc.failures)
         cause = exc.failures[ranks[0]][0] if ranks else exc
+        if os.environ.get("MEGALITE_DEBUG_DCP"):
+            import traceback
+            for r in ranks:
+                print(f"--- DCP failure on rank {r}:\n" + "".join(traceback.format_exception(
+                    exc.failures[r][0])) + str(exc.failures[r][1]), flush=True)
         first = (str(cause).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{what} {directory} failed on rank(s) {ranks}: "
                               f"{type(cause).__name__}: {first}") from cause

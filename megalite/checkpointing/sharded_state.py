@@ -50,7 +50,7 @@ def _spec_chunks(spec: ParamSpec, local: torch.Tensor, coords, at=None) -> list:
     return out
 
 
-def _fsdp_piece(p: torch.Tensor, state):
+def fsdp_piece(p: torch.Tensor, state):
     """(local tensor, its offsets in the TP-local tensor, DP groups it is sharded over) of
     an FSDP2 DTensor parameter (``__create_chunk_list__``: DCP's protocol); a plain
     parameter is all of its local tensor."""
@@ -71,7 +71,7 @@ def model_sharded_state_dict(model_chunks, state) -> Dict[str, ShardedTensor]:
     out = {}
     for chunk in _as_list(model_chunks):
         for name, p, spec in param_table(chunk).named(chunk):
-            local, at, fsdp_groups = _fsdp_piece(p, state)
+            local, at, fsdp_groups = fsdp_piece(p, state)
             out[f"model.{name}"] = ShardedTensor(spec.full_shape,
                                                  _spec_chunks(spec, local, coords, at),
                                                  writes_chunk(spec, coords, fsdp_groups))
@@ -116,10 +116,12 @@ def optimizer_sharded_state_dict(optimizer, model_chunks, state) -> Dict[str, Sh
             if optimizer.bf16:
                 tensors["master"] = master.detach()
             steps += _scalars(st)
+            _, at, fsdp_groups = fsdp_piece(p, state)     # FSDP2: states sharded as p is
             for key, t in tensors.items():
+                local = t.to_local() if at is not None else t.view(p.shape)
                 out[f"optimizer.{key}.{names[id(p)]}"] = ShardedTensor(
-                    spec.full_shape, _spec_chunks(spec, t.view(p.shape), coords),
-                    writes_chunk(spec, coords))
+                    spec.full_shape, _spec_chunks(spec, local, coords, at),
+                    writes_chunk(spec, coords, fsdp_groups))
     if steps:
         if len(set(steps)) != 1:
             raise ValueError(f"optimizer step counts differ between parameters: {set(steps)}")
@@ -230,10 +232,10 @@ def _as_list(model_chunks) -> list:
     return [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
 
 
-def spec_chunks(spec: ParamSpec, local: torch.Tensor, coords) -> list:
+def spec_chunks(spec: ParamSpec, local: torch.Tensor, coords, at=None) -> list:
     """``(global offsets, view of local)`` of each chunk of a TP-local tensor shaped like the
-    parameter (views: a loader copies into them)."""
-    return _spec_chunks(spec, local, coords)
+    parameter, or of its FSDP2 piece starting at ``at`` (views: a loader copies into them)."""
+    return _spec_chunks(spec, local, coords, at)
 
 
 def master_pieces(optimizer) -> List[List[Tuple[int, torch.Tensor]]]:

@@ -32,7 +32,8 @@ from megalite.checkpointing import manifest as mf
 from megalite.checkpointing.dcp_format import (ChunkedTensor, load_chunked, save_chunked,
                                                saved_tensors)
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
-from megalite.checkpointing.sharded_state import (master_pieces, model_sharded_state_dict,
+from megalite.checkpointing.sharded_state import (fsdp_piece, master_pieces,
+                                                  model_sharded_state_dict,
                                                   optimizer_sharded_state_dict, spec_chunks)
 from megalite.distributed.replicas import check_replicas
 from megalite.moe.moe_layer import expert_bias_state, load_expert_bias_state
@@ -391,11 +392,12 @@ def _optimizer_load_plan(trainer, saved):
         held = [p for buf in opt.sharded_buffers for p, _, _ in buf.shard_ranges()]
     for p in held:
         local[id(p)] = {}
+        piece, at, _ = fsdp_piece(p, state)        # FSDP2: this rank's piece of p
         for k in keys:
-            t = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            t = torch.zeros(piece.shape, dtype=torch.float32, device=piece.device)
             local[id(p)][k] = t
             sd[f"optimizer.{k}.{names[id(p)]}"] = ChunkedTensor(
-                specs[id(p)].full_shape, spec_chunks(specs[id(p)], t, coords))
+                specs[id(p)].full_shape, spec_chunks(specs[id(p)], t, coords, at))
     missing = [k for k in sd if k not in saved]
     if missing:
         raise KeyError(f"checkpoint lacks optimizer tensors, e.g. {missing[:3]}")
@@ -422,7 +424,7 @@ def _optimizer_load_plan(trainer, saved):
                             master[lo:hi] = flat["master"]
             else:
                 for p, master in zip(opt.params, opt.masters):
-                    per_tensor[id(master)] = {k: local[id(p)][k].to(master.dtype)
+                    per_tensor[id(master)] = {k: _like_param(local[id(p)][k].to(master.dtype), p)
                                               for k in state_keys}
                     if opt.bf16:
                         master.copy_(local[id(p)]["master"])
@@ -432,6 +434,16 @@ def _optimizer_load_plan(trainer, saved):
                               **per_tensor[id(t)]} for i, t in enumerate(flat_params)}
         opt.inner.load_state_dict(inner)
     return sd, restore
+
+
+def _like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor placed as ``p`` is: a DTensor over p's mesh for FSDP2."""
+    if not hasattr(p, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride())
 
 
 def _rng_load_plan(trainer, meta, saved):
