@@ -214,8 +214,11 @@ def _check(results, world, reference):
             assert abs(got - want) <= 1e-5 * abs(want), (name, i, got, want)
         params = _full([r["sd"] for r in runs])
         assert set(params) == set(ref_params)
+        # AdamW normalises each element's step, so an element whose gradient is near zero
+        # turns a rounding-level gradient difference into up to a fraction of lr (3e-3)
+        # after 10 steps: measured <= 3e-6 natively, 1.5e-5 with ATEN_CPU_CAPABILITY=default
         for k, want in ref_params.items():
-            torch.testing.assert_close(params[k], want, rtol=1e-4, atol=1e-5, msg=name + k)
+            torch.testing.assert_close(params[k], want, rtol=1e-4, atol=5e-5, msg=name + k)
         for r in runs:
             assert r["replicas"] is None, (name, r["replicas"])
             # memory per rank: what the tensors hold = the planner's state bytes for the
