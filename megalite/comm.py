@@ -234,6 +234,16 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     return tensor
 
 
+def broadcast_object(obj, src: int, group: Group):
+    """``obj`` (picklable, from trusted peers only) from global rank ``src`` to every rank."""
+    if group.size == 1:
+        return obj
+    box = [obj]
+    with _named_failure("broadcast_object", group, [src]):
+        dist.broadcast_object_list(box, src=src, group=group.handle)
+    return box[0]
+
+
 def all_gather_object(obj, group: Group) -> list:
     if group.size == 1:
         return [obj]

@@ -181,6 +181,7 @@ class ParallelState:
     groups: Dict[str, Group] = field(default_factory=dict)
     virtual_pipeline_rank: int = 0
     meshes: Dict[tuple, object] = field(default_factory=dict, repr=False)
+    timeout: object = None           # every group's timeout (--distributed-timeout-minutes)
 
     @classmethod
     def build(cls, grid: RankGrid, rank: int, create_groups: bool = True,
@@ -188,7 +189,7 @@ class ParallelState:
         """Create every group.  All ranks must call this with the same grid.  ``timeout``
         (a timedelta, from ``--distributed-timeout-minutes``) applies to every group, not
         just the world: torch's default for a new group would be 30 minutes."""
-        state = cls(grid=grid, rank=rank)
+        state = cls(grid=grid, rank=rank, timeout=timeout)
         for name in [*GROUP_TOKENS, "embedding"]:
             for ranks in grid.groups(name):
                 handle = None
@@ -200,6 +201,14 @@ class ParallelState:
 
     def __getitem__(self, name: str) -> Group:
         return self.groups[name]
+
+    def background_group(self) -> Group:
+        """A gloo group over the whole world of its own, for collectives run on another
+        thread (``--async-save`` writes) that must never interleave with training's.
+        Collective on first use (every rank calls it); then cached per process."""
+        ranks = list(range(self.grid.world_size))
+        return Group("background", ranks, _new_group(ranks, self.timeout, backend="gloo"),
+                     self.rank)
 
     # -- convenience queries ----------------------------------------------------------
     def size(self, name: str) -> int:
@@ -256,12 +265,12 @@ class ParallelState:
         return self.meshes[key]
 
 
-def _new_group(ranks: List[int], timeout=None):
+def _new_group(ranks: List[int], timeout=None, backend=None):
     import torch.distributed as dist
 
-    key = (tuple(ranks), timeout)
+    key = (tuple(ranks), timeout, backend)
     if key not in _HANDLE_CACHE:
-        _HANDLE_CACHE[key] = dist.new_group(ranks, timeout=timeout)
+        _HANDLE_CACHE[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
     return _HANDLE_CACHE[key]
 
 

@@ -85,9 +85,7 @@ def _gather(obj, single: bool = False, handle=None) -> list:
 def _broadcast(obj, single: bool = False):
     if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return comm.broadcast_object(obj, 0, _world())
 
 
 def _print0(msg: str) -> None:
@@ -188,7 +186,7 @@ def save_training_checkpoint(trainer) -> str:
         return it_dir
     staged = {k: ChunkedTensor(v.global_shape, [(o, t.clone()) for o, t in v.chunks]
                                if v.writer else [], v.writer) for k, v in sd.items()}
-    group = None if single else checkpoint_group()
+    group = None if single else state.background_group().handle
     trainer.pending_save = AsyncSave(functools.partial(
         _write, staged, it_dir, root, meta, state.rank, single, keep, group))
     return it_dir
@@ -209,16 +207,6 @@ def _write(sd, it_dir, root, meta, rank, single, keep, group) -> None:
         mf.write_marker(root, meta["iteration"])
         _prune(root, keep, meta["iteration"])
     _barrier(single, group)
-
-
-_CHECKPOINT_GROUP = []
-
-
-def checkpoint_group():
-    """A gloo group over the world for background saves (created once, collectively)."""
-    if not _CHECKPOINT_GROUP:
-        _CHECKPOINT_GROUP.append(dist.new_group(backend="gloo"))
-    return _CHECKPOINT_GROUP[0]
 
 
 class AsyncSave:
