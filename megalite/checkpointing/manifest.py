@@ -52,11 +52,18 @@ def _fsync_dir(directory: str) -> None:
 def atomic_write(path: str, text: str) -> None:
     """Write-then-rename (fsynced), so readers see the old or the new file, never half."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:             # a full disk: leave no half-written temporary behind
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
     _fsync_dir(os.path.dirname(path) or ".")
 
 

@@ -9,10 +9,10 @@ Layout of ``--save DIR``::
 
 Every tensor is saved as its global shape and this rank's chunks at global offsets
 (``checkpointing.sharded_state``), so DCP reshards on load: weights, fp32 masters, Adam
-moments (plain or distributed optimizer), at any TP/PP/VPP/DP.  The optimizer step and the
-iteration are JSON; RNG states are per-rank uint8 tensors restored where the rank's model
-coordinates exist in the checkpoint.  Loading verifies the manifest, falls back to the
-newest complete iteration, and checks that every rank loaded the same one.
+moments (plain or distributed optimizer, FSDP2 pieces), at any TP/PP/VPP/DP/CP/EP.  The
+optimizer step and the iteration are JSON; RNG states are per-rank uint8 tensors restored
+where the rank's model coordinates exist in the checkpoint.  Loading verifies the manifest,
+falls back to the newest complete iteration, and checks that every rank loaded the same one.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from megalite import comm
 from megalite.checkpointing import manifest as mf
-from megalite.checkpointing.dcp_format import (ChunkedTensor, load_chunked, save_chunked,
-                                               saved_tensors)
+from megalite.checkpointing.dcp_format import (CheckpointError, ChunkedTensor, load_chunked,
+                                               save_chunked, saved_tensors)
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
 from megalite.checkpointing.sharded_state import (fsdp_piece, master_pieces,
                                                   model_sharded_state_dict,
@@ -71,11 +71,6 @@ def _world(handle=None) -> Group:
     return Group("world", list(range(dist.get_world_size())), handle, dist.get_rank())
 
 
-def _barrier(single: bool, handle=None) -> None:
-    if not single and dist.is_initialized():
-        comm.barrier(_world(handle))
-
-
 def _gather(obj, single: bool = False, handle=None) -> list:
     if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
@@ -86,6 +81,25 @@ def _broadcast(obj, single: bool = False):
     if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     return comm.broadcast_object(obj, 0, _world())
+
+
+def _agree(error: Optional[str], what: str, single: bool, handle=None) -> None:
+    """Collective (it is also the barrier): every rank learns whether any rank failed and
+    raises the same one line, so a failure on one rank (rank 0's metadata, manifest or
+    marker write hitting ENOSPC) never leaves its peers waiting out the timeout."""
+    failed = [(r, e) for r, e in enumerate(_gather(error, single, handle)) if e]
+    if failed:
+        raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]}: "
+                              f"{failed[0][1]}")
+
+
+def _os_error(fn, *args) -> Optional[str]:
+    """``fn(*args)``; its OSError (full disk, permissions) as one line instead."""
+    try:
+        fn(*args)
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _print0(msg: str) -> None:
@@ -170,9 +184,8 @@ def save_training_checkpoint(trainer) -> str:
     trainer.strategy.wait_param_gathers()         # --overlap-param-gather: gathers in flight
     check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
     single = _single(trainer)
-    if state.rank == 0 and os.path.isdir(it_dir):   # leftovers of an interrupted save
-        shutil.rmtree(it_dir)
-    _barrier(single)
+    stale = state.rank == 0 and os.path.isdir(it_dir)   # leftovers of an interrupted save
+    _agree(_os_error(shutil.rmtree, it_dir) if stale else None, f"clearing {it_dir}", single)
     sd, step = _training_state_dict(trainer)
     rng_ranks = _gather(_rng_coords(trainer), single)
     bias = (expert_bias_state(trainer.model_chunks, state)       # collective over pp
@@ -199,14 +212,19 @@ def _write(sd, it_dir, root, meta, rank, single, keep, group) -> None:
     files = {}
     for part in _gather(mf.digest_files(it_dir, mine), single, group):
         files.update(part)
-    if rank == 0:
-        mf.atomic_write(os.path.join(it_dir, "metadata.json"),
-                        json.dumps(meta, indent=1, sort_keys=True))
-        files.update(mf.digest_files(it_dir, [".metadata", "metadata.json"]))
-        mf.write_manifest(it_dir, files, {"format": FORMAT, "iteration": meta["iteration"]})
-        mf.write_marker(root, meta["iteration"])
-        _prune(root, keep, meta["iteration"])
-    _barrier(single, group)
+    error = None
+    if rank == 0:          # the marker moves last, only if everything before it was written
+        error = _os_error(_finish_iteration, it_dir, root, meta, files, keep)
+    _agree(error, f"saving {it_dir}", single, group)
+
+
+def _finish_iteration(it_dir, root, meta, files, keep) -> None:
+    mf.atomic_write(os.path.join(it_dir, "metadata.json"),
+                    json.dumps(meta, indent=1, sort_keys=True))
+    files.update(mf.digest_files(it_dir, [".metadata", "metadata.json"]))
+    mf.write_manifest(it_dir, files, {"format": FORMAT, "iteration": meta["iteration"]})
+    mf.write_marker(root, meta["iteration"])
+    _prune(root, keep, meta["iteration"])
 
 
 class AsyncSave:
