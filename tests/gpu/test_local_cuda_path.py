@@ -3,7 +3,7 @@ fused AdamW, NCCL, the pinned background prefetch and ``--compile`` on a GPU."""
 import pytest
 import torch
 
-from conftest import train
+from gpu_helpers import train
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.data.device_prefetch import DevicePrefetcher, prefetch_to_device
 from megalite.models.gpt import GPTModel, single_rank_state

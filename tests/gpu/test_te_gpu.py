@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import need_gpus, train
+from gpu_helpers import need_gpus, train
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import GPTModel, single_rank_state
 
