@@ -135,7 +135,6 @@ def te_column_linear(input_size: int, output_size: int, *, tp_group, bias: bool 
         specs.update(_norm_specs(model_cfg, input_size, kw["sequence_parallel"]))
     else:
         module = te.Linear(input_size, output_size, **kw)
-    module.get_rng_state_tracker = None     # init is megalite's; no fork needed
     return _record(module, specs)
 
 

@@ -245,6 +245,22 @@ def test_checkpoints_move_between_backends(fake_te, tmp_path, arch):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
 
 
+def test_a_te_checkpoint_opens_without_te(fake_te, tmp_path, monkeypatch):
+    """The metadata of a TE run's checkpoint does not tie CPU tools to TE."""
+    from megalite.checkpointing.model_io import read_metadata
+    from megalite.generate import load_for_inference
+
+    m = dataclasses.replace(mcfg("llama"), transformer_impl="transformer_engine")
+    te = model(m, "transformer_engine")
+    save_model_shards(str(tmp_path), 3, [te], MegaliteConfig(model=m), single_rank_state())
+    te_fake.uninstall_for_import_error(monkeypatch)
+    assert read_metadata(str(tmp_path))["model"]["transformer_impl"] == "auto"
+    loaded, _, _ = load_for_inference(str(tmp_path))
+    ids, labels = batch()
+    torch.testing.assert_close(loaded(ids, labels=labels), te(ids, labels=labels), rtol=1e-6,
+                               atol=1e-6)
+
+
 # ---- the TE spec end to end (stand-in TE) ------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])

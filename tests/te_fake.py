@@ -31,6 +31,17 @@ class _Base(nn.Module):
         self.kwargs = kwargs
 
 
+def megalite_group(handle, size: int):
+    """The megalite ``Group`` for TE's ``tp_group`` argument (None: this rank alone)."""
+    import torch.distributed as dist
+
+    from megalite.parallel_state import Group
+
+    if handle is None or size == 1:
+        return Group("tp", [0], None, 0)
+    return Group("tp", dist.get_process_group_ranks(handle), handle, dist.get_rank())
+
+
 class Linear(_Base):
     def __init__(self, in_features, out_features, sequence_parallel=False, tp_group=None,
                  tp_size=1, get_rng_state_tracker=None, init_method=None, bias=True,
@@ -39,8 +50,8 @@ class Linear(_Base):
                               sequence_parallel=sequence_parallel, tp_group=tp_group,
                               tp_size=tp_size, bias=bias, params_dtype=params_dtype,
                               parallel_mode=parallel_mode, device=device, **extra))
-        if tp_size != 1:
-            raise NotImplementedError("the fake TE computes at TP = 1 only")
+        self.group = megalite_group(tp_group, tp_size)
+        self.parallel_mode = parallel_mode
         if parallel_mode == "column":
             out_features //= tp_size
         elif parallel_mode == "row":
@@ -57,7 +68,24 @@ class Linear(_Base):
         self.sequence_parallel = sequence_parallel and tp_size > 1
 
     def _linear(self, x):
-        return F.linear(x, self.weight, self.bias if self.use_bias else None)
+        """TE's column/row-parallel GEMM and its TP communication, with megalite's own
+        collectives (the communication pattern TE documents for each mode)."""
+        from megalite.tensor_parallel.layers import linear_with_sp_gather
+        from megalite.tensor_parallel.mappings import (copy_to_tp_region, reduce_from_tp_region,
+                                                       reduce_scatter_to_sp_region)
+
+        bias = self.bias if self.use_bias else None
+        g = self.group
+        if g.size == 1:
+            return F.linear(x, self.weight, bias)
+        if self.parallel_mode == "column":
+            if self.sequence_parallel:
+                return linear_with_sp_gather(x, self.weight, bias, g)
+            return F.linear(copy_to_tp_region(x, g), self.weight, bias)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_to_sp_region(y, g) if self.sequence_parallel else \
+            reduce_from_tp_region(y, g)
+        return y if bias is None else y + bias
 
     def forward(self, inp, is_first_microbatch=None):
         return self._linear(inp)
@@ -166,6 +194,24 @@ def install(monkeypatch) -> types.ModuleType:
     BUILT.clear()
     AUTOCASTS.clear()
     return pt
+
+
+FAKE_MODULES = ("transformer_engine", "transformer_engine.pytorch", "transformer_engine.common",
+                "transformer_engine.common.recipe")
+
+
+class installed:
+    """``with installed():`` the fake package in ``sys.modules`` (worker processes)."""
+
+    def __enter__(self):
+        class Patch:
+            def setitem(self, d, k, v):
+                d[k] = v
+        install(Patch())
+
+    def __exit__(self, *exc):
+        for name in FAKE_MODULES:
+            sys.modules.pop(name, None)
 
 
 def uninstall_for_import_error(monkeypatch) -> None:
