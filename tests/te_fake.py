@@ -174,6 +174,7 @@ class DelayedScaling:
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
+    reduce_amax: bool = True
 
 
 def install(monkeypatch) -> types.ModuleType:

@@ -223,35 +223,45 @@ class Fp8Settings:
 
 
 @functools.lru_cache(maxsize=None)
-def delayed_scaling_recipe(fp8_format: str, amax_history_len: int, amax_compute_algo: str):
+def delayed_scaling_recipe(fp8_format: str, amax_history_len: int, amax_compute_algo: str,
+                           reduce_amax: bool = True):
     """TE's ``DelayedScaling`` recipe for ``--fp8-format`` (one object per setting, so every
     layer shares the recipe and TE keeps one amax buffer per recipe)."""
     recipe = te_recipe_module()
     fmt = {"e4m3": recipe.Format.E4M3, "hybrid": recipe.Format.HYBRID}[fp8_format]
     return recipe.DelayedScaling(fp8_format=fmt, amax_history_len=amax_history_len,
-                                 amax_compute_algo=amax_compute_algo)
+                                 amax_compute_algo=amax_compute_algo, reduce_amax=reduce_amax)
 
 
 def fp8_autocast(settings: Fp8Settings):
     """TE's FP8 autocast context for ``settings`` (``autocast`` in TE >= 2.x, else the
     older ``fp8_autocast``)."""
     te = te_pytorch()
+    # no TP x DP x CP group (one rank in it): no amax reduction -- TE would otherwise reduce
+    # over the whole world, pipeline stages included
     recipe = delayed_scaling_recipe(settings.fp8_format, settings.amax_history_len,
-                                    settings.amax_compute_algo)
-    if hasattr(te, "autocast"):
-        return te.autocast(enabled=True, recipe=recipe, amax_reduction_group=settings.amax_group) \
-            if _autocast_takes("amax_reduction_group") else \
-            te.autocast(enabled=True, recipe=recipe, group=settings.amax_group)
-    return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=settings.amax_group)
+                                    settings.amax_compute_algo, settings.amax_group is not None)
+    group_kw = autocast_group_keyword()
+    if group_kw is None:
+        return te.fp8_autocast(enabled=True, fp8_recipe=recipe, fp8_group=settings.amax_group)
+    return te.autocast(enabled=True, recipe=recipe, **{group_kw: settings.amax_group})
 
 
-def _autocast_takes(name: str) -> bool:
+@functools.lru_cache(maxsize=None)
+def autocast_group_keyword() -> Optional[str]:
+    """The group keyword of TE's ``autocast`` (``amax_reduction_group`` in the source, ``group``
+    in some docs); None when this TE only has ``fp8_autocast``."""
     import inspect
 
+    autocast = getattr(te_pytorch(), "autocast", None)
+    if autocast is None:
+        return None
     try:
-        return name in inspect.signature(te_pytorch().autocast).parameters
+        params = inspect.signature(autocast).parameters
     except (TypeError, ValueError):
-        return False
+        return "amax_reduction_group"
+    return "group" if "group" in params and "amax_reduction_group" not in params \
+        else "amax_reduction_group"
 
 
 def te_spec(model_cfg, *, cp_comm_type: str = "p2p", amax_group=None) -> LayerSpec:

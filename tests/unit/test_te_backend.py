@@ -15,6 +15,7 @@ from megalite.arguments import ConfigError, parse_args
 from megalite.backends import context_parallel_spec, get_layer_spec
 from megalite.backends import selection
 from megalite.backends import te_names
+from megalite.backends import transformer_engine as te_backend
 from megalite.backends.transformer_engine import (TECoreAttention, TrackerProxy,
                                                   delayed_scaling_recipe)
 from megalite.checkpointing.model_io import (full_state_dict_from_checkpoint,
@@ -56,9 +57,11 @@ def batch(seed=0):
 
 @pytest.fixture
 def fake_te(monkeypatch):
-    delayed_scaling_recipe.cache_clear()
+    for cached in (delayed_scaling_recipe, te_backend.autocast_group_keyword):
+        cached.cache_clear()
     yield te_fake.install(monkeypatch)
-    delayed_scaling_recipe.cache_clear()
+    for cached in (delayed_scaling_recipe, te_backend.autocast_group_keyword):
+        cached.cache_clear()
 
 
 @pytest.fixture
@@ -345,7 +348,7 @@ def test_fp8_wraps_each_layer_in_te_autocast_with_the_recipe(fake_te):
     recipe, group = te_fake.AUTOCASTS[0]
     assert (recipe.fp8_format, recipe.amax_history_len, recipe.amax_compute_algo) == \
         (te_fake.Format.HYBRID, 16, "max")
-    assert group is None                               # one rank: no amax group
+    assert group is None and recipe.reduce_amax is False    # one rank: nothing to reduce
     te_fake.AUTOCASTS.clear()
     model(dataclasses.replace(m, fp8_format=None), "transformer_engine")(ids, labels=labels)
     assert te_fake.AUTOCASTS == []
