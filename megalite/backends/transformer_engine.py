@@ -185,11 +185,22 @@ class TECoreAttention(nn.Module):
             get_rng_state_tracker=lambda: proxy, layer_number=layer_number + 1)
         if cp.size > 1:
             self.attention.set_context_parallel_group(cp.handle, list(cp.ranks),
-                                                      torch.cuda.Stream(), cp_comm_type)
+                                                      cp_stream(), cp_comm_type)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q/k/v are views into the grouped qkv output; TE's kernels want plain sbhd tensors
         return self.attention(q.contiguous(), k.contiguous(), v.contiguous())
+
+
+_CP_STREAMS = {}
+
+
+def cp_stream():
+    """One side stream per device for TE's CP ring, shared by every layer (as Megatron)."""
+    device = torch.cuda.current_device()
+    if device not in _CP_STREAMS:
+        _CP_STREAMS[device] = torch.cuda.Stream()
+    return _CP_STREAMS[device]
 
 
 class TETransformerLayer(TransformerLayer):

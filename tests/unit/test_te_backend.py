@@ -331,6 +331,8 @@ def test_te_core_attention_forks_the_attached_tracker_and_sets_cp(fake_te, monke
 
     groups = type("Groups", (), {"tp": G(1), "cp": G(2)})()
     monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(te_backend, "_CP_STREAMS", {})
     core = TECoreAttention(m, groups, attn_mask_type=AttnMaskType.causal, cp_comm_type="a2a")
     assert core.attention.cp == ("pg", [0, 1], "stream", "a2a")
     spec = get_layer_spec("transformer_engine", m)
