@@ -55,6 +55,7 @@ def run(tmp_path, name, impl, extra=()):
 def close(a, b, tol=1e-5):
     assert a.keys() == b.keys(), (a.keys(), b.keys())
     worst = max(abs(a[k] - b[k]) for k in a)
+    print(f"max |loss difference| over {len(a)} iterations: {worst:.2e}")
     assert worst <= tol, (worst, a, b)
 
 
