@@ -100,10 +100,9 @@ PENDING = [
 # ---- end of PENDING
 
 RUNTIME_ONLY = [
-    CompatFlag("--fp8-format", VALUE, "FP8 needs Transformer Engine on a GPU with FP8 support"),
+    # --fp8-format / --fp8-amax-history-len / --fp8-amax-compute-algo are ModelConfig fields
+    # (the TE backend, megalite/backends/transformer_engine.py); these remain unwired.
     CompatFlag("--fp8-recipe", VALUE, "FP8 needs Transformer Engine on a GPU with FP8 support"),
-    CompatFlag("--fp8-amax-history-len", VALUE, "FP8 needs Transformer Engine"),
-    CompatFlag("--fp8-amax-compute-algo", VALUE, "FP8 needs Transformer Engine"),
     CompatFlag("--fp8-param-gather", FLAG, "FP8 needs Transformer Engine"),
     CompatFlag("--fp8-margin", VALUE, "FP8 needs Transformer Engine"),
 ]
@@ -153,8 +152,8 @@ def runtime_refusal(given: list, device: str) -> Optional[str]:
         return (f"{fp8[0]}: FP8 training needs Transformer Engine on a CUDA GPU with FP8 "
                 f"support; this run has device={device}, transformer_engine "
                 f"{'installed' if has_te else 'missing'}. Drop the --fp8-* flags.")
-    return (f"{fp8[0]}: FP8 through Transformer Engine is not wired into megalite's layers yet; "
-            "drop the --fp8-* flags")
+    return (f"{fp8[0]}: only --fp8-format, --fp8-amax-history-len and --fp8-amax-compute-algo "
+            "are wired (delayed scaling); drop this flag")
 
 
 def describe(given: list) -> str:

@@ -159,6 +159,14 @@ class ModelConfig:
     transformer_impl: str = opt(
         "auto", "Hot-layer implementation: 'local' (pure PyTorch), 'transformer_engine', or "
         "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"])
+    fp8_format: Optional[str] = opt(
+        None, "FP8 GEMMs through Transformer Engine: e4m3 (forward and backward) or hybrid "
+        "(e4m3 forward, e5m2 gradients); needs TE on a CUDA GPU with FP8.",
+        choices=["e4m3", "hybrid"])
+    fp8_amax_history_len: int = opt(1, "FP8 delayed scaling: amax history length.")
+    fp8_amax_compute_algo: str = opt("most_recent", "FP8 delayed scaling: scale from the "
+                                     "most recent amax or the max of the history.",
+                                     choices=["most_recent", "max"])
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
@@ -394,6 +402,8 @@ class TrainingConfig:
                                           choices=["uniform", "block"])
     recompute_num_layers: int = opt(1, "Full recompute: layers per chunk (uniform) or count (block).")
     recompute_modules: list = opt(["core_attn"], "Selective recompute: modules.", nargs="*")
+    compile: bool = opt(False, "torch.compile each transformer layer (fused kernels on CUDA).",
+                        action="store_true")
     exit_interval: Optional[int] = opt(None, "Exit after this iteration.")
     device: str = opt("auto", "Device: auto (cuda if present), cpu or cuda.",
                       choices=["auto", "cpu", "cuda"])

@@ -340,9 +340,11 @@ def validate_training(cfg: MegaliteConfig) -> None:
         if p.cp > 1 and m.attention_dropout:
             raise ConfigError("--context-parallel-size > 1 has no attention dropout: set "
                               "--attention-dropout 0")
-        if m.transformer_impl == "transformer_engine":
-            raise ConfigError("--transformer-impl transformer_engine is not implemented yet; "
-                              "use local (or auto)")
+        from megalite.backends.selection import backend_refusal
+
+        refusal = backend_refusal(cfg)   # TE missing / no CUDA / FP8 without TE (one line)
+        if refusal:
+            raise ConfigError(refusal)
     if t.recompute_method and t.recompute_granularity != "full":
         raise ConfigError("--recompute-method needs --recompute-granularity full")
     allowed = {"core_attn", "mlp", "layernorm"}

@@ -14,16 +14,33 @@ from megalite.context_parallel import core_attention_class
 from megalite.transformer.spec import LayerSpec  # noqa: F401  (re-exported)
 
 
-def get_layer_spec(impl: str = "local") -> LayerSpec:
-    """``local`` | ``transformer_engine`` | ``auto`` (local until a TE spec exists)."""
+def get_layer_spec(impl: str = "local", model_cfg=None, *, cp_comm_type: str = "p2p",
+                   amax_group=None) -> LayerSpec:
+    """``local`` | ``transformer_engine`` | ``auto`` (here: local; a training run resolves
+    ``auto`` first, ``selection.resolve_backend_config``).  The TE spec needs ``model_cfg``
+    (norm kind, MoE, FP8 settings); ``amax_group`` is the process group FP8 reduces its
+    amax over (TP x DP x CP)."""
     if impl in ("local", "auto"):
         from megalite.backends.local import local_spec
 
         return local_spec()
     if impl == "transformer_engine":
-        raise NotImplementedError("--transformer-impl transformer_engine is not available yet; "
-                                  "use --transformer-impl local")
+        if model_cfg is None:
+            raise ValueError("the transformer_engine layer spec needs the model config")
+        from megalite.backends.transformer_engine import te_spec
+
+        return te_spec(model_cfg, cp_comm_type=cp_comm_type, amax_group=amax_group)
     raise ValueError(f"unknown --transformer-impl '{impl}'")
+
+
+def layer_spec_kwargs(impl: str, cfg, state) -> dict:
+    """What ``get_layer_spec(impl, ...)`` needs beyond the name: nothing for the local spec;
+    the model config, CP comm type and FP8 amax group (TP x DP x CP) for TE's."""
+    if impl != "transformer_engine":
+        return {}
+    amax = state.groups.get("tp-dp-cp")
+    return dict(model_cfg=cfg.model, cp_comm_type=cfg.parallel.cp_comm_type,
+                amax_group=getattr(amax, "handle", None))
 
 
 def context_parallel_spec(spec: LayerSpec, cp_comm_type: str) -> LayerSpec:
@@ -32,6 +49,9 @@ def context_parallel_spec(spec: LayerSpec, cp_comm_type: str) -> LayerSpec:
     and every parameter name unchanged.  GPTModel applies it when CP > 1."""
     layer = spec.layer.submodules
     attn = layer.self_attention
+    current = attn.submodules.core_attention
+    if getattr(getattr(current, "module", current), "handles_context_parallel", False):
+        return spec     # TE's DotProductAttention runs its own CP (set_context_parallel_group)
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
         attn.submodules, core_attention=core_attention_class(cp_comm_type)))
     layer = dataclasses.replace(layer, self_attention=attn)

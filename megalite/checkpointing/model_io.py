@@ -150,7 +150,13 @@ def read_metadata(directory: str, iteration: Optional[int] = None) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"missing {path}")
     with open(path) as f:
-        return json.load(f)
+        meta = json.load(f)
+    model = meta.get("model")
+    if isinstance(model, dict) and model.get("transformer_impl") == "transformer_engine":
+        # the weights are backend-neutral (backends/te_names.py): a tool that rebuilds the
+        # model from this metadata (generate, convert, HF export) picks its own backend
+        model["transformer_impl"] = "auto"
+    return meta
 
 
 class _Reader:

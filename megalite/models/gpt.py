@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.backends import context_parallel_spec, get_layer_spec
+from megalite.backends import context_parallel_spec, get_layer_spec, layer_spec_kwargs
+from megalite.backends.te_names import canonical_renames
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
 from megalite.process_groups import ModelCommGroups
@@ -105,7 +106,7 @@ class GPTModel(nn.Module):
         self.tied = not m.untie_embeddings_and_output_weights
         self.vocab_size = m.vocab_size
         impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
-        spec = get_layer_spec(impl)
+        spec = get_layer_spec(impl, **layer_spec_kwargs(impl, cfg, state))
         if state.cp.size > 1:
             spec = context_parallel_spec(spec, cfg.parallel.cp_comm_type)
         self.rng_tracker = None                      # attached by the parallelize phase
@@ -130,7 +131,8 @@ class GPTModel(nn.Module):
         # The tied word embedding: the first stage's is the owner; the last stage's output
         # layer holds a copy under the same canonical name (same init and checkpoint entry),
         # whose grad is summed over the 'embedding' group and which the grad norm skips.
-        canonical, tied = {}, {}
+        # TE's fused norm weights (linear_qkv.layer_norm_weight, ...) keep their local names
+        canonical, tied = canonical_renames(n for n, _ in self.named_parameters()), {}
         if self.tied and pre_process:
             tied[WORD_EMBEDDING] = TIED_OWNER
         elif self.tied and post_process:

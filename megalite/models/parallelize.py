@@ -6,7 +6,8 @@ Megatron style). Training policy is applied afterwards, in torchtitan's order:
 1. TP structure: attach the rank's tensor-parallel RNG tracker to every module that draws
    dropout in a TP region (one tracker shared by all chunks of a rank, seeded per stage);
 2. activation recomputation (``--recompute-*``), which captures that tracker;
-3. (compile, FSDP: not yet -- they slot in here, before initialisation);
+3. ``--compile``: each transformer layer compiled in place (``backends/compile.py``;
+   FSDP2 wraps later, in its strategy);
 4. initialisation: every parameter drawn as its full tensor from a generator seeded by
    (seed, canonical name), then sliced -- so the order of the steps above cannot change it.
 """
@@ -54,6 +55,11 @@ def parallelize_model(chunks: Sequence[nn.Module], cfg, state, *, rng_tracker=No
         apply_rng_tracker(chunk, tracker)
     for chunk in chunks:
         apply_recompute(chunk, cfg.training)
+    if getattr(cfg.training, "compile", False):      # --compile: each layer, in place
+        from megalite.backends.compile import compile_layers
+
+        for chunk in chunks:
+            compile_layers(chunk)
     if init_weights:
         for chunk in chunks:
             if not is_meta(chunk):

@@ -183,7 +183,11 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------
     def train(self, logger: TrainingLogger):
         cfg, t = self.cfg, self.cfg.training
-        iterator = self.data_iterator(self.train_ds, self.consumed_samples)
+        from megalite.data.device_prefetch import prefetch_to_device
+
+        # CUDA: pinned copies of the next micro-batches in a background thread; CPU: as is
+        iterator = prefetch_to_device(self.data_iterator(self.train_ds, self.consumed_samples),
+                                      self.device)
         flops = flops_per_iteration(cfg)
         peak, peak_src = device_peak_flops(self.device)
         logger.info(f"> training {self.train_iters} iterations; model FLOPs/iteration "
@@ -195,6 +199,8 @@ class Trainer:
             self._train_iterations(logger, iterator, flops, peak, world, watcher)
         finally:
             watcher.close()
+            if hasattr(iterator, "close"):
+                iterator.close()
 
     def _train_iterations(self, logger, iterator, flops, peak, world, watcher):
         cfg, t = self.cfg, self.cfg.training
@@ -307,11 +313,16 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         raise ConfigError(refusal)
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.world_size, 1)))
+    from megalite.backends.selection import describe_backend, resolve_backend_config
+
+    backend_line = describe_backend(cfg.model.transformer_impl, device)
+    cfg = resolve_backend_config(cfg, device)      # auto -> local | transformer_engine
     state = initialize(cfg)
     trainer = Trainer(cfg, state, device, family)
     trainer.setup()
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
+    logger.info(backend_line)
     if cfg.accepted_flags:
         logger.info(compat_flags.describe(cfg.accepted_flags))
     t = cfg.training

@@ -51,7 +51,11 @@ def test_script_passes_dry_run_unchanged(name, paths, capsys):
     if name == "llama3_8b_fp8":
         assert cfg.data.split == "'99,1,0'" and cfg.optimizer.decoupled_lr == 5e-4
         flags = [f for f, _, _ in cfg.accepted_flags]
-        assert "--use-mcore-models" in flags and "--fp8-format" in flags and "--manual-gc" in flags
+        assert "--use-mcore-models" in flags and "--manual-gc" in flags
+        assert "--fp8-param-gather" in flags           # parses; refused when a run starts
+        m = cfg.model                                  # real flags of the TE backend
+        assert (m.fp8_format, m.fp8_amax_history_len, m.fp8_amax_compute_algo) == \
+            ("hybrid", 1024, "max")
     if name == "gpt3_175b":
         assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
 

@@ -1,0 +1,87 @@
+"""The local backend's CUDA-path pieces that can be checked on CPU: the background
+prefetcher (order, end, errors; CPU runs never wrap their iterator) and ``--compile``
+(per layer, in place: names and values unchanged)."""
+import dataclasses
+
+import pytest
+import torch
+
+from megalite.arguments import parse_args
+from megalite.backends import compile as compile_mod
+from megalite.config import MegaliteConfig, ModelConfig
+from megalite.data.device_prefetch import DevicePrefetcher, prefetch_to_device
+from megalite.models.gpt import GPTModel, single_rank_state
+from megalite.models.parallelize import parallelize_model
+
+
+def batches(n):
+    for i in range(n):
+        yield {"tokens": torch.full((2, 4), i), "labels": torch.full((2, 4), -i)}
+
+
+def test_prefetcher_keeps_order_and_ends_cleanly():
+    it = DevicePrefetcher(batches(7), "cpu", depth=3)
+    got = [int(b["tokens"][0, 0]) for b in it]
+    assert got == list(range(7))
+    with pytest.raises(StopIteration):                 # stays exhausted
+        next(it)
+    it.close()
+
+
+def test_prefetcher_reraises_the_source_error():
+    def bad():
+        yield {"tokens": torch.zeros(1)}
+        raise ValueError("corrupt shard")
+    it = DevicePrefetcher(bad(), "cpu")
+    assert next(it)["tokens"].shape == (1,)
+    with pytest.raises(ValueError, match="corrupt shard"):
+        next(it)
+
+
+def test_cpu_iterators_are_not_wrapped():
+    it = batches(2)
+    assert prefetch_to_device(it, "cpu") is it
+    assert prefetch_to_device(None, "cuda") is None
+
+
+def small_cfg(**training):
+    m = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8,
+                    vocab_size=64, normalization="RMSNorm", position_embedding_type="rope",
+                    swiglu=True, add_bias_linear=False, hidden_dropout=0.0,
+                    attention_dropout=0.0)
+    cfg = MegaliteConfig(model=m)
+    for k, v in training.items():
+        setattr(cfg.training, k, v)
+    return cfg
+
+
+def test_compile_flag_parses_and_is_off_by_default():
+    base = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
+            "--seq-length", "8", "--vocab-size", "16", "--mock-data", "--train-iters", "1",
+            "--lr", "1e-3"]
+    assert parse_args(base).training.compile is False
+    assert parse_args(base + ["--compile"]).training.compile is True
+
+
+def test_compile_layers_in_place_keeps_names_and_values(monkeypatch):
+    cfg = small_cfg()
+    state = single_rank_state()
+    ref = GPTModel(cfg, state, device="cpu")
+    chunk = GPTModel(cfg, state, device="cpu")
+    names = [n for n, _ in chunk.named_parameters()]
+    assert compile_mod.compile_layers(chunk, backend="eager") == 2
+    assert [n for n, _ in chunk.named_parameters()] == names
+    assert all(layer._compiled_call_impl is not None
+               for layer in compile_mod.transformer_layers(chunk))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(chunk(ids, labels=ids), ref(ids, labels=ids), rtol=1e-6,
+                               atol=1e-6)
+    # the parallelize phase compiles when --compile is given, and only then
+    calls = []
+    monkeypatch.setattr(compile_mod, "compile_layers", lambda c: calls.append(c))
+    fresh = GPTModel(cfg, state, device="cpu", init=False)
+    parallelize_model([fresh], cfg, state)
+    assert calls == []
+    parallelize_model([fresh], dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, compile=True)), state)
+    assert calls == [fresh]
