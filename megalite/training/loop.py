@@ -23,6 +23,7 @@ import torch
 from megalite import comm, compat_flags
 from megalite.config import ConfigError
 from megalite.distributed.data_parallel import build_data_parallel
+from megalite.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.optimizer import LRScheduler
@@ -35,7 +36,6 @@ from megalite.training.flops import (device_peak_flops, flops_per_iteration,
                                      model_flops_utilization)
 from megalite.training.memory_report import memory_record
 from megalite.training.metrics import TrainingLogger
-from megalite.microbatches import BatchSizeSchedule
 
 
 class Trainer:

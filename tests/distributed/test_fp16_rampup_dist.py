@@ -8,8 +8,8 @@
   Megatron-Core's ``DynamicGradScaler`` does, and then the model trains;
 * a checkpoint carries the scaler state and the skipped samples: the resumed run repeats
   the uninterrupted one's losses, scales and lrs;
-* the batch-size ramp gives the same losses under DP1 and DP2, the batch of each step is
-  the ramp's, and a resume mid-ramp continues it."""
+* the batch-size ramp gives the same losses under DP1, DP2 and PP2, the batch of each step
+  is the ramp's, and a resume mid-ramp continues it."""
 import torch
 import torch.distributed as torch_dist
 
@@ -88,7 +88,8 @@ def _saved_and_resumed(root):
 def _ramp_runs(root):
     ramp = ["--rampup-batch-size", "4", "4", "20", "--global-batch-size", "12",
             "--micro-batch-size", "2", "--train-samples", "60"]
-    out = {"dp1": _run(1, ramp, 7), "dp2": _run(2, ramp, 7)}
+    out = {"dp1": _run(1, ramp, 7), "dp2": _run(2, ramp, 7),
+           "pp2": _run(2, [*ramp, "--pipeline-model-parallel-size", "2"], 7)}
     trainer = _trainer(2, [*ramp, "--save", root])
     assert trainer.train_iters == 7      # 4, 4, 4, 8, 12 (consumed 32 > 20), then 2 x 12
     it = trainer.data_iterator(trainer.train_ds, 0)
@@ -166,8 +167,9 @@ def test_fp16_and_rampup(dist, tmp_path):
             assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-6 * abs(a["lm_loss"])
     assert any(x["skipped_iter"] for x in r0["resume"][0]), "the resume row saw no overflow"
 
-    # batch-size ramp
+    # batch-size ramp (PP2: 2, 2, 2, 4, 6, ... micro-batches through the 1F1B schedule)
     ramp = r0["ramp"]
+    assert _rel(_losses(last["ramp"]["pp2"]), _losses(ramp["dp1"])) < 1e-5
     sizes = [rec["global_batch_size"] for rec in ramp["dp1"]]
     assert sizes == [4, 4, 4, 8, 12, 12, 12]     # START + int(consumed / 10) x 4
     cfg = parse_args(["--world-size", "1", *BASE, "--rampup-batch-size", "4", "4", "20",
@@ -178,6 +180,7 @@ def test_fp16_and_rampup(dist, tmp_path):
     for r in results:
         assert [rec["global_batch_size"] for rec in r["ramp"]["dp2"]] == sizes
         assert _rel(_losses(r["ramp"]["dp2"]), _losses(ramp["dp1"])) < 1e-5
+        assert [rec["global_batch_size"] for rec in r["ramp"]["pp2"]] == sizes
         consumed, recs = r["ramp"]["resumed"]
         assert consumed == 12 and [rec["global_batch_size"] for rec in recs] == sizes[3:]
         assert _rel(_losses(recs), _losses(ramp["dp1"])[3:]) < 1e-5
