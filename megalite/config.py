@@ -339,7 +339,8 @@ class OptimizerConfig:
     fp16: bool = opt(False, "fp16 compute with fp32 master weights and a loss scaler.",
                      action="store_true")
     loss_scale: Optional[float] = opt(
-        None, "fp16: static loss scale (a power of 2); default: dynamic loss scaling.")
+        None, "Static loss scale (a power of 2; fp16, or bf16 as in Megatron); default under "
+        "--fp16: dynamic loss scaling.")
     initial_loss_scale: float = opt(2.0 ** 32, "fp16: initial dynamic loss scale.")
     min_loss_scale: float = opt(1.0, "fp16: smallest dynamic loss scale.")
     loss_scale_window: float = opt(1000, "fp16: steps without overflow before the scale grows.")

@@ -87,14 +87,17 @@ class DynamicGradScaler(ConstantGradScaler):
 
 
 def build_grad_scaler(optim_config) -> Optional[ConstantGradScaler]:
-    """Megatron's choice: none without ``--fp16``; constant with ``--loss-scale``; else
-    dynamic from ``--initial-loss-scale`` / ``--min-loss-scale`` / ``--loss-scale-window``
-    / ``--hysteresis``."""
+    """Megatron's choice (``get_megatron_optimizer``): none in fp32; constant with
+    ``--loss-scale`` (under ``--bf16`` too); else, under ``--fp16``, dynamic from
+    ``--initial-loss-scale`` / ``--min-loss-scale`` / ``--loss-scale-window`` /
+    ``--hysteresis``."""
     o = optim_config
-    if not o.fp16:
+    if not (o.fp16 or o.bf16):
         return None
     if o.loss_scale:
         return ConstantGradScaler(o.loss_scale)
+    if not o.fp16:
+        return None
     return DynamicGradScaler(o.initial_loss_scale, o.min_loss_scale,
                              int(o.loss_scale_window), o.hysteresis)
 

@@ -40,6 +40,10 @@ def test_unscale_divides_and_flags_non_finite():
 def test_grad_scaler_choice_follows_the_flags():
     assert build_grad_scaler(args("--train-iters", "1").optimizer) is None
     assert build_grad_scaler(args("--train-iters", "1", "--bf16").optimizer) is None
+    assert build_grad_scaler(args("--train-iters", "1", "--loss-scale", "8").optimizer) is None
+    bf16_static = build_grad_scaler(args("--train-iters", "1", "--bf16", "--loss-scale",
+                                         "8").optimizer)       # Megatron: bf16 may scale too
+    assert type(bf16_static) is ConstantGradScaler and bf16_static.scale == 8
     static = build_grad_scaler(args("--train-iters", "1", "--fp16", "--loss-scale", "128").optimizer)
     assert type(static) is ConstantGradScaler and static.scale == 128
     static.update(True)
