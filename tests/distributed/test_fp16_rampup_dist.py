@@ -1,6 +1,7 @@
 """--fp16 and --rampup-batch-size on real gloo processes (one 2-process launch).
 
-* fp16 with a static loss scale under DP2, the distributed optimizer, TP2, PP2 and FSDP2
+* fp16 with a static loss scale under DP2 (plain and with --overlap-grad-reduce), the
+  distributed optimizer (ZeRO-1, and ZeRO-2 with overlap), TP2, PP2 and FSDP2
   follows the fp32 run's losses to fp16 tolerance (stated: relative 1e-3 over 6 steps;
   measured ~1e-5 on this tiny model);
 * a huge initial loss scale overflows: those steps are skipped on every rank (parameters
@@ -107,7 +108,10 @@ def _all(root):
     for name, flags in {"dp2": [], "distopt": ["--use-distributed-optimizer"],
                         "tp2": ["--tensor-model-parallel-size", "2"],
                         "pp2": ["--pipeline-model-parallel-size", "2"],
-                        "fsdp2": ["--use-torch-fsdp2"]}.items():
+                        "fsdp2": ["--use-torch-fsdp2"],
+                        "overlap": ["--overlap-grad-reduce"],
+                        "zero2": ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+                        }.items():
         out[name] = _run(2, [*STATIC, "--train-iters", "6", *flags], 6)
     out["overflow"] = _run(2, ["--fp16", "--initial-loss-scale", str(2.0 ** 24),
                                "--loss-scale-window", "3", "--train-iters", "12"], 12,
@@ -129,7 +133,7 @@ def test_fp16_and_rampup(dist, tmp_path):
     results = dist.run(2, _all, str(tmp_path))
     r0, last = results[0], results[-1]          # PP2: the last stage holds the loss
     ref = _losses(r0["fp32"])
-    for name in ("dp2", "distopt", "tp2", "fsdp2"):
+    for name in ("dp2", "distopt", "tp2", "fsdp2", "overlap", "zero2"):
         for r in results:
             assert _rel(_losses(r[name]), ref) < FP16_TOL, (name, _losses(r[name]), ref)
             assert all(rec["loss_scale"] == 4096 and rec["skipped_iter"] == 0
