@@ -48,6 +48,7 @@ def test_fp16_ramp_layernorm1p_log_metrics_and_resume(tmp_path):
     assert resumed[0]["consumed_samples"] == 28
     (tmp_path / "straight").mkdir()
     _, straight = _train(tmp_path / "straight", 32)    # the same run, uninterrupted
+    assert len(straight) == len(recs2)
     for a, b in zip(straight[len(recs):], resumed):
         assert (a["loss_scale"], a["skipped_iter"], a["lr"], a["global_batch_size"]) == \
             (b["loss_scale"], b["skipped_iter"], b["lr"], b["global_batch_size"])
