@@ -114,7 +114,8 @@ class ModelConfig:
     rotary_base: int = opt(10000, "Base period of rotary position embeddings.")
     rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated (1.0 only here).")
     apply_layernorm_1p: bool = opt(
-        False, "Zero-centred norm weights (w + 1); parses, refused at run time until landed.",
+        False, "Zero-centred norm weights: stored as w - 1 (initialised to 0), applied as "
+        "1 + w (LayerNorm and RMSNorm).",
         action="store_true")
     swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU).", action="store_true")
     untie_embeddings_and_output_weights: bool = opt(
@@ -346,11 +347,12 @@ class OptimizerConfig:
     fp16: bool = opt(False, "fp16 compute with fp32 master weights and a loss scaler.",
                      action="store_true")
     loss_scale: Optional[float] = opt(
-        None, "fp16: static loss scale (a power of 2); default: dynamic loss scaling.")
+        None, "Static loss scale (a power of 2; fp16, or bf16 as in Megatron); default under "
+        "--fp16: dynamic loss scaling.")
     initial_loss_scale: float = opt(2.0 ** 32, "fp16: initial dynamic loss scale.")
     min_loss_scale: float = opt(1.0, "fp16: smallest dynamic loss scale.")
     loss_scale_window: float = opt(1000, "fp16: steps without overflow before the scale grows.")
-    hysteresis: int = opt(2, "fp16: overflows tolerated before the scale shrinks.")
+    hysteresis: int = opt(2, "fp16: overflows in a row before the scale shrinks.")
 
 
 @dataclass
@@ -387,8 +389,8 @@ class TrainingConfig:
     train_iters: Optional[int] = opt(None, "Training iterations.")
     train_samples: Optional[int] = opt(None, "Training samples (alternative to --train-iters).")
     rampup_batch_size: Optional[list] = opt(
-        None, "START INCREMENT SAMPLES: grow the global batch; parses, refused at run time "
-        "until landed.", nargs=3)
+        None, "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over "
+        "SAMPLES consumed samples up to --global-batch-size.", nargs=3)
     step_batch_size_schedule: Optional[list] = opt(
         None, "'SAMPLES:BATCH ...' global batch steps; parses, refused at run time until landed.",
         nargs="+")

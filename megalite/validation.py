@@ -9,6 +9,7 @@ import math
 import os
 
 from megalite.config import ConfigError, MegaliteConfig
+from megalite.microbatches import rampup_problem
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                    ("num_attention_heads", "--num-attention-heads"),
@@ -210,12 +211,21 @@ def check_batch_sizes(cfg: MegaliteConfig) -> None:
             f"--global-batch-size ({t.global_batch_size}) is not divisible by --micro-batch-size "
             f"({t.micro_batch_size}) x data-parallel size ({dp}); make it a multiple of "
             f"{t.micro_batch_size * dp}")
-    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if p.virtual_stages(cfg.model.num_layers) > 1 and num_micro % p.pp:
-        raise ConfigError(
-            f"the interleaved schedule needs the number of micro-batches ({num_micro} = global "
-            f"batch / (micro batch x DP)) to be a multiple of --pipeline-model-parallel-size "
-            f"({p.pp}); change --global-batch-size or --micro-batch-size")
+    problem = rampup_problem(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, dp)
+    if problem:
+        raise ConfigError(problem)
+    sizes = [t.global_batch_size]
+    if t.rampup_batch_size:      # every batch of the ramp (START, START+INCREMENT, ...)
+        start, increment = int(t.rampup_batch_size[0]), int(t.rampup_batch_size[1])
+        sizes = range(start, t.global_batch_size + 1, increment)
+    for size in sizes:
+        num_micro = size // (t.micro_batch_size * dp)
+        if p.virtual_stages(cfg.model.num_layers) > 1 and num_micro % p.pp:
+            raise ConfigError(
+                f"the interleaved schedule needs the number of micro-batches ({num_micro} = "
+                f"global batch {size} / (micro batch x DP)) to be a multiple of "
+                f"--pipeline-model-parallel-size ({p.pp}); change --global-batch-size, "
+                "--micro-batch-size or --rampup-batch-size")
 
 
 def check_sequence(cfg: MegaliteConfig) -> None:
@@ -327,6 +337,7 @@ def validate_training(cfg: MegaliteConfig) -> None:
     o, t = cfg.optimizer, cfg.training
     if o.fp16 and o.bf16:
         raise ConfigError("give only one of --fp16 and --bf16")
+    check_loss_scaler(o)
     check_megatron_compat(cfg)
     if not t.skip_train and not t.dry_run:
         if t.train_iters is None and t.train_samples is None:
@@ -353,6 +364,20 @@ def validate_training(cfg: MegaliteConfig) -> None:
         raise ConfigError(f"--recompute-modules: unknown {sorted(bad)}; choose from {sorted(allowed)}")
 
 
+def check_loss_scaler(o) -> None:
+    """--fp16 loss-scaler flags, as Megatron-Core's grad scalers assert them."""
+    if o.loss_scale is not None and not o.loss_scale > 0:
+        raise ConfigError(f"--loss-scale must be positive, got {o.loss_scale}")
+    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
+        raise ConfigError(f"--min-loss-scale ({o.min_loss_scale}) must be positive and at most "
+                          f"--initial-loss-scale ({o.initial_loss_scale})")
+    if o.loss_scale_window < 1 or int(o.loss_scale_window) != o.loss_scale_window:
+        raise ConfigError(f"--loss-scale-window must be a whole number >= 1, got "
+                          f"{o.loss_scale_window}")
+    if o.hysteresis < 1:
+        raise ConfigError(f"--hysteresis must be >= 1, got {o.hysteresis}")
+
+
 def check_megatron_compat(cfg: MegaliteConfig) -> None:
     """Megatron flags that parse (a script runs --dry-run unchanged) but whose feature has not
     landed: refused when the run would start, one line each, never ignored."""
@@ -362,12 +387,7 @@ def check_megatron_compat(cfg: MegaliteConfig) -> None:
                           "implemented")
     if t.dry_run:
         return
-    pending = [(o.fp16, "--fp16", "fp16 with a loss scaler is not implemented yet; use --bf16"),
-               (m.apply_layernorm_1p, "--apply-layernorm-1p",
-                "zero-centred norm weights are not implemented yet; drop the flag"),
-               (t.rampup_batch_size, "--rampup-batch-size",
-                "batch-size ramp-up is not implemented yet; drop the flag"),
-               (t.step_batch_size_schedule, "--step-batch-size-schedule",
+    pending = [(t.step_batch_size_schedule, "--step-batch-size-schedule",
                 "batch-size schedules are not implemented yet; drop the flag")]
     for given, flag, why in pending:
         if given:

@@ -10,7 +10,7 @@ exactly by passing the checkpointed ``consumed_samples``.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -33,7 +33,10 @@ class PretrainingSampler:
         dp_rank: int,
         dp_size: int,
         cyclic: bool = False,
+        batch_size_at: Optional[Callable[[int], int]] = None,
     ) -> None:
+        """``batch_size_at(consumed_samples)``: the global batch starting there (a batch-size
+        ramp, ``megalite/microbatches.py``); default ``global_batch_size`` throughout."""
         if micro_batch_size < 1 or dp_size < 1:
             raise ValueError(f"micro_batch_size ({micro_batch_size}) and dp_size ({dp_size}) must be >= 1")
         if not 0 <= dp_rank < dp_size:
@@ -55,13 +58,16 @@ class PretrainingSampler:
         self.global_batch_size = int(global_batch_size)
         self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.cyclic = cyclic
+        self.batch_size_at = batch_size_at or (lambda consumed: self.global_batch_size)
         self.per_rank = self.global_batch_size // self.dp_size
         self.num_micro_batches = self.per_rank // self.micro_batch_size
 
-    def rank_samples(self, consumed_samples: int) -> list[int]:
+    def rank_samples(self, consumed_samples: int, global_batch_size: Optional[int] = None
+                     ) -> list[int]:
         """This rank's sample indices of the global batch starting at ``consumed_samples``."""
-        start = consumed_samples + self.dp_rank * self.per_rank
-        idx = list(range(start, start + self.per_rank))
+        per_rank = (global_batch_size or self.global_batch_size) // self.dp_size
+        start = consumed_samples + self.dp_rank * per_rank
+        idx = list(range(start, start + per_rank))
         return [i % self.total_samples for i in idx] if self.cyclic else idx
 
     def __len__(self) -> int:
@@ -71,11 +77,14 @@ class PretrainingSampler:
 
     def __iter__(self) -> Iterator[list[int]]:
         c = self.consumed_samples
-        while self.cyclic or c + self.global_batch_size <= self.total_samples:
-            mine = self.rank_samples(c)
-            for m in range(self.num_micro_batches):
+        while True:
+            g = self.batch_size_at(c)
+            if not self.cyclic and c + g > self.total_samples:
+                return
+            mine = self.rank_samples(c, g)
+            for m in range(len(mine) // self.micro_batch_size):
                 yield mine[m * self.micro_batch_size : (m + 1) * self.micro_batch_size]
-            c += self.global_batch_size
+            c += g
 
 
 def collate_samples(samples: list[dict]) -> dict:
@@ -91,6 +100,7 @@ def build_data_iterator(
     dp_rank: int,
     dp_size: int,
     cyclic: bool = False,
+    batch_size_at: Optional[Callable[[int], int]] = None,
 ):
     """Iterator over this DP rank's micro-batches (dicts of ``[mbs, seq]`` tensors), or ``None``.
 
@@ -99,7 +109,8 @@ def build_data_iterator(
     if dataset is None:
         return None
     sampler = PretrainingSampler(
-        len(dataset), consumed_samples, micro_batch_size, global_batch_size, dp_rank, dp_size, cyclic
+        len(dataset), consumed_samples, micro_batch_size, global_batch_size, dp_rank, dp_size, cyclic,
+        batch_size_at,
     )
     # its own generator: making an iterator must not draw from the global RNG, or a resumed
     # run (which builds its iterator after restoring that RNG) would drop out differently

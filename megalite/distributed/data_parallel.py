@@ -27,7 +27,7 @@ experts (``--num-experts``), so every rank of the expert group takes part in it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -42,12 +42,14 @@ from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_p
                                             reduce_model_parallel_grads)
 from megalite.distributed.replicas import broadcast_tied_embeddings
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
-from megalite.optimizer.optimizer import MasterWeightOptimizer, MixedPrecisionOptimizer
+from megalite.optimizer.grad_scaler import build_grad_scaler, unscale_and_find_inf
+from megalite.optimizer.optimizer import (MasterWeightOptimizer, MixedPrecisionOptimizer,
+                                          has_fp32_masters)
 from megalite.param_spec import ParamSpec, group_coords, named_specs
 
 
 def accumulate_main_grad(param) -> None:
-    """bf16 post-accumulate hook: add this backward's gradient into the fp32 ``main_grad``
+    """bf16/fp16 post-accumulate hook: add this backward's gradient into the fp32 ``main_grad``
     (accumulation over micro-batches happens in fp32) and drop the bf16 one."""
     param.main_grad.add_(param.grad.float())
     param.grad = None
@@ -93,7 +95,9 @@ class DataParallelStrategy:
     sharded_buffers: tuple = ()      # flat buffers whose DP reduction is a reduce-scatter
 
     def __init__(self, named_params, cfg, state, specs=None):
-        self.cfg, self.state, self.bf16 = cfg, state, cfg.optimizer.bf16
+        # bf16 / fp16 params: gradients accumulate in an fp32 main_grad, fp32 masters step
+        self.cfg, self.state, self.bf16 = cfg, state, has_fp32_masters(cfg.optimizer)
+        self.grad_scaler = build_grad_scaler(cfg.optimizer)     # --fp16 only
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params: List[torch.nn.Parameter] = [p for _, p in self.named]
         specs = specs or {}
@@ -167,9 +171,38 @@ class DataParallelStrategy:
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
 
-    def step(self, lr: float) -> float:
+    @property
+    def loss_scale(self) -> float:
+        """What the loss is multiplied by before backward (1 without --fp16)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def _scaled_grads(self) -> List[torch.Tensor]:
+        """The fp32 gradients this rank steps from (and counts in the norm): what the
+        loss scale must be divided out of."""
+        return [self.grad(p) for p in self.params]
+
+    def unscale_and_check(self) -> bool:
+        """--fp16: divide the loss scale out of the gradients and update the scaler; True
+        when any rank's gradients overflowed (then the step is skipped everywhere, as
+        Megatron-Core's ``MixedPrecisionOptimizer.prepare_grads``)."""
+        import torch.distributed as dist
+        from megalite.parallel_state import Group
+
+        found = unscale_and_find_inf(self._scaled_grads(), self.grad_scaler.inv_scale)
+        found = found.to(self._device())
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every shard, every stage
+            world = Group("world", list(range(dist.get_world_size())), None, dist.get_rank())
+            comm.all_reduce(found, world, op="max")
+        overflow = bool(found.item() > 0)
+        self.grad_scaler.update(overflow)
+        return overflow
+
+    def step(self, lr: float) -> Optional[float]:
         """Clip by the global norm, update, sync parameter copies; returns the norm before
-        clipping."""
+        clipping, or None when --fp16 found an overflow and skipped the step (parameters
+        and optimizer state untouched)."""
+        if self.grad_scaler is not None and self.unscale_and_check():
+            return None
         norm = self.grad_norm()
         self.optimizer.step(lr, norm)
         self._sync_params()
@@ -354,6 +387,9 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
         for buf in self.sharded_buffers:
             buf.reduce_scatter_grads()
 
+    def _scaled_grads(self):
+        return [buf.grad_shard for buf in self.sharded_buffers]
+
     def _local_squares(self, cls):
         """Squares over this rank's shards of the class's buffers, summed over the class's
         DP group: the shards of all DP ranks together cover each element once."""
@@ -415,8 +451,8 @@ class FSDP2Strategy(DataParallelStrategy):
 
     def __init__(self, named_params, cfg, state, specs=None):
         super().__init__(named_params, cfg, state, specs)
-        # the fp32 shards are the masters (bf16 lives in FSDP's compute copies only)
-        optim = dataclasses.replace(cfg.optimizer, bf16=False)
+        # the fp32 shards are the masters (bf16/fp16 live in FSDP's compute copies only)
+        optim = dataclasses.replace(cfg.optimizer, bf16=False, fp16=False)
         self.optimizer = MixedPrecisionOptimizer(self.named, optim, self.grad)
 
     def grad(self, p):
@@ -428,6 +464,9 @@ class FSDP2Strategy(DataParallelStrategy):
     @staticmethod
     def local_grad(p):
         return None if p.grad is None else p.grad.to_local()
+
+    def _scaled_grads(self):
+        return [g for g in (self.local_grad(p) for p in self.params) if g is not None]
 
     def zero_grad(self):
         for p in self.params:

@@ -30,6 +30,8 @@ from typing import List
 
 import torch
 
+from megalite.optimizer.optimizer import model_dtype
+
 
 def fsdp_units(chunk) -> List[torch.nn.Module]:
     """The modules that get their own ``fully_shard``, in forward order (root excluded)."""
@@ -50,9 +52,10 @@ def apply_fsdp2(chunk, state, cfg, device: str = "cpu") -> list:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = state.device_mesh(device, "dense")["dp"]
-    if cfg.optimizer.bf16:      # fp32 shards = masters; bf16 compute, fp32 reduction
-        chunk.float()
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cfg.optimizer.bf16 or cfg.optimizer.fp16:   # fp32 shards = masters; half compute,
+        chunk.float()                                # fp32 reduction (fp16: loss-scaled)
+        mp = MixedPrecisionPolicy(param_dtype=model_dtype(cfg.optimizer),
+                                  reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
     units = fsdp_units(chunk)

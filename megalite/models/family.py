@@ -51,6 +51,7 @@ class StepContext:
     extra_loss_names: Tuple[str, ...] = ()
     extra_loss_scale: float = 1.0        # each extra term enters the objective as scale*term
     extra_loss_sums: torch.Tensor = None  # float64 [len(names)]: this rank's detached sums
+    grad_scale: float = 1.0              # --fp16 loss scale: backward starts from scale*loss
 
     def __post_init__(self):
         if self.extra_loss_sums is None:

@@ -16,6 +16,7 @@ from megalite.context_parallel.load_balance import slice_batch
 from megalite.models.family import ModelFamily, StepContext
 from megalite.moe.metrics import moe_step_metrics
 from megalite.moe.router import extra_loss_names as moe_extra_loss_names
+from megalite.optimizer.optimizer import model_dtype
 from megalite.transformer.extra_losses import collect_extra_losses
 
 
@@ -27,7 +28,7 @@ def build_model_chunks(cfg, state, device) -> list:
 
     torch.manual_seed(cfg.training.seed)
     chunks = build_stages(cfg, state)
-    dtype = torch.bfloat16 if cfg.optimizer.bf16 else torch.float32
+    dtype = model_dtype(cfg.optimizer)
     return [c.to(device=device, dtype=dtype) for c in chunks]
 
 
@@ -46,11 +47,15 @@ def get_batch(batch: dict, state, device) -> dict:
 
 
 def loss_func(loss_mask: torch.Tensor, num_loss_tokens: torch.Tensor,
-              per_token_loss: torch.Tensor):
-    """Masked loss sum divided by the global token count; reports the detached sum."""
+              per_token_loss: torch.Tensor, grad_scale: float = 1.0):
+    """Masked loss sum divided by the global token count (times the fp16 loss scale: what
+    backward starts from); reports the detached, unscaled sum."""
     mask = loss_mask.to(per_token_loss.dtype)
     total = (per_token_loss.float() * mask).sum()
-    return total / num_loss_tokens.to(total.dtype), {"loss_sum": total.detach()}
+    loss = total / num_loss_tokens.to(total.dtype)
+    if grad_scale != 1.0:      # --fp16: backward starts from the scaled loss
+        loss = loss * grad_scale
+    return loss, {"loss_sum": total.detach()}
 
 
 def forward_step(batch: dict, model, ctx: StepContext):
@@ -59,8 +64,9 @@ def forward_step(batch: dict, model, ctx: StepContext):
         output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"])
     if extra.terms:
         extra.accumulate(ctx.extra_loss_sums)
-        output = extra.attach(output, ctx.extra_loss_scale)
-    return output, functools.partial(loss_func, batch["loss_mask"], ctx.num_loss_tokens)
+        output = extra.attach(output, ctx.extra_loss_scale * ctx.grad_scale)
+    return output, functools.partial(loss_func, batch["loss_mask"], ctx.num_loss_tokens,
+                                     grad_scale=ctx.grad_scale)
 
 
 def extra_loss_names(cfg):

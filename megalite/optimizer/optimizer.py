@@ -1,9 +1,11 @@
 """AdamW with fp32 master weights and clipping by a given global norm.
 
-Under ``--bf16`` the model holds bf16 parameters whose gradients accumulate in fp32 (the
-data-parallel strategy owns that storage, ``megalite.distributed.data_parallel``); the
-optimizer steps fp32 master copies, then writes them back -- apex-free mixed precision.  In
-fp32 the optimizer steps the parameters themselves.
+Under ``--bf16`` (and ``--fp16``) the model holds half-precision parameters whose gradients
+accumulate in fp32 (the data-parallel strategy owns that storage,
+``megalite.distributed.data_parallel``); the optimizer steps fp32 master copies, then writes
+them back -- apex-free mixed precision.  In fp32 the optimizer steps the parameters
+themselves.  ``--fp16`` adds a loss scaler (``grad_scaler.py``), which the strategy applies
+before the step.
 
 The optimizer does no communication: where gradients live, how they are reduced, the global
 norm and the parameter sync after the step belong to the data-parallel strategy, which hands
@@ -16,6 +18,18 @@ from __future__ import annotations
 from typing import Callable, Iterable, List
 
 import torch
+
+
+def has_fp32_masters(optim_config) -> bool:
+    """bf16 or fp16 parameters: fp32 main grads and fp32 master weights."""
+    return bool(optim_config.bf16 or optim_config.fp16)
+
+
+def model_dtype(optim_config) -> torch.dtype:
+    """The parameters' (and activations') dtype: bf16, fp16 or fp32."""
+    if optim_config.bf16:
+        return torch.bfloat16
+    return torch.float16 if optim_config.fp16 else torch.float32
 
 
 def uses_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
@@ -77,7 +91,8 @@ class MasterWeightOptimizer:
     inner: torch.optim.Optimizer
 
     def __init__(self, optim_config):
-        self.bf16 = optim_config.bf16
+        # ``bf16``: the params are half precision (bf16 or fp16) with separate fp32 masters
+        self.bf16 = has_fp32_masters(optim_config)
         self.clip_grad = optim_config.clip_grad
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:

@@ -250,7 +250,7 @@ def predict_comm_volume(cfg: MegaliteConfig, rank: int = 0, *, grad_bytes: int =
     """
     L = layout_from_config(cfg, zero)
     pp_rank = rank // (cfg.world_size // L.pp)
-    bf16 = cfg.optimizer.bf16
+    bf16 = cfg.optimizer.bf16 or cfg.optimizer.fp16     # fp16: the same bytes as bf16
     return volume(events(cfg.model, L, cfg.model.seq_length, pp_rank,
                          grad_bytes if bf16 else 4, sp_regather, 2 if bf16 else 4))
 

@@ -324,8 +324,9 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     if local_layers is None:
         local_layers = cfg.model.transformer_impl != "transformer_engine"
     L = layout_from_config(cfg, zero)
-    prec = Precision.bf16(grad_bytes) if cfg.optimizer.bf16 else Precision.fp32()
+    half = cfg.optimizer.bf16 or cfg.optimizer.fp16        # fp16: the same bytes as bf16
+    prec = Precision.bf16(grad_bytes) if half else Precision.fp32()
     pp_rank = rank // (cfg.world_size // L.pp)
     opts = ActivationOptions(flash_attention, tuple(cfg.training.recompute_modules or ()),
-                             1 if cfg.optimizer.bf16 else 2, local_layers)
+                             1 if half else 2, local_layers)
     return rank_memory(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts)

@@ -162,7 +162,8 @@ def _metadata(trainer, step, rng_ranks) -> dict:
             "pipeline_model_parallel_size": cfg.parallel.pp,
             "model": dataclasses.asdict(cfg.model),
             "extra": {"consumed_samples": trainer.consumed_samples,
-                      "layout": run_layout(trainer), "tokenizer": tokenizer},
+                      "layout": run_layout(trainer), "tokenizer": tokenizer,
+                      "loop_state": trainer.loop_state()},    # fp16 scaler, skipped steps
             "args": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
 
 
@@ -367,6 +368,7 @@ def _load_dcp(trainer, it_dir: str) -> None:
         return
     trainer.iteration = meta["iteration"]
     trainer.consumed_samples = meta["consumed_samples"]
+    trainer.load_loop_state(meta.get("extra", {}).get("loop_state"))
     if restore_optim is not None:
         restore_optim(meta["optimizer_step"])
     if restore_rng is not None:

@@ -68,7 +68,7 @@ def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
 
     layout = layout_from_config(cfg)
     cluster = make_cluster(cfg.world_size, gpus_per_node, gpu)
-    opts = ModelOptions(fp32=not cfg.optimizer.bf16,
+    opts = ModelOptions(fp32=not (cfg.optimizer.bf16 or cfg.optimizer.fp16),   # fp16: 2 B too
                         local_layers=cfg.model.transformer_impl == "local")
     return evaluate(cfg.model, cfg.model.seq_length, layout, cluster, opts), cluster, opts
 

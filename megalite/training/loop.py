@@ -23,6 +23,7 @@ import torch
 from megalite import comm, compat_flags
 from megalite.config import ConfigError
 from megalite.distributed.data_parallel import build_data_parallel
+from megalite.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.optimizer import LRScheduler
@@ -45,6 +46,14 @@ class Trainer:
         self.cfg, self.state, self.device, self.family = cfg, state, device, family
         self.iteration = 0
         self.consumed_samples = 0
+        # batches of --fp16 steps skipped on overflow: the lr schedule stands at
+        # consumed_samples - skipped_samples (Megatron steps its scheduler on updates only)
+        self.skipped_samples = 0
+        self.skipped_iterations = 0
+        t = cfg.training
+        self.batch_sizes = BatchSizeSchedule(t.global_batch_size or t.micro_batch_size,
+                                             t.micro_batch_size, state["dp"].size,
+                                             t.rampup_batch_size)
         self.tokenizer = None
         self.model_chunks = []
         self.strategy = None        # data-parallel strategy: gradients, reductions, step
@@ -71,7 +80,7 @@ class Trainer:
         if t.train_iters is not None:
             return t.train_iters
         if t.train_samples is not None:
-            return t.train_samples // t.global_batch_size
+            return self.batch_sizes.train_iters(t.train_samples)
         return 0
 
     def setup(self):
@@ -103,7 +112,10 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         gbs = t.global_batch_size
         evals = (self.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
-        num_samples = (self.train_iters * gbs, evals * gbs, t.eval_iters * gbs)
+        # a batch-size ramp consumes at most --train-samples (Megatron's dataset size)
+        train = t.train_samples if t.rampup_batch_size and t.train_samples else \
+            self.train_iters * gbs
+        num_samples = (train, evals * gbs, t.eval_iters * gbs)
         self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
             data_path=cfg.data.data_path, split=cfg.data.split, seq_length=cfg.model.seq_length,
             seed=t.seed, num_samples=num_samples, mock=cfg.data.mock_data,
@@ -115,14 +127,15 @@ class Trainer:
         from megalite.data import build_data_iterator
 
         t, dp = self.cfg.training, self.state["dp"]
+        ramp = None if cyclic else self.batch_sizes.global_batch_size_at   # eval: full batch
         return build_data_iterator(dataset, consumed, t.micro_batch_size, t.global_batch_size,
-                                   dp.rank, dp.size, cyclic=cyclic)
+                                   dp.rank, dp.size, cyclic=cyclic, batch_size_at=ramp)
 
     # -- one iteration -----------------------------------------------------------------
-    def _next_batches(self, iterator) -> list:
+    def _next_batches(self, iterator, num_micro_batches=None) -> list:
         """This rank's micro-batches of one iteration, as the model family's ``get_batch``
         shapes them (where CP slices the sequence)."""
-        raw = [next(iterator) for _ in range(self.cfg.num_micro_batches)]
+        raw = [next(iterator) for _ in range(num_micro_batches or self.cfg.num_micro_batches)]
         return [self.family.get_batch(b, self.state, self.device) for b in raw]
 
     def _step_context(self, batches) -> StepContext:
@@ -130,7 +143,8 @@ class Trainer:
         dp_cp = self.state["dp-cp"].size
         return StepContext(num_loss_tokens=global_loss_tokens(batches, self.state, self.device),
                            extra_loss_names=names,
-                           extra_loss_scale=1.0 / (len(batches) * dp_cp))
+                           extra_loss_scale=1.0 / (len(batches) * dp_cp),
+                           grad_scale=self.strategy.loss_scale if self.strategy else 1.0)
 
     def _run_schedule(self, batches, forward_only: bool):
         """(mean loss over the global batch's tokens, {extra loss name: value} in training)."""
@@ -151,7 +165,9 @@ class Trainer:
     def train_step(self, iterator) -> dict:
         for chunk in self.model_chunks:
             chunk.train()
-        batches = self._next_batches(iterator)
+        gbs = self.batch_sizes.global_batch_size_at(self.consumed_samples)
+        batches = self._next_batches(iterator, self.batch_sizes.num_micro_batches_at(
+            self.consumed_samples))
         self.strategy.zero_grad()
         loss, extra_losses = self._run_schedule(batches, forward_only=False)
         self.strategy.finish_grad_sync()
@@ -163,13 +179,42 @@ class Trainer:
                              sched.trace if sched is not None else ())
             self._timeline_events = None
         # Megatron's order: the update uses the lr (and weight decay) of the samples consumed
-        # before it; then the schedule advances by this iteration's samples.
-        lr = self.scheduler.apply(self.optimizer.inner.param_groups, self.consumed_samples)
+        # before it; then the schedule advances by this iteration's samples -- unless --fp16
+        # skipped the update (grad_norm None), as Megatron's scheduler steps on updates only.
+        lr = self.scheduler.apply(self.optimizer.inner.param_groups,
+                                  self.consumed_samples - self.skipped_samples)
         grad_norm = self.strategy.step(lr)
         metrics = self.family.after_train_step(self.model_chunks, self.cfg, self.state)
         self.iteration += 1
-        self.consumed_samples += self.cfg.training.global_batch_size
-        return {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses, **metrics}
+        self.consumed_samples += gbs
+        if grad_norm is None:
+            self.skipped_samples += gbs
+            self.skipped_iterations += 1
+        out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses, **metrics}
+        if self.strategy.grad_scaler is not None:   # Megatron's "loss scale" (after update)
+            out.update(loss_scale=self.strategy.loss_scale, skipped_iter=int(grad_norm is None))
+        if self.cfg.training.rampup_batch_size:
+            out["global_batch_size"] = gbs
+        return out
+
+    # -- what a checkpoint carries besides tensors ---------------------------------------
+    def loop_state(self) -> dict:
+        """JSON state a resume needs beyond iteration and consumed samples: the fp16 loss
+        scaler and the lr schedule's position (behind consumed samples after skips)."""
+        scaler = self.strategy.grad_scaler if self.strategy else None
+        return {"skipped_samples": self.skipped_samples,
+                "skipped_iterations": self.skipped_iterations,
+                "grad_scaler": scaler.state_dict() if scaler is not None else None}
+
+    def load_loop_state(self, sd) -> None:
+        """Restore ``loop_state()`` (checkpoints without it: nothing skipped, a fresh
+        scaler)."""
+        sd = sd or {}
+        self.skipped_samples = sd.get("skipped_samples", 0)
+        self.skipped_iterations = sd.get("skipped_iterations", 0)
+        scaler = self.strategy.grad_scaler
+        if scaler is not None and sd.get("grad_scaler"):
+            scaler.load_state_dict(sd["grad_scaler"])
 
     @torch.no_grad()
     def evaluate(self, dataset, iters: int) -> float:
@@ -209,12 +254,14 @@ class Trainer:
             t0 = time.perf_counter()
             out = self.train_step(iterator)
             elapsed = time.perf_counter() - t0
-            tokens = t.global_batch_size * cfg.model.seq_length
+            gbs = out.get("global_batch_size", t.global_batch_size)
+            tokens = gbs * cfg.model.seq_length
+            flops_now = flops * gbs / t.global_batch_size      # ramp: this batch's FLOPs
             record = {"iteration": self.iteration, "train_iters": self.train_iters,
                       "consumed_samples": self.consumed_samples, **out,
                       "elapsed_ms": 1000 * elapsed, "tokens_per_sec": tokens / elapsed,
-                      "tflops_per_device": flops / elapsed / world / 1e12,
-                      "mfu": model_flops_utilization(flops / elapsed / world, peak),
+                      "tflops_per_device": flops_now / elapsed / world / 1e12,
+                      "mfu": model_flops_utilization(flops_now / elapsed / world, peak),
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
             if self.iteration == first + 1:      # planner vs measured, once

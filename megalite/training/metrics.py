@@ -29,6 +29,7 @@ class TrainingLogger:
         self.cfg, self.is_writer = cfg, is_writer
         lg = cfg.logging
         self.metrics = self.tb = self.wandb = self.bar = None
+        self.skipped_since_log = 0     # --fp16 steps skipped since the last log line
         if not is_writer:
             return
         if lg.metrics_file:
@@ -74,14 +75,22 @@ class TrainingLogger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['lm_loss']:.4f}")
+        self.skipped_since_log += record.get("skipped_iter", 0)
         if it % self.cfg.logging.log_interval == 0 or it == 1:
+            gbs = record.get("global_batch_size", self.cfg.training.global_batch_size)
+            norm = record["grad_norm"]
+            fp16 = "" if "loss_scale" not in record else (   # Megatron's fp16 fields
+                f" | loss scale: {record['loss_scale']:.1f}"
+                f" | number of skipped iterations: {self.skipped_since_log:>3d}")
+            self.skipped_since_log = 0
             self._print(
                 f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:>8d}/{record['train_iters']:>8d}"
                 f" | consumed samples: {record['consumed_samples']:>10d}"
                 f" | elapsed time per iteration (ms): {record['elapsed_ms']:.1f}"
                 f" | learning rate: {record['lr']:.6E}"
-                f" | global batch size: {self.cfg.training.global_batch_size:>5d}"
-                f" | lm loss: {record['lm_loss']:.6E} | grad norm: {record['grad_norm']:.3f}"
+                f" | global batch size: {gbs:>5d}"
+                f" | lm loss: {record['lm_loss']:.6E}" + fp16 +
+                ("" if norm is None else f" | grad norm: {norm:.3f}") +
                 f" | tokens/s: {record['tokens_per_sec']:.0f}"
                 f" | TFLOP/s/device: {record['tflops_per_device']:.3f}"
                 f" | MFU: {100 * record['mfu']:.2f}%"
@@ -143,7 +152,7 @@ def train_scalars(record: dict, global_batch_size: int) -> list:
     out = []
     named = {"batch-size": record.get("global_batch_size", global_batch_size)}
     for key, tag in _MEGATRON_TRAIN_TAGS:
-        if key in record:
+        if record.get(key) is not None:      # grad norm: None on a skipped fp16 step
             named[tag] = record[key]
     for tag, value in named.items():
         out += [(tag, value, it), (f"{tag} vs samples", value, samples)]

@@ -3,6 +3,12 @@
 With sequence parallelism a norm runs on this rank's sequence shard, so its (replicated)
 weight only sees part of the tokens: their ``ParamSpec`` names the sequence-split group
 ("tp") and ``allreduce_sequence_parallel_grads`` sums their grads over it.
+
+``--apply-layernorm-1p`` (Megatron's ``layernorm_zero_centered_gamma``): the weight is
+stored as ``w - 1`` (initialised to 0) and applied as ``1 + w``, so weight decay pulls the
+scale towards 1 rather than 0 (norm weights are 1-D: no decay unless a rule says so) and
+fp16/bf16 keep more precision near 1.  Megatron's local LayerNorm and TE's LayerNorm and
+RMSNorm support it; both norms here do.
 """
 from __future__ import annotations
 
@@ -21,39 +27,49 @@ def _norm_spec(hidden_size: int, init: tuple, sequence_parallel: bool) -> ParamS
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * w, computed in fp32 (Llama)."""
+    """x / sqrt(mean(x^2) + eps) * w, computed in fp32 (Llama); ``zero_centered_gamma``:
+    * (1 + w)."""
 
     def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+                 device=None, dtype=None, zero_centered_gamma: bool = False):
         super().__init__()
         self.eps, self.shape = eps, (hidden_size,)
-        make_param(self, "weight", _norm_spec(hidden_size, ("ones",), sequence_parallel), {},
+        self.zero_centered_gamma = zero_centered_gamma
+        init = ("zeros",) if zero_centered_gamma else ("ones",)
+        make_param(self, "weight", _norm_spec(hidden_size, init, sequence_parallel), {},
                    device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
         if x.dtype == torch.float32:
-            return F.rms_norm(x, self.shape, self.weight, self.eps)
+            return F.rms_norm(x, self.shape, weight, self.eps)
         y = F.rms_norm(x.float(), self.shape, None, self.eps)
-        return self.weight * y.to(x.dtype)
+        return weight * y.to(x.dtype)
 
 
 class LayerNorm(nn.Module):
+    """(x - mean) / std * w + b; ``zero_centered_gamma``: * (1 + w) + b."""
+
     def __init__(self, hidden_size: int, eps: float, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+                 device=None, dtype=None, zero_centered_gamma: bool = False):
         super().__init__()
         self.eps, self.shape = eps, (hidden_size,)
+        self.zero_centered_gamma = zero_centered_gamma
         kw = dict(device=device, dtype=dtype)
-        make_param(self, "weight", _norm_spec(hidden_size, ("ones",), sequence_parallel), {}, **kw)
+        init = ("zeros",) if zero_centered_gamma else ("ones",)
+        make_param(self, "weight", _norm_spec(hidden_size, init, sequence_parallel), {}, **kw)
         make_param(self, "bias", _norm_spec(hidden_size, ("zeros",), sequence_parallel), {}, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.shape, self.weight, self.bias, self.eps)
+        weight = self.weight + 1 if self.zero_centered_gamma else self.weight
+        return F.layer_norm(x, self.shape, weight, self.bias, self.eps)
 
 
 def build_norm(model_cfg, hidden_size: int, sequence_parallel: bool, device=None, dtype=None):
-    """The norm chosen by ``--normalization``."""
+    """The norm chosen by ``--normalization`` (zero-centred with ``--apply-layernorm-1p``)."""
     klass = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[model_cfg.normalization]
-    return klass(hidden_size, model_cfg.norm_epsilon, sequence_parallel, device=device, dtype=dtype)
+    return klass(hidden_size, model_cfg.norm_epsilon, sequence_parallel, device=device,
+                 dtype=dtype, zero_centered_gamma=model_cfg.apply_layernorm_1p)
 
 
 class IdentityNorm(nn.Module):

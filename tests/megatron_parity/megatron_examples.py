@@ -96,13 +96,12 @@ TWIN_VALUES = {
     "--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1",
     "--vocab-size": "512", "--eval-interval": "2", "--eval-iters": "1", "--log-interval": "1",
     "--save-interval": "2",
+    "--rampup-batch-size": ["2", "2", "4"],     # 2, 2, 4: the ramp ends inside the twin
     "--split": "90,8,2",     # the twin's corpus is 16k tokens: 99990,8,2 leaves valid 1 token
 }
 # Flags whose feature cannot run in a CPU twin yet, dropped with their values (the dry runs
-# above keep them): FP8 (needs Transformer Engine on a GPU), and what has not landed:
-# --fp16 loss scaling, --rampup-batch-size, --apply-layernorm-1p, MoE layers (issue 14).
-TWIN_DROPPED = {"--fp16": 0, "--rampup-batch-size": 3, "--apply-layernorm-1p": 0,
-                "--fp8-format": 1, "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1,
+# above keep them): FP8 (needs Transformer Engine on a GPU), and MoE layers (issue 14).
+TWIN_DROPPED = {"--fp8-format": 1, "--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1,
                 "--fp8-param-gather": 0, "--num-experts": 1, "--moe-router-topk": 1,
                 "--moe-router-load-balancing-type": 1, "--moe-aux-loss-coeff": 1,
                 "--moe-grouped-gemm": 0, "--moe-token-dispatcher-type": 1,
@@ -119,8 +118,10 @@ def twin(args: list) -> list:
             continue
         out.append(flag)
         if flag in TWIN_VALUES:
-            out.append(TWIN_VALUES[flag])
-            i += 2
+            value = TWIN_VALUES[flag]
+            values = value if isinstance(value, list) else [value]
+            out += values
+            i += 1 + len(values)
             continue
         i += 1
     return out

@@ -130,8 +130,10 @@ class LlamaAdapter(HFAdapter):
         heads, groups, d, layers = attention_shape(m)
         r = heads // groups
         get = lambda k: take(hf_sd, k).float()  # noqa: E731
+        shift = 1.0 if m.get("apply_layernorm_1p") else 0.0    # into a zero-centred model
+        norm = lambda k: get(k) - shift  # noqa: E731
         out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
-               "decoder.final_layernorm.weight": get("model.norm.weight")}
+               "decoder.final_layernorm.weight": norm("model.norm.weight")}
         for i in range(layers):
             hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
             q, k, v = (get(hf + f"self_attn.{n}_proj.weight") for n in "qkv")
@@ -140,8 +142,8 @@ class LlamaAdapter(HFAdapter):
                 [q.view(groups, r * d, h), k.view(groups, d, h), v.view(groups, d, h)],
                 dim=1).reshape(-1, h)
             out[mg + "self_attention.linear_proj.weight"] = get(hf + "self_attn.o_proj.weight")
-            out[mg + "input_layernorm.weight"] = get(hf + "input_layernorm.weight")
-            out[mg + "pre_mlp_layernorm.weight"] = get(hf + "post_attention_layernorm.weight")
+            out[mg + "input_layernorm.weight"] = norm(hf + "input_layernorm.weight")
+            out[mg + "pre_mlp_layernorm.weight"] = norm(hf + "post_attention_layernorm.weight")
             out.update(self.mlp_from_hf(get, hf, mg, m))
         if m["untie_embeddings_and_output_weights"]:
             out["output_layer.weight"] = get("lm_head.weight")
@@ -166,8 +168,12 @@ class LlamaAdapter(HFAdapter):
         def put(t):  # a fresh tensor each: safetensors refuses tensors that share storage
             return t.to(dtype).clone(memory_format=torch.contiguous_format)
 
+        def norm(key):   # --apply-layernorm-1p stores w - 1; HF stores the scale itself
+            w = take(sd, key)
+            return put(w.float() + 1 if m.get("apply_layernorm_1p") else w)
+
         out = {"model.embed_tokens.weight": put(take(sd, "embedding.word_embeddings.weight")),
-               "model.norm.weight": put(take(sd, "decoder.final_layernorm.weight"))}
+               "model.norm.weight": norm("decoder.final_layernorm.weight")}
         for i in range(layers):
             hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
             qkv = take(sd, mg + "self_attention.linear_qkv.weight")
@@ -178,9 +184,8 @@ class LlamaAdapter(HFAdapter):
             out[hf + "self_attn.v_proj.weight"] = put(v.reshape(groups * d, h))
             out[hf + "self_attn.o_proj.weight"] = put(
                 take(sd, mg + "self_attention.linear_proj.weight"))
-            out[hf + "input_layernorm.weight"] = put(take(sd, mg + "input_layernorm.weight"))
-            out[hf + "post_attention_layernorm.weight"] = put(
-                take(sd, mg + "pre_mlp_layernorm.weight"))
+            out[hf + "input_layernorm.weight"] = norm(mg + "input_layernorm.weight")
+            out[hf + "post_attention_layernorm.weight"] = norm(mg + "pre_mlp_layernorm.weight")
             out.update(self.mlp_to_hf(lambda k: take(sd, k), put, mg, hf, m))
         if m["untie_embeddings_and_output_weights"]:
             out["lm_head.weight"] = put(take(sd, "output_layer.weight"))
