@@ -356,10 +356,16 @@ class DataConfig:
         None, "Tokenizer.", choices=["SentencePieceTokenizer", "ByteLevelTokenizer",
                                      "CharacterTokenizer", "NullTokenizer",
                                      "HuggingFaceTokenizer", "GPT2BPETokenizer",
-                                     "Llama2Tokenizer", "GPTSentencePieceTokenizer"])
+                                     "Llama2Tokenizer", "GPTSentencePieceTokenizer",
+                                     "TikTokenizer", "Llama3Tokenizer"])
     tokenizer_model: Optional[str] = opt(None, "Tokenizer model file (or HF directory).")
     vocab_file: Optional[str] = opt(None, "GPT2BPETokenizer: vocab.json.")
     merge_file: Optional[str] = opt(None, "GPT2BPETokenizer: merges.txt.")
+    tiktoken_pattern: Optional[str] = opt(None, "TikTokenizer: split pattern (default v2).",
+                                          choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = opt(1000, "TikTokenizer: ids reserved for special tokens.")
+    tiktoken_special_tokens: Optional[list] = opt(
+        None, "TikTokenizer: special tokens (must include <unk> <s> </s>).", nargs="+")
     data_cache_path: Optional[str] = opt(None, "Where dataset index caches are written.")
     eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",
                               action="store_true")

@@ -274,7 +274,8 @@ def validate_files(cfg: MegaliteConfig) -> None:
     """Data and tokenizer files exist (skipped by the planner)."""
     d = cfg.data
     if d.tokenizer_type in ("SentencePieceTokenizer", "CharacterTokenizer", "Llama2Tokenizer",
-                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"):
+                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                            "TikTokenizer", "Llama3Tokenizer"):
         if not d.tokenizer_model:
             raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE")
         if not os.path.exists(d.tokenizer_model):
@@ -290,6 +291,8 @@ def validate_files(cfg: MegaliteConfig) -> None:
         parse_split_numbers(d.split)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if d.tokenizer_type == "TikTokenizer" and d.tiktoken_num_special_tokens < 3:
+        raise ConfigError("--tiktoken-num-special-tokens must be >= 3 (<unk> <s> </s>)")
     if d.tokenizer_type == "NullTokenizer" and cfg.model.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
     if cfg.training.skip_train and not cfg.checkpoint.load:
