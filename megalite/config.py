@@ -427,6 +427,10 @@ class CheckpointConfig:
     no_load_rng: bool = opt(False, "Do not load RNG state.", action="store_true")
     finetune: bool = opt(False, "Load weights only and reset the iteration count.",
                          action="store_true")
+    use_checkpoint_args: bool = opt(
+        False, "Take the model flags (and, if none is given, the tokenizer) from the checkpoint "
+        "in --load; without it, model flags that disagree with that checkpoint are an error.",
+        action="store_true")
     # -- checkpoint safety and preemption (issue 15; docs/checkpoints.md) ----------------
     keep_last_n_checkpoints: Optional[int] = opt(
         None, "Delete older checkpoints after a save, keeping this many (default: all).")

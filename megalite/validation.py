@@ -424,6 +424,10 @@ def check_data_parallel(cfg: MegaliteConfig) -> None:
 
 
 def validate(cfg: MegaliteConfig) -> None:
+    if cfg.checkpoint.load:  # first: the model the flags describe is the checkpoint's
+        from megalite.checkpointing.checkpoint_args import check_model_matches_checkpoint
+
+        check_model_matches_checkpoint(cfg)
     validate_layout(cfg)
     check_data_parallel(cfg)
     validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes
