@@ -167,6 +167,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
         data["tokenizer_type"] = "GPT2BPETokenizer"   # Megatron's GPT-2 examples omit the type
     cfg = MegaliteConfig(world_size=world, accepted_flags=accepted,
                          **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+    if cfg.checkpoint.use_checkpoint_args:     # before validation, which needs the model flags
+        from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
+
+        cfg, notes = apply_checkpoint_args(cfg)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("\n".join(notes), flush=True)
     if validate_config:
         from megalite.validation import validate
         validate(cfg)

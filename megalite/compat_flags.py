@@ -71,7 +71,6 @@ NO_EFFECT = [
     CompatFlag("--grad-reduce-in-bf16", FLAG, "gradients are reduced in fp32 here"),
     CompatFlag("--no-position-embedding", FLAG,
                "--position-embedding-type decides (rope/none have no learned table)"),
-    CompatFlag("--tiktoken-pattern", VALUE, "only tiktoken models read it"),
     CompatFlag("--profile", FLAG, "no torch profiler hook yet; see --pipeline-timeline"),
     CompatFlag("--profile-step-start", VALUE, "no torch profiler hook yet"),
     CompatFlag("--profile-step-end", VALUE, "no torch profiler hook yet"),

@@ -366,10 +366,16 @@ class DataConfig:
         None, "Tokenizer.", choices=["SentencePieceTokenizer", "ByteLevelTokenizer",
                                      "CharacterTokenizer", "NullTokenizer",
                                      "HuggingFaceTokenizer", "GPT2BPETokenizer",
-                                     "Llama2Tokenizer", "GPTSentencePieceTokenizer"])
+                                     "Llama2Tokenizer", "GPTSentencePieceTokenizer",
+                                     "TikTokenizer", "Llama3Tokenizer"])
     tokenizer_model: Optional[str] = opt(None, "Tokenizer model file (or HF directory).")
     vocab_file: Optional[str] = opt(None, "GPT2BPETokenizer: vocab.json.")
     merge_file: Optional[str] = opt(None, "GPT2BPETokenizer: merges.txt.")
+    tiktoken_pattern: Optional[str] = opt(None, "TikTokenizer: split pattern (default v2).",
+                                          choices=["v1", "v2"])
+    tiktoken_num_special_tokens: int = opt(1000, "TikTokenizer: ids reserved for special tokens.")
+    tiktoken_special_tokens: Optional[list] = opt(
+        None, "TikTokenizer: special tokens (must include <unk> <s> </s>).", nargs="+")
     data_cache_path: Optional[str] = opt(None, "Where dataset index caches are written.")
     eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",
                               action="store_true")
@@ -433,6 +439,10 @@ class CheckpointConfig:
     no_load_rng: bool = opt(False, "Do not load RNG state.", action="store_true")
     finetune: bool = opt(False, "Load weights only and reset the iteration count.",
                          action="store_true")
+    use_checkpoint_args: bool = opt(
+        False, "Take the model flags (and, if none is given, the tokenizer) from the checkpoint "
+        "in --load; without it, model flags that disagree with that checkpoint are an error.",
+        action="store_true")
     # -- checkpoint safety and preemption (issue 15; docs/checkpoints.md) ----------------
     keep_last_n_checkpoints: Optional[int] = opt(
         None, "Delete older checkpoints after a save, keeping this many (default: all).")

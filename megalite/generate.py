@@ -18,7 +18,9 @@ def load_for_inference(root: str):
     """(model, tokenizer, cfg) on one CPU process, weights from ``root``."""
     from megalite.checkpointing.model_io import load_model_shards, read_metadata
     from megalite.config import MegaliteConfig, ModelConfig
-    from megalite.data import build_tokenizer
+    from types import SimpleNamespace
+
+    from megalite.data import build_tokenizer_from_config
     from megalite.models.gpt import build_model
     from megalite.parallel_state import ParallelState, RankGrid
 
@@ -27,10 +29,8 @@ def load_for_inference(root: str):
     cfg.model = ModelConfig(**meta["model"])
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     tok_meta = meta.get("extra", {}).get("tokenizer", {})
-    tokenizer = None
-    if tok_meta.get("tokenizer_type"):
-        tokenizer = build_tokenizer(tok_meta["tokenizer_type"], tok_meta.get("tokenizer_model"),
-                                    tok_meta.get("vocab_size"))
+    data = {**meta.get("args", {}).get("data", {}), **tok_meta}   # tiktoken flags too
+    tokenizer = build_tokenizer_from_config(SimpleNamespace(**data), tok_meta.get("vocab_size"))
     state = ParallelState.build(RankGrid(1), 0, create_groups=False)
     model = build_model(cfg, state)
     load_model_shards(root, [model], cfg, state)

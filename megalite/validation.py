@@ -284,7 +284,8 @@ def validate_files(cfg: MegaliteConfig) -> None:
     """Data and tokenizer files exist (skipped by the planner)."""
     d = cfg.data
     if d.tokenizer_type in ("SentencePieceTokenizer", "CharacterTokenizer", "Llama2Tokenizer",
-                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"):
+                            "GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                            "TikTokenizer", "Llama3Tokenizer"):
         if not d.tokenizer_model:
             raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE")
         if not os.path.exists(d.tokenizer_model):
@@ -300,6 +301,8 @@ def validate_files(cfg: MegaliteConfig) -> None:
         parse_split_numbers(d.split)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if d.tokenizer_type == "TikTokenizer" and d.tiktoken_num_special_tokens < 3:
+        raise ConfigError("--tiktoken-num-special-tokens must be >= 3 (<unk> <s> </s>)")
     if d.tokenizer_type == "NullTokenizer" and cfg.model.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
     if cfg.training.skip_train and not cfg.checkpoint.load:
@@ -443,6 +446,10 @@ def check_data_parallel(cfg: MegaliteConfig) -> None:
 
 
 def validate(cfg: MegaliteConfig) -> None:
+    if cfg.checkpoint.load:  # first: the model the flags describe is the checkpoint's
+        from megalite.checkpointing.checkpoint_args import check_model_matches_checkpoint
+
+        check_model_matches_checkpoint(cfg)
     validate_layout(cfg)
     check_data_parallel(cfg)
     validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes

@@ -31,7 +31,7 @@ if _ROOT not in sys.path:  # run as a script from anywhere
 import numpy as np  # noqa: E402
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
-from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer_from_config  # noqa: E402
 
 PROG = "preprocess_data.py"
 
@@ -51,7 +51,16 @@ def get_args(argv=None):
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", default=None,
                    help="tokenizer file (sentencepiece .model, char .json, HF dir)")
-    g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer vocab size; TikTokenizer: vocab incl. special tokens")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
+                   help="TikTokenizer split pattern (default v2)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids reserved for special tokens")
+    g.add_argument("--tiktoken-special-tokens", nargs="+", default=None,
+                   help="TikTokenizer special tokens (must include <unk> <s> </s>)")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
@@ -72,8 +81,8 @@ def get_args(argv=None):
 _W: dict = {}
 
 
-def _init_worker(tokenizer_type, tokenizer_model, vocab_size, keys, is_json, append_eod):
-    _W["tok"] = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+def _init_worker(tokenizer_args, keys, is_json, append_eod):
+    _W["tok"] = build_tokenizer_from_config(tokenizer_args, tokenizer_args.vocab_size)
     _W.update(keys=keys, is_json=is_json, append_eod=append_eod)
 
 
@@ -195,6 +204,13 @@ class Progress:
             self.bar.close()
 
 
+def tokenizer_args(args) -> argparse.Namespace:
+    """The tokenizer flags alone (picklable for the worker processes)."""
+    names = ("tokenizer_type", "tokenizer_model", "vocab_size", "vocab_file", "merge_file",
+             "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
+    return argparse.Namespace(**{n: getattr(args, n) for n in names})
+
+
 # ---------------------------------------------------------------------------------------
 def run(args) -> list[str]:
     if not os.path.exists(args.input):
@@ -205,7 +221,7 @@ def run(args) -> list[str]:
     if size == 0:
         raise InputError(f"input file {args.input!r} is empty")
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer_from_config(args, args.vocab_size)
     except (OSError, ValueError, ImportError) as e:
         raise InputError(str(e)) from None
     is_json = detect_json_lines(args.input)
@@ -217,7 +233,7 @@ def run(args) -> list[str]:
     prefixes = {k: f"{args.output_prefix}_{k}_document" for k in keys}
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
     written = {k: [] for k in keys}
-    init = (args.tokenizer_type, args.tokenizer_model, args.vocab_size, keys, is_json, args.append_eod)
+    init = (tokenizer_args(args), keys, is_json, args.append_eod)
     progress = Progress(size, args.log_interval)
     pool = None
     n_docs = n_skipped = n_tokens = 0

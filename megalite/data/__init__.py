@@ -26,6 +26,7 @@ _EXPORTS = {
     "collate_samples": "samplers",
     "TOKENIZER_TYPES": "tokenizers",
     "build_tokenizer": "tokenizers",
+    "build_tokenizer_from_config": "tokenizers",
     "train_char_tokenizer": "tokenizers",
     "train_sentencepiece": "tokenizers",
 }

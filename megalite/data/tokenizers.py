@@ -11,6 +11,8 @@ import json
 import os
 from typing import Iterable, Sequence
 
+from megalite.data.tiktoken_models import Llama3Tokenizer, TikTokenizer
+
 __all__ = [
     "TOKENIZER_TYPES",
     "ByteLevelTokenizer",
@@ -19,9 +21,12 @@ __all__ = [
     "GPTSentencePieceTokenizer",
     "HuggingFaceTokenizer",
     "Llama2Tokenizer",
+    "Llama3Tokenizer",
     "NullTokenizer",
     "SentencePieceTokenizer",
+    "TikTokenizer",
     "build_tokenizer",
+    "build_tokenizer_from_config",
     "train_char_tokenizer",
     "train_sentencepiece",
 ]
@@ -248,14 +253,23 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "Llama2Tokenizer",
     "GPTSentencePieceTokenizer",
+    "TikTokenizer",
+    "Llama3Tokenizer",
 )
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
                     vocab_size: int | None = None, vocab_file: str | None = None,
-                    merge_file: str | None = None):
+                    merge_file: str | None = None, tiktoken_pattern: str | None = None,
+                    tiktoken_num_special_tokens: int = 1000,
+                    tiktoken_special_tokens: Sequence[str] | None = None):
     """Build a tokenizer from Megatron-style ``--tokenizer-type/--tokenizer-model/--vocab-size``
-    (``--vocab-file/--merge-file`` for GPT-2 BPE)."""
+    (``--vocab-file/--merge-file`` for GPT-2 BPE, ``--tiktoken-*`` for TikTokenizer)."""
+    if tokenizer_type == "TikTokenizer":
+        return TikTokenizer(tokenizer_model, tiktoken_pattern, vocab_size,
+                            tiktoken_num_special_tokens, tiktoken_special_tokens)
+    if tokenizer_type == "Llama3Tokenizer":
+        return Llama3Tokenizer(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "Llama2Tokenizer":
@@ -275,6 +289,19 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
     raise ValueError(
         f"unknown --tokenizer-type {tokenizer_type!r}; choose one of: {', '.join(TOKENIZER_TYPES)}"
     )
+
+
+def build_tokenizer_from_config(data, vocab_size: int | None = None):
+    """The tokenizer a run's ``DataConfig`` (or the preprocessing tool's arguments) names;
+    None without ``--tokenizer-type``. One place maps flags to the constructor."""
+    if not getattr(data, "tokenizer_type", None):
+        return None
+    return build_tokenizer(
+        data.tokenizer_type, data.tokenizer_model, vocab_size,
+        getattr(data, "vocab_file", None), getattr(data, "merge_file", None),
+        getattr(data, "tiktoken_pattern", None),
+        getattr(data, "tiktoken_num_special_tokens", None) or 1000,
+        getattr(data, "tiktoken_special_tokens", None))
 
 
 def _check_inputs(files: Sequence[str]) -> list[str]:

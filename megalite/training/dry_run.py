@@ -142,8 +142,8 @@ def _with_tokenizer_vocab(cfg: MegaliteConfig) -> MegaliteConfig:
         raise ConfigError("--dry-run needs the vocabulary size: give --vocab-size or a tokenizer")
     import dataclasses
 
-    from megalite.data import build_tokenizer
+    from megalite.data import build_tokenizer_from_config
 
-    tok = build_tokenizer(d.tokenizer_type, d.tokenizer_model, None, d.vocab_file, d.merge_file)
+    tok = build_tokenizer_from_config(d)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                               vocab_size=tok.vocab_size))

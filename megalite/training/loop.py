@@ -84,13 +84,9 @@ class Trainer:
         return 0
 
     def setup(self):
-        from megalite.data import build_tokenizer
+        from megalite.data import build_tokenizer_from_config
 
-        d = self.cfg.data
-        if d.tokenizer_type:
-            self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model,
-                                             self.cfg.model.vocab_size, d.vocab_file,
-                                             d.merge_file)
+        self.tokenizer = build_tokenizer_from_config(self.cfg.data, self.cfg.model.vocab_size)
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)

@@ -137,8 +137,17 @@ def test_nothing_complete_is_one_error_line(two_saves):
 
 
 def test_wrong_shape_names_file_and_tensor(two_saves):
-    with pytest.raises(ValueError, match=r"iter_0000004/\.metadata: 'model\..*' has shape"):
+    from megalite.config import ConfigError
+
+    # the flags meet the checkpoint's model first, before any process group ...
+    with pytest.raises(ConfigError, match="^--ffn-hidden-size: this run has 64, .* has 128"):
         _trainer("--load", two_saves, "--ffn-hidden-size", "64")
+    # ... and the load still names the file and tensor for a config that skipped that check
+    cfg = parse_args([*BASE, "--load", two_saves, "--ffn-hidden-size", "64"],
+                     validate_config=False)
+    t = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
+    with pytest.raises(ValueError, match=r"iter_0000004/\.metadata: 'model\..*' has shape"):
+        t.setup()
 
 
 def test_failed_save_never_moves_the_marker(two_saves, monkeypatch):

@@ -76,6 +76,23 @@ def target_split(model_cfg: dict, args):
         raise ValueError(f"target pipeline layout: {exc}") from None
 
 
+def train_hint(save_dir: str, model_cfg: dict, tp: int, pp: int) -> str:
+    """The pretrain_gpt.py flags for the written checkpoint: its model flags (what
+    --use-checkpoint-args would read) and the layout it was written for (any other works)."""
+    import shlex
+
+    from megalite.checkpointing.checkpoint_args import model_flags
+
+    layout = []
+    if tp > 1:
+        layout += ["--tensor-model-parallel-size", str(tp)]
+    if pp > 1:
+        layout += ["--pipeline-model-parallel-size", str(pp)]
+    flags = " ".join(shlex.quote(f) for f in model_flags(model_cfg) + layout)
+    return (f"model flags for pretrain_gpt.py (or give --use-checkpoint-args instead):\n"
+            f"  --load {shlex.quote(save_dir)} {flags}")
+
+
 def convert(args) -> str:
     from megalite.checkpointing import hf
     from megalite.checkpointing.model_io import (full_state_dict_from_checkpoint,
@@ -95,7 +112,7 @@ def convert(args) -> str:
         write_checkpoint_from_full(args.save_dir, model_cfg, full, tp, pp, iteration, split)
         vpp = f", VPP={split.vpp}" if split.vpp > 1 else ""
         return (f"wrote megalite checkpoint (TP={tp}, PP={pp}{vpp}, iteration {iteration}) to "
-                f"{args.save_dir}")
+                f"{args.save_dir}\n" + train_hint(args.save_dir, model_cfg, tp, pp))
     adapter = hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype))
     return f"wrote Hugging Face {adapter.architectures[0]} checkpoint to {args.save_dir}"
 
