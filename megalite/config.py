@@ -159,6 +159,12 @@ class ModelConfig:
     transformer_impl: str = opt(
         "auto", "Hot-layer implementation: 'local' (pure PyTorch), 'transformer_engine', or "
         "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"])
+    # Fused output layer + cross entropy (tensor_parallel/fused_cross_entropy.py).
+    cross_entropy_loss_fusion: bool = opt(
+        False, "Compute the output layer and the vocab-parallel loss chunk by chunk over "
+        "tokens, never holding the whole fp32 logits.", action="store_true")
+    cross_entropy_chunk_tokens: int = opt(
+        0, "Tokens per chunk of --cross-entropy-loss-fusion (0: about 32 MiB of fp32 logits).")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
