@@ -341,6 +341,10 @@ class OptimizerConfig:
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     bf16: bool = opt(False, "bf16 compute with fp32 master weights.", action="store_true")
+    precision: Optional[str] = opt(
+        None, "Training precision: fp32, bf16 (as --bf16) or auto (time bf16 and fp32 matmuls "
+        "at start-up and train in the faster; training/precision.py).",
+        choices=["auto", "fp32", "bf16"])
     fp16: bool = opt(False, "fp16 compute with fp32 master weights and a loss scaler.",
                      action="store_true")
     loss_scale: Optional[float] = opt(

@@ -26,7 +26,7 @@ from megalite.distributed.data_parallel import build_data_parallel
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.optimizer import LRScheduler
-from megalite.parallel_state import ParallelState, initialize
+from megalite.parallel_state import Group, ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
@@ -35,6 +35,7 @@ from megalite.training.flops import (device_peak_flops, flops_per_iteration,
                                      model_flops_utilization)
 from megalite.training.memory_report import memory_record
 from megalite.training.metrics import TrainingLogger
+from megalite.training.precision import log_precision, resolve_precision
 
 
 class Trainer:
@@ -308,12 +309,15 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     if device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.world_size, 1)))
     state = initialize(cfg)
+    cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
+        cfg, Group("world", list(range(state.grid.world_size)), None, state.rank), device)
     trainer = Trainer(cfg, state, device, family)
     trainer.setup()
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
     if cfg.accepted_flags:
         logger.info(compat_flags.describe(cfg.accepted_flags))
+    log_precision(logger, precision)
     t = cfg.training
     failed = False
     try:
