@@ -354,6 +354,10 @@ class OptimizerConfig:
     loss_scale_window: float = opt(1000, "fp16: steps without overflow before the scale grows.")
     hysteresis: int = opt(2, "fp16: overflows tolerated before the scale shrinks.")
 
+    def __post_init__(self):
+        if self.precision == "bf16":    # one switch downstream: dry run, planner, optimizer
+            self.bf16 = True
+
 
 @dataclass
 class DataConfig:
