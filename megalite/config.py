@@ -168,6 +168,12 @@ class ModelConfig:
     fp8_amax_compute_algo: str = opt("most_recent", "FP8 delayed scaling: scale from the "
                                      "most recent amax or the max of the history.",
                                      choices=["most_recent", "max"])
+    # Fused output layer + cross entropy (tensor_parallel/fused_cross_entropy.py).
+    cross_entropy_loss_fusion: bool = opt(
+        False, "Compute the output layer and the vocab-parallel loss chunk by chunk over "
+        "tokens, never holding the whole fp32 logits.", action="store_true")
+    cross_entropy_chunk_tokens: int = opt(
+        0, "Tokens per chunk of --cross-entropy-loss-fusion (0: about 32 MiB of fp32 logits).")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
@@ -344,6 +350,10 @@ class OptimizerConfig:
     adam_beta2: float = opt(0.999, "Adam beta2.")
     adam_eps: float = opt(1e-8, "Adam epsilon.")
     bf16: bool = opt(False, "bf16 compute with fp32 master weights.", action="store_true")
+    precision: Optional[str] = opt(
+        None, "Training precision: fp32, bf16 (as --bf16) or auto (time bf16 and fp32 matmuls "
+        "at start-up and train in the faster; training/precision.py).",
+        choices=["auto", "fp32", "bf16"])
     fp16: bool = opt(False, "fp16 compute with fp32 master weights and a loss scaler.",
                      action="store_true")
     loss_scale: Optional[float] = opt(
@@ -353,6 +363,10 @@ class OptimizerConfig:
     min_loss_scale: float = opt(1.0, "fp16: smallest dynamic loss scale.")
     loss_scale_window: float = opt(1000, "fp16: steps without overflow before the scale grows.")
     hysteresis: int = opt(2, "fp16: overflows in a row before the scale shrinks.")
+
+    def __post_init__(self):
+        if self.precision == "bf16":    # one switch downstream: dry run, planner, optimizer
+            self.bf16 = True
 
 
 @dataclass

@@ -338,6 +338,10 @@ def validate_files(cfg: MegaliteConfig) -> None:
 
 def validate_training(cfg: MegaliteConfig) -> None:
     o, t = cfg.optimizer, cfg.training
+    if o.precision and (o.fp16 or (o.bf16 and o.precision != "bf16")):
+        other = "--fp16" if o.fp16 else "--bf16"
+        raise ConfigError(f"--precision {o.precision} conflicts with {other}; give only one "
+                          f"(--precision {o.precision} alone, or {other} alone)")
     if o.fp16 and o.bf16:
         raise ConfigError("give only one of --fp16 and --bf16")
     check_loss_scaler(o)

@@ -5,8 +5,9 @@ style (LayerNorm, learned positions, GeLU, biases, tied) models, selected by
 ``cfg.model`` flags.  A pipeline chunk holds ``layer_numbers`` (global indices), the
 embedding when ``pre_process`` and the final norm + output layer when ``post_process``.
 
-Forward contract (``forward(input_ids, position_ids=None, labels=None)``):
-  * post_process and labels given -> fp32 per-token loss [b, s]
+Forward contract (``forward(input_ids, position_ids=None, labels=None, loss_mask=None)``):
+  * post_process and labels given -> fp32 per-token loss [b, s] (``loss_mask``, how the
+    caller weights the tokens, lets the fused loss form its gradients in forward)
   * post_process, no labels       -> logits, this rank's vocabulary shard [b, s, v_pad/tp]
   * otherwise                      -> hidden states [s/tp (with SP) or s, b, h]
 Non-first chunks take their input from ``set_input_tensor``.
@@ -18,6 +19,7 @@ and padded rows get zero gradient (logits of padded columns are 0 and stay 0).
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -31,7 +33,8 @@ from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, g
 from megalite.process_groups import ModelCommGroups
 from megalite.models.parallelize import parallelize_model
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import VocabParallelEmbedding
+from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
+from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.rotary import RotaryEmbedding
@@ -122,12 +125,17 @@ class GPTModel(nn.Module):
                                         layer_numbers=self.layer_numbers,
                                         sequence_parallel=sp, post_layer_norm=post_process,
                                         rng_tracker=self.rng_tracker, **kw)
+        self.fused_loss = False
         if post_process:
             self.output_layer = spec.column_parallel_linear(
                 m.hidden_size, m.vocab_size, tp_group=state.tp, bias=False, gather_output=False,
                 sequence_parallel=sp, init_std=m.init_method_std,
                 pad_multiple=m.make_vocab_size_divisible_by,
                 skip_weight_param=self.tied and pre_process, **kw)
+            # --cross-entropy-loss-fusion: only for the plain column-parallel output layer
+            # (a bias or another backend's layer keeps the unfused path).
+            self.fused_loss = m.cross_entropy_loss_fusion and isinstance(
+                self.output_layer, ColumnParallelLinear) and self.output_layer.bias is None
         # The tied word embedding: the first stage's is the owner; the last stage's output
         # layer holds a copy under the same canonical name (same init and checkpoint entry),
         # whose grad is summed over the 'embedding' group and which the grad norm skips.
@@ -185,7 +193,8 @@ class GPTModel(nn.Module):
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_process:
             hidden = self.embedding(input_ids, position_ids)
         else:
@@ -201,6 +210,13 @@ class GPTModel(nn.Module):
             return hidden
         weight = self.embedding.word_embeddings.weight if (self.tied and self.pre_process) \
             else None
+        if labels is not None and self.fused_loss:     # logits never held whole
+            head = functools.partial(
+                fused_linear_cross_entropy, labels=labels.t(), group=self.tp_group,
+                vocab_size=self.vocab_size, sequence_parallel=self.sequence_parallel,
+                token_weights=None if loss_mask is None else loss_mask.t(),
+                chunk_tokens=self.model_cfg.cross_entropy_chunk_tokens)
+            return self.output_layer(hidden, weight=weight, loss_head=head).t()
         logits = self.output_layer(hidden, weight=weight)                 # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1)

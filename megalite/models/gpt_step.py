@@ -61,7 +61,8 @@ def loss_func(loss_mask: torch.Tensor, num_loss_tokens: torch.Tensor,
 def forward_step(batch: dict, model, ctx: StepContext):
     """Run one chunk on one micro-batch; any stage may add extra loss terms."""
     with collect_extra_losses(ctx.extra_loss_names) as extra:
-        output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"])
+        output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
+                       loss_mask=batch["loss_mask"])   # the fused loss's token weights
     if extra.terms:
         extra.accumulate(ctx.extra_loss_sums)
         output = extra.attach(output, ctx.extra_loss_scale * ctx.grad_scale)

@@ -141,8 +141,11 @@ class ColumnParallelLinear(nn.Module):
             make_param(self, "bias", ParamSpec.split(
                 (output_size,), 0, g, partition_blocks, pad_multiple, init=("zeros",)), sizes, **kw)
 
-    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                loss_head=None) -> torch.Tensor:
         w = self.weight if weight is None else weight
+        if loss_head is not None:   # the fused output layer + loss: ``loss_head(x, w)``
+            return loss_head(x, w)  # called here so module hooks (FSDP2) see the call
         if self.sequence_parallel:          # gather, matmul; saves only the sequence shard
             y = linear_with_sp_gather(x, w, self.bias, self.tp_group)
         else:

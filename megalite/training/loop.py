@@ -27,7 +27,7 @@ from megalite.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.optimizer import LRScheduler
-from megalite.parallel_state import ParallelState, initialize
+from megalite.parallel_state import Group, ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
@@ -36,6 +36,7 @@ from megalite.training.flops import (device_peak_flops, flops_per_iteration,
                                      model_flops_utilization)
 from megalite.training.memory_report import memory_record
 from megalite.training.metrics import TrainingLogger
+from megalite.training.precision import log_precision, resolve_precision
 
 
 class Trainer:
@@ -361,6 +362,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     backend_line = describe_backend(cfg.model.transformer_impl, device)
     cfg = resolve_backend_config(cfg, device)      # auto -> local | transformer_engine
     state = initialize(cfg)
+    cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
+        cfg, Group("world", list(range(state.grid.world_size)), None, state.rank), device)
     trainer = Trainer(cfg, state, device, family)
     trainer.setup()
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
@@ -368,6 +371,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     logger.info(backend_line)
     if cfg.accepted_flags:
         logger.info(compat_flags.describe(cfg.accepted_flags))
+    log_precision(logger, precision)
     t = cfg.training
     failed = False
     try:
