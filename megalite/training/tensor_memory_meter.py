@@ -13,10 +13,10 @@ temporaries.
 What it does not see: allocations made before the meter started (start it before the model
 is built to count everything), and allocations made on other threads (gloo's worker threads
 flatten coalesced collectives there).  A block allocated here whose last reference gloo's
-worker thread drops has no free event: it ends when the allocator hands out its address
-again, or -- a collective's temporary, allocated inside a ``c10d::`` op -- with that op (the
-caller then blocks in the wait and allocates nothing, so the peak does not move);
-``stale_frees`` counts the reused addresses.
+worker thread drops (a collective's temporary or input) has no free event: it ends at its
+last use by an op (the profiler records each op's input storages) -- known to be dead
+because its address was handed out again, or because no Python object holds it when the
+meter stops; ``stale_frees`` counts these.
 
 Cost: the profiler records every op while it runs (a few microseconds each); meter only the
 steps you need.  On CUDA use ``torch.cuda.max_memory_allocated`` instead.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -85,7 +86,8 @@ class TensorMemoryMeter:
     def start(self) -> "TensorMemoryMeter":
         if torch.autograd._profiler_enabled():
             raise RuntimeError("TensorMemoryMeter: another torch profiler is already running")
-        cfg = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False,
+        # input shapes on: every op's inputs carry their storage pointers (block_lifetimes)
+        cfg = ProfilerConfig(ProfilerState.KINETO, True, True, False, False, False,
                              _ExperimentalConfig())
         with _quiet_stderr():
             _prepare_profiler(cfg, {ProfilerActivity.CPU})
@@ -99,7 +101,7 @@ class TensorMemoryMeter:
         with _quiet_stderr():
             profile = _disable_profiler()
         self.active = False
-        self.result = summarize(profile.experimental_event_tree())
+        self.result = summarize(profile.experimental_event_tree(), live_cpu_storages())
         return self.result
 
     def window(self, name: str):
@@ -113,10 +115,20 @@ class TensorMemoryMeter:
         self.stop()
 
 
-def _walk(roots) -> Tuple[List[tuple], List[tuple]]:
+def _tensor_ptrs(inputs):
+    for x in inputs:
+        if isinstance(x, list):
+            yield from _tensor_ptrs(x)
+        elif getattr(x, "storage_data_ptr", None):
+            yield x.storage_data_ptr
+
+
+def _walk(roots):
     """CPU allocation events ``(time, ptr, bytes, end of the enclosing collective or None)``
-    in time order, and the marked windows ``(name, start, end)``."""
-    allocs, marks = [], []
+    in time order; the marked windows ``(name, start, end)``; per storage pointer the end
+    times of the ops that took it as an input; the pointers some collective (``c10d::`` op)
+    took."""
+    allocs, marks, uses, collective_inputs = [], [], {}, set()
     stack = [(e, None) for e in roots]
     while stack:
         e, collective_end = stack.pop()
@@ -129,43 +141,77 @@ def _walk(roots) -> Tuple[List[tuple], List[tuple]]:
         if kind == _EventType.TorchOp:
             if e.name.startswith(MARK):
                 marks.append((e.name[len(MARK):], e.start_time_ns, e.end_time_ns))
-            elif collective_end is None and e.name.startswith("c10d::"):
-                collective_end = e.end_time_ns
+            else:
+                ptrs = list(_tensor_ptrs(e.extra_fields.inputs))
+                for ptr in ptrs:
+                    uses.setdefault(ptr, []).append(e.end_time_ns)
+                if collective_end is None and e.name.startswith("c10d::"):
+                    collective_end = e.end_time_ns
+                    collective_inputs.update(ptrs)
         stack.extend((c, collective_end) for c in e.children)
     allocs.sort(key=lambda a: a[0])
-    return allocs, marks
+    return allocs, marks, uses, collective_inputs
 
 
-def block_lifetimes(allocs) -> Tuple[List[tuple], int]:
-    """``(alloc time, free time or None, bytes)`` per block.  A block whose free was not seen
-    (gloo's worker thread dropped the last reference) ends when its address is handed out
-    again -- or, if it was a collective's temporary (allocated inside a ``c10d::`` op), with
-    that op: the caller then blocks in the collective's wait and allocates nothing, so the
-    peak does not depend on when exactly gloo freed it."""
+def block_lifetimes(allocs, uses=None, collective_inputs=(), live_ptrs=None):
+    """``(alloc time, free time or None, bytes)`` per block, and how many frees were unseen.
+
+    A block whose free was not seen was freed by gloo's worker thread, which held it last: a
+    collective's temporary (allocated inside a ``c10d::`` op) or one of its inputs.  It ends
+    at its last use by an op (the collective, or a copy out of it) before its address was
+    handed out again -- or, if the address never came back and no Python object holds the
+    storage when the meter stops (``live_ptrs``), before the meter stopped.  Its exact free
+    time does not matter: after its last use the caller only waits for gloo."""
+    uses = uses or {}
     open_: Dict[int, list] = {}
     blocks: List[list] = []
     stale = 0
-    for t, ptr, size, collective_end in allocs:
+
+    def last_use(block, before):
+        ends = [t for t in uses.get(block[4], ()) if block[0] <= t <= before]
+        if block[3] is not None:
+            ends.append(block[3])
+        return max(ends, default=None)
+
+    for t, ptr, size, in_collective in allocs:
         if size > 0:
             if ptr in open_:                    # freed unseen, address reused
                 old = open_.pop(ptr)
-                old[1] = t if old[3] is None else min(t, old[3])
+                end = last_use(old, t)
+                old[1] = t if end is None else end
                 stale += 1
-            block = [t, None, size, collective_end]
+            block = [t, None, size, in_collective, ptr]
             open_[ptr] = block
             blocks.append(block)
         elif size < 0 and ptr in open_:
             open_.pop(ptr)[1] = t
-    for block in open_.values():                # never freed while metered
-        if block[3] is not None:
-            block[1] = block[3]
-    return [(t0, t1, size) for t0, t1, size, _ in blocks], stale
+    for ptr, block in open_.items():            # never freed while metered
+        gloo_held = block[3] is not None or ptr in collective_inputs
+        end = last_use(block, float("inf"))
+        if gloo_held and live_ptrs is not None and ptr not in live_ptrs and end is not None:
+            block[1] = end
+            stale += 1
+    return [(b[0], b[1], b[2]) for b in blocks], stale
 
 
-def summarize(roots) -> MeterResult:
+def live_cpu_storages() -> set:
+    """Data pointers of the CPU storages Python objects hold now (the meter's liveness check
+    for blocks whose free it did not see)."""
+    ptrs = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                if obj.device.type == "cpu":
+                    ptrs.add(obj.untyped_storage().data_ptr())
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass                         # wrapper subclasses: their local tensor is listed
+    return ptrs
+
+
+def summarize(roots, live_ptrs=None) -> MeterResult:
     """Live bytes over time from the allocation events; peak per marked window."""
-    allocs, marks = _walk(roots)
-    lifetimes, stale = block_lifetimes(allocs)
+    allocs, marks, uses, collective_inputs = _walk(roots)
+    lifetimes, stale = block_lifetimes(allocs, uses, collective_inputs, live_ptrs)
     deltas = [(t0, size) for t0, _, size in lifetimes]
     deltas += [(t1, -size) for _, t1, size in lifetimes if t1 is not None]
     deltas.sort(key=lambda d: (d[0], d[1]))     # at equal times, frees first

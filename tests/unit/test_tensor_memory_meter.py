@@ -39,13 +39,19 @@ def test_backward_peak_holds_saved_activations():
     assert w.end_bytes - w.start_bytes >= act                   # x.grad stays
 
 
-def test_unseen_frees_end_at_reuse_or_with_their_collective():
+def test_unseen_frees_end_at_their_last_use():
     # (time, ptr, bytes, end of the enclosing c10d op or None)
     allocs = [(0, 0xA, 100, None), (1, 0xB, 50, 5),      # B: a collective's temporary
               (2, 0xA, -100, None),                      # A freed, seen
               (3, 0xC, 70, None),                        # C: never freed here
               (8, 0xC, 70, None),                        # C's address reused: freed before
-              (9, 0xD, 30, 12)]                          # D: still open at the end
-    lifetimes, stale = block_lifetimes(allocs)
-    assert lifetimes == [(0, 2, 100), (1, 5, 50), (3, 8, 70), (8, None, 70), (9, 12, 30)]
-    assert stale == 1
+              (9, 0xD, 30, 12),                          # D: dead at the end (gloo's temp)
+              (10, 0xE, 40, None),                       # E: a collective's input, last used
+              (20, 0xE, 40, None),                       # at 15, address reused at 20
+              (21, 0xF, 60, None),                       # F: collective input, alive at stop
+              (22, 0x1, 80, None)]                       # G: collective input, dead at stop
+    uses = {0xE: [13, 15], 0xA: [1], 0xF: [23], 0x1: [24, 26]}
+    lifetimes, stale = block_lifetimes(allocs, uses, {0xE, 0xF, 0x1}, live_ptrs={0xF})
+    assert lifetimes == [(0, 2, 100), (1, 5, 50), (3, 8, 70), (8, None, 70), (9, 12, 30),
+                         (10, 15, 40), (20, None, 40), (21, None, 60), (22, 26, 80)]
+    assert stale == 5
