@@ -315,7 +315,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     try:
         trainer.setup()
     except BaseException:
-        trainer.memory_reporter.close()
+        trainer.memory_reporter.close(failed=True)
         raise
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
@@ -345,7 +345,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         failed = True       # no final barrier: a peer may be stuck in p2p (the caller aborts)
         raise
     finally:
-        trainer.memory_reporter.close()
+        trainer.memory_reporter.close(failed)
         logger.close()
         if not failed:
             comm.barrier()

@@ -111,8 +111,10 @@ class MemoryReporter:
         logger.log_memory(memory_record(cfg, rank, peak, iteration, self.step_peaks, source))
         self.done = True
 
-    def close(self) -> None:
-        """Stop the meter if the run ended (or failed) before the report."""
-        if self.meter is not None:
-            self.meter.stop()
+    def close(self, failed: bool = False) -> None:
+        """Stop the meter, unread, if the run ended before the report.  After a failure it
+        is left to the meter's exit handler: stopping the profiler takes seconds, and every
+        rank is being ended -- a peer's SIGTERM must not cut this rank's error report."""
+        if self.meter is not None and not failed:
+            self.meter.discard()
             self.meter = None

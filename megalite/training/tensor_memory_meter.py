@@ -23,6 +23,7 @@ steps you need.  On CUDA use ``torch.cuda.max_memory_allocated`` instead.
 """
 from __future__ import annotations
 
+import atexit
 import bisect
 import contextlib
 import gc
@@ -93,6 +94,7 @@ class TensorMemoryMeter:
             _prepare_profiler(cfg, {ProfilerActivity.CPU})
             _enable_profiler(cfg, {ProfilerActivity.CPU})
         self.active = True
+        atexit.register(self.discard)     # a profiler left on at exit crashes the interpreter
         return self
 
     def stop(self) -> MeterResult:
@@ -101,8 +103,17 @@ class TensorMemoryMeter:
         with _quiet_stderr():
             profile = _disable_profiler()
         self.active = False
+        atexit.unregister(self.discard)
         self.result = summarize(profile.experimental_event_tree(), live_cpu_storages())
         return self.result
+
+    def discard(self) -> None:
+        """Stop without summarizing (costs about a second per few thousand recorded ops)."""
+        if self.active:
+            with _quiet_stderr():
+                _disable_profiler()
+            self.active = False
+            atexit.unregister(self.discard)
 
     def window(self, name: str):
         """Mark a window (a ``record_function`` range) whose peak the result reports."""
@@ -199,7 +210,7 @@ def live_cpu_storages() -> set:
     for blocks whose free it did not see)."""
     ptrs = set()
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
+        if issubclass(type(obj), torch.Tensor):   # not isinstance: no __class__ look-ups
             try:
                 if obj.device.type == "cpu":
                     ptrs.add(obj.untyped_storage().data_ptr())
