@@ -7,7 +7,8 @@
   micro-batch (the root unit is gathered once: it stays gathered for backward);
 * memory -- bytes per rank of weights, gradients and optimizer states kept between steps, at
   DP = 1, 2, 4 for DDP, ZeRO-1, ZeRO-2 and FSDP2, next to the planner's prediction for the
-  same layout (``planner.memory.state_bytes``);
+  same layout (``planner.memory.state_bytes``); then the peak of live CPU tensor bytes of a
+  step per rank (``training.tensor_memory_meter``) next to ``planner.step_peak``;
 * overlap -- step time on 2 processes with --overlap-grad-reduce off and on (median of
   alternating steps), and a timeline of one overlapped step (Chrome trace + SVG) showing
   the bucket reductions starting while backward still runs.
@@ -126,22 +127,51 @@ def run_comm(pool, world):
 
 
 # -- memory -------------------------------------------------------------------------------
+# ZeRO-2's full-size gradient is live one bucket at a time: buckets of ~20k elements here
+# (the default, 40M, would make this model one bucket).  Only ZeRO-2 reads the flag.
+MEMORY_FLAGS = ["--ddp-bucket-size", "20000"]
+
+
+def metered_steps(flags, world, steps=3):
+    """Build a trainer and run ``steps`` steps under the tensor-memory meter (started before
+    the model is built, so every live tensor is counted).  Returns the trainer, the peak of
+    each step and the meter's stale-free count."""
+    from megalite.training.tensor_memory_meter import TensorMemoryMeter
+
+    meter = TensorMemoryMeter().start()
+    try:
+        trainer = _trainer(flags, world)
+        it = trainer.data_iterator(trainer.train_ds, 0)
+        for i in range(steps):
+            with meter.window(f"step{i + 1}"):
+                trainer.train_step(it)
+    finally:
+        result = meter.stop()
+    return trainer, [result.windows[f"step{i + 1}"] for i in range(steps)], result.stale_frees
+
+
 def memory_rank(world):
+    import torch.distributed as torch_dist
+
     from megalite.planner import model_spec as ms
     from megalite.planner.layout import layout_from_config
     from megalite.planner.memory import Precision, state_bytes
+    from megalite.planner.step_peak import predict_step_peak
 
+    rank = torch_dist.get_rank() if world > 1 else 0
     out = []
     for name, flags in STRATEGIES.items():
-        trainer = _trainer(flags + ["--global-batch-size", str(world)], world)
-        it = trainer.data_iterator(trainer.train_ds, 0)
-        trainer.train_step(it)
+        trainer, steps, stale = metered_steps(
+            flags + MEMORY_FLAGS + ["--global-batch-size", str(world)], world)
         cfg = trainer.cfg
         L = layout_from_config(cfg)
         params = ms.stage_params(cfg.model, 0, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
-        pred = state_bytes(params, L.dp * L.cp, L.edp, L.zero,
+        kept = state_bytes(params, L.dp * L.cp, L.edp, L.zero,
                            Precision.bf16() if cfg.optimizer.bf16 else Precision.fp32())
-        out.append((name, L.zero, _state_bytes(trainer), pred))
+        out.append({"name": name, "kept": _state_bytes(trainer), "kept_planner": kept,
+                    "first_peak": steps[0].peak_bytes, "peak": steps[-1].peak_bytes,
+                    "start": steps[-1].start_bytes, "stale": stale,
+                    "predicted": predict_step_peak(cfg, rank)})
         del trainer
     return out
 
@@ -150,16 +180,30 @@ def run_memory(pool):
     print("\n== bytes per rank kept between steps (fp32: 4 B weights, 4 B grads, 8 B Adam) ==")
     print(f"{'DP':>2s} {'strategy':8s} {'what':9s} {'measured':>10s} {'planner':>10s} "
           f"{'meas/plan':>9s}")
+    peaks = {}
     for world in (1, 2, 4):
-        for name, zero, meas, pred in pool.run(world, memory_rank, world)[0]:
+        res = pool.run(world, memory_rank, world)
+        peaks[world] = res
+        for r in res[0]:
             for k in ("weights", "grads", "optimizer"):
-                print(f"{world:2d} {name:8s} {k:9s} {meas[k]:10d} {pred[k]:10d} "
-                      f"{meas[k] / pred[k]:9.3f}")
-    print("(planner: state_bytes of the same layout; FSDP2 also holds up to two gathered "
-          "layers during forward/backward, which the planner adds to its peak.  The process's "
-          "resident peak is not compared on CPU: the model is built whole before it is "
-          "sharded, and glibc keeps freed pages -- on GPU compare the allocator's peak, which "
-          "the start-up memory report prints)")
+                m, p = r["kept"][k], r["kept_planner"][k]
+                print(f"{world:2d} {r['name']:8s} {k:9s} {m:10d} {p:10d} {m / p:9.3f}")
+    print("\n== peak live CPU tensor bytes of one step, per rank (tensor-memory meter), next to "
+          "the planner's step peak ==")
+    print(f"{'DP':>2s} {'strategy':8s} {'rank':>4s} {'1st step':>10s} {'peak':>10s} "
+          f"{'planner':>10s} {'meas/plan':>9s}  planner's peak phase and its parts")
+    for world, res in peaks.items():
+        for rank, rows in enumerate(res):
+            for r in rows:
+                p = r["predicted"]
+                parts = " ".join(f"{k[:4]} {p[k]}" for k in
+                                 ("weights", "grads", "optimizer", "activations", "transient"))
+                print(f"{world:2d} {r['name']:8s} {rank:4d} {r['first_peak']:10d} {r['peak']:10d} "
+                      f"{p['total']:10d} {r['peak'] / p['total']:9.3f}  {p['peak_phase']}: "
+                      f"{parts}" + (f" (stale frees {r['stale']})" if r["stale"] else ""))
+    print("(peak: the third step's; the first ZeRO-2 step reduces every bucket after backward, "
+          "its whole gradient is live once.  Measured: torch's CPU allocator events through "
+          "the profiler, from before the model is built; planner: planner.step_peak)")
 
 
 # -- overlap ------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from megalite.pipeline_parallel.timeline import record_iteration
 from megalite.training.faults import ExitWatcher, check_finite
 from megalite.training.flops import (device_peak_flops, flops_per_iteration,
                                      model_flops_utilization)
-from megalite.training.memory_report import memory_record
+from megalite.training.memory_report import MemoryReporter
 from megalite.training.metrics import TrainingLogger
 from megalite.training.precision import log_precision, resolve_precision
 
@@ -67,6 +67,8 @@ class Trainer:
         self._timeline_events = None       # this step's schedule events, recorded after sync
         self.exit_reason = ""       # set when a signal or the clock ended training early
         self.pending_save = None    # a checkpoint still being written (--async-save)
+        # start-up memory report; ``pretrain`` starts it before ``setup`` (tensor meter on CPU)
+        self.memory_reporter = MemoryReporter(device)
 
     # -- construction ------------------------------------------------------------------
     @property
@@ -246,10 +248,10 @@ class Trainer:
 
     def _train_iterations(self, logger, iterator, flops, peak, world, watcher):
         cfg, t = self.cfg, self.cfg.training
-        first = self.iteration
         while self.iteration < self.train_iters:
             t0 = time.perf_counter()
-            out = self.train_step(iterator)
+            with self.memory_reporter.step(self.iteration + 1):
+                out = self.train_step(iterator)
             elapsed = time.perf_counter() - t0
             gbs = out.get("global_batch_size", t.global_batch_size)
             tokens = gbs * cfg.model.seq_length
@@ -261,9 +263,9 @@ class Trainer:
                       "mfu": model_flops_utilization(flops_now / elapsed / world, peak),
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
-            if self.iteration == first + 1:      # planner vs measured, once
-                logger.log_memory(memory_record(cfg, self.state.rank, record["peak_mem_bytes"],
-                                                self.iteration))
+            self.memory_reporter.after_step(logger, cfg, self.state.rank, self.iteration,
+                                            self.iteration == self.train_iters,
+                                            record["peak_mem_bytes"])   # planner vs measured
             check_finite(out["lm_loss"], out["grad_norm"], self.iteration, self.state.rank,
                          cfg.checkpoint.check_for_nan_in_loss_and_grad)
             if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \
@@ -365,7 +367,12 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
         cfg, Group("world", list(range(state.grid.world_size)), None, state.rank), device)
     trainer = Trainer(cfg, state, device, family)
-    trainer.setup()
+    trainer.memory_reporter.start()          # before the model is built: count every tensor
+    try:
+        trainer.setup()
+    except BaseException:
+        trainer.memory_reporter.close(failed=True)
+        raise
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
     logger.info(backend_line)
@@ -396,6 +403,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         failed = True       # no final barrier: a peer may be stuck in p2p (the caller aborts)
         raise
     finally:
+        trainer.memory_reporter.close(failed)
         logger.close()
         if not failed:
             comm.barrier()

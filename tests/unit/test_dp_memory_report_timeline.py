@@ -1,5 +1,6 @@
-"""One process, --overlap-grad-reduce: the start-up memory report (planner prediction for
-this layout + measured peak) reaches the log and the metrics file once, loss readers skip it;
+"""One process, --overlap-grad-reduce: the start-up memory report (planner's step peak for
+this layout + the peak of live tensor bytes measured by the tensor meter in the second step,
+within 10%) reaches the log and the metrics file once, loss readers skip it;
 the --pipeline-timeline trace holds the F/BW events and one "reduce k" per bucket, the first
 launched before the last backward ended; and a parameter accumulating after its bucket was
 launched is an error, not a silent wrong sum."""
@@ -11,7 +12,7 @@ import torch
 from megalite.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.layout import layout_from_config
-from megalite.planner.memory import predict_rank_memory
+from megalite.planner.step_peak import predict_step_peak
 from megalite.training.loop import Trainer
 from megalite.training.metrics import TrainingLogger
 
@@ -22,29 +23,40 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--overlap-grad-reduce", "--ddp-bucket-size", "3000", "--no-progress-bar"]
 
 
-def _trainer(tmp_path, extra=()):
+def _trainer(tmp_path, extra=(), metered=False):
     cfg = parse_args(["--world-size", "1", *FLAGS, "--metrics-file", str(tmp_path / "m.jsonl"),
                       "--pipeline-timeline", str(tmp_path / "t.json"), *extra])
     state = ParallelState.build(RankGrid(1), 0, create_groups=False)
     trainer = Trainer(cfg, state, "cpu")
+    if metered:                            # as pretrain(): metered from before the build
+        trainer.memory_reporter.start()
     trainer.setup()
     return trainer
 
 
 def test_memory_report_and_bucket_timeline(tmp_path, capsys):
-    trainer = _trainer(tmp_path)
+    trainer = _trainer(tmp_path, metered=True)
     logger = TrainingLogger(trainer.cfg, True, trainer.train_iters)
     trainer.train(logger)
     logger.close()
     recs = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     mem = [r for r in recs if r.get("split") == "memory"]
-    assert len(mem) == 1 and mem[0]["iteration"] == 1 and mem[0]["measured_peak_bytes"] > 0
-    want = predict_rank_memory(trainer.cfg, 0)
-    assert mem[0]["predicted_bytes"] == {k: int(want[k]) for k in
-                                         ("weights", "grads", "optimizer", "activations", "total")}
+    assert len(mem) == 1 and mem[0]["iteration"] == 2 and mem[0]["measured_by"] == "tensor meter"
+    want = predict_step_peak(trainer.cfg, 0)
+    assert mem[0]["predicted_bytes"] == {**{k: int(want[k]) for k in
+                                            ("weights", "grads", "optimizer", "activations",
+                                             "transient", "total")},
+                                         "peak_phase": want["peak_phase"]}
     n = sum(p.numel() for p in trainer.strategy.params)
     assert mem[0]["predicted_bytes"]["grads"] == 4 * n           # DP = 1, fp32 DDP
-    assert "> memory (rank 0): predicted weights" in capsys.readouterr().out
+    peaks = mem[0]["step_peak_bytes"]
+    assert set(peaks) == {"1", "2"} and mem[0]["measured_peak_bytes"] == peaks["2"]
+    # the first step has no Adam state until its end: its peak is lower
+    assert peaks["1"] < peaks["2"]
+    ratio = peaks["2"] / want["total"]
+    assert 0.9 <= ratio <= 1.1, ratio
+    assert trainer.memory_reporter.meter is None                 # stopped after the report
+    assert "> memory (rank 0): predicted peak (" in capsys.readouterr().out
     assert len([r for r in recs if "split" not in r]) == 3       # training lines unchanged
     from megalite.viz.loss_curve import plot_loss_curve     # noqa: F401 (readers skip it)
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
