@@ -29,6 +29,7 @@ class TrainingLogger:
         self.cfg, self.is_writer = cfg, is_writer
         lg = cfg.logging
         self.metrics = self.tb = self.wandb = self.bar = None
+        self._pending = []      # metrics-file lines not yet written (flushed per log line)
         if not is_writer:
             return
         if lg.metrics_file:
@@ -64,7 +65,7 @@ class TrainingLogger:
             return
         it = record["iteration"]
         if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
+            self._pending.append(json.dumps(record) + "\n")
         scalars = train_scalars(record, self.cfg.training.global_batch_size)
         if self.tb:
             for tag, value, step in scalars:
@@ -75,6 +76,7 @@ class TrainingLogger:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{record['lm_loss']:.4f}")
         if it % self.cfg.logging.log_interval == 0 or it == 1:
+            self.flush_metrics()
             self._print(
                 f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:>8d}/{record['train_iters']:>8d}"
                 f" | consumed samples: {record['consumed_samples']:>10d}"
@@ -94,7 +96,8 @@ class TrainingLogger:
         ppl = math.exp(min(loss, 20))
         rec = {"split": split, "iteration": iteration, "lm_loss": loss, "ppl": ppl}
         if self.metrics:
-            self.metrics.write(json.dumps(rec) + "\n")
+            self._pending.append(json.dumps(rec) + "\n")
+            self.flush_metrics()
         scalars = eval_scalars(loss, ppl, split, iteration, consumed_samples)
         if self.tb:
             for tag, value, step in scalars:
@@ -113,13 +116,23 @@ class TrainingLogger:
         from megalite.training.memory_report import format_memory_report
 
         if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
+            self._pending.append(json.dumps(record) + "\n")
+            self.flush_metrics()
         self._print(format_memory_report(record))
+
+    def flush_metrics(self):
+        """Write the records held since the last log line in one write: whole lines only,
+        so a run killed between flushes never leaves half a JSON record."""
+        if self.metrics and self._pending:
+            self.metrics.write("".join(self._pending))
+            self.metrics.flush()
+            self._pending.clear()
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
         if self.metrics:
+            self.flush_metrics()
             self.metrics.close()
         if self.tb:
             self.tb.close()
@@ -177,6 +190,6 @@ def open_metrics_file(path: str, start_iter: int):
                         kept.append(line)
                 except ValueError:
                     continue
-    out = open(path, "w", buffering=1)
+    out = open(path, "w")       # the logger writes whole batches of lines and flushes
     out.writelines(kept)
     return out
