@@ -286,21 +286,26 @@ class DDPStrategy(DataParallelStrategy):
                     p.grad = self._views[id(p)]
             self.scheduler.start_step()
             return
+        if self.bf16:       # one foreach call instead of a zero_ per parameter
+            torch._foreach_zero_([p.main_grad for p in self.params])
+        # fp32: no zeroing pass at all -- the first backward hands its gradient over
+        # (autograd's AccumulateGrad steals it) instead of adding it into zeros, as torch's
+        # ``zero_grad(set_to_none=True)``; 0 + g == g, so the values are the same
         for p in self.params:
-            if self.bf16:
-                p.main_grad.zero_()
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+            p.grad = None
 
     def _reduce_data_parallel(self):
         allreduce_data_parallel_grads(self.params, self.grad, self.state, self.specs)
 
     def _local_squares(self, cls):
+        """One ``_foreach_norm`` over the counted gradients (fp32), then the sum of their
+        squares: no per-parameter ``pow``/``sum`` and no fp32 copy of each gradient."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._device())
-        for p, spec in zip(self.params, self.specs):
-            if param_class(spec) == cls and counts_toward_norm(spec, self.coords):
-                sq += self.grad(p).float().pow(2).sum()
+        grads = [self.grad(p) for p, spec in zip(self.params, self.specs)
+                 if param_class(spec) == cls and counts_toward_norm(spec, self.coords)]
+        if grads:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            sq += torch.stack(norms).square().sum()
         return sq
 
 

@@ -69,7 +69,10 @@ def param_groups(decay: list, no_decay: list, o, decoupled_decay=(),
 
 
 def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
-    """The torch optimizer over ``groups`` (empty groups dropped): fused AdamW, or SGD."""
+    """The torch optimizer over ``groups`` (empty groups dropped): fused AdamW, or SGD.
+
+    Fused, not foreach: on CPU (torch 2.13, 2 cores) the baby GPT's 52 parameters step in
+    4.8 ms fused against 18.5 ms foreach and 19.9 ms one tensor at a time (docs/performance.md)."""
     groups = [g for g in groups if g["params"]]
     if o.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=o.lr or 0.0, momentum=0.9)
@@ -182,11 +185,11 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
         return self._grad_of(p)
 
     def _prepare_grads(self, coef: float) -> None:
-        for p, m in zip(self.params, self.masters):
-            g = self.grad(p)
-            if coef != 1.0:
-                g.mul_(coef)
-            if self.bf16:
+        grads = [self.grad(p) for p in self.params]
+        if coef != 1.0:     # one foreach call, not one Python-level mul_ per parameter
+            torch._foreach_mul_(grads, coef)
+        if self.bf16:
+            for m, g in zip(self.masters, grads):
                 m.grad = g
 
     def _write_back(self) -> None:

@@ -239,12 +239,15 @@ class Trainer:
         world = self.cfg.world_size
         c = cfg.checkpoint
         watcher = ExitWatcher(c.exit_signal_handler, c.exit_duration_in_mins)
+        first, start = self.iteration, time.perf_counter()
         try:
             self._train_iterations(logger, iterator, flops, peak, world, watcher)
         finally:
             watcher.close()
             if hasattr(iterator, "close"):
                 iterator.close()
+        logger.info(f"> training loop: {self.iteration - first} iterations in "
+                    f"{time.perf_counter() - start:.3f} s")
 
     def _train_iterations(self, logger, iterator, flops, peak, world, watcher):
         cfg, t = self.cfg, self.cfg.training
@@ -274,6 +277,7 @@ class Trainer:
                                 consumed_samples=self.consumed_samples)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
                     self.iteration % cfg.checkpoint.save_interval == 0:
+                logger.flush_metrics()     # the file holds every record the checkpoint has
                 self.save()
             if t.exit_interval and self.iteration % t.exit_interval == 0:
                 break
@@ -313,6 +317,28 @@ def peak_memory_bytes(device: str) -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under taskset or a SLURM
+    cgroup), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def set_cpu_threads(world_size: int) -> str:
+    """torch's intra-op threads = usable cores / processes on this node (torchrun's
+    LOCAL_WORLD_SIZE; the world size when it is absent), so co-located ranks do not
+    oversubscribe the cores (an OpenMP barrier with more threads than cores stalls every op).
+    Called before the first training op; returns the line the log prints."""
+    cores = usable_cores()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or 1)
+    threads = max(1, cores // max(local, 1))
+    torch.set_num_threads(threads)
+    return (f"> torch threads per process: {threads} ({cores} usable cores / {local} "
+            f"local process{'es' if local > 1 else ''})")
 
 
 def global_loss_tokens(batches, state, device) -> torch.Tensor:
@@ -357,8 +383,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     refusal = compat_flags.runtime_refusal(cfg.accepted_flags, device)
     if refusal:    # before any process group: one line, exit status 2
         raise ConfigError(refusal)
-    if device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(cfg.world_size, 1)))
+    threads_line = set_cpu_threads(cfg.world_size) if device == "cpu" else ""
     from megalite.backends.selection import describe_backend, resolve_backend_config
 
     backend_line = describe_backend(cfg.model.transformer_impl, device)
@@ -376,6 +401,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     cfg = trainer.cfg                        # resolved copy (vocabulary size from the tokenizer)
     logger = TrainingLogger(cfg, trainer.is_writer, trainer.train_iters, trainer.iteration)
     logger.info(backend_line)
+    if threads_line:
+        logger.info(threads_line)
     if cfg.accepted_flags:
         logger.info(compat_flags.describe(cfg.accepted_flags))
     log_precision(logger, precision)

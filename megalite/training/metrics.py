@@ -30,6 +30,7 @@ class TrainingLogger:
         lg = cfg.logging
         self.metrics = self.tb = self.wandb = self.bar = None
         self.skipped_since_log = 0     # --fp16 steps skipped since the last log line
+        self._pending = []      # metrics-file lines not yet written (flushed per log line)
         if not is_writer:
             return
         if lg.metrics_file:
@@ -65,7 +66,7 @@ class TrainingLogger:
             return
         it = record["iteration"]
         if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
+            self._pending.append(json.dumps(record) + "\n")
         scalars = train_scalars(record, self.cfg.training.global_batch_size)
         if self.tb:
             for tag, value, step in scalars:
@@ -83,6 +84,7 @@ class TrainingLogger:
                 f" | loss scale: {record['loss_scale']:.1f}"
                 f" | number of skipped iterations: {self.skipped_since_log:>3d}")
             self.skipped_since_log = 0
+            self.flush_metrics()
             self._print(
                 f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:>8d}/{record['train_iters']:>8d}"
                 f" | consumed samples: {record['consumed_samples']:>10d}"
@@ -103,7 +105,8 @@ class TrainingLogger:
         ppl = math.exp(min(loss, 20))
         rec = {"split": split, "iteration": iteration, "lm_loss": loss, "ppl": ppl}
         if self.metrics:
-            self.metrics.write(json.dumps(rec) + "\n")
+            self._pending.append(json.dumps(rec) + "\n")
+            self.flush_metrics()
         scalars = eval_scalars(loss, ppl, split, iteration, consumed_samples)
         if self.tb:
             for tag, value, step in scalars:
@@ -122,13 +125,23 @@ class TrainingLogger:
         from megalite.training.memory_report import format_memory_report
 
         if self.metrics:
-            self.metrics.write(json.dumps(record) + "\n")
+            self._pending.append(json.dumps(record) + "\n")
+            self.flush_metrics()
         self._print(format_memory_report(record))
+
+    def flush_metrics(self):
+        """Write the records held since the last log line in one write: whole lines only,
+        so a run killed between flushes never leaves half a JSON record."""
+        if self.metrics and self._pending:
+            self.metrics.write("".join(self._pending))
+            self.metrics.flush()
+            self._pending.clear()
 
     def close(self):
         if self.bar is not None:
             self.bar.close()
         if self.metrics:
+            self.flush_metrics()
             self.metrics.close()
         if self.tb:
             self.tb.close()
@@ -186,6 +199,6 @@ def open_metrics_file(path: str, start_iter: int):
                         kept.append(line)
                 except ValueError:
                     continue
-    out = open(path, "w", buffering=1)
+    out = open(path, "w")       # the logger writes whole batches of lines and flushes
     out.writelines(kept)
     return out
