@@ -52,8 +52,9 @@ class TopKRouter(nn.Module):
 
     ``batch``: the micro-batch size b (tokens are laid out [s, b] flattened, as the layer's
     hidden states), needed by the per-sequence aux loss.  ``keep`` is False for pairs
-    dropped by the capacity factor.  ``last_stats`` holds this forward's detached
-    statistics for the layer's metrics (counts before dropping, the terms' values).
+    dropped by the capacity factor (None without one: every pair kept).  ``last_stats``
+    holds this forward's detached statistics for the layer's metrics (counts before
+    dropping, the terms' values as tensors: no host round trip per layer).
     """
 
     def __init__(self, model_cfg, comm_groups, *, sequence_parallel: bool, layer_number: int,
@@ -110,12 +111,12 @@ class TopKRouter(nn.Module):
 
     def _drop(self, probs, idx) -> torch.Tensor:
         """Capacity-factor dropping: each expert keeps at most ``capacity`` of this rank's
-        pairs, by probability or by position (Megatron's ``--moe-token-drop-policy``)."""
+        pairs, by probability or by position (Megatron's ``--moe-token-drop-policy``).
+        None without a capacity factor: every pair is kept."""
         m = self.cfg
         T, k, E = probs.shape[0], self.topk, self.num_experts
-        keep = torch.ones_like(idx, dtype=torch.bool)
         if not m.moe_expert_capacity_factor:
-            return keep
+            return None
         cap = capacity(T, E, k, m.moe_expert_capacity_factor)
         dense = torch.zeros(T, E, dtype=probs.dtype, device=probs.device)
         dense.scatter_(1, idx, probs.detach() + 1.0)        # > 0 where routed
@@ -136,9 +137,7 @@ class TopKRouter(nn.Module):
         probs, idx, aux_scores = self._select(logits, need_aux)
         keep = self._drop(probs, idx)
         T, E, k = logits.shape[0], self.num_experts, self.topk
-        routing_map = torch.zeros(T, E, dtype=torch.float32, device=logits.device)
-        routing_map.scatter_(1, idx, 1.0)
-        counts = self._token_sum(routing_map.sum(0))                          # [E]
+        counts = self._token_sum(torch.bincount(idx.reshape(-1), minlength=E).float())  # [E]
         stats = {"counts": counts.detach(), "aux_loss": 0.0, "z_loss": 0.0}
         if need_aux:
             if lb == "aux_loss":
@@ -147,16 +146,18 @@ class TopKRouter(nn.Module):
                 aux = (score_sum * counts).sum() * (E * m.moe_aux_loss_coeff / (k * n * n))
             else:   # per sequence: tokens are [s, b] flattened
                 s = self._tp_tokens(T // batch)
+                routing_map = torch.zeros(T, E, dtype=torch.float32, device=logits.device)
+                routing_map.scatter_(1, idx, 1.0)
                 per_seq_counts = self._token_sum(routing_map.view(-1, batch, E).sum(0))
                 per_seq_scores = self._token_sum(aux_scores.view(-1, batch, E).sum(0))
                 aux = (per_seq_scores * per_seq_counts).sum() * (
                     E * m.moe_aux_loss_coeff / (k * s * s * batch))
             add_extra_loss(AUX_LOSS, aux)
-            stats["aux_loss"] = float(aux.detach())
+            stats["aux_loss"] = aux.detach()
         if m.moe_z_loss_coeff:
             lse = torch.logsumexp(logits, dim=-1)
             z = self._token_sum(lse.square().sum()) * (m.moe_z_loss_coeff / self._tp_tokens(T))
             add_extra_loss(Z_LOSS, z)
-            stats["z_loss"] = float(z.detach())
+            stats["z_loss"] = z.detach()
         self.last_stats = stats
         return probs.to(tokens.dtype), idx, keep

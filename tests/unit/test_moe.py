@@ -47,7 +47,7 @@ def test_softmax_router_terms_match_megatron_formulas():
         probs, idx, keep = router(x, 3)
     logits = x @ router.weight.t()
     top, ref_idx = torch.topk(logits, K)
-    assert torch.equal(idx, ref_idx) and keep.all()
+    assert torch.equal(idx, ref_idx) and keep is None       # no capacity factor: all kept
     torch.testing.assert_close(probs, torch.softmax(top, -1))
     counts = torch.zeros(E).scatter_add_(0, idx.reshape(-1), torch.ones(12 * K))
     aux = (torch.softmax(logits, -1).sum(0) * counts).sum() * E * 1e-2 / (K * 12 * 12)
@@ -156,3 +156,49 @@ def test_expert_bias_moves_toward_the_underloaded_experts():
     dense = dataclasses.replace(cfg, moe_router_enable_expert_bias=False)
     assert TopKRouter(dense, groups(), sequence_parallel=False, layer_number=0).expert_bias \
         is None
+
+
+@pytest.mark.parametrize("path", ["grouped_mm", "loop"])
+def test_grouped_linear_forward_and_grads_equal_per_expert_matmuls(path, monkeypatch):
+    from megalite.moe import experts as experts_mod
+
+    if path == "grouped_mm":
+        if not experts_mod.grouped_mm_supported("cpu", torch.float32):
+            pytest.skip("torch._grouped_mm is not available in this torch")
+    else:
+        monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda *a: False)
+    torch.manual_seed(0)
+    counts = [5, 0, 3, 8]                          # expert 1 receives no token
+    x = torch.randn(16, 16, requires_grad=True)
+    w = torch.randn(4, 32, 16, requires_grad=True)
+    y = experts_mod.grouped_linear(x, w, torch.tensor(counts))
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    ref = torch.cat([rows @ w[e].t() for e, rows in enumerate(x.split(counts))])
+    rgx, rgw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(gx, rgx)
+    torch.testing.assert_close(gw, rgw)
+    assert gw[1].abs().sum() == 0
+
+
+def test_all_kept_pairs_permute_by_gathers_with_the_same_values_and_grads_as_scatter():
+    """The no-dropping fast path (keep=None: gathers both ways) equals the general path
+    (an explicit all-True keep: index_select + index_put) in output and gradients."""
+    cfg = mcfg(moe_ffn_hidden_size=16)
+    g = groups()
+    experts = initialized(GroupedMLP(cfg, g))
+    torch.manual_seed(1)
+    x = torch.randn(10, H, requires_grad=True)
+    probs = torch.rand(10, K, requires_grad=True)
+    choices = torch.tensor([[0, 1], [1, 3], [3, 0], [0, 3], [1, 0]])   # never expert 2
+    idx = choices[torch.randint(len(choices), (10,))]
+    outs = []
+    for keep in (None, torch.ones(10, K, dtype=torch.bool)):
+        disp = AllToAllDispatcher(E, g.ep, g.expert_tp)
+        out = disp(x, probs, idx, keep, experts)
+        assert disp.last_tokens_per_local_expert[2] == 0
+        outs.append((out, *torch.autograd.grad(out, (x, probs, experts.linear_fc1.weight),
+                                               torch.ones_like(out))))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
