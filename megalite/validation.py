@@ -254,10 +254,6 @@ def check_experts(cfg: MegaliteConfig) -> None:
             raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
                               "--sequence-parallel (each token must live on one rank for the "
                               "expert dispatch, as in Megatron)")
-        if p.pipeline_schedule == "zero-bubble":
-            raise ConfigError("--pipeline-schedule zero-bubble with --num-experts: the split "
-                              "input/weight backward would reorder the expert all-to-alls "
-                              "across EP ranks; use 1f1b or interleaved")
         if m.moe_shared_expert_intermediate_size is not None and \
                 m.moe_shared_expert_intermediate_size % p.tp:
             raise ConfigError("--moe-shared-expert-intermediate-size must be divisible by "

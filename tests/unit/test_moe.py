@@ -202,3 +202,25 @@ def test_all_kept_pairs_permute_by_gathers_with_the_same_values_and_grads_as_sca
                                                torch.ones_like(out))))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b)
+
+
+def test_zero_bubble_split_defers_expert_weight_grads_to_w():
+    """B (input gradient) leaves every expert and router weight gradient to W, through the
+    same mechanism as dense linears, and B + W equals one full backward."""
+    from megalite.pipeline_parallel.weight_grad import backward_input
+
+    cfg = mcfg(hidden_size=16, moe_ffn_hidden_size=16, num_attention_heads=2)
+    torch.manual_seed(0)
+    layer = initialized(MoELayer(cfg, groups(), submodules=_local_moe_submodules(),
+                                 sequence_parallel=False, layer_number=0))
+    params = list(layer.parameters())
+    x = torch.randn(6, 2, 16, requires_grad=True)
+    full = torch.autograd.grad(layer(x).square().sum(), [x, *params])
+    out = layer(x).square().sum()
+    (gx,), pending = backward_input([out], [None], [x], params)
+    assert not pending.fallback                       # every weight has its own W replay
+    assert all(p.grad is None for p in params)        # B computed no weight gradient
+    pending.run()
+    torch.testing.assert_close(gx, full[0])
+    for p, ref in zip(params, full[1:]):
+        torch.testing.assert_close(p.grad, ref)
