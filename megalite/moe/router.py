@@ -47,6 +47,24 @@ def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int
     return int(math.ceil(num_tokens * topk / num_experts * factor))
 
 
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: Optional[int],
+                       group_topk: Optional[int]) -> torch.Tensor:
+    """Indices [T, k] of the top-k ``scores`` (Megatron's ``group_limited_topk`` when
+    ``num_groups`` is set): the experts form ``num_groups`` equal groups, each token keeps
+    the ``group_topk`` groups whose top ``k // group_topk`` scores sum highest, and takes
+    its top-k among their experts -- so a token reaches at most ``group_topk`` EP ranks or
+    nodes (DeepSeek-V2/V3's device- and node-limited routing)."""
+    if not num_groups:
+        return torch.topk(scores, k, dim=-1).indices
+    T, E = scores.shape
+    grouped = scores.view(T, num_groups, E // num_groups)
+    group_scores = grouped.topk(k // group_topk, dim=-1).values.sum(-1)       # [T, groups]
+    chosen = torch.topk(group_scores, group_topk, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    masked = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, E)
+    return torch.topk(masked, k, dim=-1).indices
+
+
 class TopKRouter(nn.Module):
     """``forward(tokens [T, h], batch) -> (probs [T, k], indices [T, k], keep [T, k])``.
 
@@ -89,10 +107,15 @@ class TopKRouter(nn.Module):
         """(probs [T, k], indices [T, k], scores for the aux loss [T, E] or None)."""
         m, k = self.cfg, self.topk
         bias = self.expert_bias
+
+        def topk(routed):
+            return group_limited_topk(routed, k, m.moe_router_num_groups,
+                                      m.moe_router_group_topk)
+
         if m.moe_router_score_function == "sigmoid":
             scores = torch.sigmoid(logits)
             routed = scores if bias is None else scores + bias
-            _, idx = torch.topk(routed, k, dim=-1)
+            idx = topk(routed)
             probs = scores.gather(1, idx)
             if k > 1:
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
@@ -101,11 +124,11 @@ class TopKRouter(nn.Module):
         if m.moe_router_pre_softmax:
             scores = torch.softmax(logits, dim=-1)
             routed = scores if bias is None else scores + bias
-            _, idx = torch.topk(routed, k, dim=-1)
+            idx = topk(routed)
             probs = scores.gather(1, idx)
         else:
             routed = logits if bias is None else logits + bias
-            _, idx = torch.topk(routed, k, dim=-1)
+            idx = topk(routed)
             probs = torch.softmax(logits.gather(1, idx), dim=-1)
         return probs, idx, torch.softmax(logits, dim=-1) if need_aux else None
 

@@ -224,3 +224,35 @@ def test_zero_bubble_split_defers_expert_weight_grads_to_w():
     torch.testing.assert_close(gx, full[0])
     for p, ref in zip(params, full[1:]):
         torch.testing.assert_close(p.grad, ref)
+
+
+@pytest.mark.parametrize("score,pre_softmax,bias", [("softmax", False, False),
+                                                    ("softmax", True, False),
+                                                    ("sigmoid", False, True)])
+def test_group_limited_routing_matches_megatron_core(score, pre_softmax, bias):
+    """Megatron-Core's ``topk_routing_with_score_function`` is the oracle: 16 experts in 4
+    groups, 2 groups per token, top-4."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    cfg = mcfg(num_experts=16, moe_router_topk=4, moe_router_num_groups=4,
+               moe_router_group_topk=2, moe_router_score_function=score,
+               moe_router_pre_softmax=pre_softmax, moe_router_enable_expert_bias=bias,
+               moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+    router = initialized(TopKRouter(cfg, groups(), sequence_parallel=False, layer_number=0))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        router.weight.normal_()
+        if bias:
+            router.expert_bias.copy_(torch.randn(16) * 0.3)
+    x = torch.randn(64, H)
+    probs, idx, _ = router(x, 1)
+    ref_probs, ref_map = moe_utils.topk_routing_with_score_function(
+        x @ router.weight.t(), 4, use_pre_softmax=pre_softmax, num_groups=4, group_topk=2,
+        score_function=score, expert_bias=router.expert_bias)
+    routing_map = torch.zeros(64, 16, dtype=torch.bool).scatter_(1, idx, True)
+    assert torch.equal(routing_map, ref_map)
+    torch.testing.assert_close(torch.zeros(64, 16).scatter_(1, idx, probs), ref_probs)
+    groups_used = routing_map.view(64, 4, 4).any(-1).sum(-1)
+    assert groups_used.max() <= 2 and groups_used.min() >= 1
+    plain = torch.zeros(64, 16, dtype=torch.bool).scatter_(
+        1, torch.topk(x @ router.weight.t(), 4).indices, True)
+    assert (plain.view(64, 4, 4).any(-1).sum(-1) > 2).any()   # the limit binds
