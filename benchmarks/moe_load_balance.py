@@ -4,7 +4,8 @@ DeepSeek-V3's expert bias (no aux loss) and no balancing at all.
 
 Trains the same small 8-expert top-2 model three times on tiny Shakespeare (sentencepiece
 BPE, as launch/demo.sh) with Megatron's Mixtral settings for the router (softmax over the
-top-k, aux-loss coefficient 1e-2; DeepSeek-V3's sigmoid scores for the bias run).  The
+top-k, aux-loss coefficient 1e-2; DeepSeek-V3's sigmoid scores for the bias run), plus the
+aux loss at 10x that coefficient to show how the result depends on it.  The
 measure is max/mean tokens per expert of the worst MoE layer over each global batch of 1024
 tokens, smoothed by a moving mean over the last 10 iterations (one batch is a small, noisy
 sample: even uniform routing gives about 1.1); the raw per-batch value is printed too.
@@ -30,11 +31,12 @@ from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.training.loop import Trainer  # noqa: E402
 
 RUNS = {
-    "aux loss 1e-2": ["--moe-aux-loss-coeff", "1e-2"],
+    "aux loss 1e-2 (default)": ["--moe-aux-loss-coeff", "1e-2"],
     "expert bias (no aux loss)": ["--moe-router-load-balancing-type", "none",
                                   "--moe-router-enable-expert-bias", "--moe-router-score-function",
                                   "sigmoid", "--moe-router-bias-update-rate", "1e-2"],
     "no balancing": ["--moe-router-load-balancing-type", "none"],
+    "aux loss 1e-1 (10x default)": ["--moe-aux-loss-coeff", "1e-1"],
 }
 
 
