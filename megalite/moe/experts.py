@@ -37,13 +37,14 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     recent torch; on CUDA it needs bf16 and a recent GPU).  Probed once per device/dtype."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:
-        a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
-        b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
-        offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
-        y = torch._grouped_mm(a, b, offs=offs)
-        y.backward(torch.ones_like(y))
-        return bool(torch.equal(y, torch.full_like(y, 8.0)))
+    try:    # the first call may come from an eval forward: probe with autograd on
+        with torch.inference_mode(False), torch.enable_grad():
+            a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
+            y = torch._grouped_mm(a, b, offs=offs)
+            y.backward(torch.ones_like(y))
+            return bool(torch.equal(y.detach(), torch.full_like(y, 8.0)))
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 

@@ -256,3 +256,20 @@ def test_group_limited_routing_matches_megatron_core(score, pre_softmax, bias):
     plain = torch.zeros(64, 16, dtype=torch.bool).scatter_(
         1, torch.topk(x @ router.weight.t(), 4).indices, True)
     assert (plain.view(64, 4, 4).any(-1).sum(-1) > 2).any()   # the limit binds
+
+
+def test_grouped_mm_probe_is_not_fooled_by_a_no_grad_first_call():
+    """The first expert forward may be an evaluation under no_grad; the cached probe must
+    still see what the device supports in training."""
+    from megalite.moe import experts as experts_mod
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not available in this torch")
+    experts_mod.grouped_mm_supported.cache_clear()
+    try:
+        with torch.no_grad():
+            under_no_grad = experts_mod.grouped_mm_supported("cpu", torch.float32)
+        experts_mod.grouped_mm_supported.cache_clear()
+        assert under_no_grad == experts_mod.grouped_mm_supported("cpu", torch.float32)
+    finally:
+        experts_mod.grouped_mm_supported.cache_clear()
