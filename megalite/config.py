@@ -147,6 +147,12 @@ class ModelConfig:
         False, "DeepSeek-V3 aux-loss-free balancing: a per-expert bias added to the scores "
         "for top-k selection only, nudged after each step.", action="store_true")
     moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert-bias update.")
+    moe_router_num_groups: Optional[int] = opt(
+        None, "Group-limited routing (DeepSeek-V3): experts form this many equal groups "
+        "(e.g. one per EP rank or node); each token picks --moe-router-group-topk groups first.")
+    moe_router_group_topk: Optional[int] = opt(
+        None, "Groups each token may use with --moe-router-num-groups (ranked by the sum of "
+        "their top topk/group-topk scores).")
     moe_expert_capacity_factor: Optional[float] = opt(
         None, "Expert capacity = factor x tokens x topk / experts; extra tokens are dropped "
         "(none = no dropping).")

@@ -264,10 +264,16 @@ def check_experts(cfg: MegaliteConfig) -> None:
             raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
                               "--sequence-parallel (each token must live on one rank for the "
                               "expert dispatch, as in Megatron)")
-        if p.pipeline_schedule == "zero-bubble":
-            raise ConfigError("--pipeline-schedule zero-bubble with --num-experts: the split "
-                              "input/weight backward would reorder the expert all-to-alls "
-                              "across EP ranks; use 1f1b or interleaved")
+        groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ConfigError("group-limited routing needs both --moe-router-num-groups and "
+                              "--moe-router-group-topk")
+        if groups is not None and (m.num_experts % groups or not 0 < group_topk <= groups
+                                   or m.moe_router_topk % group_topk):
+            raise ConfigError(f"--moe-router-num-groups ({groups}) must divide --num-experts "
+                              f"({m.num_experts}), and --moe-router-group-topk ({group_topk}) "
+                              f"must be at most the groups and divide --moe-router-topk "
+                              f"({m.moe_router_topk})")
         if m.moe_shared_expert_intermediate_size is not None and \
                 m.moe_shared_expert_intermediate_size % p.tp:
             raise ConfigError("--moe-shared-expert-intermediate-size must be divisible by "

@@ -9,18 +9,95 @@ recorded in the parameter-spec table with ``expert=True`` -- so initialization (
 grad norm and checkpoints follow without anything expert-specific in those places.
 
 ``forward(x, tokens_per_expert)``: ``x`` holds the rows of each local expert one after
-the other; the GEMMs run per expert (a loop over the local experts, never over tokens).
-With expert-TP the output is this shard's partial sum (the dispatcher reduces it).
+the other.  Each linear is one grouped GEMM over the whole buffer (``torch._grouped_mm``
+where the device and dtype support it; otherwise a loop over the local experts into one
+output buffer, never a loop over tokens), and the activation runs once on the whole
+buffer.  ``torch._grouped_mm`` is a native autograd node that computes only the gradients
+asked for, so the zero-bubble schedule's B pass gets the input gradient alone and its W
+pass the weight gradient alone, as for a dense linear.  With expert-TP the output is this
+shard's partial sum (the dispatcher reduces it).
 """
 from __future__ import annotations
 
-from typing import List
+import functools
+from typing import List, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megalite.param_spec import ParamSpec, Split, make_param
+
+Counts = Union[List[int], torch.Tensor]
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs forward and backward here (it exists on CPU in
+    recent torch; on CUDA it needs bf16 and a recent GPU).  Probed once per device/dtype."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:    # the first call may come from an eval forward: probe with autograd on
+        with torch.inference_mode(False), torch.enable_grad():
+            a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
+            b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
+            offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)
+            y = torch._grouped_mm(a, b, offs=offs)
+            y.backward(torch.ones_like(y))
+            return bool(torch.equal(y.detach(), torch.full_like(y, 8.0)))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+def aligned_16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` wants 16-byte aligned rows (in, weight and out)."""
+    size = x.element_size()
+    return x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and \
+        all(n * size % 16 == 0 for n in (x.shape[1], w.shape[1], w.shape[2]))
+
+
+class LoopedGroupedLinear(torch.autograd.Function):
+    """y[rows of e] = x[rows of e] @ w[e].t(), one GEMM per expert into one buffer; backward
+    writes each expert's weight gradient straight into its slice of one [E, ...] tensor
+    (indexing ``w[e]`` under autograd would allocate and add a full-size zero gradient per
+    expert).  The fallback where ``torch._grouped_mm`` is missing."""
+
+    @staticmethod
+    def forward(ctx, x, w, sizes):
+        ctx.save_for_backward(x, w)
+        ctx.sizes = sizes
+        out = x.new_empty((x.shape[0], w.shape[1]))
+        for e, (rows, dst) in enumerate(zip(x.split(sizes), out.split(sizes))):
+            torch.mm(rows, w[e].t(), out=dst)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        sizes = ctx.sizes
+        grad = grad.contiguous()
+        gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
+        gw = torch.empty_like(w) if ctx.needs_input_grad[1] else None
+        gx_rows = gx.split(sizes) if gx is not None else [None] * len(sizes)
+        for e, (g, rows, dst) in enumerate(zip(grad.split(sizes), x.split(sizes), gx_rows)):
+            if dst is not None:
+                torch.mm(g, w[e], out=dst)
+            if gw is not None:
+                torch.mm(g.t(), rows, out=gw[e])
+        return gx, gw, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: Counts) -> torch.Tensor:
+    """Rows of expert e times ``w[e].t()``; ``tokens_per_expert`` as a list or a tensor
+    (a tensor needs no host round trip on the grouped-GEMM path)."""
+    if grouped_mm_supported(x.device.type, x.dtype) and aligned_16(x, w):
+        counts = torch.as_tensor(tokens_per_expert, device=x.device)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    sizes = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) \
+        else list(tokens_per_expert)
+    return LoopedGroupedLinear.apply(x, w, sizes)
 
 
 class GroupedMLP(nn.Module):
@@ -43,15 +120,11 @@ class GroupedMLP(nn.Module):
             init=("normal", m.init_method_std / (2.0 * m.num_layers) ** 0.5), expert=True),
             sizes, **kw)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: List[int]) -> torch.Tensor:
-        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        outs = []
-        for e, rows in enumerate(x.split(tokens_per_expert)):
-            y = rows.matmul(w1[e].t())
-            if self.swiglu:
-                gate, up = y.chunk(2, dim=-1)
-                y = F.silu(gate) * up
-            else:
-                y = F.gelu(y)
-            outs.append(y.matmul(w2[e].t()))
-        return torch.cat(outs) if outs else x.new_zeros((0, w2.shape[1]))
+    def forward(self, x: torch.Tensor, tokens_per_expert: Counts) -> torch.Tensor:
+        y = grouped_linear(x, self.linear_fc1.weight, tokens_per_expert)
+        if self.swiglu:     # every expert's [gate; up] rows at once
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return grouped_linear(y, self.linear_fc2.weight, tokens_per_expert)

@@ -29,8 +29,9 @@ def moe_step_metrics(chunks, cfg, state) -> dict:
         stats = held[n].step_stats if n in held else None
         if stats is not None:
             table[row, :E] = stats["counts"]
-            table[row, E:] = torch.tensor([stats["aux_loss"], stats["z_loss"],
-                                           stats["micro_batches"]], dtype=torch.float64)
+            table[row, E:] = torch.tensor([float(stats["aux_loss"]),
+                                           float(stats["z_loss"]), stats["micro_batches"]],
+                                          dtype=torch.float64)
     comm.all_reduce(table, state["dp-cp"])
     comm.all_reduce(table, state.pp)
     out = {}

@@ -47,13 +47,32 @@ def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int
     return int(math.ceil(num_tokens * topk / num_experts * factor))
 
 
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: Optional[int],
+                       group_topk: Optional[int]) -> torch.Tensor:
+    """Indices [T, k] of the top-k ``scores`` (Megatron's ``group_limited_topk`` when
+    ``num_groups`` is set): the experts form ``num_groups`` equal groups, each token keeps
+    the ``group_topk`` groups whose top ``k // group_topk`` scores sum highest, and takes
+    its top-k among their experts -- so a token reaches at most ``group_topk`` EP ranks or
+    nodes (DeepSeek-V2/V3's device- and node-limited routing)."""
+    if not num_groups:
+        return torch.topk(scores, k, dim=-1).indices
+    T, E = scores.shape
+    grouped = scores.view(T, num_groups, E // num_groups)
+    group_scores = grouped.topk(k // group_topk, dim=-1).values.sum(-1)       # [T, groups]
+    chosen = torch.topk(group_scores, group_topk, dim=-1, sorted=False).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    masked = grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(T, E)
+    return torch.topk(masked, k, dim=-1).indices
+
+
 class TopKRouter(nn.Module):
     """``forward(tokens [T, h], batch) -> (probs [T, k], indices [T, k], keep [T, k])``.
 
     ``batch``: the micro-batch size b (tokens are laid out [s, b] flattened, as the layer's
     hidden states), needed by the per-sequence aux loss.  ``keep`` is False for pairs
-    dropped by the capacity factor.  ``last_stats`` holds this forward's detached
-    statistics for the layer's metrics (counts before dropping, the terms' values).
+    dropped by the capacity factor (None without one: every pair kept).  ``last_stats``
+    holds this forward's detached statistics for the layer's metrics (counts before
+    dropping, the terms' values as tensors: no host round trip per layer).
     """
 
     def __init__(self, model_cfg, comm_groups, *, sequence_parallel: bool, layer_number: int,
@@ -88,10 +107,15 @@ class TopKRouter(nn.Module):
         """(probs [T, k], indices [T, k], scores for the aux loss [T, E] or None)."""
         m, k = self.cfg, self.topk
         bias = self.expert_bias
+
+        def topk(routed):
+            return group_limited_topk(routed, k, m.moe_router_num_groups,
+                                      m.moe_router_group_topk)
+
         if m.moe_router_score_function == "sigmoid":
             scores = torch.sigmoid(logits)
             routed = scores if bias is None else scores + bias
-            _, idx = torch.topk(routed, k, dim=-1)
+            idx = topk(routed)
             probs = scores.gather(1, idx)
             if k > 1:
                 probs = probs / (probs.sum(-1, keepdim=True) + 1e-20)
@@ -100,22 +124,22 @@ class TopKRouter(nn.Module):
         if m.moe_router_pre_softmax:
             scores = torch.softmax(logits, dim=-1)
             routed = scores if bias is None else scores + bias
-            _, idx = torch.topk(routed, k, dim=-1)
+            idx = topk(routed)
             probs = scores.gather(1, idx)
         else:
             routed = logits if bias is None else logits + bias
-            _, idx = torch.topk(routed, k, dim=-1)
+            idx = topk(routed)
             probs = torch.softmax(logits.gather(1, idx), dim=-1)
         return probs, idx, torch.softmax(logits, dim=-1) if need_aux else None
 
     def _drop(self, probs, idx) -> torch.Tensor:
         """Capacity-factor dropping: each expert keeps at most ``capacity`` of this rank's
-        pairs, by probability or by position (Megatron's ``--moe-token-drop-policy``)."""
+        pairs, by probability or by position (Megatron's ``--moe-token-drop-policy``).
+        None without a capacity factor: every pair is kept."""
         m = self.cfg
         T, k, E = probs.shape[0], self.topk, self.num_experts
-        keep = torch.ones_like(idx, dtype=torch.bool)
         if not m.moe_expert_capacity_factor:
-            return keep
+            return None
         cap = capacity(T, E, k, m.moe_expert_capacity_factor)
         dense = torch.zeros(T, E, dtype=probs.dtype, device=probs.device)
         dense.scatter_(1, idx, probs.detach() + 1.0)        # > 0 where routed
@@ -136,9 +160,7 @@ class TopKRouter(nn.Module):
         probs, idx, aux_scores = self._select(logits, need_aux)
         keep = self._drop(probs, idx)
         T, E, k = logits.shape[0], self.num_experts, self.topk
-        routing_map = torch.zeros(T, E, dtype=torch.float32, device=logits.device)
-        routing_map.scatter_(1, idx, 1.0)
-        counts = self._token_sum(routing_map.sum(0))                          # [E]
+        counts = self._token_sum(torch.bincount(idx.reshape(-1), minlength=E).float())  # [E]
         stats = {"counts": counts.detach(), "aux_loss": 0.0, "z_loss": 0.0}
         if need_aux:
             if lb == "aux_loss":
@@ -147,16 +169,18 @@ class TopKRouter(nn.Module):
                 aux = (score_sum * counts).sum() * (E * m.moe_aux_loss_coeff / (k * n * n))
             else:   # per sequence: tokens are [s, b] flattened
                 s = self._tp_tokens(T // batch)
+                routing_map = torch.zeros(T, E, dtype=torch.float32, device=logits.device)
+                routing_map.scatter_(1, idx, 1.0)
                 per_seq_counts = self._token_sum(routing_map.view(-1, batch, E).sum(0))
                 per_seq_scores = self._token_sum(aux_scores.view(-1, batch, E).sum(0))
                 aux = (per_seq_scores * per_seq_counts).sum() * (
                     E * m.moe_aux_loss_coeff / (k * s * s * batch))
             add_extra_loss(AUX_LOSS, aux)
-            stats["aux_loss"] = float(aux.detach())
+            stats["aux_loss"] = aux.detach()
         if m.moe_z_loss_coeff:
             lse = torch.logsumexp(logits, dim=-1)
             z = self._token_sum(lse.square().sum()) * (m.moe_z_loss_coeff / self._tp_tokens(T))
             add_extra_loss(Z_LOSS, z)
-            stats["z_loss"] = float(z.detach())
+            stats["z_loss"] = z.detach()
         self.last_stats = stats
         return probs.to(tokens.dtype), idx, keep

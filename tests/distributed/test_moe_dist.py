@@ -45,6 +45,8 @@ CASES = {   # name: (world, flags, reference)
     "ep2-tp2-sp-etp1": (WORLD, EP2 + TP2SP + ["--expert-tensor-parallel-size", "1"], "ref"),
     "ep2-etp2": (WORLD, EP2 + ["--expert-tensor-parallel-size", "2"], "ref"),
     "ep2-pp2": (WORLD, EP2 + ["--pp", "2"], "ref"),
+    "ep2-pp2-zero-bubble": (WORLD, EP2 + ["--pp", "2", "--pipeline-schedule", "zero-bubble"],
+                            "ref"),
     "ep2-dp-distopt": (WORLD, EP2 + ["--use-distributed-optimizer"], "ref"),
     "ep2-pp2-full-recompute": (WORLD, EP2 + ["--pp", "2", "--recompute-granularity", "full",
                                              "--recompute-method", "uniform"], "ref"),

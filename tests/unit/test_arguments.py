@@ -61,8 +61,8 @@ BAD_INPUTS = [
     (["--context-parallel-size", "2", "--cp-comm-type", "ring"], 8, ["--cp-comm-type", "ring"]),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 8,
      ["--num-experts", "--sequence-parallel"]),
-    (["--num-experts", "4", "--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-      "zero-bubble"], 8, ["zero-bubble", "--num-experts"]),
+    (["--num-experts", "8", "--moe-router-num-groups", "3", "--moe-router-group-topk", "1"], 8,
+     ["--moe-router-num-groups (3)", "--num-experts (8)"]),
     (["--transformer-impl", "transformer_engine"], 8, ["--transformer-impl", "local"]),
     (["--sample-windows", "random"], 8, ["--sample-windows random", "--mock-data"]),
 ]

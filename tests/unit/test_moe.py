@@ -47,7 +47,7 @@ def test_softmax_router_terms_match_megatron_formulas():
         probs, idx, keep = router(x, 3)
     logits = x @ router.weight.t()
     top, ref_idx = torch.topk(logits, K)
-    assert torch.equal(idx, ref_idx) and keep.all()
+    assert torch.equal(idx, ref_idx) and keep is None       # no capacity factor: all kept
     torch.testing.assert_close(probs, torch.softmax(top, -1))
     counts = torch.zeros(E).scatter_add_(0, idx.reshape(-1), torch.ones(12 * K))
     aux = (torch.softmax(logits, -1).sum(0) * counts).sum() * E * 1e-2 / (K * 12 * 12)
@@ -156,3 +156,120 @@ def test_expert_bias_moves_toward_the_underloaded_experts():
     dense = dataclasses.replace(cfg, moe_router_enable_expert_bias=False)
     assert TopKRouter(dense, groups(), sequence_parallel=False, layer_number=0).expert_bias \
         is None
+
+
+@pytest.mark.parametrize("path", ["grouped_mm", "loop"])
+def test_grouped_linear_forward_and_grads_equal_per_expert_matmuls(path, monkeypatch):
+    from megalite.moe import experts as experts_mod
+
+    if path == "grouped_mm":
+        if not experts_mod.grouped_mm_supported("cpu", torch.float32):
+            pytest.skip("torch._grouped_mm is not available in this torch")
+    else:
+        monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda *a: False)
+    torch.manual_seed(0)
+    counts = [5, 0, 3, 8]                          # expert 1 receives no token
+    x = torch.randn(16, 16, requires_grad=True)
+    w = torch.randn(4, 32, 16, requires_grad=True)
+    y = experts_mod.grouped_linear(x, w, torch.tensor(counts))
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    ref = torch.cat([rows @ w[e].t() for e, rows in enumerate(x.split(counts))])
+    rgx, rgw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(gx, rgx)
+    torch.testing.assert_close(gw, rgw)
+    assert gw[1].abs().sum() == 0
+
+
+def test_all_kept_pairs_permute_by_gathers_with_the_same_values_and_grads_as_scatter():
+    """The no-dropping fast path (keep=None: gathers both ways) equals the general path
+    (an explicit all-True keep: index_select + index_put) in output and gradients."""
+    cfg = mcfg(moe_ffn_hidden_size=16)
+    g = groups()
+    experts = initialized(GroupedMLP(cfg, g))
+    torch.manual_seed(1)
+    x = torch.randn(10, H, requires_grad=True)
+    probs = torch.rand(10, K, requires_grad=True)
+    choices = torch.tensor([[0, 1], [1, 3], [3, 0], [0, 3], [1, 0]])   # never expert 2
+    idx = choices[torch.randint(len(choices), (10,))]
+    outs = []
+    for keep in (None, torch.ones(10, K, dtype=torch.bool)):
+        disp = AllToAllDispatcher(E, g.ep, g.expert_tp)
+        out = disp(x, probs, idx, keep, experts)
+        assert disp.last_tokens_per_local_expert[2] == 0
+        outs.append((out, *torch.autograd.grad(out, (x, probs, experts.linear_fc1.weight),
+                                               torch.ones_like(out))))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b)
+
+
+def test_zero_bubble_split_defers_expert_weight_grads_to_w():
+    """B (input gradient) leaves every expert and router weight gradient to W, through the
+    same mechanism as dense linears, and B + W equals one full backward."""
+    from megalite.pipeline_parallel.weight_grad import backward_input
+
+    cfg = mcfg(hidden_size=16, moe_ffn_hidden_size=16, num_attention_heads=2)
+    torch.manual_seed(0)
+    layer = initialized(MoELayer(cfg, groups(), submodules=_local_moe_submodules(),
+                                 sequence_parallel=False, layer_number=0))
+    params = list(layer.parameters())
+    x = torch.randn(6, 2, 16, requires_grad=True)
+    full = torch.autograd.grad(layer(x).square().sum(), [x, *params])
+    out = layer(x).square().sum()
+    (gx,), pending = backward_input([out], [None], [x], params)
+    assert not pending.fallback                       # every weight has its own W replay
+    assert all(p.grad is None for p in params)        # B computed no weight gradient
+    pending.run()
+    torch.testing.assert_close(gx, full[0])
+    for p, ref in zip(params, full[1:]):
+        torch.testing.assert_close(p.grad, ref)
+
+
+@pytest.mark.parametrize("score,pre_softmax,bias", [("softmax", False, False),
+                                                    ("softmax", True, False),
+                                                    ("sigmoid", False, True)])
+def test_group_limited_routing_matches_megatron_core(score, pre_softmax, bias):
+    """Megatron-Core's ``topk_routing_with_score_function`` is the oracle: 16 experts in 4
+    groups, 2 groups per token, top-4."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    cfg = mcfg(num_experts=16, moe_router_topk=4, moe_router_num_groups=4,
+               moe_router_group_topk=2, moe_router_score_function=score,
+               moe_router_pre_softmax=pre_softmax, moe_router_enable_expert_bias=bias,
+               moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+    router = initialized(TopKRouter(cfg, groups(), sequence_parallel=False, layer_number=0))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        router.weight.normal_()
+        if bias:
+            router.expert_bias.copy_(torch.randn(16) * 0.3)
+    x = torch.randn(64, H)
+    probs, idx, _ = router(x, 1)
+    ref_probs, ref_map = moe_utils.topk_routing_with_score_function(
+        x @ router.weight.t(), 4, use_pre_softmax=pre_softmax, num_groups=4, group_topk=2,
+        score_function=score, expert_bias=router.expert_bias)
+    routing_map = torch.zeros(64, 16, dtype=torch.bool).scatter_(1, idx, True)
+    assert torch.equal(routing_map, ref_map)
+    torch.testing.assert_close(torch.zeros(64, 16).scatter_(1, idx, probs), ref_probs)
+    groups_used = routing_map.view(64, 4, 4).any(-1).sum(-1)
+    assert groups_used.max() <= 2 and groups_used.min() >= 1
+    plain = torch.zeros(64, 16, dtype=torch.bool).scatter_(
+        1, torch.topk(x @ router.weight.t(), 4).indices, True)
+    assert (plain.view(64, 4, 4).any(-1).sum(-1) > 2).any()   # the limit binds
+
+
+def test_grouped_mm_probe_is_not_fooled_by_a_no_grad_first_call():
+    """The first expert forward may be an evaluation under no_grad; the cached probe must
+    still see what the device supports in training."""
+    from megalite.moe import experts as experts_mod
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not available in this torch")
+    experts_mod.grouped_mm_supported.cache_clear()
+    try:
+        with torch.no_grad():
+            under_no_grad = experts_mod.grouped_mm_supported("cpu", torch.float32)
+        experts_mod.grouped_mm_supported.cache_clear()
+        assert under_no_grad == experts_mod.grouped_mm_supported("cpu", torch.float32)
+    finally:
+        experts_mod.grouped_mm_supported.cache_clear()
