@@ -159,8 +159,8 @@ def best_matmul_time(shapes, reps: int = 3):
     return flops, best_total, per_dtype
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_reference_config(ap: argparse.ArgumentParser) -> None:
+    """Issue 18's reference config (a small Llama with a 32k vocabulary) as flags."""
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--ffn", type=int, default=688)
     ap.add_argument("--layers", type=int, default=4)
@@ -169,6 +169,11 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=8)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_reference_config(ap)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all CPUs)")

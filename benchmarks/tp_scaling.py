@@ -31,6 +31,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_time import add_reference_config  # noqa: E402  (the same reference config flags)
 
 
 def model_flags(a) -> list:
@@ -80,14 +83,7 @@ def run(a, tp: int, out_dir: str, tag: str) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--ffn", type=int, default=688)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=8)
+    add_reference_config(ap)
     ap.add_argument("--iters", type=int, default=8, help="iterations per run")
     ap.add_argument("--warmup", type=int, default=2, help="iterations dropped per run")
     ap.add_argument("--repeats", type=int, default=2, help="alternated TP=1 / TP=2 pairs")

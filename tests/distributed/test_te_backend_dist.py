@@ -9,7 +9,8 @@ import torch
 import torch.distributed as torch_dist
 
 import te_fake
-from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
+from tiny_model import tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
+from megalite.config import MegaliteConfig, ParallelConfig
 from megalite.models.gpt import build_model, single_rank_state
 from megalite.param_spec import group_coords
 from megalite.parallel_state import ParallelState, RankGrid
@@ -19,14 +20,7 @@ WORLD, V, S, B, TOL = 2, 70, 8, 2, 1e-5
 
 
 def model_cfg(arch):
-    d = dict(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=S, vocab_size=V,
-             make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0,
-             init_method_std=0.05)
-    if arch == "llama":
-        d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-                 add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                 group_query_attention=True, num_query_groups=4)
-    return ModelConfig(**d)
+    return tiny_model_cfg(arch, seq_length=S, vocab_size=V)
 
 
 def step(model, state=None):

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import megalite.models.gpt as gpt
+from tiny_model import tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
 from megalite.backends import get_layer_spec
 from megalite.backends.local import fuse_norms
-from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.config import MegaliteConfig, ParallelConfig
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel import allreduce_sequence_parallel_grads
 
@@ -34,14 +35,7 @@ class SbhdAttention(nn.Module):
 
 
 def model_cfg(arch):
-    d = dict(num_layers=2, hidden_size=32, num_attention_heads=8, seq_length=S, vocab_size=V,
-             make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0,
-             init_method_std=0.05)
-    if arch == "llama":
-        d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-                 add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                 group_query_attention=True, num_query_groups=4)
-    return ModelConfig(**d)
+    return tiny_model_cfg(arch, seq_length=S, vocab_size=V)
 
 
 def spec_under_test(m):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import te_fake
+from tiny_model import tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
 from megalite.arguments import ConfigError, parse_args
 from megalite.backends import context_parallel_spec, get_layer_spec
 from megalite.backends import selection
@@ -33,15 +34,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 
 
 def mcfg(arch="llama", **over):
-    d = dict(num_layers=3, hidden_size=32, num_attention_heads=8, seq_length=S, vocab_size=V,
-             make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0,
-             init_method_std=0.05)
-    if arch == "llama":
-        d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
-                 add_bias_linear=False, untie_embeddings_and_output_weights=True,
-                 group_query_attention=True, num_query_groups=2)
-    d.update(over)
-    return ModelConfig(**d)
+    return tiny_model_cfg(arch, seq_length=S, vocab_size=V, num_layers=over.pop("num_layers", 3),
+                          num_query_groups=2, **over)
 
 
 def model(m: ModelConfig, impl: str, seed: int = 7) -> GPTModel:
