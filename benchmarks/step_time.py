@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Training-step speed on CPU: megalite (fp32, --bf16, each with and without the fused
-output layer + loss) against Hugging Face Llama (fp32, and under bf16 autocast).
+output layer + loss, and each precision's best with ``--compile``) against Hugging Face
+Llama (fp32, and under bf16 autocast).
 
 Reference config by default (issue 18): hidden 256, 4 layers, 8 heads / 4 KV heads, FFN
 688, vocabulary 32000, sequence 256, batch 8 (about 143 GFLOP per step).  megalite runs
@@ -55,7 +56,7 @@ def cpu_description() -> str:
             f"matmul flags: {' '.join(have) or 'none'}")
 
 
-def megalite_flags(args, bf16: bool, fused: bool) -> list:
+def megalite_flags(args, bf16: bool, fused: bool, compiled: bool = False) -> list:
     flags = ["--world-size", "1", "--num-layers", str(args.layers),
              "--hidden-size", str(args.hidden), "--ffn-hidden-size", str(args.ffn),
              "--num-attention-heads", str(args.heads), "--group-query-attention",
@@ -70,15 +71,15 @@ def megalite_flags(args, bf16: bool, fused: bool) -> list:
              "--train-iters", str(args.warmup + args.reps + 2), "--eval-iters", "0",
              "--no-progress-bar", "--seed", "1234"]
     return flags + (["--bf16"] if bf16 else []) + \
-        (["--cross-entropy-loss-fusion"] if fused else [])
+        (["--cross-entropy-loss-fusion"] if fused else []) + (["--compile"] if compiled else [])
 
 
-def build_megalite(args, bf16: bool, fused: bool):
+def build_megalite(args, bf16: bool, fused: bool, compiled: bool = False):
     from megalite.arguments import parse_args
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.training.loop import Trainer
 
-    cfg = parse_args(megalite_flags(args, bf16, fused))
+    cfg = parse_args(megalite_flags(args, bf16, fused, compiled))
     trainer = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
     trainer.setup()
     iterator = trainer.data_iterator(trainer.train_ds, 0)
@@ -179,7 +180,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all CPUs)")
     ap.add_argument("--modes", default="all",
                     help="comma-separated subset of: megalite fp32, megalite bf16, "
-                         "megalite fp32 fused, megalite bf16 fused, hf fp32, hf bf16-autocast")
+                         "megalite fp32 fused, megalite bf16 fused, megalite fp32 compiled, "
+                         "megalite bf16 fused compiled, hf fp32, hf bf16-autocast")
     ap.add_argument("--min-cpu-share", type=float, default=0.75,
                     help="refuse to report below this CPU time / wall time / threads")
     ap.add_argument("--allow-contended", action="store_true",
@@ -197,12 +199,16 @@ def main(argv=None):
     wanted = None if args.modes == "all" else {m.strip() for m in args.modes.split(",")}
     steps = {}
     ref_trainer = None
-    for bf16 in (False, True):
-        for fused in (False, True):
-            name = f"megalite {'bf16' if bf16 else 'fp32'}{' fused' if fused else ''}"
-            if wanted is None or name in wanted or (ref_trainer is None and not bf16):
-                steps[name], trainer = build_megalite(args, bf16, fused)
-                ref_trainer = ref_trainer or trainer
+    # --compile (each layer through torch.compile/inductor) only where it is each precision's
+    # best: fp32 unfused, bf16 with the fused loss.  Its compile time falls in the warm-up.
+    for bf16, fused, compiled in ((False, False, False), (False, True, False),
+                                  (True, False, False), (True, True, False),
+                                  (False, False, True), (True, True, True)):
+        name = (f"megalite {'bf16' if bf16 else 'fp32'}{' fused' if fused else ''}"
+                f"{' compiled' if compiled else ''}")
+        if wanted is None or name in wanted or (ref_trainer is None and not bf16):
+            steps[name], trainer = build_megalite(args, bf16, fused, compiled)
+            ref_trainer = ref_trainer or trainer
     for name, autocast in zip(HF_MODES, (False, True)):
         if wanted is None or name in wanted:
             steps[name] = build_hf(args, ref_trainer.model_chunks[0], autocast)

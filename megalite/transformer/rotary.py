@@ -43,6 +43,12 @@ def _rotate(x, c, s, sign: float):
     """[x1 c - sign x2 s, x2 c + sign x1 s], written straight into a contiguous output."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    if torch.compiler.is_compiling():
+        # --compile: writing through out= views of one buffer breaks dynamo's graph (and the
+        # resumed graph then has aliased inputs); the same products and sums, functionally.
+        if sign > 0:
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     o1, o2 = out[..., :half], out[..., half:]
     torch.mul(x1, c, out=o1)

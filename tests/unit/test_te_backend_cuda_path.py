@@ -2,6 +2,7 @@
 prefetcher (order, end, errors; CPU runs never wrap their iterator) and ``--compile``
 (per layer, in place: names and values unchanged)."""
 import dataclasses
+import shutil
 
 import pytest
 import torch
@@ -85,3 +86,33 @@ def test_compile_layers_in_place_keeps_names_and_values(monkeypatch):
     parallelize_model([fresh], dataclasses.replace(cfg, training=dataclasses.replace(
         cfg.training, compile=True)), state)
     assert calls == [fresh]
+
+
+@pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),
+                    reason="inductor needs a C++ compiler on CPU")
+def test_compile_with_inductor_trains_like_eager():
+    """The real --compile (inductor, not the eager backend): a Llama-style run compiles its
+    layers (RoPE included: no graph break with aliased inputs) and trains like eager."""
+    from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.training.loop import Trainer
+
+    flags = ["--world-size", "1", "--num-layers", "2", "--hidden-size", "64",
+             "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+             "--ffn-hidden-size", "128", "--seq-length", "32", "--max-position-embeddings", "32",
+             "--vocab-size", "512", "--normalization", "RMSNorm", "--position-embedding-type",
+             "rope", "--swiglu", "--untie-embeddings-and-output-weights",
+             "--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0",
+             "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2",
+             "--lr", "1e-3", "--train-iters", "3", "--eval-iters", "0", "--seed", "1234"]
+    losses = []
+    for extra in ([], ["--compile"]):
+        trainer = Trainer(parse_args(flags + extra),
+                          ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
+        trainer.setup()
+        it = trainer.data_iterator(trainer.train_ds, 0)
+        losses.append([trainer.train_step(it)["lm_loss"] for _ in range(3)])
+        if extra:
+            layers = compile_mod.transformer_layers(trainer.model_chunks[0])
+            assert layers and all(l._compiled_call_impl is not None for l in layers)
+    # inductor fuses elementwise work (other rounding): equal to fp32 tolerance, not bitwise
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
