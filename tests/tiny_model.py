@@ -17,3 +17,20 @@ def tiny_model_cfg(arch: str = "llama", *, seq_length: int = 8, vocab_size: int 
                  group_query_attention=True, num_query_groups=num_query_groups)
     d.update(over)
     return ModelConfig(**d)
+
+
+def tiny_forward_backward(model, vocab_size: int, batch: int, seq_length: int, state=None):
+    """One seeded forward + backward of the per-token loss's mean (SP-replicated grads summed
+    over TP when ``state`` is given); returns the detached per-token loss."""
+    import torch
+
+    from megalite.tensor_parallel import allreduce_sequence_parallel_grads
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (batch, seq_length), generator=g)
+    labels = torch.randint(0, vocab_size, (batch, seq_length), generator=g)
+    loss = model(ids, labels=labels)
+    loss.mean().backward()
+    if state is not None:
+        allreduce_sequence_parallel_grads(model, state)
+    return loss.detach()

@@ -9,12 +9,11 @@ import torch
 import torch.distributed as torch_dist
 
 import te_fake
-from tiny_model import tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
+from tiny_model import tiny_forward_backward, tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
 from megalite.config import MegaliteConfig, ParallelConfig
 from megalite.models.gpt import build_model, single_rank_state
 from megalite.param_spec import group_coords
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel import allreduce_sequence_parallel_grads
 
 WORLD, V, S, B, TOL = 2, 70, 8, 2, 1e-5
 
@@ -24,13 +23,7 @@ def model_cfg(arch):
 
 
 def step(model, state=None):
-    g = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
-    loss = model(ids, labels=labels)
-    loss.mean().backward()
-    if state is not None:
-        allreduce_sequence_parallel_grads(model, state)
-    return loss.detach()
+    return tiny_forward_backward(model, V, B, S, state)
 
 
 def _te_at_tp2(cases):

@@ -9,12 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import megalite.models.gpt as gpt
-from tiny_model import tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
+from tiny_model import tiny_forward_backward, tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
 from megalite.backends import get_layer_spec
 from megalite.backends.local import fuse_norms
 from megalite.config import MegaliteConfig, ParallelConfig
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.tensor_parallel import allreduce_sequence_parallel_grads
 
 WORLD, V, S, B, RTOL = 2, 70, 8, 2, 1e-5
 
@@ -49,12 +48,7 @@ def spec_under_test(m):
 
 
 def loss_and_norm_grads(model, state=None):
-    g = torch.Generator().manual_seed(0)
-    ids, labels = torch.randint(0, V, (B, S), generator=g), torch.randint(0, V, (B, S), generator=g)
-    loss = model(ids, labels=labels)
-    loss.mean().backward()
-    if state is not None:
-        allreduce_sequence_parallel_grads(model, state)
+    loss = tiny_forward_backward(model, V, B, S, state)
     grads = {n.replace("self_attention.linear_qkv.layer_norm.", "input_layernorm.")
               .replace("mlp.linear_fc1.layer_norm.", "pre_mlp_layernorm."): p.grad.clone()
              for n, p in model.named_parameters() if "norm" in n}
