@@ -202,6 +202,11 @@ class ParallelState:
     def __getitem__(self, name: str) -> Group:
         return self.groups[name]
 
+    def world_group(self) -> Group:
+        """Every rank, on the default process group (collectives that must reach every
+        shard and every pipeline stage: the fp16 overflow check, the precision probe)."""
+        return Group("world", list(range(self.grid.world_size)), None, self.rank)
+
     def background_group(self) -> Group:
         """A gloo group over the whole world of its own, for collectives run on another
         thread (``--async-save`` writes) that must never interleave with training's.

@@ -185,14 +185,10 @@ class DataParallelStrategy:
         """--fp16: divide the loss scale out of the gradients and update the scaler; True
         when any rank's gradients overflowed (then the step is skipped everywhere, as
         Megatron-Core's ``MixedPrecisionOptimizer.prepare_grads``)."""
-        import torch.distributed as dist
-        from megalite.parallel_state import Group
-
         found = unscale_and_find_inf(self._scaled_grads(), self.grad_scaler.inv_scale)
         found = found.to(self._device())
-        if dist.is_initialized() and dist.get_world_size() > 1:  # every shard, every stage
-            world = Group("world", list(range(dist.get_world_size())), None, dist.get_rank())
-            comm.all_reduce(found, world, op="max")
+        if self.state.grid.world_size > 1:                      # every shard, every stage
+            comm.all_reduce(found, self.state.world_group(), op="max")
         overflow = bool(found.item() > 0)
         self.grad_scaler.update(overflow)
         return overflow

@@ -27,7 +27,7 @@ from megalite.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.optimizer import LRScheduler
-from megalite.parallel_state import Group, ParallelState, initialize
+from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
@@ -390,7 +390,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     cfg = resolve_backend_config(cfg, device)      # auto -> local | transformer_engine
     state = initialize(cfg)
     cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
-        cfg, Group("world", list(range(state.grid.world_size)), None, state.rank), device)
+        cfg, state.world_group(), device)
     trainer = Trainer(cfg, state, device, family)
     trainer.memory_reporter.start()          # before the model is built: count every tensor
     try:
