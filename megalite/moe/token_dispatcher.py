@@ -121,15 +121,24 @@ class Pairs:
                              accumulate=True)
 
 
-class AllToAllDispatcher:
-    def __init__(self, num_experts: int, ep_group, expert_tp_group):
-        self.num_experts, self.ep, self.etp = num_experts, ep_group, expert_tp_group
+class Dispatcher:
+    """What both dispatchers share: the EP group, the local expert count, and the tokens
+    each local expert received in the last call (for the load logging)."""
+
+    def __init__(self, num_experts: int, ep_group):
+        self.num_experts, self.ep = num_experts, ep_group
         self.num_local = num_experts // ep_group.size
         self.last_counts: Optional[torch.Tensor] = None
 
     @property
     def last_tokens_per_local_expert(self) -> Optional[List[int]]:
         return None if self.last_counts is None else [int(c) for c in self.last_counts.tolist()]
+
+
+class AllToAllDispatcher(Dispatcher):
+    def __init__(self, num_experts: int, ep_group, expert_tp_group):
+        super().__init__(num_experts, ep_group)
+        self.etp = expert_tp_group
 
     def __call__(self, tokens, probs, indices, keep, experts) -> torch.Tensor:
         ep, etp, n_local = self.ep, self.etp, self.num_local
@@ -163,15 +172,10 @@ class AllToAllDispatcher:
         return pairs.unpermute(y, tokens.shape[0])
 
 
-class AllGatherDispatcher:
+class AllGatherDispatcher(Dispatcher):
     def __init__(self, num_experts: int, ep_group, tp_ep_group):
-        self.num_experts, self.ep, self.group = num_experts, ep_group, tp_ep_group
-        self.num_local = num_experts // ep_group.size
-        self.last_counts: Optional[torch.Tensor] = None
-
-    @property
-    def last_tokens_per_local_expert(self) -> Optional[List[int]]:
-        return None if self.last_counts is None else [int(c) for c in self.last_counts.tolist()]
+        super().__init__(num_experts, ep_group)
+        self.group = tp_ep_group
 
     def __call__(self, tokens, probs, indices, keep, experts) -> torch.Tensor:
         g = self.group

@@ -13,9 +13,7 @@ are DTensor pieces at their offsets, loaded into whole tensors and back).
 """
 import torch.distributed as torch_dist
 
-from megalite.arguments import parse_args
-from megalite.parallel_state import ParallelState, RankGrid
-from megalite.training.loop import Trainer
+from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 
 BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--mock-data", "--vocab-size", "100", "--lr", "3e-3",
@@ -63,13 +61,7 @@ NO_OPTIM = {4: ("tp2pp2", "tp1pp4"), 2: ("fsdp2_dp2", "ddp_dp2")}   # the contro
 
 def _trainer(name, extra):
     world, flags = LAYOUTS[name]
-    cfg = parse_args(["--world-size", str(world), *BASE, *flags, *extra])
-    grid = RankGrid.from_config(cfg)
-    state = ParallelState.build(grid, 0, create_groups=False) if world == 1 else \
-        ParallelState.build(grid, torch_dist.get_rank())
-    trainer = Trainer(cfg, state, "cpu")
-    trainer.setup()
-    return trainer
+    return build_cpu_trainer([*BASE, *flags, *extra], world)
 
 
 def _on_my_ranks(name) -> bool:

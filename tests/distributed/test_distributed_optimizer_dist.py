@@ -8,15 +8,13 @@ Each world size is one ``dist.run``: every layout's plain and sharded runs, one 
 other in the same processes."""
 import pytest
 import torch
-import torch.distributed as torch_dist
 
+from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite import comm
 from megalite.arguments import parse_args
 from megalite.distributed.replicas import check_replicas
-from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.validate_run import _storages_bytes, compare, measure_rank, predict, \
     run_argv
-from megalite.training.loop import Trainer
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "100", "--normalization", "RMSNorm",
@@ -51,14 +49,7 @@ VALIDATE = {   # world: ``megalite plan --validate-run`` flags
 
 
 def _trainer(flags, world):
-    cfg = parse_args(["--world-size", str(world), *COMMON, *flags])
-    p = cfg.parallel
-    grid = RankGrid(world, tp=p.tp, pp=p.pp, cp=p.cp)
-    state = ParallelState.build(grid, 0, create_groups=False) if world == 1 else \
-        ParallelState.build(grid, torch_dist.get_rank())
-    trainer = Trainer(cfg, state, "cpu")
-    trainer.setup()
-    return trainer
+    return build_cpu_trainer([*COMMON, *flags], world)
 
 
 def _resumed_losses(flags, world, path):

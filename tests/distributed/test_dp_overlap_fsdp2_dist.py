@@ -18,8 +18,8 @@ without buckets); FSDP2 and --overlap-param-gather runs resume from a training c
 """
 import pytest
 import torch
-import torch.distributed as torch_dist
 
+from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite import comm
 from megalite.arguments import parse_args
 from megalite.checkpointing.model_io import load_model_shards, save_model_shards
@@ -28,8 +28,6 @@ from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
 from megalite.config import ConfigError
 from megalite.distributed.fsdp2 import counting_fsdp_collectives, fsdp_units
 from megalite.distributed.replicas import check_replicas
-from megalite.parallel_state import ParallelState, RankGrid
-from megalite.training.loop import Trainer
 from megalite.validation import validate
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -57,15 +55,8 @@ CASES = {   # name: (model, flags)
 
 
 def _trainer(flags, world):
-    cfg = parse_args(["--world-size", str(world), *COMMON, *flags])
-    validate(cfg)
-    p = cfg.parallel
-    grid = RankGrid(world, tp=p.tp, pp=p.pp, cp=p.cp)
-    state = ParallelState.build(grid, 0, create_groups=False) if world == 1 else \
-        ParallelState.build(grid, torch_dist.get_rank())
-    trainer = Trainer(cfg, state, "cpu")
-    trainer.setup()
-    return trainer
+    validate(parse_args(["--world-size", str(world), *COMMON, *flags]))
+    return build_cpu_trainer([*COMMON, *flags], world)
 
 
 def _train(flags, world):

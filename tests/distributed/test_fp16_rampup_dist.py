@@ -14,11 +14,10 @@
 import torch
 import torch.distributed as torch_dist
 
+from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite.arguments import parse_args
 from megalite.optimizer import LRScheduler
 from megalite.optimizer.grad_scaler import DynamicGradScaler
-from megalite.parallel_state import ParallelState, RankGrid
-from megalite.training.loop import Trainer
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--mock-data", "--vocab-size", "100", "--lr", "3e-3",
@@ -32,14 +31,7 @@ FP16_TOL = 1e-3
 
 
 def _trainer(world, argv):
-    cfg = parse_args(["--world-size", str(world), *BASE, *argv])
-    p = cfg.parallel
-    grid = RankGrid(world, tp=p.tp, pp=p.pp)
-    state = ParallelState.build(grid, 0, create_groups=False) if world == 1 else \
-        ParallelState.build(grid, torch_dist.get_rank())
-    trainer = Trainer(cfg, state, "cpu")
-    trainer.setup()
-    return trainer
+    return build_cpu_trainer([*BASE, *argv], world)
 
 
 def _run(world, argv, iters, watch=False):

@@ -5,13 +5,10 @@ chunks into full tensors, equal to those of the single-process (TP1 x PP1) run w
 plain optimizer: bitwise at init, within rounding after two steps.  ``assemble`` also
 proves the writers: every element is written by exactly one rank."""
 import torch
-import torch.distributed as torch_dist
 
-from megalite.arguments import parse_args
+from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite.checkpointing.sharded_state import (assemble, model_sharded_state_dict,
                                                   optimizer_sharded_state_dict)
-from megalite.parallel_state import ParallelState, RankGrid
-from megalite.training.loop import Trainer
 
 MODEL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "100", "--normalization", "RMSNorm",
@@ -29,14 +26,7 @@ CASES = {"tp2_pp2_tied": DO + TP2 + PP2, "tp2_dp2_sp": DO + TP2 + UNTIE + ["--se
 
 
 def _trainer(flags, world):
-    cfg = parse_args(["--world-size", str(world), *COMMON, *MODEL, *flags])
-    p = cfg.parallel
-    grid = RankGrid(world, tp=p.tp, pp=p.pp, cp=p.cp)
-    state = ParallelState.build(grid, 0, create_groups=False) if world == 1 else \
-        ParallelState.build(grid, torch_dist.get_rank())
-    trainer = Trainer(cfg, state, "cpu")
-    trainer.setup()
-    return trainer
+    return build_cpu_trainer([*COMMON, *MODEL, *flags], world)
 
 
 def _states(flags, world):
