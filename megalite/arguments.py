@@ -15,7 +15,7 @@ from megalite import compat_flags
 from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
                              all_fields, field_flag)
 from megalite.model_presets import preset_fields
-from megalite.recipes import RECIPE_SECTION, flag_value, read_recipe_info
+from megalite.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -95,14 +95,7 @@ def _field_type(f):
 
 def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
     """Map a YAML file (flat or sectioned; dashes or underscores) onto parser dests."""
-    import yaml
-
-    if not os.path.isfile(path):
-        raise ConfigError(f"--config: file '{path}' does not exist")
-    with open(path) as fh:
-        raw = yaml.safe_load(fh) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--config: '{path}' must hold a mapping of setting: value")
+    raw = load_yaml(path)
     raw.pop(RECIPE_SECTION, None)       # what the file reproduces, not flags (megalite/recipes.py)
     flat = {}
     for key, value in raw.items():
