@@ -9,7 +9,7 @@ sample a 64-character window at a random offset (``--sample-windows random``; pa
 1.88 for it.
 
     python benchmarks/convergence_baby_gpt.py [--seeds 1337 1 2] [--reference] [--iters 2000]
-        [--repeats 2]
+        [--repeats 2] [--megalite-args="--precision auto"]
 
 Per seed: megalite trains through ``pretrain_gpt.py`` and saves; the saved model is then
 scored by the same code as the reference (benchmarks/nanogpt_reference.py): the loss over
@@ -21,11 +21,14 @@ Speed (issue 18, "megalite's 2000 iterations take <= 0.8x the reference loop's w
 with ``--reference`` the two trainings run back to back, ``--repeats`` times alternated, and
 the benchmark prints both training-loop walls and their ratio. megalite's figure is its own
 "> training loop: N iterations in X s" log line (the iterations only, as the reference's
-figure; the process's start-up, data indexing and final save are printed beside it). Both
-train in fp32 with the same torch thread count. Each timing also prints its CPU time / wall
-per thread: well under 1 means the machine was shared and the ratio is not to be trusted
-(a warning says so). ``--iters`` sets the iteration count (fewer while developing: the ratio
-of per-iteration times).
+figure; the process's start-up, data indexing and final save are printed beside it). The
+reference is nanoGPT's CPU recipe as published: fp32, no compilation.  megalite runs as a
+user would run it on this machine: ``--megalite-args`` (default ``--precision auto``: bf16
+where the start-up probe finds bf16 matmuls faster, else fp32; its choice is printed; pass
+``--megalite-args=--precision=fp32`` for fp32 against fp32).  Both use the same torch
+thread count. Each timing also prints its CPU time / wall per thread: well under 1 means
+the machine was shared and the ratio is not to be trusted (a warning says so). ``--iters``
+sets the iteration count (fewer while developing: the ratio of per-iteration times).
 Measured here: see docs/training.md ("Convergence").
 """
 import argparse
@@ -93,7 +96,7 @@ def train_megalite(a, seed: int, data: str, vocab: str) -> tuple[str, dict]:
              "--data-path", data, "--split", "90,10,0", "--sample-windows", a.sample_windows,
              "--tokenizer-type", "CharacterTokenizer", "--tokenizer-model", vocab,
              "--eval-interval", str(a.iters), "--eval-iters", "0", "--log-interval", "500",
-             "--save", ckpt, "--seed", str(seed), "--no-progress-bar"]
+             "--save", ckpt, "--seed", str(seed), "--no-progress-bar"] + a.megalite_args.split()
     py = sys.executable
     script = os.path.join(ROOT, "pretrain_gpt.py")
     cmd = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(a.nproc),
@@ -162,6 +165,9 @@ def main():
     ap.add_argument("--reference", action="store_true", help="also train nanoGPT's recipe")
     ap.add_argument("--repeats", type=int, default=1,
                     help="with --reference: megalite/reference pairs per seed, alternated")
+    ap.add_argument("--megalite-args", default="--precision auto",
+                    help="pretrain_gpt.py flags added to the recipe's (one string; write "
+                         "--megalite-args=--precision=fp32 for a value starting with --)")
     ap.add_argument("--out", default=os.path.join(ROOT, "outputs", "baby_gpt"))
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -41,7 +41,6 @@ _FUSION = "fusion switch: megalite runs one PyTorch implementation"
 NO_EFFECT = [
     CompatFlag("--use-mcore-models", FLAG, "megalite has one model implementation"),
     CompatFlag("--use-legacy-models", FLAG, "megalite has one model implementation"),
-    CompatFlag("--attention-backend", VALUE, "attention runs PyTorch SDPA, which picks the kernel"),
     CompatFlag("--use-flash-attn", FLAG, "attention runs PyTorch SDPA, which picks the kernel"),
     CompatFlag("--no-masked-softmax-fusion", FLAG, _FUSION),
     CompatFlag("--no-bias-gelu-fusion", FLAG, _FUSION),

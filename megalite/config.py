@@ -126,6 +126,12 @@ class ModelConfig:
     init_method_std: float = opt(0.02, "Std of the normal initialization.")
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.")
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.")
+    attention_backend: str = opt(
+        "auto", "Core-attention kernel. Local layers: 'flash' / 'fused' (PyTorch SDPA), "
+        "'unfused' / 'local' (explicit matmuls and softmax), 'auto' (unfused on CPU for short "
+        "sequences, where it is faster; SDPA otherwise). Transformer Engine: its flash, fused "
+        "or unfused kernel (NVTE_* switches, as Megatron), 'auto' = TE's choice.",
+        choices=["auto", "flash", "fused", "unfused", "local"])
     # Mixture of experts.
     num_experts: Optional[int] = opt(None, "Number of routed experts (MoE); none = dense.")
     moe_router_topk: int = opt(2, "Experts each token is routed to.")

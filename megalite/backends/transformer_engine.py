@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import os
 from typing import Optional
 
 import torch
@@ -157,6 +158,16 @@ def te_row_linear(input_size: int, output_size: int, *, tp_group, bias: bool = T
         "bias": ParamSpec((output_size,), init=("zeros",), sequence_parallel=sp)})
 
 
+# --attention-backend for TE's DotProductAttention, as Megatron sets it: TE reads these
+# switches when it picks a kernel ("auto" leaves TE's own choice).
+TE_ATTENTION_ENV = {
+    "flash": {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "0"},
+    "fused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "1", "NVTE_UNFUSED_ATTN": "0"},
+    "unfused": {"NVTE_FLASH_ATTN": "0", "NVTE_FUSED_ATTN": "0", "NVTE_UNFUSED_ATTN": "1"},
+}
+TE_ATTENTION_ENV["local"] = TE_ATTENTION_ENV["unfused"]
+
+
 class TECoreAttention(nn.Module):
     """``te.pytorch.DotProductAttention`` in megalite's core-attention slot (``sbhd``).
 
@@ -172,6 +183,8 @@ class TECoreAttention(nn.Module):
                  cp_comm_type: str = "p2p"):
         super().__init__()
         te = te_pytorch()
+        os.environ.update(TE_ATTENTION_ENV.get(getattr(model_cfg, "attention_backend", "auto"),
+                                               {}))
         self.rng_tracker = rng_tracker
         tp, cp = comm_groups.tp, comm_groups.cp
         proxy = TrackerProxy(self)

@@ -7,7 +7,7 @@ except activations, which follow Korthikanti et al. 2022 term by term.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.planner import model_spec as ms
@@ -75,6 +75,9 @@ class ActivationOptions:
     # fused kernels: buffer by buffer what they keep (``local_layer_bytes``).  Both save
     # only SP's sequence shard of a column-parallel input and re-gather it in backward.
     local_layers: bool = False
+    # megalite's unfused core attention (``--attention-backend``): only the probabilities
+    # (and with dropout the dropped copy and its mask) are kept, not SDPA math's scaled q, k
+    unfused_attention: bool = False
 
 
 def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
@@ -195,17 +198,25 @@ def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     silu(gate), dropout masks are in the activation dtype.  Like Megatron's, the
     column-parallel linears save only SP's sequence shard of their input (re-gathered in
     backward).  Elements are ``e`` bytes; statistics are fp32."""
+    if recompute == "full":
+        e, Tn = 2 * opts.element_scale, (seq // L.cp) * L.micro_batch // (L.tp if L.sp else 1)
+        return e * Tn * m.hidden_size               # the checkpointed layer input
+    return sum(local_layer_parts(m, L, seq, opts, recompute, moe))
+
+
+def local_layer_parts(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions,
+                      recompute: str, moe: bool = False) -> Tuple[int, int]:
+    """``local_layer_bytes`` (without full recomputation) as (up to and with the core
+    attention, after it): backward frees the second part before it reaches the core."""
     t, T = L.tp, (seq // L.cp) * L.micro_batch
     e = 2 * opts.element_scale
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
     Tn = T // (t if L.sp else 1)                   # tokens a norm (and dropout) sees
-    if recompute == "full":
-        return e * Tn * h                           # the checkpointed layer input
     mods = set(opts.recompute_modules) if recompute == "selective" else set()
     rope = m.position_embedding_type == "rope"
-    norms = 2 * (e * Tn * h if "layernorm" in mods else _local_norm(m, Tn, e))
-    drop = 2 * e * Tn * h if m.hidden_dropout > 0 else 0
+    norm = e * Tn * h if "layernorm" in mods else _local_norm(m, Tn, e)
+    drop = e * Tn * h if m.hidden_dropout > 0 else 0
     attn = e * Tn * h + e * T * (a + 2 * g) * d // t         # qkv input (SP: shard), qkv
     if rope:                                       # rotated q, k; bf16 copies of cos, sin
         attn += e * T * (a + g) * d // t + (4 * T * d if e == 2 else 0)
@@ -215,10 +226,13 @@ def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
         if opts.flash_attention:                   # output (shared with proj input for MHA
             shared = not rope and g == a           # without RoPE) and fp32 log-sum-exp
             attn += 4 * a * T // t + (0 if shared else e * T * a * d // t)
+        elif opts.unfused_attention:               # probabilities (+ dropped copy, mask)
+            per_score = e + (e + 1 if m.attention_dropout > 0 else 0)
+            attn += per_score * a * T * seq // t
         else:                                      # math path: scaled q, k; probabilities
             drop_a = 2 if m.attention_dropout > 0 else 0            # (+ mask, dropped)
             attn += 2 * e * T * a * d // t + (1 + drop_a) * e * a * T * seq // t
-    attn += e * T * a * d // t                     # projection input
+    proj = e * T * a * d // t                      # projection input
     f = m.resolved_ffn_hidden_size()
     if "mlp" in mods:
         mlp = e * Tn * h                           # checkpointed pre-MLP-norm output
@@ -226,7 +240,19 @@ def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
         mlp = local_moe_bytes(m, L, Tn, e)
     else:                                          # fc1 input; fc1 output, (silu,) fc2 input
         mlp = e * Tn * h + (4 if m.swiglu else 2) * e * T * f // t
-    return norms + drop + attn + mlp
+    return norm + drop + attn, proj + norm + drop + mlp
+
+
+def unfused_backward_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions) -> int:
+    """Backward temporaries of megalite's unfused core attention in one layer: the gradients
+    of the probabilities and of the scores, each [heads/t, tokens, seq] (measured against the
+    tensor meter: tests/unit/test_attention_kernels.py), plus the probabilities themselves
+    when only the core attention is recomputed (they were not counted as kept)."""
+    if not opts.unfused_attention:
+        return 0
+    e, T = 2 * opts.element_scale, (seq // L.cp) * L.micro_batch
+    recomputed = L.recompute == "selective" and "core_attn" in opts.recompute_modules
+    return (3 if recomputed else 2) * e * m.num_attention_heads * T * seq // L.tp
 
 
 def local_moe_bytes(m: ModelConfig, L: Layout, Tn: int, e: int) -> int:
@@ -271,9 +297,17 @@ def local_stage_extra_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
         first += e * Tn * h if m.hidden_dropout > 0 else 0
         out += first * in_flight(L, pp_rank)
     if pp_rank == L.pp - 1:
-        out += _local_norm(m, Tn, e) + e * Tn * h + 4 * T * m.padded_vocab_size(t) // t
-        out += 21 * T              # (target logit, sum_exp), target index, mask; loss mask
+        out += local_head_bytes(m, L, seq, opts)
     return out
+
+
+def local_head_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions) -> int:
+    """The last stage's head: final norm, output-layer input, the cross entropy's fp32
+    exp(logits), (target logit, sum_exp), target index, mask; the loss mask."""
+    t, T = L.tp, (seq // L.cp) * L.micro_batch
+    e, Tn = 2 * opts.element_scale, T // (t if L.sp else 1)
+    return _local_norm(m, Tn, e) + e * Tn * m.hidden_size + \
+        4 * T * m.padded_vocab_size(t) // t + 21 * T
 
 
 # ---- the whole rank -------------------------------------------------------------------
@@ -309,9 +343,26 @@ def peak_rank_memory(m: ModelConfig, L: Layout, seq: int, prec: Precision,
     return best
 
 
+def attention_kernel_of(cfg: MegaliteConfig, device: str) -> str:
+    """The core-attention kernel a run of ``cfg`` runs on ``device`` ("flash", "math" or
+    "unfused", ``transformer.attention_kernels``): megalite's local core attention follows
+    --attention-backend; CP's and TE's run SDPA or their own fused kernels."""
+    import torch
+
+    from megalite.transformer.attention_kernels import core_attention_kernel
+
+    local = cfg.model.transformer_impl != "transformer_engine"
+    backend = cfg.model.attention_backend if local and cfg.parallel.cp == 1 else "flash"
+    dtype = torch.bfloat16 if cfg.optimizer.bf16 else \
+        torch.float16 if cfg.optimizer.fp16 else torch.float32
+    return core_attention_kernel(backend, device, cfg.model.seq_length, dtype,
+                                 cfg.model.attention_dropout)
+
+
 def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
                         zero: Optional[int] = None, flash_attention: bool = True,
-                        local_layers: Optional[bool] = None) -> Dict[str, int]:
+                        local_layers: Optional[bool] = None,
+                        attention_kernel: Optional[str] = None) -> Dict[str, int]:
     """Predicted bytes for global ``rank`` of a run described by ``cfg``.
 
     Returns ``weights`` / ``grads`` / ``optimizer`` (exact for the parameter count: these are
@@ -319,8 +370,11 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     ``total``.  ``zero`` overrides the sharding stage (default: 1 with
     --use-distributed-optimizer, else 0); ``grad_bytes`` is the main-grad dtype size;
     ``local_layers`` (default: unless --transformer-impl transformer_engine) models megalite's
-    local layers buffer by buffer (``local_layer_bytes``).
+    local layers buffer by buffer (``local_layer_bytes``); ``attention_kernel`` (from
+    ``attention_kernel_of``) overrides ``flash_attention``.
     """
+    if attention_kernel is not None:
+        flash_attention = attention_kernel == "flash"
     if local_layers is None:
         local_layers = cfg.model.transformer_impl != "transformer_engine"
     L = layout_from_config(cfg, zero)
@@ -328,5 +382,5 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     prec = Precision.bf16(grad_bytes) if half else Precision.fp32()
     pp_rank = rank // (cfg.world_size // L.pp)
     opts = ActivationOptions(flash_attention, tuple(cfg.training.recompute_modules or ()),
-                             1 if half else 2, local_layers)
+                             1 if half else 2, local_layers, attention_kernel == "unfused")
     return rank_memory(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts)

@@ -33,7 +33,8 @@ from megalite.config import MegaliteConfig, ModelConfig
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
 from megalite.planner.memory import (ActivationOptions, Precision, activation_bytes,
-                                     state_bytes)
+                                     attention_kernel_of, local_head_bytes, local_layer_parts,
+                                     state_bytes, unfused_backward_bytes)
 
 COALESCE_ELEMENTS = 40_000_000     # comm.all_reduce_coalesced's flat-buffer bound
 
@@ -77,7 +78,8 @@ def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision
     act = activation_bytes(m, L, seq, pp_rank, opts)
     copy = 1 if gloo else 0
     psi = max(params.dense, params.expert)          # the larger of the two DP buffers
-    backward = act + largest_param(m, L) * prec.weight
+    backward = max(act + largest_param(m, L) * prec.weight,
+                   unfused_attention_backward(m, L, seq, pp_rank, opts, act))
     sync = step = 0
     grads = st["grads"]
     if L.zero == 0 and not overlap and d > 1:
@@ -105,6 +107,22 @@ def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision
             "total": int(total), "peak_phase": peak_phase, "phases": phases}
 
 
+def unfused_attention_backward(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
+                               opts: ActivationOptions, act: int) -> int:
+    """Live bytes when backward reaches the last layer's unfused core attention: every
+    activation but that layer's part after the core (and the head's, on the last stage),
+    plus the kernel's score-sized gradients.  0 for the other kernels."""
+    if not opts.unfused_attention:
+        return 0
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    recompute = "none" if L.recompute == "full" else L.recompute   # the re-made layer
+    after = min(local_layer_parts(m, L, seq, opts, recompute, moe)[1]
+                for n, moe in zip(kinds, (False, True)) if n)
+    if pp_rank == L.pp - 1:
+        after += local_head_bytes(m, L, seq, opts)
+    return act - after + unfused_backward_bytes(m, L, seq, opts)
+
+
 def predict_step_peak(cfg: MegaliteConfig, rank: int, *, gloo: Optional[bool] = None,
                       grad_bytes: int = 4) -> Dict[str, object]:
     """Predicted peak of a training step for global ``rank`` of the run ``cfg`` describes.
@@ -120,15 +138,13 @@ def predict_step_peak(cfg: MegaliteConfig, rank: int, *, gloo: Optional[bool] = 
                                               cfg.parallel.distributed_backend)
     if gloo is None:
         gloo = backend == "gloo"
-    # torch's CPU scaled_dot_product_attention has no fused kernel with dropout: its math path
-    # keeps the probabilities and the dropout mask (measured: 1.12x the flash model otherwise)
-    flash = not (device == "cpu" and cfg.model.attention_dropout > 0)
+    kernel = attention_kernel_of(cfg, device)
+    local = cfg.model.transformer_impl != "transformer_engine"
     L = layout_from_config(cfg)
     prec = Precision.bf16(grad_bytes) if cfg.optimizer.bf16 else Precision.fp32()
     pp_rank = rank // (cfg.world_size // L.pp)
-    opts = ActivationOptions(flash, tuple(cfg.training.recompute_modules or ()),
-                             1 if cfg.optimizer.bf16 else 2,
-                             cfg.model.transformer_impl != "transformer_engine")
+    opts = ActivationOptions(kernel == "flash", tuple(cfg.training.recompute_modules or ()),
+                             1 if cfg.optimizer.bf16 else 2, local, kernel == "unfused")
     return step_peak(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts, gloo,
                      cfg.parallel.overlap_grad_reduce,
                      ddp_bucket_elements(cfg, L.dp * L.cp))

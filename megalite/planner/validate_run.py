@@ -154,10 +154,12 @@ def measure_rank(argv: List[str]) -> dict:
 
 def predict(cfg, rank: int) -> dict:
     from megalite.planner.comm_model import predict_comm_volume
-    from megalite.planner.memory import predict_rank_memory
+    from megalite.parallel_state import pick_device_and_backend
+    from megalite.planner.memory import attention_kernel_of, predict_rank_memory
 
-    # CPU's fused SDPA kernel has no dropout: with attention dropout torch runs the math path
-    mem = predict_rank_memory(cfg, rank, flash_attention=not cfg.model.attention_dropout)
+    # the kernel the run's attention takes (CPU SDPA with dropout: its math path)
+    device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
+    mem = predict_rank_memory(cfg, rank, attention_kernel=attention_kernel_of(cfg, device))
     # Full recomputation's re-materialised layer lives inside checkpoint's own hooks, out of
     # the measurement's sight: compare what the forward stores.
     mem["activations"] -= mem["recompute_working"]

@@ -49,7 +49,8 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
     """Saved elements of one layer, one entry per distinct buffer.
 
     ``sdpa``: 'flash' (the fused kernel CPU and CUDA pick for causal attention without a
-    mask) or 'math' (the unfused fallback; MHA only here); ``recompute``: ('full',) or any
+    mask), 'math' (SDPA's fallback; MHA only here) or 'unfused' (megalite's explicit
+    kernel, ``--attention-backend unfused``); ``recompute``: ('full',) or any
     of 'core_attn', 'mlp', 'layernorm'.  With SP the norms see s/t tokens and so do the
     column-parallel linears' saved inputs: ``linear_with_sp_gather`` keeps the sequence
     shard and all-gathers it again in backward, so every term is divided by t (only the
@@ -84,6 +85,8 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
             if not shared_out:
                 T["SDPA output"] = s * b * a * d // t
             T["SDPA logsumexp (fp32)"] = a * s * b // t
+        elif sdpa == "unfused":     # attention_kernels.unfused_attention, any GQA
+            T["unfused: softmax probabilities"] = a * s * s * b // t
         elif g == a:
             T["math SDPA: q*sqrt(scale), k*sqrt(scale)"] = 2 * s * b * a * d // t
             T["math SDPA: softmax probabilities"] = a * s * s * b // t

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
 
@@ -34,7 +35,10 @@ QKV_FORMATS = ("bhsd", "sbhd")
 
 
 class DotProductAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v with SDPA, layout ``bhsd``; causal or unmasked.
+    """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked.
+
+    The kernel is SDPA or the unfused path, by ``--attention-backend`` and, for ``auto``,
+    by the device, dtype and length of each call (``attention_kernels.py``).
 
     Attention-probability dropout draws from the tracker's model-parallel state: the heads
     are split over TP, so every rank must drop different elements.  Runs on this rank's
@@ -55,12 +59,16 @@ class DotProductAttention(nn.Module):
         self.rng_tracker = rng_tracker
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
+        self.backend = getattr(model_cfg, "attention_backend", "auto")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         causal = self.is_causal
         fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker) else contextlib.nullcontext()
+        kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p)
         with fork:
+            if kernel == "unfused":
+                return unfused_attention(q, k, v, causal=causal, dropout_p=p)
             if k.shape[1] == q.shape[1]:
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
             if _SDPA_GQA:  # query heads share k/v heads inside the kernel: no copies

@@ -65,6 +65,7 @@ def _tp_layer_bytes(sp, tp=2):
     rank = torch_dist.get_rank()
     case = dict(tp=tp, sp=sp, layers=1)
     cfg = make_cfg(case, WORLD if tp > 1 else 1)
+    cfg.model.attention_backend = "flash"     # layer_terms: no s x s probabilities kept
     state = ParallelState.build(RankGrid(WORLD, tp=2), rank) if tp > 1 else \
         single_rank_state()
     model = GPTModel(cfg, state, pre_process=False, post_process=False, layer_numbers=[0])

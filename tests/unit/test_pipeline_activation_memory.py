@@ -41,8 +41,10 @@ def _cfg(arch, rc=(), seq=S):
 
 
 def saved_bytes(arch, rc=(), sdpa="flash", seq=S):
-    """fp32 bytes one layer keeps for backward (a middle stage: no embedding, no head)."""
+    """fp32 bytes one layer keeps for backward (a middle stage: no embedding, no head).
+    ``sdpa``: flash or math (SDPA's kernels), unfused (--attention-backend unfused)."""
     cfg = _cfg(arch, rc, seq)
+    cfg.model.attention_backend = "unfused" if sdpa == "unfused" else "flash"
     model = GPTModel(cfg, single_rank_state(), pre_process=False, post_process=False,
                      layer_numbers=[0])
     x = torch.randn(seq, B, H, requires_grad=True)
@@ -54,7 +56,7 @@ def saved_bytes(arch, rc=(), sdpa="flash", seq=S):
     return sum(seen.values()), cfg
 
 
-CASES = [(a, rc, "flash") for a in ARCHS for rc in RECOMPUTE] + \
+CASES = [(a, rc, k) for a in ARCHS for rc in RECOMPUTE for k in ("flash", "unfused")] + \
     [("gpt2", rc, "math") for rc in RECOMPUTE]
 
 

@@ -5,6 +5,7 @@ end to end with a stand-in TE package (``te_fake``) whose modules compute with t
 What needs real TE and a GPU (kernels, TP=2, CP, FP8 numerics) is in tests/gpu/.
 """
 import dataclasses
+import os
 import sys
 
 import pytest
@@ -331,6 +332,17 @@ def test_te_core_attention_forks_the_attached_tracker_and_sets_cp(fake_te, monke
     assert core.attention.cp == ("pg", [0, 1], "stream", "a2a")
     spec = get_layer_spec("transformer_engine", m)
     assert context_parallel_spec(spec, "p2p") is spec   # TE keeps its own CP attention
+
+
+@pytest.mark.parametrize("backend,want", [("flash", "100"), ("fused", "010"),
+                                          ("unfused", "001"), ("auto", "keep")])
+def test_attention_backend_sets_tes_kernel_switches(fake_te, monkeypatch, backend, want):
+    names = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+    for name in names:
+        monkeypatch.setenv(name, "keep")
+    model(mcfg("llama", attention_backend=backend), "transformer_engine")
+    got = [os.environ[name] for name in names]
+    assert got == (["keep"] * 3 if want == "keep" else list(want))
 
 
 def test_fp8_wraps_each_layer_in_te_autocast_with_the_recipe(fake_te):

@@ -1,0 +1,81 @@
+"""Which core-attention kernel runs (``--attention-backend``), and the unfused one.
+
+Why: on CPU, SDPA's flash kernel is not always the fastest.  Its backward recomputes the
+scores block by block, and in bf16 it is 3-7x slower than its own forward.  At short
+sequences the explicit path is faster: two batched matmuls and a softmax that keep the
+probabilities for backward.  It is Megatron's "unfused" attention.  Measured on the
+2-core AMD EPYC with avx512_bf16, forward + backward of one layer in ms, flash / unfused
+(docs/performance.md):
+
+    b x heads x s x d      fp32            bf16
+    12 x 4 x 64 x 32      1.41 / 1.08     4.46 / 0.98
+    8 x 8 x 256 x 32      17.1 / 25.0     18.0 / 11.1
+    4 x 8 x 512 x 32      31.2 / 121      28.9 / 28.5
+    2 x 8 x 1024 x 64     65.7 / 248      46.7 / 128
+
+So ``auto`` picks unfused on CPU up to ``UNFUSED_MAX_SEQ`` of the dtype and SDPA otherwise.
+The rule looks only at the device, dtype and length, never at a timing, so every rank and
+every resumed run picks the same kernel and the losses stay reproducible.  The
+probabilities cost ``b * heads * s * s`` elements per layer, which is why the limits are
+short sequences only.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+# Longest sequence at which ``auto`` runs the unfused kernel on CPU, per dtype (above).
+UNFUSED_MAX_SEQ = {torch.bfloat16: 256, torch.float32: 128}
+
+_MASKS: Dict[Tuple[int, int, int, torch.dtype, str], torch.Tensor] = {}
+
+
+def core_attention_kernel(backend: str, device_type: str, seq: int, dtype: torch.dtype,
+                          dropout: float = 0.0) -> str:
+    """"unfused", "flash" (SDPA's fused kernel) or "math" (SDPA's fallback when CPU dropout
+    is on: it keeps the probabilities, like unfused).  The planner asks the same question."""
+    if backend in ("unfused", "local"):
+        return "unfused"
+    if backend == "auto" and device_type == "cpu" and seq <= UNFUSED_MAX_SEQ.get(dtype, 0):
+        return "unfused"
+    return "math" if device_type == "cpu" and dropout > 0 else "flash"
+
+
+def causal_bias(rows: int, s_q: int, s_k: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[rows * s_q, s_k]: -inf above the diagonal of each of ``rows`` stacked [s_q, s_k]
+    blocks (SDPA's ``is_causal``), 0 elsewhere; cached."""
+    key = (rows, s_q, s_k, dtype, str(device))
+    bias = _MASKS.get(key)
+    if bias is None:
+        above = torch.ones(s_q, s_k, dtype=torch.bool, device=device).triu(1)
+        bias = torch.zeros(s_q, s_k, dtype=dtype, device=device).masked_fill(above, float("-inf"))
+        bias = _MASKS[key] = bias.repeat(rows, 1)
+    return bias
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                      dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d].
+
+    The query heads of one group are stacked along the sequence, so each group is one
+    batched matmul against its shared k / v (no copies of k, v).  Scale and causal mask go
+    into that matmul (``baddbmm``, as Megatron's unfused path), so autograd keeps only the
+    probabilities, and backward makes only their gradient and the scores' gradient."""
+    b, heads, s, d = q.shape
+    groups, s_k = k.shape[1], k.shape[2]
+    rows = heads // groups
+    q3 = q.reshape(b * groups, rows * s, d)
+    k3 = k.reshape(b * groups, s_k, d).transpose(1, 2)
+    if causal:
+        bias = causal_bias(rows, s, s_k, q.dtype, q.device)
+        scores = torch.baddbmm(bias, q3, k3, alpha=d ** -0.5)      # [b*g, r*s, s_k]
+    else:
+        scores = torch.bmm(q3, k3).mul_(d ** -0.5)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    out = torch.bmm(probs, v.reshape(b * groups, s_k, v.shape[-1]))   # [b*g, r*s, dv]
+    return out.view(b, heads, s, v.shape[-1])
