@@ -67,8 +67,8 @@ def main(argv=None):
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; fastest of "
           f"{args.reps} calls, ms, forward + backward = total")
-    print(f"{'b x heads/groups x s x d':<26}{'dtype':<10}{'SDPA (flash)':>24}"
-          f"{'unfused':>24}{'unfused/SDPA':>14}  auto")
+    print(f"{'b x heads/groups x s x d':<26}{'dtype':<10}{'SDPA (flash)':>26}"
+          f"{'unfused':>26}{'unfused/SDPA':>14}  auto")
     for shape in SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             best = best_times({"sdpa": sdpa, "unfused": unfused}, shape, dtype, args.reps)
@@ -77,8 +77,8 @@ def main(argv=None):
             ratio = sum(best["unfused"]) / sum(best["sdpa"])
             b, h, g, s, d = shape
             auto = core_attention_kernel("auto", "cpu", s, dtype)
-            print(f"{f'{b} x {h}/{g} x {s} x {d}':<26}{str(dtype)[6:]:<10}{cells[0]:>24}"
-                  f"{cells[1]:>24}{ratio:>14.2f}  {auto}")
+            print(f"{f'{b} x {h}/{g} x {s} x {d}':<26}{str(dtype)[6:]:<10}{cells[0]:>26}"
+                  f"{cells[1]:>26}{ratio:>14.2f}  {auto}")
     return 0
 
 

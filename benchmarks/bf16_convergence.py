@@ -53,7 +53,8 @@ def flags(args, data_prefix, vocab, bf16: bool) -> list:
             "--adam-beta2", "0.99", "--clip-grad", "1.0", "--data-path", data_prefix,
             "--split", "95,5,0", "--tokenizer-type", "CharacterTokenizer",
             "--tokenizer-model", vocab, "--eval-iters", str(args.eval_iters),
-            "--no-progress-bar", "--seed", str(args.seed)] + (["--bf16"] if bf16 else [])
+            "--no-progress-bar", "--seed", str(args.seed),
+            "--attention-backend", args.attention_backend] + (["--bf16"] if bf16 else [])
 
 
 def main(argv=None):
@@ -61,6 +62,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--eval-iters", type=int, default=10)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--attention-backend", default="auto",
+                    help="both precisions' core attention (auto: unfused at this length on CPU)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: all CPUs)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)

@@ -1,17 +1,17 @@
 """Which core-attention kernel runs (``--attention-backend``), and the unfused one.
 
 Why: on CPU, SDPA's flash kernel is not always the fastest.  Its backward recomputes the
-scores block by block, and in bf16 it is 3-7x slower than its own forward.  At short
+scores block by block, and in bf16 it is 2-8x slower than its own forward.  At short
 sequences the explicit path is faster: two batched matmuls and a softmax that keep the
 probabilities for backward.  It is Megatron's "unfused" attention.  Measured on the
 2-core AMD EPYC with avx512_bf16, forward + backward of one layer in ms, flash / unfused
-(docs/performance.md):
+(``benchmarks/attention_kernels.py``; docs/performance.md):
 
-    b x heads x s x d      fp32            bf16
-    12 x 4 x 64 x 32      1.41 / 1.08     4.46 / 0.98
-    8 x 8 x 256 x 32      17.1 / 25.0     18.0 / 11.1
-    4 x 8 x 512 x 32      31.2 / 121      28.9 / 28.5
-    2 x 8 x 1024 x 64     65.7 / 248      46.7 / 128
+    b x heads/groups x s x d    fp32            bf16
+    12 x 4/4 x 64 x 32          1.07 / 0.71     2.99 / 0.60
+    8 x 8/4 x 128 x 32          4.53 / 3.74     9.36 / 1.90
+    8 x 8/4 x 256 x 32          13.8 / 15.0     16.5 / 6.13
+    4 x 8/4 x 512 x 32          26.2 / 67.2     25.5 / 31.5
 
 So ``auto`` picks unfused on CPU up to ``UNFUSED_MAX_SEQ`` of the dtype and SDPA otherwise.
 The rule looks only at the device, dtype and length, never at a timing, so every rank and
@@ -26,7 +26,6 @@ from typing import Dict, Tuple
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 # Longest sequence at which ``auto`` runs the unfused kernel on CPU, per dtype (above).
 UNFUSED_MAX_SEQ = {torch.bfloat16: 256, torch.float32: 128}
 
