@@ -34,6 +34,14 @@ _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 QKV_FORMATS = ("bhsd", "sbhd")
 
 
+def split_qkv(qkv: torch.Tensor, r: int, dim: int):
+    """q [.., r, ..], k and v (``dim`` dropped): views of the grouped qkv output.  One split,
+    so backward writes the qkv gradient with one concatenation; three slices would each fill
+    a zero qkv-sized gradient, copy into it and add the three up."""
+    q, k, v = torch.split(qkv, [r, 1, 1], dim=dim)
+    return q, k.squeeze(dim), v.squeeze(dim)
+
+
 class DotProductAttention(nn.Module):
     """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked.
 
@@ -124,7 +132,7 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d).permute(1, 2, 3, 0, 4)      # [b, g, r+2, s, d]
-        q, k, v = qkv[:, :, :r], qkv[:, :, r], qkv[:, :, r + 1]        # views
+        q, k, v = split_qkv(qkv, r, dim=2)                             # views
         if rotary is not None:  # rotation writes q, k contiguously: no separate copy
             cos, sin = rotary                                          # [b|1, 1, s, d]
             q = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
@@ -138,7 +146,7 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d)
-        q, k, v = qkv[:, :, :, :r], qkv[:, :, :, r], qkv[:, :, :, r + 1]   # views
+        q, k, v = split_qkv(qkv, r, dim=3)                                 # views
         if rotary is not None:
             cos, sin = (t.permute(2, 0, 1, 3) for t in rotary)         # [s, b|1, 1, d]
             q = apply_rotary(q, cos.unsqueeze(2), sin.unsqueeze(2))
