@@ -9,6 +9,7 @@ flag works too but is off by default, so CPU runs are unchanged.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from torch import nn
@@ -20,8 +21,30 @@ def transformer_layers(chunk: nn.Module) -> list:
     return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers or [])
 
 
+def inductor_cache_per_cpu_capability() -> Optional[str]:
+    """Give each ``ATEN_CPU_CAPABILITY`` its own inductor cache directory; returns it (None
+    when the variable is unset or the user chose a cache directory).
+
+    Why: torch 2.13's inductor cache is not keyed on that variable.  A CPU kernel compiled
+    under one setting is reloaded under another and computes garbage: errors of 1e27-1e36
+    were measured, with "double free or corruption" crashes the other way round.  Checking
+    a run under ``ATEN_CPU_CAPABILITY=avx2`` after a default run is how this project tests
+    its other CPU kinds, so the directories are kept apart."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY")
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    default = os.path.abspath(default_cache_dir())
+    if not capability or (chosen and os.path.abspath(chosen) != default):
+        return None            # torch itself writes its default into the variable: not chosen
+    path = os.path.join(default, f"aten_cpu_capability_{capability}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    return path
+
+
 def compile_layers(chunk: nn.Module, backend: Optional[str] = None, **options) -> int:
     """Compile every transformer layer of ``chunk`` in place; returns how many."""
+    inductor_cache_per_cpu_capability()
     layers = transformer_layers(chunk)
     for layer in layers:
         if backend is None:

@@ -2,6 +2,7 @@
 prefetcher (order, end, errors; CPU runs never wrap their iterator) and ``--compile``
 (per layer, in place: names and values unchanged)."""
 import dataclasses
+import os
 import shutil
 
 import pytest
@@ -116,3 +117,24 @@ def test_compile_with_inductor_trains_like_eager():
             assert layers and all(l._compiled_call_impl is not None for l in layers)
     # inductor fuses elementwise work (other rounding): equal to fp32 tolerance, not bitwise
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=0)
+
+
+def test_each_cpu_capability_gets_its_own_inductor_cache(monkeypatch, tmp_path):
+    """torch's inductor cache is not keyed on ATEN_CPU_CAPABILITY (a kernel compiled under
+    one setting computes garbage under another): --compile keeps them apart, and leaves a
+    directory the user chose alone."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = os.path.abspath(default_cache_dir())
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default)      # as torch itself leaves it
+    assert compile_mod.inductor_cache_per_cpu_capability() is None
+    for capability in ("avx2", "default"):
+        monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default)
+        want = os.path.join(default, f"aten_cpu_capability_{capability}")
+        assert compile_mod.inductor_cache_per_cpu_capability() == want
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == want
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert compile_mod.inductor_cache_per_cpu_capability() is None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
