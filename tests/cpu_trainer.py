@@ -1,4 +1,4 @@
-"""One way for the multi-process tests to build a CPU ``Trainer`` from command-line flags
+"""One way for the tests to build a CPU ``Trainer`` from command-line flags and step it
 (tests/ is on sys.path): a single process gets a state without process groups; inside a
 ``dist.run`` worker the state is built over the running world."""
 from __future__ import annotations
@@ -18,3 +18,17 @@ def build_cpu_trainer(argv, world: int) -> Trainer:
     trainer = Trainer(cfg, state, "cpu")
     trainer.setup()
     return trainer
+
+
+def train_steps(trainer: Trainer, n: int, save_every=None, after_save=None) -> list:
+    """``n`` training steps from the trainer's data position; their losses.  Every
+    ``save_every`` iterations it saves (then calls ``after_save(trainer)``)."""
+    it = trainer.data_iterator(trainer.train_ds, trainer.consumed_samples)
+    losses = []
+    for _ in range(n):
+        losses.append(trainer.train_step(it)["lm_loss"])
+        if save_every and trainer.iteration % save_every == 0:
+            trainer.save()
+            if after_save:
+                after_save(trainer)
+    return losses

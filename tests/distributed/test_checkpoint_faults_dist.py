@@ -26,14 +26,12 @@ import time
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
 
-from megalite.arguments import parse_args
+from cpu_trainer import build_cpu_trainer, train_steps  # noqa: E402  (tests/ is on sys.path)
 from megalite.checkpointing import manifest as mf
-from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training import checkpoint as ckpt_mod
-from megalite.training.loop import Trainer
 
 WORLD = 2
-FLAGS = ["--world-size", str(WORLD), "--num-layers", "2", "--hidden-size", "32",
+FLAGS = ["--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--mock-data", "--vocab-size",
          "100", "--lr", "3e-3", "--train-iters", "6", "--hidden-dropout", "0.1",
          "--attention-dropout", "0.1", "--eval-iters", "0", "--lr-warmup-iters", "1",
@@ -43,23 +41,7 @@ FAILURES = ("rank1_shard", "rank0_metadata", "rank0_marker", "rank1_shard_async"
 
 
 def _trainer(*extra):
-    cfg = parse_args([*FLAGS, *extra])
-    trainer = Trainer(cfg, ParallelState.build(RankGrid.from_config(cfg),
-                                               torch_dist.get_rank()), "cpu")
-    trainer.setup()
-    return trainer
-
-
-def _steps(trainer, n, save_every=None, after_save=None):
-    it = trainer.data_iterator(trainer.train_ds, trainer.consumed_samples)
-    losses = []
-    for _ in range(n):
-        losses.append(trainer.train_step(it)["lm_loss"])
-        if save_every and trainer.iteration % save_every == 0:
-            trainer.save()
-            if after_save:
-                after_save(trainer)
-    return losses
+    return build_cpu_trainer([*FLAGS, *extra], WORLD)
 
 
 def _printed(fn):
@@ -130,7 +112,7 @@ def _failing_save(trainer, failure):
 def _faults(root):
     rank = torch_dist.get_rank()
     ck = f"{root}/ck"
-    out = {"straight": _steps(_trainer("--save", ck), 6, save_every=2)}
+    out = {"straight": train_steps(_trainer("--save", ck), 6, save_every=2)}
     if rank == 0:   # keep iterations 2 and 4 only: the run below saves 6 again
         shutil.rmtree(mf.iteration_dir(ck, 6))
         mf.write_marker(ck, 4)
@@ -139,20 +121,20 @@ def _faults(root):
     for how in DAMAGES:        # the newest is damaged: fall back to iteration 2
         path = _damaged_copy(ck, how, {4: how})
         trainer, printed = _printed(lambda: _trainer("--load", path))
-        out[how] = (trainer.iteration, printed, _steps(trainer, 2))
+        out[how] = (trainer.iteration, printed, train_steps(trainer, 2))
     path = _damaged_copy(ck, "none", {4: "truncated", 2: "missing"})
     out["none_complete"] = _printed(lambda: _trainer("--load", path))[0]
 
     trainer = _trainer("--load", ck, "--save", ck)
     async_trainer = _trainer("--load", ck, "--save", ck, "--async-save")
-    _steps(trainer, 2)
-    _steps(async_trainer, 2)
+    train_steps(trainer, 2)
+    train_steps(async_trainer, 2)
     for failure in FAILURES:
         t = async_trainer if failure.endswith("async") else trainer
         out[failure] = (*_failing_save(t, failure), mf.read_marker(ck)[0])
     resumed, _ = _printed(lambda: _trainer("--load", ck))
     out["after_failures"] = resumed if isinstance(resumed, str) else \
-        (resumed.iteration, _steps(resumed, 2))
+        (resumed.iteration, train_steps(resumed, 2))
 
     # --async-save every 2 iterations; rank 1's writer starts late, so the save overlaps
     # the training steps that follow it
@@ -164,13 +146,13 @@ def _faults(root):
         return real_save(*args, **kwargs)
     with _patched(ckpt_mod, "save_chunked", late, on_rank=1):
         trainer = _trainer("--save", f"{root}/as", "--async-save")
-        _steps(trainer, 4, save_every=2,
+        train_steps(trainer, 4, save_every=2,
                after_save=lambda t: alive.append(t.pending_save.thread.is_alive()))
         trainer.finish_saves()
     intact = [mf.verify_iteration(mf.iteration_dir(f"{root}/as", i)) for i in (2, 4)]
     resumed = _trainer("--load", f"{root}/as")
     out["async"] = (alive, intact, mf.read_marker(f"{root}/as")[0], resumed.iteration,
-                    _steps(resumed, 2))
+                    train_steps(resumed, 2))
     return out
 
 

@@ -16,6 +16,7 @@ import pickle
 import pytest
 import torch
 
+from cpu_trainer import build_cpu_trainer, train_steps  # noqa: E402  (tests/ is on sys.path)
 from megalite.arguments import parse_args
 from megalite.checkpointing import manifest as mf
 from megalite.parallel_state import ParallelState, RankGrid
@@ -24,32 +25,18 @@ from megalite.training.loop import Trainer
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--mock-data", "--vocab-size", "100", "--lr", "3e-3",
         "--train-iters", "6", "--hidden-dropout", "0", "--attention-dropout", "0",
-        "--eval-iters", "0", "--global-batch-size", "2", "--micro-batch-size", "1",
-        "--world-size", "1"]
+        "--eval-iters", "0", "--global-batch-size", "2", "--micro-batch-size", "1"]
 
 
 def _trainer(*flags):
-    cfg = parse_args([*BASE, *flags])
-    t = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
-    t.setup()
-    return t
-
-
-def _run(trainer, iters, save_every=None):
-    it = trainer.data_iterator(trainer.train_ds, trainer.consumed_samples)
-    losses = []
-    for _ in range(iters):
-        losses.append(trainer.train_step(it)["lm_loss"])
-        if save_every and trainer.iteration % save_every == 0:
-            trainer.save()
-    return losses
+    return build_cpu_trainer([*BASE, *flags], 1)
 
 
 @pytest.fixture
 def two_saves(tmp_path):
     """A directory with complete checkpoints at iterations 2 and 4."""
     root = str(tmp_path / "ckpt")
-    _run(_trainer("--save", root), 4, save_every=2)
+    train_steps(_trainer("--save", root), 4, save_every=2)
     return root
 
 
@@ -143,7 +130,7 @@ def test_wrong_shape_names_file_and_tensor(two_saves):
     with pytest.raises(ConfigError, match="^--ffn-hidden-size: this run has 64, .* has 128"):
         _trainer("--load", two_saves, "--ffn-hidden-size", "64")
     # ... and the load still names the file and tensor for a config that skipped that check
-    cfg = parse_args([*BASE, "--load", two_saves, "--ffn-hidden-size", "64"],
+    cfg = parse_args(["--world-size", "1", *BASE, "--load", two_saves, "--ffn-hidden-size", "64"],
                      validate_config=False)
     t = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
     with pytest.raises(ValueError, match=r"iter_0000004/\.metadata: 'model\..*' has shape"):
@@ -152,7 +139,7 @@ def test_wrong_shape_names_file_and_tensor(two_saves):
 
 def test_failed_save_never_moves_the_marker(two_saves, monkeypatch):
     t = _trainer("--load", two_saves, "--save", two_saves)
-    _run(t, 2)
+    train_steps(t, 2)
     import torch.distributed.checkpoint as dcp
 
     def full_disk(self, plan, planner):
@@ -175,7 +162,7 @@ def test_unwritable_save_fails_before_training(tmp_path):
 
 def test_keep_last_n_and_marker_last(tmp_path):
     root = str(tmp_path / "c")
-    _run(_trainer("--save", root, "--keep-last-n-checkpoints", "2"), 6, save_every=2)
+    train_steps(_trainer("--save", root, "--keep-last-n-checkpoints", "2"), 6, save_every=2)
     assert mf.saved_iterations(root) == [6, 4]
     assert mf.read_marker(root) == (6, None)
     assert mf.verify_iteration(mf.iteration_dir(root, 6)) is None
@@ -185,7 +172,7 @@ def test_auto_resume_from_own_save_dir(tmp_path):
     root = str(tmp_path / "auto")
     t = _trainer("--save", root, "--load", root)      # nothing there yet: from scratch
     assert t.iteration == 0
-    _run(t, 2)
+    train_steps(t, 2)
     t.save()
     assert _trainer("--save", root, "--load", root).iteration == 2
 
@@ -197,7 +184,7 @@ def test_legacy_checkpoint_still_resumes_exactly(tmp_path):
     from megalite.training.checkpoint import run_layout
 
     t = _trainer()
-    _run(t, 2)
+    train_steps(t, 2)
     root = tmp_path / "legacy"
     save_model_shards(str(root), 2, t.model_chunks, t.cfg, t.state,
                       {"consumed_samples": t.consumed_samples, "layout": run_layout(t)})
@@ -206,7 +193,7 @@ def test_legacy_checkpoint_still_resumes_exactly(tmp_path):
                 "rng": {"cpu": torch.get_rng_state(),
                         "trackers": [c.rng_tracker.get_states() for c in t.model_chunks]}},
                root / "iter_0000002" / "optim" / "rank_00000.pt")
-    straight = _run(t, 2)
+    straight = train_steps(t, 2)
     resumed = _trainer("--load", str(root))
     assert resumed.iteration == 2 and resumed.consumed_samples == 4
-    assert _run(resumed, 2) == straight
+    assert train_steps(resumed, 2) == straight
