@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from megalite import compat_flags
 from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
                              all_fields, field_flag)
+from megalite.config.domains import check_domains
 from megalite.model_presets import preset_fields
 from megalite.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
 
@@ -41,8 +42,17 @@ _SECTION_TITLES = {
 }
 
 
-def _parse_bool(text: str) -> bool:
-    return str(text).lower() in ("1", "true", "yes", "on")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _parse_bool(text) -> bool:
+    """A boolean from YAML or a ``--flag VALUE``: strictly, so a typo is an error, not False."""
+    if isinstance(text, bool):
+        return text
+    word = str(text).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
@@ -111,8 +121,11 @@ def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
         if k in by_flag and isinstance(by_flag[k], (argparse._StoreTrueAction,
                                                     argparse._StoreFalseAction)):
             a = by_flag[k]
-            value = a.const if _parse_bool(value) else a.default
-            out[a.dest] = value
+            try:
+                on = _parse_bool(value)
+            except argparse.ArgumentTypeError as exc:
+                raise ConfigError(f"--config {path}: {a.option_strings[0]}: {exc}") from None
+            out[a.dest] = a.const if on else a.default
         elif k in by_dest and k not in ("help", "config", "model_preset", "gpu", "gpus_per_node",
                                                "world_size"):
             out[k] = value
@@ -160,6 +173,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
         data["tokenizer_type"] = "GPT2BPETokenizer"   # Megatron's GPT-2 examples omit the type
     cfg = MegaliteConfig(world_size=world, accepted_flags=accepted,
                          **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+    check_domains(cfg)        # a bad --load or value fails here, before any file is read
     if cfg.checkpoint.use_checkpoint_args:     # before validation, which needs the model flags
         from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
 
@@ -170,12 +184,3 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
         from megalite.validation import validate
         validate(cfg)
     return cfg
-
-
-def run_cli(main, argv=None):
-    """Run ``main(argv)``; a ConfigError becomes one line on stderr and exit status 2."""
-    try:
-        return main(argv)
-    except ConfigError as exc:
-        print(f"megalite: error: {exc}", file=sys.stderr)
-        sys.exit(2)

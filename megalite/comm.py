@@ -309,3 +309,41 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
     with _named_failure(desc, group, peers):
         works = dist.batch_isend_irecv(ops)
     return PendingP2P(works, ops, desc, group, peers)
+
+
+# -- the run's first user error, shared through the process group's store -----------------
+FIRST_USER_ERROR_KEY = "megalite/first_user_error"
+
+
+def _default_store():
+    if not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def publish_user_error(line: str) -> bool:
+    """Record ``line`` as the run's first user error; True when it was first, so exactly one
+    rank prints it.  Every rank that fails afterwards (a peer's collective broken by this
+    rank's exit) finds it with ``published_user_error`` and exits quietly with status 2."""
+    store = _default_store()
+    if store is None:
+        return True
+    try:
+        stored = store.compare_set(FIRST_USER_ERROR_KEY, "", line)
+    except (RuntimeError, dist.DistError):    # store unreachable: say it here, to be safe
+        return True
+    return (stored.decode() if isinstance(stored, bytes) else stored) == line
+
+
+def published_user_error() -> Optional[str]:
+    """The user error some rank published, if any (None when the store is gone)."""
+    store = _default_store()
+    if store is None:
+        return None
+    try:
+        if not store.check([FIRST_USER_ERROR_KEY]):
+            return None
+        value = store.get(FIRST_USER_ERROR_KEY)
+    except (RuntimeError, dist.DistError):
+        return None
+    return value.decode() if isinstance(value, bytes) else value

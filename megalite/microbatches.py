@@ -70,10 +70,8 @@ class BatchSizeSchedule:
         return iterations
 
 
-def rampup_problem(rampup, global_batch_size: int, micro_batch_size: int, dp: int
-                   ) -> Optional[str]:
-    """Megatron's checks on ``--rampup-batch-size``, as one line (None when it is fine):
-    every batch of the ramp must split into micro-batches over the DP ranks."""
+def rampup_values_problem(rampup) -> Optional[str]:
+    """The three values of ``--rampup-batch-size`` on their own (the field's domain)."""
     if not rampup:
         return None
     try:
@@ -83,6 +81,19 @@ def rampup_problem(rampup, global_batch_size: int, micro_batch_size: int, dp: in
                "START INCREMENT SAMPLES"
     if start < 1 or increment < 1 or samples < 0:
         return "--rampup-batch-size: START and INCREMENT must be >= 1 and SAMPLES >= 0"
+    return None
+
+
+def rampup_problem(rampup, global_batch_size: int, micro_batch_size: int, dp: int
+                   ) -> Optional[str]:
+    """Megatron's checks on ``--rampup-batch-size``, as one line (None when it is fine):
+    every batch of the ramp must split into micro-batches over the DP ranks."""
+    if not rampup:
+        return None
+    problem = rampup_values_problem(rampup)
+    if problem:
+        return problem
+    start, increment, samples = (int(v) for v in rampup)
     if start > global_batch_size:
         return f"--rampup-batch-size START ({start}) is larger than --global-batch-size " \
                f"({global_batch_size})"

@@ -5,10 +5,9 @@ Every message names the flag(s) at fault and the fix, on one line.  The planner 
 """
 from __future__ import annotations
 
-import math
-import os
 
 from megalite.config import ConfigError, MegaliteConfig
+from megalite.config.domains import check_domains
 from megalite.microbatches import rampup_problem
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
@@ -20,39 +19,16 @@ def validate_layout(cfg: MegaliteConfig) -> None:
     """Parallel sizes against the world size and the model shape (no files, no I/O).
 
     One check per topic, in this order (the first fault found is the one reported)."""
-    for check in (check_positive_sizes, check_required_model, check_rank_grids,
+    for check in (check_world_size, check_required_model, check_rank_grids,
                   check_virtual_stages, check_stage_split, check_attention_shape,
                   check_batch_sizes, check_sequence, check_experts):
         check(cfg)
 
 
-def _positive(value, flag):
-    if value is not None and value <= 0:
-        raise ConfigError(f"{flag} must be a positive integer, got {value}")
-
-
-def check_positive_sizes(cfg: MegaliteConfig) -> None:
-    p, m, t = cfg.parallel, cfg.model, cfg.training
-    for value, flag in ((p.tp, "--tensor-model-parallel-size"),
-                        (p.pp, "--pipeline-model-parallel-size"),
-                        (p.cp, "--context-parallel-size"),
-                        (p.ep, "--expert-model-parallel-size"),
-                        (p.expert_tensor_parallel_size, "--expert-tensor-parallel-size"),
-                        (p.num_layers_per_virtual_pipeline_stage,
-                         "--num-layers-per-virtual-pipeline-stage"),
-                        (p.num_virtual_stages_per_pipeline_rank,
-                         "--num-virtual-stages-per-pipeline-rank"),
-                        (t.micro_batch_size, "--micro-batch-size"),
-                        (t.global_batch_size, "--global-batch-size"),
-                        (cfg.world_size, "world size"),
-                        (m.num_layers, "--num-layers"), (m.hidden_size, "--hidden-size"),
-                        (m.num_attention_heads, "--num-attention-heads"),
-                        (m.num_query_groups, "--num-query-groups"),
-                        (m.seq_length, "--seq-length"), (m.ffn_hidden_size, "--ffn-hidden-size"),
-                        (m.kv_channels, "--kv-channels"), (m.num_experts, "--num-experts"),
-                        (m.vocab_size, "--vocab-size"), (t.train_iters, "--train-iters"),
-                        (m.make_vocab_size_divisible_by, "--make-vocab-size-divisible-by")):
-        _positive(value, flag)
+def check_world_size(cfg: MegaliteConfig) -> None:
+    """The world size is not a flag (torchrun/SLURM or --world-size), so no field domain."""
+    if cfg.world_size <= 0:
+        raise ConfigError(f"world size must be a positive integer, got {cfg.world_size}")
 
 
 def check_required_model(cfg: MegaliteConfig) -> None:
@@ -258,22 +234,15 @@ def check_experts(cfg: MegaliteConfig) -> None:
         if m.num_experts % p.ep:
             raise ConfigError(f"--num-experts ({m.num_experts}) is not divisible by "
                               f"--expert-model-parallel-size ({p.ep})")
-        if m.moe_router_topk > m.num_experts:
-            raise ConfigError(f"--moe-router-topk ({m.moe_router_topk}) exceeds --num-experts")
         if p.tp > 1 and not p.sequence_parallel:
             raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
                               "--sequence-parallel (each token must live on one rank for the "
                               "expert dispatch, as in Megatron)")
         groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
-        if (groups is None) != (group_topk is None):
-            raise ConfigError("group-limited routing needs both --moe-router-num-groups and "
-                              "--moe-router-group-topk")
-        if groups is not None and (m.num_experts % groups or not 0 < group_topk <= groups
-                                   or m.moe_router_topk % group_topk):
+        if groups is not None and (m.num_experts % groups or m.moe_router_topk % group_topk):
             raise ConfigError(f"--moe-router-num-groups ({groups}) must divide --num-experts "
                               f"({m.num_experts}), and --moe-router-group-topk ({group_topk}) "
-                              f"must be at most the groups and divide --moe-router-topk "
-                              f"({m.moe_router_topk})")
+                              f"must divide --moe-router-topk ({m.moe_router_topk})")
         if m.moe_shared_expert_intermediate_size is not None and \
                 m.moe_shared_expert_intermediate_size % p.tp:
             raise ConfigError("--moe-shared-expert-intermediate-size must be divisible by "
@@ -294,25 +263,12 @@ def validate_files(cfg: MegaliteConfig) -> None:
                             "TikTokenizer", "Llama3Tokenizer"):
         if not d.tokenizer_model:
             raise ConfigError(f"--tokenizer-type {d.tokenizer_type} needs --tokenizer-model FILE")
-        if not os.path.exists(d.tokenizer_model):
-            raise ConfigError(f"--tokenizer-model: '{d.tokenizer_model}' does not exist")
     if d.tokenizer_type == "GPT2BPETokenizer":
         for value, flag in ((d.vocab_file, "--vocab-file"), (d.merge_file, "--merge-file")):
             if not value:
                 raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE")
-            if not os.path.isfile(value):
-                raise ConfigError(f"{flag}: file '{value}' does not exist")
-    from megalite.data.megatron_indices import parse_split_numbers
-    try:
-        parse_split_numbers(d.split)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    if d.tokenizer_type == "TikTokenizer" and d.tiktoken_num_special_tokens < 3:
-        raise ConfigError("--tiktoken-num-special-tokens must be >= 3 (<unk> <s> </s>)")
     if d.tokenizer_type == "NullTokenizer" and cfg.model.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
-    if cfg.training.skip_train and not cfg.checkpoint.load:
-        raise ConfigError("--skip-train evaluates a loaded checkpoint: give --load DIR")
     if d.mock_data:
         if d.sample_windows != "packed":
             raise ConfigError("--sample-windows random cuts windows from --data-path; mock data is "
@@ -326,20 +282,6 @@ def validate_files(cfg: MegaliteConfig) -> None:
         raise ConfigError("--data-path is required (or use --mock-data)")
     if d.tokenizer_type is None:
         raise ConfigError("--tokenizer-type is required with --data-path")
-    for prefix in d.data_path:
-        try:
-            weight = float(prefix)
-        except ValueError:
-            weight = None
-        if weight is not None:  # a blending weight
-            if not (math.isfinite(weight) and weight >= 0):
-                raise ConfigError(f"--data-path weight {prefix!r} must be a finite, "
-                                  f"non-negative number")
-            continue
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(prefix + ext):
-                raise ConfigError(f"--data-path: '{prefix}{ext}' does not exist; run "
-                                  "tools/preprocess_data.py to create it")
 
 
 def validate_training(cfg: MegaliteConfig) -> None:
@@ -350,7 +292,6 @@ def validate_training(cfg: MegaliteConfig) -> None:
                           f"(--precision {o.precision} alone, or {other} alone)")
     if o.fp16 and o.bf16:
         raise ConfigError("give only one of --fp16 and --bf16")
-    check_loss_scaler(o)
     check_megatron_compat(cfg)
     if not t.skip_train and not t.dry_run:
         if t.train_iters is None and t.train_samples is None:
@@ -369,26 +310,6 @@ def validate_training(cfg: MegaliteConfig) -> None:
         refusal = backend_refusal(cfg)   # TE missing / no CUDA / FP8 without TE (one line)
         if refusal:
             raise ConfigError(refusal)
-    if t.recompute_method and t.recompute_granularity != "full":
-        raise ConfigError("--recompute-method needs --recompute-granularity full")
-    allowed = {"core_attn", "mlp", "layernorm"}
-    bad = set(t.recompute_modules or []) - allowed
-    if bad:
-        raise ConfigError(f"--recompute-modules: unknown {sorted(bad)}; choose from {sorted(allowed)}")
-
-
-def check_loss_scaler(o) -> None:
-    """--fp16 loss-scaler flags, as Megatron-Core's grad scalers assert them."""
-    if o.loss_scale is not None and not o.loss_scale > 0:
-        raise ConfigError(f"--loss-scale must be positive, got {o.loss_scale}")
-    if not 0 < o.min_loss_scale <= o.initial_loss_scale:
-        raise ConfigError(f"--min-loss-scale ({o.min_loss_scale}) must be positive and at most "
-                          f"--initial-loss-scale ({o.initial_loss_scale})")
-    if o.loss_scale_window < 1 or int(o.loss_scale_window) != o.loss_scale_window:
-        raise ConfigError(f"--loss-scale-window must be a whole number >= 1, got "
-                          f"{o.loss_scale_window}")
-    if o.hysteresis < 1:
-        raise ConfigError(f"--hysteresis must be >= 1, got {o.hysteresis}")
 
 
 def check_megatron_compat(cfg: MegaliteConfig) -> None:
@@ -429,19 +350,12 @@ def validate_logging(cfg: MegaliteConfig) -> None:
     missing = missing_logging_packages(cfg)
     if missing and not cfg.training.dry_run:
         raise ConfigError(missing[0])
-    if lg.loss_plot and not lg.metrics_file:
-        raise ConfigError("--loss-plot draws from the metrics file: also give --metrics-file PATH")
 
 
 def check_data_parallel(cfg: MegaliteConfig) -> None:
     """Data-parallel strategy flags (docs/data_parallel.md): combinations that do not compose
     are refused, never ignored."""
     p = cfg.parallel
-    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
-        raise ConfigError(f"--ddp-bucket-size must be >= 1, got {p.ddp_bucket_size}")
-    if p.overlap_param_gather and not (p.use_distributed_optimizer and p.overlap_grad_reduce):
-        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer and "
-                          "--overlap-grad-reduce")
     if p.use_torch_fsdp2:
         if p.pp > 1:
             raise ConfigError("--use-torch-fsdp2 does not compose with pipeline parallelism "
@@ -455,12 +369,34 @@ def check_data_parallel(cfg: MegaliteConfig) -> None:
                               "--num-experts")
 
 
+def check_resume_schedule(cfg: MegaliteConfig) -> None:
+    """Resuming with other schedule flags than the checkpoint's is refused unless the user
+    says which schedule wins (checkpointing/resume_schedule.py)."""
+    c = cfg.checkpoint
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        raise ConfigError("give only one of --override-opt_param-scheduler and "
+                          "--use-checkpoint-opt_param-scheduler")
+    if not c.load:
+        return
+    import os
+
+    from megalite.checkpointing.checkpoint_args import read_checkpoint_meta
+    from megalite.checkpointing.resume_schedule import check_schedule_matches_checkpoint
+
+    found = read_checkpoint_meta(c.load)
+    if found is not None:
+        check_schedule_matches_checkpoint(cfg, found[1],
+                                          os.path.dirname(os.path.dirname(found[0])))
+
+
 def validate(cfg: MegaliteConfig) -> None:
+    check_domains(cfg)       # every field against the domain declared beside it
     if cfg.checkpoint.load:  # first: the model the flags describe is the checkpoint's
         from megalite.checkpointing.checkpoint_args import check_model_matches_checkpoint
 
         check_model_matches_checkpoint(cfg)
     validate_layout(cfg)
+    check_resume_schedule(cfg)
     check_data_parallel(cfg)
     validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes
     validate_training(cfg)

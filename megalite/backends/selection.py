@@ -86,8 +86,6 @@ def backend_refusal(cfg) -> Optional[str]:
 
     Called by validation (not for --dry-run, which only describes a layout)."""
     m, t, p = cfg.model, cfg.training, cfg.parallel
-    if m.fp8_format is not None and m.fp8_amax_history_len < 1:
-        return f"--fp8-amax-history-len must be >= 1, got {m.fp8_amax_history_len}"
     if m.transformer_impl == "transformer_engine":
         err = te_import_error()
         if err is not None:

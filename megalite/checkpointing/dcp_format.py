@@ -174,8 +174,9 @@ def _pg_args(single: bool, group=None) -> dict:
     return {"process_group": group}
 
 
-class CheckpointError(RuntimeError):
-    """A DCP save or load that failed on some rank, as one line on every rank."""
+class CheckpointIOError(RuntimeError):
+    """A DCP save or load that failed on some rank, as one line on every rank (the
+    checkpointer decides whether the cause is the user's filesystem or a bug)."""
 
 
 @contextlib.contextmanager
@@ -194,7 +195,7 @@ def _one_line_failure(what: str, directory: str):
                 print(f"--- DCP failure on rank {r}:\n" + "".join(traceback.format_exception(
                     exc.failures[r][0])) + str(exc.failures[r][1]), flush=True)
         first = (str(cause).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{what} {directory} failed on rank(s) {ranks}: "
+        raise CheckpointIOError(f"{what} {directory} failed on rank(s) {ranks}: "
                               f"{type(cause).__name__}: {first}") from cause
 
 

@@ -270,8 +270,12 @@ class IndexedDataset:
             if hi >= vocab_size or low < 0:
                 bad = hi if hi >= vocab_size else low
                 pos = lo + int(np.argmax(part == bad))
-                raise ValueError(f"{bin_path(self.path_prefix)}: token id {bad} at position "
-                                 f"{pos} is outside the vocabulary (size {vocab_size})")
+                from megalite.errors import DataError
+
+                raise DataError(f"{bin_path(self.path_prefix)}: token id {bad} at position "
+                                f"{pos} is outside the vocabulary (size {vocab_size}); "
+                                "tokenize it with this run's tokenizer, or give the "
+                                "tokenizer (or --vocab-size) it was made with")
 
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``offset .. offset+length`` of sequence ``idx`` (to its end when length is None)."""

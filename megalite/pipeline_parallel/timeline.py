@@ -116,9 +116,22 @@ def record_iteration(cfg, state, events, schedule: str, buckets=()) -> None:
 
 
 def load_records(path: str, iteration: int = None) -> tuple:
-    """(records, metadata) of a trace file; ``iteration`` None = the last one recorded."""
-    with open(path) as f:
-        data = json.load(f)
+    """(records, metadata) of a trace file; ``iteration`` None = the last one recorded.
+    A missing or foreign file is a ``DataError`` (one line at the boundary)."""
+    from megalite.errors import DataError
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise DataError(f"timeline '{path}': {exc.strerror or exc}; give the file written by "
+                        "--pipeline-timeline") from None
+    except ValueError as exc:
+        raise DataError(f"timeline '{path}' is not JSON ({exc}); give the file written by "
+                        "--pipeline-timeline") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise DataError(f"timeline '{path}' has no traceEvents: it is not a --pipeline-timeline "
+                        "Chrome trace")
     recs = []
     for e in data["traceEvents"]:
         if e.get("ph") != "X":

@@ -1,6 +1,6 @@
 """``megalite plan``: size a model on a cluster and print the best layouts and their flags.
 
-Bad input is a one-line error and exit status 2 (megalite.arguments.run_cli).
+Bad input is a one-line error and exit status 2 (megalite.boundary.run_cli).
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import shlex
 import sys
 from typing import List, Optional
 
-from megalite.arguments import OneLineErrorParser, run_cli
+from megalite.arguments import OneLineErrorParser
+from megalite.boundary import run_cli
 from megalite.config import ConfigError
 from megalite.planner import model_spec as ms
 from megalite.planner import report

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from typing import Dict, Optional
 
 import torch
@@ -29,13 +30,15 @@ import torch.distributed as dist
 
 from megalite import comm
 from megalite.checkpointing import manifest as mf
-from megalite.checkpointing.dcp_format import (CheckpointError, ChunkedTensor, load_chunked,
+from megalite.checkpointing.dcp_format import (CheckpointIOError, ChunkedTensor, load_chunked,
                                                save_chunked, saved_tensors)
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
 from megalite.checkpointing.sharded_state import (fsdp_piece, master_pieces,
                                                   model_sharded_state_dict,
                                                   optimizer_sharded_state_dict, spec_chunks)
 from megalite.distributed.replicas import check_replicas
+from megalite.errors import CheckpointError
+from megalite.training import checkpoint_io_policy as policy
 from megalite.moe.moe_layer import expert_bias_state, load_expert_bias_state
 from megalite.parallel_state import Group
 from megalite.param_spec import group_coords, param_table
@@ -89,7 +92,7 @@ def _agree(error: Optional[str], what: str, single: bool, handle=None) -> None:
     marker write hitting ENOSPC) never leaves its peers waiting out the timeout."""
     failed = [(r, e) for r, e in enumerate(_gather(error, single, handle)) if e]
     if failed:
-        raise CheckpointError(f"{what} failed on rank(s) {[r for r, _ in failed]}: "
+        raise CheckpointIOError(f"{what} failed on rank(s) {[r for r, _ in failed]}: "
                               f"{failed[0][1]}")
 
 
@@ -121,7 +124,10 @@ def preflight_save_dir(root: str) -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as exc:
-        raise OSError(f"--save {root} is not writable: {exc.strerror or exc}") from None
+        from megalite.errors import StorageError
+
+        raise StorageError(f"--save {root} is not writable: {exc.strerror or exc}; choose a "
+                           "folder this job may write") from None
 
 
 def _rng_tensors(trainer) -> Dict[str, torch.Tensor]:
@@ -182,6 +188,8 @@ def save_training_checkpoint(trainer) -> str:
     it_dir = mf.iteration_dir(root, trainer.iteration)
     if mf.read_marker(root)[0] == trainer.iteration and mf.verify_iteration(it_dir) is None:
         return it_dir                      # already saved (interval save at the last step)
+    started = time.perf_counter()
+    _print0(f"> saving checkpoint at iteration {trainer.iteration} to {root}")
     trainer.strategy.wait_param_gathers()         # --overlap-param-gather: gathers in flight
     check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
     single = _single(trainer)
@@ -195,15 +203,43 @@ def save_training_checkpoint(trainer) -> str:
     if meta is not None and bias is not None:   # a router buffer, not a parameter: JSON
         meta["extra"]["moe_expert_bias"] = bias
     keep = cfg.checkpoint.keep_last_n_checkpoints
+    write = functools.partial(_write_guarded, it_dir=it_dir, root=root, meta=meta,
+                              rank=state.rank, single=single, keep=keep,
+                              iteration=trainer.iteration, started=started)
     if not cfg.checkpoint.async_save:
-        _write(sd, it_dir, root, meta, state.rank, single, keep, None)
+        with policy.interruptible_save():
+            write(sd, group=None)
         return it_dir
     staged = {k: ChunkedTensor(v.global_shape, [(o, t.clone()) for o, t in v.chunks]
                                if v.writer else [], v.writer) for k, v in sd.items()}
     group = None if single else state.background_group().handle
-    trainer.pending_save = AsyncSave(functools.partial(
-        _write, staged, it_dir, root, meta, state.rank, single, keep, group))
+    trainer.pending_save = AsyncSave(functools.partial(write, staged, group=group))
     return it_dir
+
+
+def _write_guarded(sd, group, *, it_dir, root, meta, rank, single, keep, iteration,
+                   started) -> None:
+    """``_write``; a full disk, a quota or an interruption becomes one user-error line on
+    every rank, with the partial folder removed and the newest complete checkpoint named
+    (the marker never moved).  Any other failure is a bug and keeps its traceback."""
+    try:
+        _write(sd, it_dir, root, meta, rank, single, keep, group)
+    except KeyboardInterrupt as exc:
+        raise policy.save_interrupted(root, iteration, rank,
+                                      policy.interruption_name(exc)) from None
+    except (CheckpointIOError, OSError, RuntimeError) as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):     # DCP caught it on some rank
+            raise policy.save_interrupted(root, iteration, rank,
+                                          policy.interruption_name(exc.__cause__)) from None
+        cause = policy.storage_cause(exc)
+        if cause is None:
+            raise
+        where = policy.cleanup_phrase(root, iteration, rank)
+        if isinstance(exc, CheckpointIOError):  # failed on every rank alike: say rank 0's words
+            where = _gather(where, single, group)[0]
+        raise policy.save_failed(root, iteration, cause, where) from exc
+    if rank == 0:
+        print(policy.saved_line(iteration, it_dir, started), flush=True)
 
 
 def _write(sd, it_dir, root, meta, rank, single, keep, group) -> None:
@@ -268,16 +304,26 @@ def _prune(root: str, keep: Optional[int], current: int) -> None:
 
 # -- load ------------------------------------------------------------------------------
 
-def select_checkpoint(root: str, single: bool = False) -> Optional[int]:
+def select_checkpoint(root: str, single: bool = False, wanted: Optional[int] = None
+                      ) -> Optional[int]:
     """The iteration every rank will load (rank 0 verifies, then broadcasts), saying so
-    when it falls back past a broken one; None when ``root`` holds no checkpoint at all."""
+    when it falls back past a broken one; None when ``root`` holds no checkpoint at all.
+    ``wanted`` (``--ckpt-step``): that iteration or a one-line error, no fallback."""
     verdict = None
     if single or not dist.is_initialized() or dist.get_rank() == 0:
-        verdict = mf.find_loadable(root)
+        verdict = mf.find_loadable(root) if wanted is None else \
+            (wanted, [mf.verify_iteration(mf.iteration_dir(root, wanted))])
     it, problems = _broadcast(verdict, single)
+    if wanted is not None:
+        if problems[0]:
+            raise CheckpointError(f"--ckpt-step {wanted}: {problems[0]}; choose a complete "
+                                  f"iteration of {root} (saved: {mf.saved_iterations(root)[:5]})")
+        return wanted
     if it is None:
         if problems:
-            raise ValueError(f"no complete checkpoint in {root}: " + "; ".join(problems))
+            raise CheckpointError(f"--load: no complete checkpoint in '{root}': "
+                                  + "; ".join(problems) + "; restore the damaged files, or "
+                                  "start without --load")
         return None
     for p in problems:
         _print0(f"> WARNING: {p}")
@@ -290,29 +336,32 @@ def select_checkpoint(root: str, single: bool = False) -> Optional[int]:
 def load_training_checkpoint(trainer) -> None:
     cfg = trainer.cfg
     root = cfg.checkpoint.load
+    started = time.perf_counter()
     if not os.path.isdir(root) and root == cfg.checkpoint.save:
         _print0(f"> no checkpoint in {root} yet: starting from scratch")
         return
     if not os.path.isdir(root):
-        raise FileNotFoundError(f"--load {root} does not exist")
+        raise CheckpointError(f"--load: '{root}' does not exist; give the folder a run saved "
+                              "with --save")
     if not os.path.isfile(os.path.join(root, mf.MARKER)) and not mf.saved_iterations(root):
         if root == cfg.checkpoint.save:
             _print0(f"> no checkpoint in {root} yet: starting from scratch")
             return
-        raise FileNotFoundError(f"--load {root}: no {mf.MARKER} and no iter_* directory")
+        raise CheckpointError(f"--load: '{root}' holds no checkpoint (no {mf.MARKER}, no "
+                              "iter_* folder); give the folder a run saved with --save")
     iteration = _legacy_iteration(root)
     if iteration is not None:
         load_legacy_checkpoint(trainer, root, iteration, run_layout(trainer))
     else:
-        iteration = select_checkpoint(root, _single(trainer))
+        iteration = select_checkpoint(root, _single(trainer), cfg.checkpoint.ckpt_step)
         if iteration is None:
-            raise FileNotFoundError(f"--load {root}: no checkpoint found")
+            raise CheckpointError(f"--load: no checkpoint found in '{root}'")
         _load_dcp(trainer, mf.iteration_dir(root, iteration))
     seen = set(map(tuple, _gather([iteration, trainer.iteration, trainer.consumed_samples],
                                   _single(trainer))))
     if len(seen) != 1:
         raise RuntimeError(f"ranks loaded different checkpoints from {root}: {sorted(seen)}")
-    _print0(f"> loaded {mf.iteration_dir(root, iteration)} (iteration {iteration})")
+    _print0(policy.loaded_line(iteration, mf.iteration_dir(root, iteration), started))
 
 
 def _legacy_iteration(root: str) -> Optional[int]:
@@ -330,7 +379,7 @@ def _legacy_iteration(root: str) -> Optional[int]:
 def _check_shapes(it_dir: str, sd: dict, saved) -> None:
     for key, obj in sd.items():
         if key in saved and tuple(saved[key].size) != tuple(obj.size()):
-            raise ValueError(f"{os.path.join(it_dir, '.metadata')}: '{key}' has shape "
+            raise CheckpointError(f"{os.path.join(it_dir, '.metadata')}: '{key}' has shape "
                              f"{tuple(saved[key].size)}, this run expects {tuple(obj.size())} "
                              f"(a different model, which no layout change can reshard)")
 
@@ -344,8 +393,9 @@ def _load_dcp(trainer, it_dir: str) -> None:
              for k, v in model_sharded_state_dict(trainer.model_chunks, state).items()}
     missing = [k for k in model if k not in saved]
     if missing:
-        raise KeyError(f"{os.path.join(it_dir, '.metadata')}: lacks {len(missing)} model "
-                       f"tensors, e.g. {missing[:3]}")
+        raise CheckpointError(f"{os.path.join(it_dir, '.metadata')}: lacks {len(missing)} "
+                              f"model tensors, e.g. {missing[:3]} (a checkpoint of another "
+                              "model); load the checkpoint of this model")
     sd = dict(model)
     want_optim = not cfg.checkpoint.finetune and not cfg.checkpoint.no_load_optim
     restore_optim = None
@@ -408,7 +458,8 @@ def _optimizer_load_plan(trainer, saved):
                 specs[id(p)].full_shape, spec_chunks(specs[id(p)], t, coords, at))
     missing = [k for k in sd if k not in saved]
     if missing:
-        raise KeyError(f"checkpoint lacks optimizer tensors, e.g. {missing[:3]}")
+        raise CheckpointError(f"--load: the checkpoint lacks optimizer tensors, e.g. "
+                              f"{missing[:3]}; add --no-load-optim to start the optimizer fresh")
     state_keys = [k for k in keys if k != "master"]
 
     def restore(step: float) -> None:

@@ -1,14 +1,16 @@
 """What pretrain_gpt.py / pretrain_moe.py call: flags -> validated config -> loop.
 
 Validation (megalite.validation) runs before any process group exists; a bad flag is one
-line on stderr and exit status 2.
+line on stderr and exit status 2 (megalite/boundary.py), printed once however many ranks.
 """
 from __future__ import annotations
 
 import sys
 
 from megalite import compat_flags
-from megalite.arguments import parse_args, run_cli
+from megalite.arguments import parse_args
+from megalite.boundary import run_cli
+from megalite.errors import UserError
 from megalite.parallel_state import RankGrid
 
 
@@ -63,18 +65,17 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
             for line in missing_logging_packages(cfg):
                 print(f"> note: {line} (not installed here)")
             return dry_run(cfg, argv if argv is not None else sys.argv[1:], describe_batch(cfg))
-        from megalite.config import ConfigError
         from megalite.models.gpt_step import GPT_FAMILY
         from megalite.training.faults import abort_all_ranks
         from megalite.training.loop import pretrain
 
         try:
             return pretrain(cfg, family or GPT_FAMILY)
-        except ConfigError:
-            raise
+        except UserError:
+            raise                       # the boundary: one line, and every rank ends
         except Exception as exc:
             if cfg.world_size > 1:      # end every rank now, not after the timeout
                 abort_all_ranks(exc)
             raise
 
-    return run_cli(_run, argv)
+    return run_cli(_run, argv, prog="megalite")

@@ -84,6 +84,11 @@ def abort_all_ranks(exc: BaseException) -> None:
     the collective timeout for a rank that died with an error: our sockets close, every
     peer's pending collective or p2p fails within seconds, and torchrun tears down the
     rest."""
+    from megalite.boundary import exit_for_user_error, peer_user_error
+
+    echo = peer_user_error()
+    if echo is not None:       # a peer's user error (printed there) broke our collective
+        exit_for_user_error(echo, first=False)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sys.stdout.flush()
     sys.stderr.write(f"[rank {rank}] error, ending every rank: {type(exc).__name__}: {exc}\n")

@@ -26,7 +26,7 @@ from megalite.distributed.data_parallel import build_data_parallel
 from megalite.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
-from megalite.optimizer import LRScheduler
+from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import pipeline_schedule_name
@@ -94,7 +94,7 @@ class Trainer:
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
         self.optimizer = self.strategy.optimizer
-        self.scheduler = LRScheduler.from_config(cfg, self.train_iters)
+        self.scheduler = scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...
         if cfg.checkpoint.save:             # a bad --save fails now, not at the first save
             from megalite.training.checkpoint import preflight_save_dir
 
@@ -365,6 +365,27 @@ def reduce_extra_losses(ctx: StepContext, state) -> dict:
             for name, v in zip(ctx.extra_loss_names, sums.tolist())}
 
 
+def describe_parameters(cfg, model_chunks) -> str:
+    """Megatron's start-up "number of parameters" line: the whole model's count (the
+    planner's exact count, which mirrors the model tensor by tensor) and this rank's."""
+    from megalite.planner.model_spec import active_params, total_params
+
+    mine = sum(getattr(p, "_local_tensor", p).numel() for c in model_chunks
+               for p in c.parameters())
+    total = total_params(cfg.model)
+    active = f", {active_params(cfg.model):,} active per token" if cfg.model.num_experts else ""
+    return f"> number of parameters: {total:,} in the model{active}; {mine:,} on this rank"
+
+
+def interrupted_at(trainer):
+    """Ctrl-C outside a save: one line saying where the run stood and what is kept."""
+    from megalite.errors import Interrupted
+    from megalite.training.checkpoint_io_policy import newest_complete
+
+    return Interrupted(f"interrupted by Ctrl-C at iteration {trainer.iteration}; newest "
+                       f"complete checkpoint: {newest_complete(trainer.cfg.checkpoint.save)}")
+
+
 def resolve_config(cfg, tokenizer=None):
     """``cfg`` with the values derived from other inputs filled in, as a copy: the
     vocabulary size from the tokenizer when ``--vocab-size`` was not given."""
@@ -406,6 +427,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     if cfg.accepted_flags:
         logger.info(compat_flags.describe(cfg.accepted_flags))
     log_precision(logger, precision)
+    logger.info(describe_parameters(cfg, trainer.model_chunks))
     t = cfg.training
     failed = False
     try:
@@ -414,8 +436,6 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
             if cfg.checkpoint.save:
                 trainer.save()
                 trainer.finish_saves()
-                logger.info(f"> saved checkpoint at iteration {trainer.iteration} to "
-                            f"{cfg.checkpoint.save}")
         if trainer.exit_reason:              # preempted: the checkpoint is what matters
             return 0
         if t.eval_iters:
@@ -426,6 +446,9 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
 
             plot_loss_curve(cfg.logging.metrics_file, cfg.logging.loss_plot)
             logger.info(f"> wrote loss curve to {cfg.logging.loss_plot}")
+    except KeyboardInterrupt:
+        failed = True
+        raise interrupted_at(trainer) from None
     except BaseException:
         failed = True       # no final barrier: a peer may be stuck in p2p (the caller aborts)
         raise

@@ -27,7 +27,9 @@ from typing import Callable, List, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm")
+from megalite.config import RECOMPUTE_MODULES
+
+SELECTIVE_MODULES = RECOMPUTE_MODULES      # the flag's domain, declared beside the field
 
 
 class _Saved:

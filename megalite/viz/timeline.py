@@ -7,8 +7,9 @@ chunks of an interleaved schedule are drawn lighter and hatched.
 """
 from __future__ import annotations
 
-import argparse
 from typing import List, Optional
+
+from megalite.errors import DataError
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "BW": "#55A868", "W": "#DD8452"}
 LABELS = {"F": "F forward", "BW": "B backward", "B": "B input grad", "W": "W weight grad"}
@@ -101,7 +102,15 @@ def _costs(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="megalite viz", description="Pipeline pictures.")
+    from megalite.boundary import run_cli
+
+    return run_cli(_main, argv, prog="megalite viz")
+
+
+def _main(argv=None) -> int:
+    from megalite.arguments import OneLineErrorParser
+
+    ap = OneLineErrorParser(prog="megalite viz", description="Pipeline pictures.")
     sub = ap.add_subparsers(dest="what", required=True)
     t = sub.add_parser("timeline", help="draw a --pipeline-timeline Chrome trace")
     t.add_argument("path")
@@ -120,6 +129,9 @@ def main(argv=None) -> int:
         from megalite.pipeline_parallel.timeline import load_records
 
         records, meta = load_records(a.path, a.iteration)
+        if not records:
+            raise DataError(f"timeline '{a.path}' holds no recorded iteration"
+                            f"{f' {a.iteration}' if a.iteration else ''}")
         title = f"{meta.get('schedule', '')} PP={meta.get('pp', '?')} " \
                 f"m={meta.get('micro_batches', '?')} (measured)"
         draw_pipeline(records, a.output, title, unit="s")

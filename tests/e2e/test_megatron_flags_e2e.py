@@ -40,7 +40,8 @@ def test_fp16_ramp_layernorm1p_log_metrics_and_resume(tmp_path):
     assert "global batch size:     2" in out and "global batch size:     4" in out
     assert f"loss scale: {recs[0]['loss_scale']:.1f} | number of skipped iterations:   1" in out
     assert "--apply-layernorm-1p" not in out     # a working flag: not in the no-effect list
-    out2, recs2 = _train(tmp_path, 32, ["--load", str(tmp_path / "ckpt")])
+    out2, recs2 = _train(tmp_path, 32, ["--load", str(tmp_path / "ckpt"),   # a longer run:
+                                        "--override-opt_param-scheduler"])  # its schedule
     assert f"(iteration {len(recs)})" in out2
     assert [r["iteration"] for r in recs2] == list(range(1, len(recs) + 3))
     resumed = recs2[len(recs):]

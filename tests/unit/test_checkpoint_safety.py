@@ -19,6 +19,8 @@ import torch
 from cpu_trainer import build_cpu_trainer, train_steps  # noqa: E402  (tests/ is on sys.path)
 from megalite.arguments import parse_args
 from megalite.checkpointing import manifest as mf
+from megalite.config import ConfigError
+from megalite.errors import CheckpointError, StorageError
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer
 
@@ -119,13 +121,11 @@ def test_damaged_latest_is_named_and_skipped(two_saves, damage, capsys):
 def test_nothing_complete_is_one_error_line(two_saves):
     for it in (2, 4):
         os.remove(os.path.join(mf.iteration_dir(two_saves, it), "__0_0.distcp"))
-    with pytest.raises(ValueError, match=r"no complete checkpoint in .*__0_0.distcp: missing"):
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint in .*__0_0.distcp: missing"):
         _trainer("--load", two_saves)
 
 
 def test_wrong_shape_names_file_and_tensor(two_saves):
-    from megalite.config import ConfigError
-
     # the flags meet the checkpoint's model first, before any process group ...
     with pytest.raises(ConfigError, match="^--ffn-hidden-size: this run has 64, .* has 128"):
         _trainer("--load", two_saves, "--ffn-hidden-size", "64")
@@ -133,7 +133,7 @@ def test_wrong_shape_names_file_and_tensor(two_saves):
     cfg = parse_args(["--world-size", "1", *BASE, "--load", two_saves, "--ffn-hidden-size", "64"],
                      validate_config=False)
     t = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
-    with pytest.raises(ValueError, match=r"iter_0000004/\.metadata: 'model\..*' has shape"):
+    with pytest.raises(CheckpointError, match=r"iter_0000004/\.metadata: 'model\..*' has shape"):
         t.setup()
 
 
@@ -145,8 +145,11 @@ def test_failed_save_never_moves_the_marker(two_saves, monkeypatch):
     def full_disk(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full_disk)
-    with pytest.raises(Exception, match="No space left"):
+    with pytest.raises(StorageError, match=r"iteration 6 .*No space left on device \(errno 28\); "
+                       r"removed the partial folder .*iter_0000006; newest complete checkpoint: "
+                       r".*iter_0000004"):
         t.save()
+    assert not os.path.exists(mf.iteration_dir(two_saves, 6))     # no partial folder left
     assert mf.read_marker(two_saves)[0] == 4
     assert mf.find_loadable(two_saves)[0] == 4
     monkeypatch.undo()
@@ -156,8 +159,9 @@ def test_failed_save_never_moves_the_marker(two_saves, monkeypatch):
 def test_unwritable_save_fails_before_training(tmp_path):
     blocker = tmp_path / "a_file"          # --save below a regular file: cannot be created
     blocker.write_text("x")
-    with pytest.raises(OSError, match=r"--save .*a_file/ckpt is not writable"):
-        _trainer("--save", str(blocker / "ckpt"))
+    with pytest.raises(ConfigError, match=r"--save: cannot create .*a_file/ckpt'.*a_file' is "
+                       "not a writable folder"):
+        parse_args(["--world-size", "1", *BASE, "--save", str(blocker / "ckpt")])
 
 
 def test_keep_last_n_and_marker_last(tmp_path):

@@ -9,6 +9,7 @@ from megalite.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
 from megalite.data.indexed_dataset import write_documents
+from megalite.errors import DataError
 
 
 def test_token_id_beyond_vocabulary_names_the_dataset(tmp_path):
@@ -16,7 +17,7 @@ def test_token_id_beyond_vocabulary_names_the_dataset(tmp_path):
     docs = [np.arange(50) % 90 for _ in range(20)]
     docs[7] = np.array([1, 2, 100, 3] * 10)
     write_documents(prefix, docs)
-    with pytest.raises(ValueError, match=r"ds\.bin: token id 100 at position \d+ is outside "
+    with pytest.raises(DataError, match=r"ds\.bin: token id 100 at position \d+ is outside "
                                          r"the vocabulary \(size 100\)"):
         build_train_valid_test_datasets(data_path=[prefix], split="100,0,0", seq_length=8,
                                         seed=1, num_samples=(10, 0, 0), mock=False,

@@ -69,9 +69,9 @@ def test_fp16_runs_and_its_flags_are_checked():
     assert cfg.optimizer.fp16
     for extra, match in [
             (["--fp16", "--bf16"], "only one of --fp16 and --bf16"),
-            (["--fp16", "--loss-scale", "0"], "--loss-scale must be positive"),
+            (["--fp16", "--loss-scale", "0"], "--loss-scale must be a positive number"),
             (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"],
-             "--min-loss-scale .8.0. must be positive and at most --initial-loss-scale"),
+             r"--min-loss-scale must be <= --initial-loss-scale \(4.0\), got 8.0"),
             (["--fp16", "--loss-scale-window", "0"], "--loss-scale-window must be"),
             (["--fp16", "--hysteresis", "0"], "--hysteresis must be >= 1")]:
         with pytest.raises(ConfigError, match=match):

@@ -1,0 +1,110 @@
+"""Field domains that are not ranges (a blend list, a split string, a checkpoint folder):
+``(value, cfg) -> one-line problem or None``, named by ``opt(check=...)`` beside the field.
+
+Each carries ``invalid`` example values, so the walk over every field
+(tests/unit/test_field_domains.py) can step outside the domain without a second table.
+Imports nothing of the config package but the ``--moe-layer-freq`` parser (the section
+modules import this one).
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Callable, Optional
+
+from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
+
+
+def domain_check(*invalid):
+    """Mark a ``(value, cfg) -> problem`` function as a field domain, with example values
+    outside it (for the walk in tests/unit/test_field_domains.py)."""
+    def mark(fn: Callable) -> Callable:
+        fn.invalid = list(invalid)
+        return fn
+    return mark
+
+
+@domain_check(1.5)
+def whole_number_problem(value, cfg) -> Optional[str]:
+    if int(value) != value:
+        return f"--loss-scale-window must be a whole number, got {value}"
+    return None
+
+
+@domain_check("[1,0,1]", 0)
+def moe_layer_freq_problem(value, cfg) -> Optional[str]:
+    try:
+        freq = parse_moe_layer_freq(value)
+    except MoeLayerFreqError as exc:
+        return str(exc)
+    layers = cfg.model.num_layers
+    if isinstance(freq, list) and layers is not None and len(freq) != layers:
+        return f"--moe-layer-freq pattern has {len(freq)} entries for --num-layers {layers}; " \
+               "give one 0/1 per layer"
+    return None
+
+
+@domain_check(["-1", "corpus"], ["/nonexistent-megalite-walk/corpus"])
+def data_blend_problem(value, cfg) -> Optional[str]:
+    """``[w1] p1 [w2] p2 ...``: finite non-negative weights, prefixes with .bin and .idx."""
+    for item in value:
+        try:
+            weight = float(item)
+        except ValueError:
+            weight = None
+        if weight is not None:
+            if not (math.isfinite(weight) and weight >= 0):
+                return f"--data-path weight {item!r} must be a finite, non-negative number"
+            continue
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(item + ext):
+                return f"--data-path: '{item}{ext}' does not exist; run " \
+                       "tools/preprocess_data.py to create it"
+    return None
+
+
+@domain_check("90,5,4,1", "0,0,0")
+def split_problem(value, cfg) -> Optional[str]:
+    from megalite.data.megatron_indices import parse_split_numbers
+
+    try:
+        parse_split_numbers(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@domain_check(["8", "x", "100"], ["0", "8", "100"])
+def rampup_problem(value, cfg) -> Optional[str]:
+    from megalite.microbatches import rampup_values_problem
+
+    return rampup_values_problem(value)
+
+
+@domain_check(["100-16"])
+def step_batch_schedule_problem(value, cfg) -> Optional[str]:
+    for item in value:
+        samples, _, batch = str(item).partition(":")
+        if not (samples.isdigit() and batch.isdigit() and int(batch) > 0):
+            return f"--step-batch-size-schedule: {item!r} is not SAMPLES:BATCH (two integers)"
+    return None
+
+
+@domain_check("/nonexistent-megalite-walk/ckpt")
+def load_dir_problem(value, cfg) -> Optional[str]:
+    """``--load``: an existing checkpoint folder, the parent of its ``iter_*`` folders
+    (``--load X --save X`` may name a folder the first run has not created yet)."""
+    if not os.path.exists(value) and value == cfg.checkpoint.save:
+        return None
+    if not os.path.exists(value):
+        return f"--load: '{value}' does not exist; give the folder a run saved with --save"
+    if not os.path.isdir(value):
+        return f"--load: '{value}' is not a folder; give the folder a run saved with --save"
+    name = os.path.basename(os.path.normpath(value))
+    match = re.fullmatch(r"iter_(\d{7,})", name)
+    if match:
+        parent = os.path.dirname(os.path.normpath(value)) or "."
+        return f"--load: '{value}' is one checkpoint of a run; pass its parent folder: " \
+               f"--load {parent} --ckpt-step {int(match.group(1))}"
+    return None

@@ -1,0 +1,156 @@
+"""ModelConfig: network shape and architecture switches, each with its domain (fields.py)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from megalite.config.domain_checks import moe_layer_freq_problem
+from megalite.config.fields import opt
+from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq  # noqa: F401
+
+
+@dataclass
+class ModelConfig:
+    """Network shape and architecture switches (Megatron's 'network size' group)."""
+    num_layers: Optional[int] = opt(None, "Number of transformer layers.", gt=0)
+    hidden_size: Optional[int] = opt(None, "Transformer hidden size.", gt=0)
+    ffn_hidden_size: Optional[int] = opt(
+        None, "MLP hidden size; default 4*hidden, or Llama's 8/3*hidden rounded when --swiglu.",
+        gt=0)
+    num_attention_heads: Optional[int] = opt(None, "Number of attention heads.", gt=0)
+    group_query_attention: bool = opt(False, "Use grouped-query attention.", action="store_true")
+    num_query_groups: Optional[int] = opt(
+        None, "Number of key/value head groups with --group-query-attention.",
+        gt=0, le="num_attention_heads")
+    kv_channels: Optional[int] = opt(None, "Per-head dimension; default hidden/heads.", gt=0)
+    seq_length: Optional[int] = opt(None, "Sequence length of each training sample.", gt=0)
+    max_position_embeddings: Optional[int] = opt(
+        None, "Size of the learned position table; default --seq-length.", gt=0)
+    vocab_size: Optional[int] = opt(
+        None, "Vocabulary size (NullTokenizer / mock data); otherwise taken from the tokenizer.",
+        gt=0)
+    make_vocab_size_divisible_by: int = opt(
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.", gt=0)
+    normalization: str = opt("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
+    norm_epsilon: float = opt(1e-5, "Epsilon of the normalization layers.", gt=0, lt=1)
+    position_embedding_type: str = opt(
+        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+    rotary_base: int = opt(10000, "Base period of rotary position embeddings.", gt=0)
+    rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated (1.0 only here).",
+        gt=0, le=1)
+    apply_layernorm_1p: bool = opt(
+        False, "Zero-centred norm weights: stored as w - 1 (initialised to 0), applied as "
+        "1 + w (LayerNorm and RMSNorm).",
+        action="store_true")
+    swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU).", action="store_true")
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "Give the output layer its own weight instead of the input embedding.",
+        action="store_true")
+    add_bias_linear: bool = opt(True, "Disable biases in linear layers.",
+                                flag="--disable-bias-linear", action="store_false")
+    init_method_std: float = opt(0.02, "Std of the normal initialization.", gt=0)
+    hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.", ge=0, lt=1)
+    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.", ge=0, lt=1)
+    attention_backend: str = opt(
+        "auto", "Core-attention kernel. Local layers: 'flash' / 'fused' (PyTorch SDPA), "
+        "'unfused' / 'local' (explicit matmuls and softmax), 'auto' (unfused on CPU for short "
+        "sequences, where it is faster; SDPA otherwise). Transformer Engine: its flash, fused "
+        "or unfused kernel (NVTE_* switches, as Megatron), 'auto' = TE's choice.",
+        choices=["auto", "flash", "fused", "unfused", "local"])
+    # Mixture of experts.
+    num_experts: Optional[int] = opt(None, "Number of routed experts (MoE); none = dense.", gt=0)
+    moe_router_topk: int = opt(2, "Experts each token is routed to.", gt=0, le="num_experts")
+    moe_ffn_hidden_size: Optional[int] = opt(None, "Hidden size of each expert MLP.", gt=0)
+    moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient.", ge=0)
+    moe_layer_freq: Union[int, list] = opt(
+        1, "MoE layers: every n-th layer from layer 0, or a 0/1 pattern with one entry per "
+        "layer, e.g. '[1,0]*2' (Megatron's form).", type=parse_moe_layer_freq,
+        check=moe_layer_freq_problem)
+    moe_router_score_function: str = opt("softmax", "Router score: softmax or sigmoid.",
+                                         choices=["softmax", "sigmoid"])
+    moe_router_pre_softmax: bool = opt(
+        False, "Softmax over all experts before top-k (else softmax over the top-k logits).",
+        action="store_true")
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "Load balancing: aux_loss (per micro-batch), seq_aux_loss (per sequence) or "
+        "none.", choices=["aux_loss", "seq_aux_loss", "none"])
+    moe_z_loss_coeff: Optional[float] = opt(None, "Router z-loss coefficient (none = off).", ge=0)
+    moe_router_enable_expert_bias: bool = opt(
+        False, "DeepSeek-V3 aux-loss-free balancing: a per-expert bias added to the scores "
+        "for top-k selection only, nudged after each step.", action="store_true")
+    moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert-bias update.", ge=0)
+    moe_router_num_groups: Optional[int] = opt(
+        None, "Group-limited routing (DeepSeek-V3): experts form this many equal groups "
+        "(e.g. one per EP rank or node); each token picks --moe-router-group-topk groups first.",
+        gt=0, le="num_experts", requires="moe_router_group_topk")
+    moe_router_group_topk: Optional[int] = opt(
+        None, "Groups each token may use with --moe-router-num-groups (ranked by the sum of "
+        "their top topk/group-topk scores).",
+        gt=0, le="moe_router_num_groups", requires="moe_router_num_groups")
+    moe_expert_capacity_factor: Optional[float] = opt(
+        None, "Expert capacity = factor x tokens x topk / experts; extra tokens are dropped "
+        "(none = no dropping).", gt=0)
+    moe_token_drop_policy: str = opt("probs", "Which tokens an over-full expert drops: lowest "
+                                     "probability (probs) or latest (position).",
+                                     choices=["probs", "position"])
+    moe_shared_expert_intermediate_size: Optional[int] = opt(
+        None, "Hidden size of the shared expert (a dense MLP every token goes through).", gt=0)
+    moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch over the EP group.",
+                                         choices=["alltoall", "allgather"])
+    transformer_impl: str = opt(
+        "auto", "Hot-layer implementation: 'local' (pure PyTorch), 'transformer_engine', or "
+        "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"])
+    fp8_format: Optional[str] = opt(
+        None, "FP8 GEMMs through Transformer Engine: e4m3 (forward and backward) or hybrid "
+        "(e4m3 forward, e5m2 gradients); needs TE on a CUDA GPU with FP8.",
+        choices=["e4m3", "hybrid"])
+    fp8_amax_history_len: int = opt(1, "FP8 delayed scaling: amax history length.", gt=0)
+    fp8_amax_compute_algo: str = opt("most_recent", "FP8 delayed scaling: scale from the "
+                                     "most recent amax or the max of the history.",
+                                     choices=["most_recent", "max"])
+    # Fused output layer + cross entropy (tensor_parallel/fused_cross_entropy.py).
+    cross_entropy_loss_fusion: bool = opt(
+        False, "Compute the output layer and the vocab-parallel loss chunk by chunk over "
+        "tokens, never holding the whole fp32 logits.", action="store_true")
+    cross_entropy_chunk_tokens: int = opt(
+        0, "Tokens per chunk of --cross-entropy-loss-fusion (0: about 32 MiB of fp32 logits).",
+        ge=0)
+
+    # ---- derived values -------------------------------------------------------------
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) holds experts: the one rule the model
+        spec, the planner and the FLOP count all use."""
+        if not self.num_experts:
+            return False
+        freq = parse_moe_layer_freq(self.moe_layer_freq)
+        if isinstance(freq, int):
+            return layer % freq == 0
+        if len(freq) != self.num_layers:
+            raise ValueError(f"--moe-layer-freq pattern has {len(freq)} entries for "
+                             f"{self.num_layers} layers")
+        return bool(freq[layer])
+
+    def resolved_moe_ffn_hidden_size(self) -> int:
+        """Hidden size of one routed expert (``--moe-ffn-hidden-size``, else the MLP's)."""
+        return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()
+
+    def resolved_ffn_hidden_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:  # Llama's rule: 2/3 of 4h, rounded up to a multiple of 64.
+            return int(math.ceil(int(8 * self.hidden_size / 3) / 64) * 64)
+        return 4 * self.hidden_size
+
+    def resolved_kv_channels(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def resolved_query_groups(self) -> int:
+        if self.group_query_attention and self.num_query_groups:
+            return self.num_query_groups
+        return self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel_size: int) -> int:
+        """Megatron's rule: round the vocabulary up to a multiple of divisor * TP."""
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)

@@ -1,0 +1,106 @@
+"""ParallelConfig: the size of every parallel dimension and the data-parallel strategy."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megalite.config.fields import opt
+
+
+@dataclass
+class ParallelConfig:
+    """Sizes of every parallel dimension; DP is derived from the world size."""
+    tensor_model_parallel_size: int = opt(1, "Tensor-parallel size (TP).", aliases=("--tp",), gt=0)
+    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel size (PP).", aliases=("--pp",),
+        gt=0)
+    num_layers_per_virtual_pipeline_stage: Optional[int] = opt(
+        None, "Layers per virtual pipeline stage (interleaved 1F1B).", gt=0)
+    num_virtual_stages_per_pipeline_rank: Optional[int] = opt(
+        None, "Virtual pipeline stages per rank (VPP); alternative to the flag above.", gt=0)
+    decoder_first_pipeline_num_layers: Optional[int] = opt(
+        None, "Layers on the first pipeline stage (uneven split).", ge=0)
+    decoder_last_pipeline_num_layers: Optional[int] = opt(
+        None, "Layers on the last pipeline stage (uneven split).", ge=0)
+    account_for_embedding_in_pipeline_split: bool = opt(
+        False, "Count the input embedding as one pipeline layer: the first virtual stage of "
+        "the first pipeline rank holds one transformer layer fewer.", action="store_true")
+    account_for_loss_in_pipeline_split: bool = opt(
+        False, "Count the output layer and loss as one pipeline layer: the last virtual stage "
+        "of the last pipeline rank holds one transformer layer fewer.", action="store_true")
+    pipeline_schedule: str = opt(
+        "auto", "Pipeline schedule: auto picks 1F1B, or interleaved with virtual stages.",
+        choices=["auto", "1f1b", "interleaved", "zero-bubble"])
+    context_parallel_size: int = opt(1, "Context-parallel size (CP).", aliases=("--cp",), gt=0)
+    cp_comm_type: str = opt("p2p", "Context-parallel communication: ring (p2p) or all-to-all.",
+                            choices=["p2p", "a2a"])
+    expert_model_parallel_size: int = opt(1, "Expert-parallel size (EP).", aliases=("--ep",), gt=0)
+    expert_tensor_parallel_size: Optional[int] = opt(
+        None, "Tensor-parallel size inside experts; default = --tensor-model-parallel-size.", gt=0)
+    sequence_parallel: bool = opt(False, "Shard norms/dropout along the sequence over TP ranks.",
+                                  action="store_true")
+    use_distributed_optimizer: bool = opt(
+        False, "Shard optimizer states (and gradients) over data-parallel ranks (ZeRO-1/2).",
+        action="store_true")
+    # -- data-parallel communication (issue 12; docs/data_parallel.md) --
+    overlap_grad_reduce: bool = opt(
+        False, "Reduce gradients in buckets, each launched asynchronously as soon as its last "
+        "gradient of the step is accumulated (overlaps backward).", action="store_true")
+    ddp_bucket_size: Optional[int] = opt(
+        None, "Elements per gradient bucket with --overlap-grad-reduce "
+        "(default: max(40M, 1M x DP), as Megatron-Core).", gt=0)
+    overlap_param_gather: bool = opt(
+        False, "Distributed optimizer: wait for a bucket's parameter all-gather just before "
+        "its first forward use in the next iteration (needs --overlap-grad-reduce).",
+        action="store_true", requires=("use_distributed_optimizer", "overlap_grad_reduce"))
+    use_torch_fsdp2: bool = opt(
+        False, "ZeRO-3 through torch FSDP2 (fully_shard) over DP: one unit per transformer "
+        "layer, the embedding and the output layer.", action="store_true")
+    distributed_backend: str = opt("auto", "Collective backend; auto = nccl on CUDA, gloo on CPU.",
+                                   choices=["auto", "nccl", "gloo"])
+    distributed_timeout_minutes: float = opt(
+        10, "Timeout of collectives: a hung peer becomes an error after this long.", gt=0)
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp(self) -> int:
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def sequence_parallel_active(self) -> bool:
+        """Whether activations are actually split along the sequence: ``--sequence-parallel``
+        has no effect without TP (Megatron's rule).  Derived, so the parsed flag stays as
+        given; every reader that means "are we sharding the sequence" asks this."""
+        return bool(self.sequence_parallel) and self.tp > 1
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // (self.tp * self.pp * self.cp)
+
+    def pipeline_slots(self, num_layers: int) -> int:
+        """Layers the pipeline split counts: transformer layers plus the embedding and/or
+        the loss when ``--account-for-embedding/loss-in-pipeline-split`` (Megatron)."""
+        return num_layers + int(self.account_for_embedding_in_pipeline_split) + \
+            int(self.account_for_loss_in_pipeline_split)
+
+    def virtual_stages(self, num_layers: Optional[int]) -> int:
+        """VPP size (1 when not interleaving)."""
+        if self.num_virtual_stages_per_pipeline_rank:
+            return self.num_virtual_stages_per_pipeline_rank
+        if self.num_layers_per_virtual_pipeline_stage and num_layers:
+            return self.pipeline_slots(num_layers) // (
+                self.pp * self.num_layers_per_virtual_pipeline_stage)
+        return 1
