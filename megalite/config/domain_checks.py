@@ -27,6 +27,7 @@ def domain_check(*invalid):
 
 @domain_check(1.5)
 def whole_number_problem(value, cfg) -> Optional[str]:
+    """a whole number"""
     if int(value) != value:
         return f"--loss-scale-window must be a whole number, got {value}"
     return None
@@ -34,6 +35,7 @@ def whole_number_problem(value, cfg) -> Optional[str]:
 
 @domain_check("[1,0,1]", 0)
 def moe_layer_freq_problem(value, cfg) -> Optional[str]:
+    """an int N >= 1 (every N-th layer) or a 0/1 pattern with one entry per layer"""
     try:
         freq = parse_moe_layer_freq(value)
     except MoeLayerFreqError as exc:
@@ -47,7 +49,7 @@ def moe_layer_freq_problem(value, cfg) -> Optional[str]:
 
 @domain_check(["-1", "corpus"], ["/nonexistent-megalite-walk/corpus"])
 def data_blend_problem(value, cfg) -> Optional[str]:
-    """``[w1] p1 [w2] p2 ...``: finite non-negative weights, prefixes with .bin and .idx."""
+    """[w1] p1 [w2] p2 ...: finite non-negative weights, prefixes with .bin and .idx"""
     for item in value:
         try:
             weight = float(item)
@@ -66,6 +68,7 @@ def data_blend_problem(value, cfg) -> Optional[str]:
 
 @domain_check("90,5,4,1", "0,0,0")
 def split_problem(value, cfg) -> Optional[str]:
+    """1-3 non-negative weights with a positive sum (Megatron's parsing)"""
     from megalite.data.megatron_indices import parse_split_numbers
 
     try:
@@ -77,6 +80,7 @@ def split_problem(value, cfg) -> Optional[str]:
 
 @domain_check(["8", "x", "100"], ["0", "8", "100"])
 def rampup_problem(value, cfg) -> Optional[str]:
+    """START >= 1, INCREMENT >= 1, SAMPLES >= 0"""
     from megalite.microbatches import rampup_values_problem
 
     return rampup_values_problem(value)
@@ -84,6 +88,7 @@ def rampup_problem(value, cfg) -> Optional[str]:
 
 @domain_check(["100-16"])
 def step_batch_schedule_problem(value, cfg) -> Optional[str]:
+    """SAMPLES:BATCH pairs of integers"""
     for item in value:
         samples, _, batch = str(item).partition(":")
         if not (samples.isdigit() and batch.isdigit() and int(batch) > 0):
@@ -93,8 +98,9 @@ def step_batch_schedule_problem(value, cfg) -> Optional[str]:
 
 @domain_check("/nonexistent-megalite-walk/ckpt")
 def load_dir_problem(value, cfg) -> Optional[str]:
-    """``--load``: an existing checkpoint folder, the parent of its ``iter_*`` folders
-    (``--load X --save X`` may name a folder the first run has not created yet)."""
+    """the folder a run saved with --save (not one of its iter_* folders)
+
+    ``--load X --save X`` may name a folder the first run has not created yet."""
     if not os.path.exists(value) and value == cfg.checkpoint.save:
         return None
     if not os.path.exists(value):

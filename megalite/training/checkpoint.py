@@ -237,7 +237,7 @@ def _write_guarded(sd, group, *, it_dir, root, meta, rank, single, keep, iterati
         where = policy.cleanup_phrase(root, iteration, rank)
         if isinstance(exc, CheckpointIOError):  # failed on every rank alike: say rank 0's words
             where = _gather(where, single, group)[0]
-        raise policy.save_failed(root, iteration, cause, where) from exc
+        raise policy.save_failed(root, iteration, cause, where, str(exc)) from exc
     if rank == 0:
         print(policy.saved_line(iteration, it_dir, started), flush=True)
 

@@ -92,9 +92,14 @@ def cleanup_phrase(root: str, iteration: int, rank: int) -> str:
         + mf.iteration_dir(root, iteration)
 
 
-def save_failed(root: str, iteration: int, cause: str, where: str) -> StorageError:
+def save_failed(root: str, iteration: int, cause: str, where: str, detail: str = ""
+                ) -> StorageError:
+    """``detail``: the failure's own text, where DCP names the rank(s) that failed (a
+    node-local disk)."""
+    ranks = re.search(r"failed on rank\(s\) (\[[^\]]*\])", detail)
+    on = f" on rank(s) {ranks.group(1)}" if ranks else ""
     return StorageError(f"--save: writing the checkpoint of iteration {iteration} to {root} "
-                        f"failed: {cause}; {where}; newest complete checkpoint: "
+                        f"failed{on}: {cause}; {where}; newest complete checkpoint: "
                         f"{newest_complete(root)}; free space or point --save elsewhere")
 
 

@@ -170,7 +170,8 @@ def test_damage_enospc_and_async_save_on_two_ranks(dist, tmp_path):
 
     errors = {r["none_complete"] for r in out}          # the same one line on every rank
     (error,) = errors
-    assert error.startswith("ValueError: no complete checkpoint in ") and "\n" not in error
+    assert error.startswith("CheckpointError: --load: no complete checkpoint in ") and \
+        "\n" not in error
     assert "iter_0000004/__1_0.distcp: " in error and "iter_0000002/__1_0.distcp: missing" \
         in error, error
 

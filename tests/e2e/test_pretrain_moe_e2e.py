@@ -44,6 +44,7 @@ def test_pretrain_moe_ep2_logs_expert_loads_and_resumes_at_ep1(tmp_path):
             <= 1e-6 * r["moe_aux_loss"]
     assert (tmp_path / "loss.png").stat().st_size > 1000
     out = _run([PY, "pretrain_moe.py", *FLAGS, "--train-iters", "6", "--load", str(ckpt),
+                "--override-opt_param-scheduler",      # a longer run: its own lr schedule
                 "--metrics-file", str(tmp_path / "resumed.jsonl")])
     resumed = [r for r in map(json.loads, (tmp_path / "resumed.jsonl").read_text().splitlines())
                if "split" not in r]

@@ -94,7 +94,7 @@ def test_full_disk_at_save_is_one_line_and_leaves_no_partial_folder(tmp_path):
         lines = _printed_errors(p)
         assert len(lines) == 1, p.stdout[-2000:] + p.stderr[-3000:]
         assert re.fullmatch(r"megalite: error: --save: writing the checkpoint of iteration (\d) "
-                            r"to .*ckpt failed: No space left on device( \(errno 28\))?; removed "
+                            r"to .*ckpt failed on rank\(s\) \[[01, ]+\]: No space left on device( \(errno 28\))?; removed "
                             r"the partial folder .*iter_000000\1; newest complete checkpoint: "
                             r".*iter_000000\d; free space or point --save elsewhere", lines[0]), \
             lines[0]

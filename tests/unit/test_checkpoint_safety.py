@@ -145,7 +145,8 @@ def test_failed_save_never_moves_the_marker(two_saves, monkeypatch):
     def full_disk(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full_disk)
-    with pytest.raises(StorageError, match=r"iteration 6 .*No space left on device \(errno 28\); "
+    with pytest.raises(StorageError, match=r"iteration 6 .*failed on rank\(s\) \[0\]: No space left "
+                       r"on device \(errno 28\); "
                        r"removed the partial folder .*iter_0000006; newest complete checkpoint: "
                        r".*iter_0000004"):
         t.save()

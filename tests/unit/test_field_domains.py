@@ -95,3 +95,13 @@ def test_load_of_an_iteration_folder_names_the_parent(tmp_path):
     parent = os.path.dirname(str(it))
     assert str(err.value) == (f"--load: '{it}' is one checkpoint of a run; pass its parent "
                               f"folder: --load {parent} --ckpt-step 20")
+
+
+def test_flag_domains_page_is_current():
+    """docs/flag_domains.md is generated from the declarations; regenerate it with
+    ``python -m megalite.config.domain_doc > docs/flag_domains.md``."""
+    from megalite.config.domain_doc import render
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "flag_domains.md")
+    with open(path) as fh:
+        assert fh.read() == render(), "docs/flag_domains.md is stale: regenerate it"
