@@ -75,29 +75,32 @@ def rope_fields_from_hf(hf: dict) -> Dict[str, object]:
 def yarn_fields_from_hf(p: dict, hf: dict, original: int) -> Dict[str, object]:
     """YaRN's fields.  transformers and Megatron differ in one corner: transformers uses
     ``mscale`` only when ``mscale_all_dim`` is set too (else 0.1 ln(factor) + 1), which is
-    megalite's mscale 1, mscale_all_dim 0."""
+    megalite's mscale 1, mscale_all_dim 0.  An explicit ``attention_factor`` becomes the
+    mscale that gives it (with mscale_all_dim 0)."""
     from megalite.transformer.rotary import yarn_concentration_factor
 
     factor = p.get("factor")
     if factor is None:                   # DeepSeek-style: the ratio of the two lengths
         factor = hf["max_position_embeddings"] / original
+    factor = float(factor)
     mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
     if not (mscale and mscale_all_dim):
         mscale, mscale_all_dim = 1.0, 0.0
-    fields = dict(position_embedding_type="yarn", rotary_scaling_factor=float(factor),
-                  yarn_original_max_position_embeddings=int(original),
-                  yarn_beta_fast=float(p.get("beta_fast") or 32),
-                  yarn_beta_slow=float(p.get("beta_slow") or 1),
-                  yarn_correction_range_round_to_int=bool(p.get("truncate", True)),
-                  mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
     given = p.get("attention_factor")
-    if given is not None:
-        ours = yarn_concentration_factor(float(factor), float(mscale), float(mscale_all_dim))
-        if not math.isclose(float(given), ours, rel_tol=1e-12):
+    if given is not None and not math.isclose(
+            float(given), yarn_concentration_factor(factor, mscale, mscale_all_dim),
+            rel_tol=1e-12):
+        if factor <= 1:
             raise UnsupportedModelError(
-                f"rope_parameters.attention_factor {given} is not YaRN's own factor ({ours}) "
-                "for this factor/mscale; megalite computes it (--mscale, --mscale-all-dim)")
-    return fields
+                f"rope_parameters.attention_factor {given} with factor {factor} <= 1 is not "
+                "expressible (YaRN's factor is then 1)")
+        mscale, mscale_all_dim = (float(given) - 1.0) / (0.1 * math.log(factor)), 0.0
+    return dict(position_embedding_type="yarn", rotary_scaling_factor=factor,
+                yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(p.get("beta_fast") or 32),
+                yarn_beta_slow=float(p.get("beta_slow") or 1),
+                yarn_correction_range_round_to_int=bool(p.get("truncate", True)),
+                mscale=float(mscale), mscale_all_dim=float(mscale_all_dim))
 
 
 def rope_parameters_to_hf(mc) -> dict:
