@@ -1,6 +1,7 @@
 """The dense Hugging Face families as a user meets them: a tiny random transformers model
 (Llama 3.2 with llama3 RoPE scaling and tied embeddings, Mistral, Qwen2 with qkv biases,
-Qwen3 with q/k norms and YaRN) converted with tools/checkpoint/convert.py (written for TP2),
+Qwen3 with q/k norms and YaRN) converted with tools/checkpoint/convert.py (written for TP2,
+Qwen2/Qwen3 for TP2 x PP2),
 evaluated by ``pretrain_gpt.py --use-checkpoint-args --skip-train`` at TP1 and (torchrun) TP2
 on a .bin dataset, gives transformers' loss on the same tokens (rel <= 1e-5); converted
 back to Hugging Face, transformers reproduces the logits.
@@ -27,6 +28,10 @@ PY = sys.executable
 CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
 WINDOWS = 4
 EXPORT_AS = {"mistral": ["--hf-architecture", "MistralForCausalLM"]}
+# the layout convert.py writes (the runs reshard it on load): TP2, and TP2 x PP2 for the two
+# families whose layers carry new tensors (qkv biases, q/k norms)
+TARGET = {"qwen2": ["--target-pipeline-model-parallel-size", "2"],
+          "qwen3": ["--target-pipeline-model-parallel-size", "2"]}
 
 
 def _eval(load, data, metrics, tp):
@@ -71,7 +76,8 @@ def test_converted_family_gives_transformers_loss_at_tp1_tp2_and_exports_back(tm
     expected = hf_loss(ref, windows)
 
     cmd = [PY, CONVERT, "--source-format", "hf", "--target-format", "megalite",
-           "--load-dir", hf_dir, "--save-dir", ckpt, "--target-tensor-parallel-size", "2"]
+           "--load-dir", hf_dir, "--save-dir", ckpt, "--target-tensor-parallel-size", "2",
+           *TARGET.get(family, [])]
     assert "TP=2" in _finish(_start(cmd), cmd)
     cmds = {"tp1": _eval(ckpt, data, str(tmp_path / "tp1.jsonl"), 1),
             "tp2": _eval(ckpt, data, str(tmp_path / "tp2.jsonl"), 2),
