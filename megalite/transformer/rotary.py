@@ -14,8 +14,9 @@ rotates (Multi-Latent Attention rotates only its ``--qk-pos-emb-head-dim`` part)
   frequencies, and ``yarn_concentration_factor`` (the "attention factor" / mscale that
   multiplies cos and sin); ``yarn_get_mscale`` is the log rule both use (DeepSeek-V3's
   softmax scale is ``softmax_scale * yarn_get_mscale(factor, mscale_all_dim) ** 2``);
-* ``rotary_frequencies(model_cfg, dim)``: (inv_freq, attention factor) of a config's
-  ``--position-embedding-type`` and scaling flags.
+* ``rotary_frequencies(model_cfg, dim, kind)``: (inv_freq, attention factor) of a config's
+  scaling flags, for ``kind`` rope or yarn (default: its ``--position-embedding-type``);
+  ``RotaryEmbedding.from_config(model_cfg, dim, kind)`` builds the cos/sin module from it.
 
 Each follows ``transformers.modeling_rope_utils`` operation for operation (and equals
 Megatron-Core's ``RotaryEmbedding._apply_scaling`` / ``YarnRotaryEmbedding``), so imported
@@ -109,13 +110,19 @@ def yarn_concentration_factor(factor: float, mscale: Optional[float] = 1.0,
     return float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
 
 
-def rotary_frequencies(model_cfg, dim: Optional[int] = None) -> Tuple[torch.Tensor, float]:
-    """(inv_freq fp32 [dim/2], factor on cos and sin) for ``model_cfg``'s position
-    embedding: ``rope`` (with ``--use-rope-scaling``: Llama 3.x) or ``yarn``.  ``dim``: the
-    rotated head dimension (default ``--kv-channels``)."""
+def rotary_frequencies(model_cfg, dim: Optional[int] = None, kind: Optional[str] = None
+                       ) -> Tuple[torch.Tensor, float]:
+    """(inv_freq fp32 [dim/2], factor on cos and sin) for ``model_cfg``'s rotary flags.
+    ``kind``: ``rope`` (with ``--use-rope-scaling``: Llama 3.x) or ``yarn`` (the
+    ``--rotary-scaling-factor`` / ``--yarn-*`` / ``--mscale*`` flags); default: the
+    ``--position-embedding-type``.  ``dim``: the rotated head dimension (default
+    ``--kv-channels``; an attention rotating part of its heads passes that part's size)."""
     m = model_cfg
     dim = dim or m.resolved_kv_channels()
-    if m.position_embedding_type == "yarn":
+    kind = kind or m.position_embedding_type
+    if kind not in ("rope", "yarn"):
+        raise ValueError(f"rotary frequencies of '{kind}': rope or yarn")
+    if kind == "yarn":
         inv_freq = yarn_inv_freq(
             dim, m.rotary_base, m.rotary_scaling_factor,
             m.yarn_original_max_position_embeddings or YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
@@ -146,12 +153,14 @@ class RotaryEmbedding(nn.Module):
         self._cache = None
 
     @classmethod
-    def from_config(cls, model_cfg, dim: Optional[int] = None) -> Optional["RotaryEmbedding"]:
-        """The embedding ``model_cfg`` asks for (None without rotary position embeddings)."""
-        if not model_cfg.uses_rotary():
+    def from_config(cls, model_cfg, dim: Optional[int] = None, kind: Optional[str] = None
+                    ) -> Optional["RotaryEmbedding"]:
+        """The embedding ``model_cfg`` asks for (None without rotary position embeddings
+        unless ``kind`` names one); ``dim``, ``kind`` as ``rotary_frequencies``."""
+        if kind is None and not model_cfg.uses_rotary():
             return None
         dim = dim or model_cfg.resolved_kv_channels()
-        inv_freq, scaling = rotary_frequencies(model_cfg, dim)
+        inv_freq, scaling = rotary_frequencies(model_cfg, dim, kind)
         return cls(dim, inv_freq=inv_freq, attention_scaling=scaling)
 
     def forward(self, seq_len: int, position_ids: Optional[torch.Tensor] = None,
