@@ -9,7 +9,8 @@ import torch
 from megalite.arguments import parse_args
 from megalite.config import ConfigError, ModelConfig
 from megalite.transformer import rotary
-from megalite.validation import check_rope_scaling
+from megalite.config import MegaliteConfig
+from megalite.config.domains import check_domains
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -101,13 +102,14 @@ def test_flags_parse_with_megatron_names_and_are_checked():
             m.yarn_beta_slow, m.mscale, m.mscale_all_dim) == (4.0, 16, 8.0, 2.0, 0.9, 0.5)
     assert not m.yarn_correction_range_round_to_int and m.qk_layernorm and m.add_qkv_bias
     llama3 = ModelConfig(**dict(BASE, use_rope_scaling=True))
-    check_rope_scaling(llama3)
-    bad = [(dict(position_embedding_type="yarn"), "--use-rope-scaling scales RoPE frequencies"),
-           (dict(rope_scaling_high_freq_factor=1.0), "--rope-scaling-high-freq-factor"),
-           (dict(rope_scaling_factor=0.0), "--rope-scaling-factor must be positive")]
+    check_domains(MegaliteConfig(model=llama3))
+    bad = [(dict(position_embedding_type="yarn"),
+            "--use-rope-scaling needs --position-embedding-type rope"),
+           (dict(rope_scaling_high_freq_factor=1.0), "--rope-scaling-high-freq-factor must be "
+            "> --rope-scaling-low-freq-factor"),
+           (dict(rope_scaling_factor=0.0), "--rope-scaling-factor must be a positive number"),
+           (dict(position_embedding_type="yarn", use_rope_scaling=False,
+                 rotary_scaling_factor=-1.0), "--rotary-scaling-factor must be a positive")]
     for change, msg in bad:
         with pytest.raises(ConfigError, match=msg):
-            check_rope_scaling(dataclasses.replace(llama3, **change))
-    with pytest.raises(ConfigError, match="--rotary-scaling-factor must be positive"):
-        check_rope_scaling(ModelConfig(**dict(BASE, position_embedding_type="yarn",
-                                              rotary_scaling_factor=-1.0)))
+            check_domains(MegaliteConfig(model=dataclasses.replace(llama3, **change)))

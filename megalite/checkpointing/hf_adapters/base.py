@@ -14,9 +14,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megalite.errors import CheckpointError
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint or config is not something this converter maps."""
+
+class UnsupportedModelError(CheckpointError, ValueError):
+    """The checkpoint or config is not something this converter maps (a user error: one
+    line naming the key; still a ValueError for callers that catch those)."""
 
 
 class HFAdapter:
