@@ -70,6 +70,8 @@ NO_EFFECT = [
     CompatFlag("--grad-reduce-in-bf16", FLAG, "gradients are reduced in fp32 here"),
     CompatFlag("--no-position-embedding", FLAG,
                "--position-embedding-type decides (rope/none have no learned table)"),
+    CompatFlag("--yarn-correction-range-round-to-int", FLAG,
+               "already the default; --no-yarn-correction-range-round-to-int turns it off"),
     CompatFlag("--profile", FLAG, "no torch profiler hook yet; see --pipeline-timeline"),
     CompatFlag("--profile-step-start", VALUE, "no torch profiler hook yet"),
     CompatFlag("--profile-step-end", VALUE, "no torch profiler hook yet"),

@@ -15,7 +15,8 @@ the converters all read it.
   multiple of ``pad_multiple * group size`` (Megatron's rule); the padding is never part of
   the logical tensor, so one checkpoint loads at any group size.
 * ``ParamSpec``: full shape, its splits, the init rule and flags: ``sequence_parallel``
-  (the group whose ranks saw other sequence shards: the replicated grad is summed over it),
+  (the group whose ranks saw other sequence shards -- or other heads, the --qk-layernorm
+  weights: the replicated grad is summed over it),
   ``tied`` ("owner" / "copy" of the tied word embedding) and ``expert``.
 * ``ParamSpec.chunks(coords)``: this rank's piece(s) as global offsets, given
   ``coords = {group: (rank, size)}``; fused blocks give several chunks, padding is clipped.

@@ -171,7 +171,7 @@ def check_attention_shape(cfg: MegaliteConfig) -> None:
         if m.num_query_groups % p.tp:
             raise ConfigError(f"--num-query-groups ({m.num_query_groups}) is not divisible by "
                               f"--tensor-model-parallel-size ({p.tp}); use a TP that divides it")
-    if m.position_embedding_type == "rope" and m.resolved_kv_channels() % 2:
+    if m.uses_rotary() and m.resolved_kv_channels() % 2:
         raise ConfigError("rotary embeddings need an even head dimension (--kv-channels)")
 
 

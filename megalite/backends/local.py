@@ -19,7 +19,7 @@ from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLin
 from megalite.transformer.attention import DotProductAttention, SelfAttention
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
-from megalite.transformer.norms import IdentityNorm, build_norm
+from megalite.transformer.norms import IdentityNorm, build_norm, build_qk_norm
 from megalite.moe.experts import GroupedMLP
 from megalite.moe.moe_layer import MoELayer
 from megalite.moe.router import TopKRouter
@@ -33,7 +33,8 @@ def local_spec() -> LayerSpec:
                            submodules=SelfAttentionSubmodules(
                                linear_qkv=ColumnParallelLinear,
                                core_attention=DotProductAttention,
-                               linear_proj=RowParallelLinear))
+                               linear_proj=RowParallelLinear,
+                               q_layernorm=build_qk_norm, k_layernorm=build_qk_norm))
     mlp = ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                    linear_fc2=RowParallelLinear))
     moe = ModuleSpec(MoELayer, submodules=MoESubmodules(router=TopKRouter, experts=GroupedMLP,

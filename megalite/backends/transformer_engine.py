@@ -7,9 +7,10 @@ Megatron-Core's TE wiring, written for megalite's slots (``transformer/spec.py``
   * ``linear_proj`` / ``linear_fc2``: ``te.pytorch.Linear(parallel_mode="row")``;
   * ``core_attention``: ``te.pytorch.DotProductAttention`` on ``sbhd`` q/k/v (fused/flash
     kernels), with TE's own context parallelism (``set_context_parallel_group``) when CP > 1;
-  * the MLP activation, RoPE, the final norm, the embedding and the output layer stay
-    megalite's (as in Megatron's TE spec, the output layer is a plain column-parallel linear;
-    the final norm is one elementwise kernel either way).
+  * the MLP activation, RoPE, the final norm, the ``--qk-layernorm`` norms, the embedding
+    and the output layer stay megalite's (as in Megatron's TE spec, the output layer is a
+    plain column-parallel linear; the norms are one elementwise kernel either way, and
+    TE's attention has no q/k norm of its own); ``--add-qkv-bias`` is LayerNormLinear's bias.
   * MoE models: the pre-MLP norm stays in its slot (an expert layer has no linear to fuse it
     into) and fc1 is a plain ``te.pytorch.Linear``; the experts are megalite's.
 
@@ -39,7 +40,8 @@ from megalite.param_spec import ParamSpec
 from megalite.transformer.attention import SelfAttention
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
-from megalite.transformer.norms import SEQUENCE_PARALLEL_GROUP, IdentityNorm, build_norm
+from megalite.transformer.norms import (SEQUENCE_PARALLEL_GROUP, IdentityNorm, build_norm,
+                                       build_qk_norm)
 from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, ModuleSpec,
                                        SelfAttentionSubmodules, TransformerLayerSubmodules)
 from megalite.tensor_parallel.layers import ColumnParallelLinear
@@ -300,7 +302,8 @@ def te_spec(model_cfg, *, cp_comm_type: str = "p2p", amax_group=None) -> LayerSp
                                linear_qkv=fused,
                                core_attention=ModuleSpec(TECoreAttention,
                                                          params={"cp_comm_type": cp_comm_type}),
-                               linear_proj=te_row_linear))
+                               linear_proj=te_row_linear,
+                               q_layernorm=build_qk_norm, k_layernorm=build_qk_norm))
     fc1 = te_column_linear if moe else fused
     mlp = ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=fc1, linear_fc2=te_row_linear))
     moe_mlp = None

@@ -33,7 +33,19 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear",
                "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
                "moe_router_score_function", "moe_router_pre_softmax",
-               "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size")
+               "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+               "add_qkv_bias", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor",
+               "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+               "rope_scaling_original_max_position_embeddings", "rotary_scaling_factor",
+               "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
+               "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim")
+# Fields that mean something only under one position embedding / switch (``_applies``).
+LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
+                      "rope_scaling_high_freq_factor",
+                      "rope_scaling_original_max_position_embeddings")
+YARN_FIELDS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+               "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
+               "mscale", "mscale_all_dim")
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                     "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 # Run-time choices, not part of what the weights mean: never printed by model_flags.
@@ -82,7 +94,13 @@ def _resolved(name: str) -> Callable[[ModelConfig], Any]:
 def _applies(name: str, m: ModelConfig) -> bool:
     """Whether a field means anything for this model (e.g. rotary flags only with RoPE)."""
     if name in ("rotary_base", "rotary_percent"):
+        return m.uses_rotary()
+    if name == "use_rope_scaling":
         return m.position_embedding_type == "rope"
+    if name in LLAMA3_ROPE_FIELDS:
+        return m.position_embedding_type == "rope" and m.use_rope_scaling
+    if name in YARN_FIELDS:
+        return m.position_embedding_type == "yarn"
     if name == "max_position_embeddings":
         return m.position_embedding_type == "learned_absolute"
     if name.startswith("moe_"):

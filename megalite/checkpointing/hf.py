@@ -1,7 +1,7 @@
 """Hugging Face checkpoints <-> megalite: files, and dispatch to per-model adapters.
 
-The mapping of each model family lives in ``megalite.checkpointing.hf_adapters`` (Llama
-today); this module reads and writes safetensors directories and picks the adapter by the
+The mapping of each model family lives in ``megalite.checkpointing.hf_adapters`` (Llama,
+Mistral, Qwen2, Qwen3, Mixtral, ...); this module reads and writes safetensors directories and picks the adapter by the
 Hugging Face ``architectures`` (import) or by what the megalite model is (export).  Only
 the ``safetensors`` package is used (no ``transformers`` import, no network).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -86,10 +86,12 @@ def import_hf(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
 
 
 def export_hf(directory: str, model_cfg: dict, full_sd: Dict[str, torch.Tensor],
-              dtype: torch.dtype = torch.float32) -> HFAdapter:
+              dtype: torch.dtype = torch.float32, architecture: Optional[str] = None
+              ) -> HFAdapter:
     """Full megalite state dict -> HF directory (config.json + model.safetensors), through
-    the first registered adapter that can write the model; returns that adapter."""
-    adapter = adapter_for_model(model_cfg)
+    the adapter of ``architecture`` or else the first registered adapter that can write
+    the model; returns that adapter."""
+    adapter = adapter_for_model(model_cfg, architecture)
     hf_cfg = adapter.config_to_hf(model_cfg, str(dtype).replace("torch.", ""))
     save_hf_checkpoint(directory, hf_cfg, adapter.to_hf(full_sd, model_cfg, dtype))
     return adapter

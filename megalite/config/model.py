@@ -23,7 +23,9 @@ class ModelConfig:
     num_query_groups: Optional[int] = opt(
         None, "Number of key/value head groups with --group-query-attention.",
         gt=0, le="num_attention_heads")
-    kv_channels: Optional[int] = opt(None, "Per-head dimension; default hidden/heads.", gt=0)
+    kv_channels: Optional[int] = opt(
+        None, "Per-head dimension of q, k and v; default hidden/heads, and any other value "
+        "is allowed (Qwen3-0.6B: 128 with hidden 1024 and 16 heads).", gt=0)
     seq_length: Optional[int] = opt(None, "Sequence length of each training sample.", gt=0)
     max_position_embeddings: Optional[int] = opt(
         None, "Size of the learned position table; default --seq-length.", gt=0)
@@ -35,10 +37,46 @@ class ModelConfig:
     normalization: str = opt("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "Epsilon of the normalization layers.", gt=0, lt=1)
     position_embedding_type: str = opt(
-        "learned_absolute", "Position embedding.", choices=["learned_absolute", "rope", "none"])
+        "learned_absolute", "Position embedding: learned table, rotary (rope), rotary with "
+        "YaRN frequency scaling (yarn, the --rotary-scaling-factor/--yarn-* flags) or none.",
+        choices=["learned_absolute", "rope", "yarn", "none"])
     rotary_base: int = opt(10000, "Base period of rotary position embeddings.", gt=0)
     rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated (1.0 only here).",
         gt=0, le=1)
+    # RoPE frequency scaling (transformer/rotary.py): Llama 3.1's and YaRN.
+    use_rope_scaling: bool = opt(
+        False, "Llama 3.x RoPE scaling (--position-embedding-type rope): low frequencies "
+        "divided by --rope-scaling-factor, high ones kept, a smooth ramp between.",
+        action="store_true", requires="position_embedding_type=rope")
+    rope_scaling_factor: float = opt(8.0, "Llama 3.x RoPE scaling factor.", gt=0)
+    rope_scaling_low_freq_factor: float = opt(
+        1.0, "Llama 3.x RoPE scaling: wavelengths above original context / this are scaled "
+        "(Megatron hard-codes 1).", gt=0)
+    rope_scaling_high_freq_factor: float = opt(
+        4.0, "Llama 3.x RoPE scaling: wavelengths below original context / this are kept "
+        "(Megatron hard-codes 4).", gt="rope_scaling_low_freq_factor")
+    rope_scaling_original_max_position_embeddings: int = opt(
+        8192, "Llama 3.x RoPE scaling: the context length of pretraining (Megatron hard-codes "
+        "8192).", gt=0)
+    rotary_scaling_factor: float = opt(
+        1.0, "YaRN: context extension factor (--position-embedding-type yarn).", gt=0)
+    yarn_original_max_position_embeddings: Optional[int] = opt(
+        None, "YaRN: the context length of pretraining (default 4096).", gt=0)
+    yarn_beta_fast: Optional[float] = opt(
+        None, "YaRN: rotations below which dimensions are interpolated fully (default 32).",
+        gt=0)
+    yarn_beta_slow: Optional[float] = opt(
+        None, "YaRN: rotations above which dimensions are kept (default 1).", gt=0)
+    yarn_correction_range_round_to_int: bool = opt(
+        True, "YaRN: do not round the correction range to whole dimensions (gpt-oss).",
+        flag="--no-yarn-correction-range-round-to-int", action="store_false")
+    mscale: float = opt(1.0, "YaRN: mscale of the attention (concentration) factor "
+                        "0.1*mscale*ln(factor)+1 that scales cos and sin.",
+                        free="a coefficient of ln(factor): any real number")
+    mscale_all_dim: float = opt(
+        0.0, "YaRN: the factor above is divided by 0.1*mscale_all_dim*ln(factor)+1 "
+        "(DeepSeek-V3: mscale = mscale_all_dim = 1, i.e. no scaling of cos and sin).",
+        free="a coefficient of ln(factor): any real number")
     apply_layernorm_1p: bool = opt(
         False, "Zero-centred norm weights: stored as w - 1 (initialised to 0), applied as "
         "1 + w (LayerNorm and RMSNorm).",
@@ -49,6 +87,13 @@ class ModelConfig:
         action="store_true")
     add_bias_linear: bool = opt(True, "Disable biases in linear layers.",
                                 flag="--disable-bias-linear", action="store_false")
+    add_qkv_bias: bool = opt(
+        False, "A bias on the query/key/value projection even with --disable-bias-linear "
+        "(Qwen2).", action="store_true")
+    qk_layernorm: bool = opt(
+        False, "Normalize each head's queries and keys over the head dimension (the "
+        "--normalization kind, one weight of --kv-channels shared by all heads) before RoPE "
+        "(Qwen3).", action="store_true")
     init_method_std: float = opt(0.02, "Std of the normal initialization.", gt=0)
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.", ge=0, lt=1)
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.", ge=0, lt=1)
@@ -141,6 +186,10 @@ class ModelConfig:
         if self.swiglu:  # Llama's rule: 2/3 of 4h, rounded up to a multiple of 64.
             return int(math.ceil(int(8 * self.hidden_size / 3) / 64) * 64)
         return 4 * self.hidden_size
+
+    def uses_rotary(self) -> bool:
+        """Whether attention rotates q and k (plain RoPE or YaRN-scaled)."""
+        return self.position_embedding_type in ("rope", "yarn")
 
     def resolved_kv_channels(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads

@@ -119,8 +119,7 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageModelEmbedding(m, state.tp, sequence_parallel=sp,
                                                     rng_tracker=self.rng_tracker, **kw)
-        self.rotary = (RotaryEmbedding(m.resolved_kv_channels(), m.rotary_base)
-                       if m.position_embedding_type == "rope" else None)
+        self.rotary = RotaryEmbedding.from_config(m)
         self.decoder = TransformerBlock(m, ModelCommGroups.from_parallel_state(state), spec,
                                         layer_numbers=self.layer_numbers,
                                         sequence_parallel=sp, post_layer_norm=post_process,

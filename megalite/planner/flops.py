@@ -3,7 +3,9 @@
 Forward FLOPs per token and layer, counting a multiply-add as 2:
   QKV 2h(a+2g)d, scores QK^T 2s*a*d, scores x V 2s*a*d, projection 2*a*d*h,
   MLP 2*h*f*(3 if SwiGLU else 2)  (MoE: router 2hE + top-k experts),
-plus the logits 2hV once per token.  Backward is twice the forward, so training is 3x --
+plus the logits 2hV once per token.  Biases (--add-qkv-bias) and norms (--qk-layernorm
+too) are elementwise and not counted, as in Megatron; d is --kv-channels, which need not
+be h/a.  Backward is twice the forward, so training is 3x --
 the same total as Megatron-LM's ``num_floating_point_operations`` (docs/planner.md).
 Recomputation re-runs forwards: full adds one layer forward (4x instead of 3x, Narayanan
 et al. 2021's 96*B*s*l*h^2 formula), selective adds the attention core only.

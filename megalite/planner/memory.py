@@ -190,6 +190,20 @@ def _local_norm(m: ModelConfig, tokens: int, e: int) -> int:
     return e * tokens * h + 2 * e * tokens
 
 
+def _qk_norm_bytes(m: ModelConfig, tokens: int, t: int, e: int) -> int:
+    """--qk-layernorm over this rank's (a + g) / t heads of ``tokens`` tokens: as
+    ``_local_norm`` but the input x is a view of the qkv output (already counted), so
+    RMSNorm keeps the normalised x, its fp32 copy under bf16 and the rsqrt; LayerNorm mean
+    and rstd."""
+    if not m.qk_layernorm:
+        return 0
+    rows = tokens * (m.num_attention_heads + m.resolved_query_groups()) // t
+    d = m.resolved_kv_channels()
+    if m.normalization == "RMSNorm":
+        return (4 if e == 2 else 0) * rows * d + e * rows * d + 4 * rows
+    return 2 * e * rows
+
+
 def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions,
                       recompute: str, moe: bool = False) -> int:
     """One dense layer of megalite's local kernels per micro-batch (docs/planner.md, "Local
@@ -214,17 +228,21 @@ def local_layer_parts(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
         m.resolved_kv_channels()
     Tn = T // (t if L.sp else 1)                   # tokens a norm (and dropout) sees
     mods = set(opts.recompute_modules) if recompute == "selective" else set()
-    rope = m.position_embedding_type == "rope"
+    rope = m.uses_rotary()
     norm = e * Tn * h if "layernorm" in mods else _local_norm(m, Tn, e)
     drop = e * Tn * h if m.hidden_dropout > 0 else 0
     attn = e * Tn * h + e * T * (a + 2 * g) * d // t         # qkv input (SP: shard), qkv
+    attn += _qk_norm_bytes(m, T, t, e)
     if rope:                                       # rotated q, k; bf16 copies of cos, sin
         attn += e * T * (a + g) * d // t + (4 * T * d if e == 2 else 0)
+    elif m.qk_layernorm:
+        attn += e * T * (a + g) * d // t           # normalized q, k
     elif g != a:
         attn += e * T * a * d // t                 # q regrouped per head
     if "core_attn" not in mods:
         if opts.flash_attention:                   # output (shared with proj input for MHA
-            shared = not rope and g == a           # without RoPE) and fp32 log-sum-exp
+            shared = not rope and not m.qk_layernorm and g == a   # without RoPE or q/k
+            # norm) and fp32 log-sum-exp
             attn += 4 * a * T // t + (0 if shared else e * T * a * d // t)
         elif opts.unfused_attention:               # probabilities (+ dropped copy, mask)
             per_score = e + (e + 1 if m.attention_dropout > 0 else 0)
@@ -288,7 +306,7 @@ def local_stage_extra_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     t, T, h = L.tp, (seq // L.cp) * L.micro_batch, m.hidden_size
     e = 2 * opts.element_scale
     Tn = T // (t if L.sp else 1)
-    rope = m.position_embedding_type == "rope"
+    rope = m.uses_rotary()
     out = 0
     if rope and e == 4 and sum(kinds):             # fp32 cos, sin of the micro-batch's positions
         out += 8 * T * m.resolved_kv_channels() * in_flight(L, pp_rank)

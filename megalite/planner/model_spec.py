@@ -34,7 +34,9 @@ def published(name: str) -> Optional[dict]:
 
 
 def from_hf_config(path: str) -> ModelConfig:
-    """Llama / Mistral / Mixtral / Qwen2 / Qwen3(-MoE) config.json -> ModelConfig."""
+    """A Hugging Face config.json -> ModelConfig: through the family's adapter where one is
+    registered (the same mapping convert.py uses: RoPE scaling, q/k norms, biases, head
+    dim), else read generically as a Llama-like model (shapes only)."""
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
@@ -45,6 +47,9 @@ def from_hf_config(path: str) -> ModelConfig:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"--hf-config: cannot read '{path}': {exc}") from None
     hf = hf.get("text_config", hf)
+    adapted = _from_adapter(hf, path)
+    if adapted is not None:
+        return adapted
     need = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     missing = [k for k in need if k not in hf]
     if missing:
@@ -76,6 +81,26 @@ def from_hf_config(path: str) -> ModelConfig:
         moe_router_topk=hf.get("num_experts_per_tok", 2),
         moe_layer_freq=hf.get("decoder_sparse_step", 1) or 1)
     return m
+
+
+def _from_adapter(hf: dict, path: str) -> Optional[ModelConfig]:
+    """The registered adapter's mapping (None when no adapter knows the architecture);
+    the sequence is capped at 8192 as the generic reader does.  Imports torch: only a
+    --hf-config run pays for it."""
+    from megalite.checkpointing.hf_adapters import UnsupportedModelError, adapter_for_hf
+
+    try:
+        adapter = adapter_for_hf(hf)
+    except UnsupportedModelError:
+        return None
+    try:
+        d = adapter.config_from_hf(hf)
+    except UnsupportedModelError as exc:
+        raise ConfigError(f"--hf-config {path}: {exc}") from None
+    except KeyError as exc:
+        raise ConfigError(f"--hf-config: '{path}' lacks {exc.args[0]}") from None
+    d["seq_length"] = min(d["seq_length"], 8192)
+    return ModelConfig(**d)
 
 
 def from_flags(argv: List[str]) -> ModelConfig:
@@ -163,7 +188,8 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
     d, bias = m.resolved_kv_channels(), m.add_bias_linear
     qkv_rows = (a + 2 * g) * d
     n = _norm(m, h) * 2                                  # input norm + pre-MLP norm
-    n += qkv_rows * h // tp + (qkv_rows // tp if bias else 0)       # column-parallel QKV
+    n += qkv_rows * h // tp + (qkv_rows // tp if bias or m.add_qkv_bias else 0)   # QKV
+    n += 2 * _norm(m, d) if m.qk_layernorm else 0       # q/k norms: replicated over TP
     n += h * a * d // tp + (h if bias else 0)                       # row-parallel projection
     gate = 2 if m.swiglu else 1
     if not moe:

@@ -57,7 +57,7 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
     RoPE tables, shared by all layers, are not)."""
     h, a = m.hidden_size, m.num_attention_heads
     d, g, f = m.resolved_kv_channels(), m.resolved_query_groups(), m.resolved_ffn_hidden_size()
-    rms, rope = m.normalization == "RMSNorm", m.position_embedding_type == "rope"
+    rms, rope = m.normalization == "RMSNorm", m.uses_rotary()
     sn = s // t if sp else s                        # tokens a norm sees
     if "full" in recompute:
         return {"layer input (checkpoint input)": sn * b * h}
@@ -71,15 +71,23 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
             T[f"{name}: x, mean, rstd"] = sn * b * h + 2 * sn * b
     T["qkv linear input = input-norm output (sequence shard with SP)"] = sn * b * h
     T["qkv linear output (v is a view of it)"] = s * b * (a + 2 * g) * d // t
+    qk_norm = m.qk_layernorm
+    if qk_norm:     # their input x is a view of the qkv output
+        if rms:
+            T["q/k norms: x*rsqrt, rsqrt"] = s * b * (a + g) * (d + 1) // t
+        else:
+            T["q/k norms: mean, rstd"] = 2 * s * b * (a + g) // t
     if rope:
         T["q, k after RoPE"] = s * b * (a + g) * d // t
         T["RoPE cos, sin tables (fp32, shared by all layers)"] = 2 * s * d
+    elif qk_norm:   # core attention keeps the normalized q, k (q already per head)
+        T["q, k after the q/k norms"] = s * b * (a + g) * d // t
     elif g != a:
         T["q regrouped per head (copy)"] = s * b * a * d // t
     # The fused kernel lays its output out like q: when q is a view of the [s, b, ...] qkv
-    # buffer (MHA, no RoPE) the output is [s, b, a, d]-ordered and the reshape feeding
-    # the proj linear is a view -- one buffer, not two.
-    shared_out = sdpa == "flash" and not rope and g == a
+    # buffer (MHA, no RoPE, no q/k norm) the output is [s, b, a, d]-ordered and the reshape
+    # feeding the proj linear is a view -- one buffer, not two.
+    shared_out = sdpa == "flash" and not rope and not qk_norm and g == a
     if "core_attn" not in recompute:
         if sdpa == "flash":
             if not shared_out:

@@ -15,6 +15,11 @@ hands it q, k, v in that layout (views of the qkv output where possible):
 
 np / ng are this rank's query heads / key-value groups; query head j reads group
 j // (np/ng).  Core attention is its own module so it can be recomputed alone.
+
+Model switches on the way: ``--add-qkv-bias`` (a bias on linear_qkv alone, Qwen2) and
+``--qk-layernorm`` (the ``q_layernorm`` / ``k_layernorm`` slots normalize each head's q
+and k over the head dimension before RoPE, Qwen3).  The head dimension is
+``--kv-channels``, independent of hidden / heads.
 """
 from __future__ import annotations
 
@@ -110,7 +115,16 @@ class SelfAttention(nn.Module):
         kw = dict(tp_group=comm_groups.tp, bias=m.add_bias_linear,
                   sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.linear_qkv = build_module(submodules.linear_qkv, m.hidden_size, qkv_out,
-                                       init_std=std, **kw)
+                                       init_std=std, **dict(kw, bias=m.add_bias_linear or
+                                                            m.add_qkv_bias))
+        self.q_layernorm = self.k_layernorm = None
+        if m.qk_layernorm:
+            if submodules.q_layernorm is None or submodules.k_layernorm is None:
+                raise ValueError("--qk-layernorm: this attention spec has no q_layernorm / "
+                                 "k_layernorm slots")
+            self.q_layernorm, self.k_layernorm = (
+                build_module(slot, m, self.head_dim, tp > 1, device=device, dtype=dtype)
+                for slot in (submodules.q_layernorm, submodules.k_layernorm))
         self.core_attention = build_module(submodules.core_attention, m, comm_groups,
                                            layer_number=layer_number,
                                            attn_mask_type=attn_mask_type,
@@ -133,6 +147,7 @@ class SelfAttention(nn.Module):
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d).permute(1, 2, 3, 0, 4)      # [b, g, r+2, s, d]
         q, k, v = split_qkv(qkv, r, dim=2)                             # views
+        q, k = self._norm_qk(q, k)
         if rotary is not None:  # rotation writes q, k contiguously: no separate copy
             cos, sin = rotary                                          # [b|1, 1, s, d]
             q = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
@@ -142,11 +157,18 @@ class SelfAttention(nn.Module):
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
         return self.linear_proj(ctx)
 
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor):
+        """--qk-layernorm: each head's q and k normalized over the head dim (last)."""
+        if self.q_layernorm is None:
+            return q, k
+        return self.q_layernorm(q), self.k_layernorm(k)
+
     def _attend_sbhd(self, qkv, rotary) -> torch.Tensor:
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d)
         q, k, v = split_qkv(qkv, r, dim=3)                                 # views
+        q, k = self._norm_qk(q, k)
         if rotary is not None:
             cos, sin = (t.permute(2, 0, 1, 3) for t in rotary)         # [s, b|1, 1, d]
             q = apply_rotary(q, cos.unsqueeze(2), sin.unsqueeze(2))

@@ -72,6 +72,15 @@ def build_norm(model_cfg, hidden_size: int, sequence_parallel: bool, device=None
                  dtype=dtype, zero_centered_gamma=model_cfg.apply_layernorm_1p)
 
 
+def build_qk_norm(model_cfg, head_dim: int, heads_split: bool, device=None, dtype=None):
+    """``--qk-layernorm``: the norm over one head's q (or k), a weight of ``head_dim`` shared
+    by every head.  With TP each rank normalizes only its own heads, so the replicated
+    weight's gradient is partial on every rank: ``heads_split`` (TP > 1) names the TP group
+    in its ``ParamSpec`` (the field SP norms use), and the grad sync sums it over TP
+    (Megatron sums ``q_layernorm``/``k_layernorm`` grads over TP likewise)."""
+    return build_norm(model_cfg, head_dim, heads_split, device=device, dtype=dtype)
+
+
 class IdentityNorm(nn.Module):
     """The norm slot of a layer whose next linear applies the norm itself (a fused
     norm+linear slot, TE's ``LayerNormLinear``); takes a norm's arguments, holds nothing."""

@@ -1,24 +1,167 @@
-"""Rotary position embeddings, Hugging Face's ``rotate_half`` convention.
+"""Rotary position embeddings, Hugging Face's ``rotate_half`` convention, and their
+frequency scalings (Llama 3.x's ``llama3``, YaRN).
 
 Frequencies pair dimension i with i + d/2 (not adjacent pairs), which is also
 Megatron's default (non-interleaved) layout, so Llama weights convert without
 permuting q/k rows.  cos/sin are computed in fp32 exactly as transformers does.
+
+The frequency functions are plain functions of numbers, reusable by any attention that
+rotates (Multi-Latent Attention rotates only its ``--qk-pos-emb-head-dim`` part):
+
+* ``default_inv_freq(dim, base)``: 1 / base^(2i/dim), i < dim/2;
+* ``llama3_inv_freq(inv_freq, ...)``: Llama 3.1's rescaling of those;
+* ``yarn_inv_freq(dim, base, factor, ...)``: YaRN's blend of interpolated and original
+  frequencies, and ``yarn_concentration_factor`` (the "attention factor" / mscale that
+  multiplies cos and sin); ``yarn_get_mscale`` is the log rule both use (DeepSeek-V3's
+  softmax scale is ``softmax_scale * yarn_get_mscale(factor, mscale_all_dim) ** 2``);
+* ``rotary_frequencies(model_cfg, dim, kind)``: (inv_freq, attention factor) of a config's
+  scaling flags, for ``kind`` rope or yarn (default: its ``--position-embedding-type``);
+  ``RotaryEmbedding.from_config(model_cfg, dim, kind)`` builds the cos/sin module from it.
+
+Each follows ``transformers.modeling_rope_utils`` operation for operation (and equals
+Megatron-Core's ``RotaryEmbedding._apply_scaling`` / ``YarnRotaryEmbedding``), so imported
+Hugging Face models see bit-identical tables.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 from torch import nn
 
+# Defaults Megatron-Core uses when a YaRN flag is not given.
+YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS = 4096
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
+
+
+def default_inv_freq(dim: int, base: float) -> torch.Tensor:
+    """fp32 [dim/2]: 1 / base^(2i / dim)."""
+    return 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+
+
+def llama3_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                    high_freq_factor: float, original_max_position_embeddings: int
+                    ) -> torch.Tensor:
+    """Llama 3.1's scaling: wavelengths longer than original/low_freq_factor are divided by
+    ``factor``, shorter than original/high_freq_factor kept, a linear blend between."""
+    old_context_len = original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float,
+                         max_position_embeddings: int) -> float:
+    """The dimension whose frequency turns ``num_rotations`` times over the context."""
+    return (dim * math.log(max_position_embeddings / (num_rotations * 2 * math.pi))) / \
+        (2 * math.log(base))
+
+
+def yarn_correction_range(beta_fast: float, beta_slow: float, dim: int, base: float,
+                          original_max_position_embeddings: int, round_to_int: bool = True
+                          ) -> Tuple[float, float]:
+    """(low, high) dimension indices of YaRN's ramp, clamped to [0, dim - 1]."""
+    low = _yarn_correction_dim(beta_fast, dim, base, original_max_position_embeddings)
+    high = _yarn_correction_dim(beta_slow, dim, base, original_max_position_embeddings)
+    if round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def yarn_inv_freq(dim: int, base: float, factor: float,
+                  original_max_position_embeddings: int = YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+                  beta_fast: float = YARN_BETA_FAST, beta_slow: float = YARN_BETA_SLOW,
+                  round_to_int: bool = True) -> torch.Tensor:
+    """fp32 [dim/2]: YaRN's frequencies -- original ones (extrapolation) for the dimensions
+    that turn more than ``beta_fast`` times over the original context, divided by
+    ``factor`` (interpolation) for those under ``beta_slow``, a linear ramp between."""
+    pos_freqs = float(base) ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    low, high = yarn_correction_range(beta_fast, beta_slow, dim, base,
+                                      original_max_position_embeddings, round_to_int)
+    if low == high:
+        high += 0.001                       # no singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+
+
+def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
+    """YaRN's attention-temperature rule: 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_concentration_factor(factor: float, mscale: Optional[float] = 1.0,
+                              mscale_all_dim: Optional[float] = 0.0) -> float:
+    """The factor multiplying YaRN's cos and sin (Megatron-Core's rule):
+    get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim); with either None,
+    get_mscale(factor)."""
+    if mscale is None or mscale_all_dim is None:
+        return yarn_get_mscale(factor)
+    return float(yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim))
+
+
+def rotary_frequencies(model_cfg, dim: Optional[int] = None, kind: Optional[str] = None
+                       ) -> Tuple[torch.Tensor, float]:
+    """(inv_freq fp32 [dim/2], factor on cos and sin) for ``model_cfg``'s rotary flags.
+    ``kind``: ``rope`` (with ``--use-rope-scaling``: Llama 3.x) or ``yarn`` (the
+    ``--rotary-scaling-factor`` / ``--yarn-*`` / ``--mscale*`` flags); default: the
+    ``--position-embedding-type``.  ``dim``: the rotated head dimension (default
+    ``--kv-channels``; an attention rotating part of its heads passes that part's size)."""
+    m = model_cfg
+    dim = dim or m.resolved_kv_channels()
+    kind = kind or m.position_embedding_type
+    if kind not in ("rope", "yarn"):
+        raise ValueError(f"rotary frequencies of '{kind}': rope or yarn")
+    if kind == "yarn":
+        inv_freq = yarn_inv_freq(
+            dim, m.rotary_base, m.rotary_scaling_factor,
+            m.yarn_original_max_position_embeddings or YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+            YARN_BETA_FAST if m.yarn_beta_fast is None else m.yarn_beta_fast,
+            YARN_BETA_SLOW if m.yarn_beta_slow is None else m.yarn_beta_slow,
+            m.yarn_correction_range_round_to_int)
+        return inv_freq, yarn_concentration_factor(m.rotary_scaling_factor, m.mscale,
+                                                   m.mscale_all_dim)
+    inv_freq = default_inv_freq(dim, m.rotary_base)
+    if m.use_rope_scaling:
+        inv_freq = llama3_inv_freq(inv_freq, m.rope_scaling_factor,
+                                   m.rope_scaling_low_freq_factor,
+                                   m.rope_scaling_high_freq_factor,
+                                   m.rope_scaling_original_max_position_embeddings)
+    return inv_freq, 1.0
+
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, base: float):
+    """cos/sin tables of positions; ``inv_freq`` and ``attention_scaling`` (the factor on
+    cos and sin, YaRN's) default to plain RoPE of ``head_dim`` and ``base``."""
+
+    def __init__(self, head_dim: int, base: float = 10000, *,
+                 inv_freq: Optional[torch.Tensor] = None, attention_scaling: float = 1.0):
         super().__init__()
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round it.
-        self.inv_freq = 1.0 / (float(base) ** (torch.arange(0, head_dim, 2, dtype=torch.float)
-                                               / head_dim))
+        self.inv_freq = default_inv_freq(head_dim, base) if inv_freq is None else inv_freq
+        self.attention_scaling = float(attention_scaling)
         self._cache = None
+
+    @classmethod
+    def from_config(cls, model_cfg, dim: Optional[int] = None, kind: Optional[str] = None
+                    ) -> Optional["RotaryEmbedding"]:
+        """The embedding ``model_cfg`` asks for (None without rotary position embeddings
+        unless ``kind`` names one); ``dim``, ``kind`` as ``rotary_frequencies``."""
+        if kind is None and not model_cfg.uses_rotary():
+            return None
+        dim = dim or model_cfg.resolved_kv_channels()
+        inv_freq, scaling = rotary_frequencies(model_cfg, dim, kind)
+        return cls(dim, inv_freq=inv_freq, attention_scaling=scaling)
 
     def forward(self, seq_len: int, position_ids: Optional[torch.Tensor] = None,
                 device=None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +176,10 @@ class RotaryEmbedding(nn.Module):
             pos = position_ids.to(device)
         freqs = pos[..., None].float() * self.inv_freq.to(device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        out = (emb.cos()[:, None], emb.sin()[:, None])
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:       # YaRN: fp32, before any cast (as HF)
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        out = (cos[:, None], sin[:, None])
         if position_ids is None:
             self._cache = (key, out)
         return out

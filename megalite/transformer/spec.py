@@ -7,6 +7,8 @@ context-parallel attention and MoE become spec choices rather than constructor e
       input_layernorm      norm builder            (model_cfg, hidden, sequence_parallel, ...)
       self_attention       ModuleSpec(SelfAttention, submodules=SelfAttentionSubmodules)
         linear_qkv         column-parallel linear  (in, out, *, tp_group, bias, ...)
+        q_layernorm        norm builder over the head dim (--qk-layernorm)
+        k_layernorm        norm builder over the head dim (--qk-layernorm)
         core_attention     (model_cfg, comm_groups, *, layer_number, attn_mask_type, rng_tracker)
         linear_proj        row-parallel linear
       pre_mlp_layernorm    norm builder
@@ -56,6 +58,10 @@ class SelfAttentionSubmodules:
     linear_qkv: Spec       # column-parallel; may apply the input norm itself (fused slot)
     core_attention: Spec   # owns the q/k/v layout: see ``DotProductAttention``
     linear_proj: Spec      # row-parallel
+    # --qk-layernorm: norm builders (model_cfg, head_dim, tp_split, ...) applied to each
+    # head's q and k before RoPE; used only when the model config asks for them
+    q_layernorm: Optional[Spec] = None
+    k_layernorm: Optional[Spec] = None
 
 
 @dataclass(frozen=True, eq=False)

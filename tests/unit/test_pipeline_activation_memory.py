@@ -22,6 +22,12 @@ ARCHS = {
                   add_bias_linear=False, ffn_hidden_size=96, group_query_attention=True,
                   num_query_groups=2),
     "gqa": dict(group_query_attention=True, num_query_groups=2),
+    # Qwen3-style: q/k RMSNorm before RoPE, qkv bias, head dim 32 != hidden / heads
+    "qwen3": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                  add_bias_linear=False, add_qkv_bias=True, qk_layernorm=True, kv_channels=32,
+                  ffn_hidden_size=96, group_query_attention=True, num_query_groups=2),
+    # q/k LayerNorm without RoPE: attention keeps the normalized q, k themselves
+    "qknorm-ln-mha": dict(qk_layernorm=True, kv_channels=32),
 }
 RECOMPUTE = [(), ("full",), ("core_attn",), ("mlp",), ("layernorm",),
              ("core_attn", "mlp", "layernorm")]

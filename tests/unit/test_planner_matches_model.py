@@ -24,6 +24,13 @@ def model_cfg(arch):
         d.update(untie_embeddings_and_output_weights=True)
     elif arch == "gqa-swiglu-bias":
         d.update(group_query_attention=True, num_query_groups=2, swiglu=True, kv_channels=16)
+    elif arch == "qwen":       # q/k norms (replicated over TP), qkv bias, head dim 16 != h/a
+        d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                 ffn_hidden_size=96, add_bias_linear=False, add_qkv_bias=True,
+                 qk_layernorm=True, kv_channels=16, group_query_attention=True,
+                 num_query_groups=4)
+    elif arch == "qk-layernorm-ln":  # LayerNorm q/k norms: weight and bias each
+        d.update(qk_layernorm=True)
     return ModelConfig(**d)
 
 
@@ -45,7 +52,8 @@ def real_count(m, tp, pp, pp_rank, vpp=1, first=None, last=None):
 
 
 @pytest.mark.parametrize("arch,tp,pp", list(itertools.product(
-    ["llama", "gpt", "gpt-untied", "gqa-swiglu-bias"], [1, 2], [1, 2, 3])))
+    ["llama", "gpt", "gpt-untied", "gqa-swiglu-bias", "qwen", "qk-layernorm-ln"], [1, 2],
+    [1, 2, 3])))
 def test_stage_params_equal_model(arch, tp, pp):
     m = model_cfg(arch)
     for r in range(pp):

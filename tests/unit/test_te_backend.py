@@ -192,7 +192,7 @@ def test_name_table_maps_the_fused_norms_only():
     assert te_names.to_local_names(sd) == {"a.pre_mlp_layernorm.weight": 1}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen"])
 def test_state_dict_round_trip_and_shapes(fake_te, arch):
     m = mcfg(arch)
     local, te = model(m, "local"), model(m, "transformer_engine")
@@ -261,7 +261,7 @@ def test_a_te_checkpoint_opens_without_te(fake_te, tmp_path, monkeypatch):
 
 # ---- the TE spec end to end (stand-in TE) ------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen"])
 def test_te_spec_forward_and_grads_match_local(fake_te, arch):
     m = mcfg(arch)
     local, te = model(m, "local"), model(m, "transformer_engine")

@@ -91,11 +91,12 @@ def test_config_mapping_and_unsupported_models():
     back = hf.model_config_to_hf_config(cfg)
     assert back["num_key_value_heads"] == 2 and back["intermediate_size"] == 40
     assert back["head_dim"] == 4 and back["tie_word_embeddings"] is False
-    with pytest.raises(hf.UnsupportedModelError, match="MistralForCausalLM"):
+    with pytest.raises(hf.UnsupportedModelError, match="MistralForCausalLM config lacks "
+                       "num_hidden_layers, hidden_size"):
         hf.hf_config_to_model_config({"model_type": "mistral",
                                       "architectures": ["MistralForCausalLM"]})
-    with pytest.raises(hf.UnsupportedModelError, match="rope type 'llama3'"):
-        hf.hf_config_to_model_config({**back, "rope_parameters": {"rope_type": "llama3",
+    with pytest.raises(hf.UnsupportedModelError, match="rope_type 'linear' is not supported"):
+        hf.hf_config_to_model_config({**back, "rope_parameters": {"rope_type": "linear",
                                                                    "rope_theta": 1.0}})
     gpt2 = dict(cfg, normalization="LayerNorm", swiglu=False)
     with pytest.raises(hf.UnsupportedModelError, match="RMSNorm"):

@@ -11,7 +11,8 @@ A megalite source may have been saved at any TP/PP; the target layout is indepen
 may be uneven, interleaved or count the embedding/loss as pipeline layers (the same
 ``--target-*`` flags as pretrain_gpt.py's layout flags): each stage file then holds exactly
 what that stage of a run at that layout builds.  Hugging Face models go through the adapter
-registered for their architecture (``megalite.checkpointing.hf_adapters``; Llama).
+registered for their architecture (``megalite.checkpointing.hf_adapters``: Llama,
+Mistral, Qwen2, Qwen3, Mixtral; docs/models.md).
 Runs in one process on CPU; needs only torch and safetensors.  Errors are one line,
 exit status 2.
 """
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="megalite source: iteration to read (default: latest).")
     ap.add_argument("--hf-dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                     help="dtype of exported Hugging Face weights.")
+    ap.add_argument("--hf-architecture", default=None, metavar="NAME",
+                    help="Hugging Face architecture to export as (e.g. MistralForCausalLM); "
+                    "default: the first registered family that can write the model.")
     return ap
 
 
@@ -113,7 +117,8 @@ def convert(args) -> str:
         vpp = f", VPP={split.vpp}" if split.vpp > 1 else ""
         return (f"wrote megalite checkpoint (TP={tp}, PP={pp}{vpp}, iteration {iteration}) to "
                 f"{args.save_dir}\n" + train_hint(args.save_dir, model_cfg, tp, pp))
-    adapter = hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype))
+    adapter = hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype),
+                           architecture=args.hf_architecture)
     return f"wrote Hugging Face {adapter.architectures[0]} checkpoint to {args.save_dir}"
 
 

@@ -1,20 +1,30 @@
 """Per-model Hugging Face adapters (``from_hf`` / ``to_hf``) and their registry.
 
-Importing this package registers the built-in adapters (Llama, Mixtral); a new family is a module
-here with an ``HFAdapter`` subclass and one ``register_adapter`` line below.
+Importing this package registers the built-in adapters; a new family is a module here with
+an ``HFAdapter`` subclass and one ``register_adapter`` line below (docs/models.md).  Export
+picks the first registered adapter that can write a model, so the order matters where two
+families write the same model (Llama before Mistral).
 """
 from megalite.checkpointing.hf_adapters.base import (HFAdapter, UnsupportedModelError,
+                                                     adapter_for_architecture,
                                                      adapter_for_family, adapter_for_hf,
                                                      adapter_for_model, register_adapter,
                                                      registered_adapters,
                                                      supported_architectures,
                                                      unregister_adapter)
 from megalite.checkpointing.hf_adapters.llama import LlamaAdapter
+from megalite.checkpointing.hf_adapters.mistral import MistralAdapter
 from megalite.checkpointing.hf_adapters.mixtral import MixtralAdapter
+from megalite.checkpointing.hf_adapters.qwen2 import Qwen2Adapter
+from megalite.checkpointing.hf_adapters.qwen3 import Qwen3Adapter
 
 register_adapter(LlamaAdapter())
+register_adapter(MistralAdapter())
+register_adapter(Qwen2Adapter())
+register_adapter(Qwen3Adapter())
 register_adapter(MixtralAdapter())
 
-__all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_family", "adapter_for_hf",
-           "adapter_for_model", "register_adapter", "registered_adapters",
-           "supported_architectures", "unregister_adapter", "LlamaAdapter", "MixtralAdapter"]
+__all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
+           "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
+           "registered_adapters", "supported_architectures", "unregister_adapter",
+           "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter"]

@@ -10,13 +10,16 @@ adapter; nothing else changes.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megalite.errors import CheckpointError
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint or config is not something this converter maps."""
+
+class UnsupportedModelError(CheckpointError, ValueError):
+    """The checkpoint or config is not something this converter maps (a user error: one
+    line naming the key; still a ValueError for callers that catch those)."""
 
 
 class HFAdapter:
@@ -97,8 +100,25 @@ def adapter_for_hf(hf_cfg: dict) -> HFAdapter:
         f"unsupported architecture {archs or hf_cfg.get('model_type')}; only {known} converts")
 
 
-def adapter_for_model(model_cfg: dict) -> HFAdapter:
-    """The first registered adapter that can write this megalite model."""
+def adapter_for_architecture(architecture: str) -> HFAdapter:
+    """The adapter that writes Hugging Face ``architecture`` (e.g. MistralForCausalLM)."""
+    for adapter in _ADAPTERS:
+        if architecture in adapter.architectures:
+            return adapter
+    raise UnsupportedModelError(f"no Hugging Face adapter writes '{architecture}'; known: "
+                                f"{', '.join(supported_architectures())}")
+
+
+def adapter_for_model(model_cfg: dict, architecture: Optional[str] = None) -> HFAdapter:
+    """The adapter that writes this megalite model: the one for ``architecture`` if given
+    (one line naming what the model lacks for it), else the first registered that can."""
+    if architecture is not None:
+        adapter = adapter_for_architecture(architecture)
+        missing = adapter.export_problems(model_cfg)
+        if missing:
+            raise UnsupportedModelError(f"this model does not export as {architecture}; it "
+                                        f"needs {', '.join(missing)}")
+        return adapter
     problems = []
     for adapter in _ADAPTERS:
         missing = adapter.export_problems(model_cfg)

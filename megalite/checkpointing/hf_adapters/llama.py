@@ -1,18 +1,28 @@
-"""Hugging Face Llama (``LlamaForCausalLM``) <-> megalite.
+"""Hugging Face Llama (``LlamaForCausalLM``) <-> megalite, and the base of every Llama-like
+family (Mistral, Qwen2, Qwen3, Mixtral, ...).
 
 Mapping of one layer i (megalite name <- HF name):
 
     decoder.layers.i.input_layernorm.weight         <- model.layers.i.input_layernorm.weight
     decoder.layers.i.self_attention.linear_qkv.weight <- q/k/v_proj, fused per query group
         [q_g0 (r*d rows), k_g0 (d), v_g0 (d), q_g1, ...], r = heads / kv heads
+    decoder.layers.i.self_attention.linear_qkv.bias <- q/k/v_proj biases, same grouping
+                                                       (--add-qkv-bias: Qwen2)
+    decoder.layers.i.self_attention.q_layernorm.weight <- self_attn.q_norm (--qk-layernorm:
+    decoder.layers.i.self_attention.k_layernorm.weight <- self_attn.k_norm  Qwen3)
     decoder.layers.i.self_attention.linear_proj.weight <- o_proj
     decoder.layers.i.pre_mlp_layernorm.weight       <- post_attention_layernorm
     decoder.layers.i.mlp.linear_fc1.weight          <- [gate_proj; up_proj]
     decoder.layers.i.mlp.linear_fc2.weight          <- down_proj
 
 plus embed_tokens, model.norm and lm_head (absent when tied).  Both sides use the
-``rotate_half`` RoPE convention, so q/k rows need no permutation.  Imported tensors are
-converted to fp32 (megalite keeps fp32 master weights); export writes fp32 by default.
+``rotate_half`` RoPE convention, so q/k rows need no permutation; RoPE scaling maps in
+``rope.py``.  Imported tensors are converted to fp32 (megalite keeps fp32 master weights);
+export writes fp32 by default.
+
+A family subclass states what it is (``family``, ``architectures``, ``model_type``), what
+its config means (``family_fields_from_hf``, ``family_config_to_hf``) and what it cannot
+be (``family_export_problems``); the tensor mapping above is shared.
 """
 from __future__ import annotations
 
@@ -22,17 +32,12 @@ from typing import Dict, List, Tuple
 import torch
 
 from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelError
+from megalite.checkpointing.hf_adapters.rope import (rope_export_problems, rope_fields_from_hf,
+                                                     rope_parameters_to_hf)
 
 
-def rope_theta(hf: dict) -> float:
-    """RoPE base of a HF config (only the default, unscaled RoPE maps)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise UnsupportedModelError(f"rope type '{kind}' is not supported (only default RoPE)")
-    theta = hf.get("rope_theta", params.get("rope_theta", 10000.0))
-    return int(theta) if float(theta).is_integer() else float(theta)
+REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size",
+                 "num_attention_heads", "vocab_size")
 
 
 def take(sd: dict, key: str) -> torch.Tensor:
@@ -51,6 +56,18 @@ def attention_shape(m: dict) -> Tuple[int, int, int, int]:
             mc.num_layers)
 
 
+def refuse_sliding_window(hf: dict) -> None:
+    """Qwen2/Qwen3/Mistral configs: only full attention in every layer maps."""
+    if hf.get("use_sliding_window"):
+        raise UnsupportedModelError("use_sliding_window: true is not supported (megalite has "
+                                    "no sliding-window attention)")
+    types = hf.get("layer_types") or []
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise UnsupportedModelError(f"layer_types {other} are not supported (only "
+                                    "full_attention)")
+
+
 class LlamaAdapter(HFAdapter):
     family = "llama"
     architectures = ("LlamaForCausalLM",)
@@ -66,12 +83,13 @@ class LlamaAdapter(HFAdapter):
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or hf.get('model_type')}; only "
                 f"{', '.join(self.architectures)} (model_type '{self.model_type}') converts")
+        missing = [k for k in REQUIRED_KEYS if k not in hf]
+        if missing:
+            raise UnsupportedModelError(f"{self.architectures[0]} config lacks "
+                                        f"{', '.join(missing)}")
         if hf.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(
                 f"hidden_act '{hf['hidden_act']}' is not supported (silu)")
-        if hf.get("attention_bias") or hf.get("mlp_bias"):
-            raise UnsupportedModelError(
-                "Llama variants with attention/MLP biases are not supported")
         heads = hf["num_attention_heads"]
         kv_heads = hf.get("num_key_value_heads") or heads
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
@@ -83,12 +101,21 @@ class LlamaAdapter(HFAdapter):
             group_query_attention=kv_heads != heads, num_query_groups=kv_heads,
             kv_channels=head_dim, seq_length=max_pos, max_position_embeddings=max_pos,
             vocab_size=hf["vocab_size"], normalization="RMSNorm",
-            norm_epsilon=hf.get("rms_norm_eps", 1e-6), position_embedding_type="rope",
-            rotary_base=rope_theta(hf), swiglu=True,
+            norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             add_bias_linear=False, init_method_std=hf.get("initializer_range", 0.02),
             hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)))
+        cfg.update(rope_fields_from_hf(hf))
+        cfg.update(self.family_fields_from_hf(hf))
         return cfg
+
+    def family_fields_from_hf(self, hf: dict) -> dict:
+        """What this family's config adds to (or refuses of) the Llama mapping."""
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key):
+                raise UnsupportedModelError(f"{key}: true is not supported for "
+                                            f"{self.architectures[0]} (no biases)")
+        return {}
 
     def export_problems(self, m: dict) -> List[str]:
         from megalite.config import ModelConfig
@@ -96,39 +123,51 @@ class LlamaAdapter(HFAdapter):
         mc = ModelConfig(**m)
         return [msg for bad, msg in (
             (mc.normalization != "RMSNorm", "--normalization RMSNorm"),
-            (mc.position_embedding_type != "rope", "--position-embedding-type rope"),
             (not mc.swiglu, "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
-            (bool(mc.num_experts), "no --num-experts")) if bad]
+            (bool(mc.num_experts), "no --num-experts")) if bad] + \
+            rope_export_problems(mc) + self.family_export_problems(mc)
+
+    def family_export_problems(self, mc) -> List[str]:
+        """Llama has neither q/k norms nor q/k/v biases."""
+        return [msg for bad, msg in ((mc.add_qkv_bias, "no --add-qkv-bias"),
+                                     (mc.qk_layernorm, "no --qk-layernorm")) if bad]
 
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
         from megalite.config import ModelConfig
 
         problems = self.export_problems(m)
         if problems:
-            raise UnsupportedModelError("only Llama-style models export to Hugging Face; needs "
+            raise UnsupportedModelError(f"this model does not export as "
+                                        f"{self.architectures[0]}; it needs "
                                         + ", ".join(problems))
         mc = ModelConfig(**m)
-        theta = mc.rotary_base
-        return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        rope = rope_parameters_to_hf(mc)
+        hf = {
+            "architectures": list(self.architectures[:1]), "model_type": self.model_type,
             "vocab_size": mc.vocab_size, "hidden_size": mc.hidden_size,
             "intermediate_size": mc.resolved_ffn_hidden_size(),
             "num_hidden_layers": mc.num_layers, "num_attention_heads": mc.num_attention_heads,
             "num_key_value_heads": mc.resolved_query_groups(),
             "head_dim": mc.resolved_kv_channels(), "hidden_act": "silu",
             "max_position_embeddings": mc.max_position_embeddings or mc.seq_length,
-            "rms_norm_eps": mc.norm_epsilon, "rope_theta": theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "rms_norm_eps": mc.norm_epsilon, "rope_theta": mc.rotary_base,
+            "rope_parameters": rope,
             "tie_word_embeddings": not mc.untie_embeddings_and_output_weights,
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": mc.attention_dropout,
+            "attention_dropout": mc.attention_dropout,
             "initializer_range": mc.init_method_std, "torch_dtype": torch_dtype,
             "dtype": torch_dtype,
         }
+        if rope["rope_type"] != "default":
+            hf["rope_scaling"] = dict(rope)     # what transformers < 5 reads
+        hf.update(self.family_config_to_hf(mc))
+        return hf
+
+    def family_config_to_hf(self, mc) -> dict:
+        return {"attention_bias": False, "mlp_bias": False}
 
     # -- state dicts ---------------------------------------------------------------------
     def from_hf(self, hf_sd: Dict[str, torch.Tensor], m: dict) -> Dict[str, torch.Tensor]:
-        heads, groups, d, layers = attention_shape(m)
-        r = heads // groups
+        layers = attention_shape(m)[3]
         get = lambda k: take(hf_sd, k).float()  # noqa: E731
         shift = 1.0 if m.get("apply_layernorm_1p") else 0.0    # into a zero-centred model
         norm = lambda k: get(k) - shift  # noqa: E731
@@ -136,17 +175,62 @@ class LlamaAdapter(HFAdapter):
                "decoder.final_layernorm.weight": norm("model.norm.weight")}
         for i in range(layers):
             hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-            q, k, v = (get(hf + f"self_attn.{n}_proj.weight") for n in "qkv")
-            h = q.shape[1]
-            out[mg + "self_attention.linear_qkv.weight"] = torch.cat(
-                [q.view(groups, r * d, h), k.view(groups, d, h), v.view(groups, d, h)],
-                dim=1).reshape(-1, h)
-            out[mg + "self_attention.linear_proj.weight"] = get(hf + "self_attn.o_proj.weight")
+            out.update(self.attention_from_hf(get, norm, hf, mg, m))
             out[mg + "input_layernorm.weight"] = norm(hf + "input_layernorm.weight")
             out[mg + "pre_mlp_layernorm.weight"] = norm(hf + "post_attention_layernorm.weight")
             out.update(self.mlp_from_hf(get, hf, mg, m))
         if m["untie_embeddings_and_output_weights"]:
             out["output_layer.weight"] = get("lm_head.weight")
+        return out
+
+    def attention_from_hf(self, get, norm, hf: str, mg: str, m: dict
+                          ) -> Dict[str, torch.Tensor]:
+        """One layer's attention tensors: q/k/v fused per query group (weights, and biases
+        with --add-qkv-bias), the q/k norms with --qk-layernorm, o_proj."""
+        heads, groups, d, _ = attention_shape(m)
+        r = heads // groups
+        a = hf + "self_attn."
+
+        def fuse(kind: str) -> torch.Tensor:
+            q, k, v = (get(f"{a}{n}_proj.{kind}") for n in "qkv")
+            tail = q.shape[1:]                     # (hidden,) for weights, () for biases
+            return torch.cat([q.view(groups, r * d, *tail), k.view(groups, d, *tail),
+                              v.view(groups, d, *tail)], dim=1).reshape(-1, *tail)
+
+        out = {mg + "self_attention.linear_qkv.weight": fuse("weight"),
+               mg + "self_attention.linear_proj.weight": get(a + "o_proj.weight")}
+        if m.get("add_qkv_bias") or m.get("add_bias_linear"):
+            out[mg + "self_attention.linear_qkv.bias"] = fuse("bias")
+        if m.get("add_bias_linear"):
+            out[mg + "self_attention.linear_proj.bias"] = get(a + "o_proj.bias")
+        if m.get("qk_layernorm"):
+            out[mg + "self_attention.q_layernorm.weight"] = norm(a + "q_norm.weight")
+            out[mg + "self_attention.k_layernorm.weight"] = norm(a + "k_norm.weight")
+        return out
+
+    def attention_to_hf(self, get, put, norm, mg: str, hf: str, m: dict
+                        ) -> Dict[str, torch.Tensor]:
+        heads, groups, d, _ = attention_shape(m)
+        r = heads // groups
+        a, s = hf + "self_attn.", mg + "self_attention."
+
+        def split(kind: str) -> Dict[str, torch.Tensor]:
+            fused = get(s + f"linear_qkv.{kind}")
+            tail = fused.shape[1:]
+            q, k, v = fused.view(groups, r + 2, d, *tail).split([r, 1, 1], dim=1)
+            return {f"{a}q_proj.{kind}": put(q.reshape(heads * d, *tail)),
+                    f"{a}k_proj.{kind}": put(k.reshape(groups * d, *tail)),
+                    f"{a}v_proj.{kind}": put(v.reshape(groups * d, *tail))}
+
+        out = split("weight")
+        out[a + "o_proj.weight"] = put(get(s + "linear_proj.weight"))
+        if m.get("add_qkv_bias") or m.get("add_bias_linear"):
+            out.update(split("bias"))
+        if m.get("add_bias_linear"):
+            out[a + "o_proj.bias"] = put(get(s + "linear_proj.bias"))
+        if m.get("qk_layernorm"):
+            out[a + "q_norm.weight"] = norm(s + "q_layernorm.weight")
+            out[a + "k_norm.weight"] = norm(s + "k_layernorm.weight")
         return out
 
     def mlp_from_hf(self, get, hf: str, mg: str, m: dict) -> Dict[str, torch.Tensor]:
@@ -162,8 +246,7 @@ class LlamaAdapter(HFAdapter):
 
     def to_hf(self, sd: Dict[str, torch.Tensor], m: dict,
               dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-        heads, groups, d, layers = attention_shape(m)
-        r = heads // groups
+        layers = attention_shape(m)[3]
 
         def put(t):  # a fresh tensor each: safetensors refuses tensors that share storage
             return t.to(dtype).clone(memory_format=torch.contiguous_format)
@@ -172,21 +255,15 @@ class LlamaAdapter(HFAdapter):
             w = take(sd, key)
             return put(w.float() + 1 if m.get("apply_layernorm_1p") else w)
 
-        out = {"model.embed_tokens.weight": put(take(sd, "embedding.word_embeddings.weight")),
+        get = lambda k: take(sd, k)  # noqa: E731
+        out = {"model.embed_tokens.weight": put(get("embedding.word_embeddings.weight")),
                "model.norm.weight": norm("decoder.final_layernorm.weight")}
         for i in range(layers):
             hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-            qkv = take(sd, mg + "self_attention.linear_qkv.weight")
-            h = qkv.shape[1]
-            q, k, v = qkv.view(groups, r + 2, d, h).split([r, 1, 1], dim=1)
-            out[hf + "self_attn.q_proj.weight"] = put(q.reshape(heads * d, h))
-            out[hf + "self_attn.k_proj.weight"] = put(k.reshape(groups * d, h))
-            out[hf + "self_attn.v_proj.weight"] = put(v.reshape(groups * d, h))
-            out[hf + "self_attn.o_proj.weight"] = put(
-                take(sd, mg + "self_attention.linear_proj.weight"))
+            out.update(self.attention_to_hf(get, put, norm, mg, hf, m))
             out[hf + "input_layernorm.weight"] = norm(mg + "input_layernorm.weight")
             out[hf + "post_attention_layernorm.weight"] = norm(mg + "pre_mlp_layernorm.weight")
-            out.update(self.mlp_to_hf(lambda k: take(sd, k), put, mg, hf, m))
+            out.update(self.mlp_to_hf(get, put, mg, hf, m))
         if m["untie_embeddings_and_output_weights"]:
-            out["lm_head.weight"] = put(take(sd, "output_layer.weight"))
+            out["lm_head.weight"] = put(get("output_layer.weight"))
         return out

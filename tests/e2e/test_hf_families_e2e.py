@@ -1,0 +1,101 @@
+"""The dense Hugging Face families as a user meets them: a tiny random transformers model
+(Llama 3.2 with llama3 RoPE scaling and tied embeddings, Mistral, Qwen2 with qkv biases,
+Qwen3 with q/k norms and YaRN) converted with tools/checkpoint/convert.py (written for TP2,
+Qwen2/Qwen3 for TP2 x PP2),
+evaluated by ``pretrain_gpt.py --use-checkpoint-args --skip-train`` at TP1 and (torchrun) TP2
+on a .bin dataset, gives transformers' loss on the same tokens (rel <= 1e-5); converted
+back to Hugging Face, transformers reproduces the logits.
+
+The valid split is one document of 4 windows; 2 evaluation iterations of 2 samples see each
+window once, so the loss is the mean over those 4 windows whatever their order.  After the
+conversion the two evaluations and the export run side by side (independent processes and
+files), which keeps the wall time near the CPU time on 2 cores.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hf_families import FAMILIES, SEQ, VOCAB, hf_loss, rel, save_hf_model  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PY = sys.executable
+CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
+WINDOWS = 4
+EXPORT_AS = {"mistral": ["--hf-architecture", "MistralForCausalLM"]}
+# the layout convert.py writes (the runs reshard it on load): TP2, and TP2 x PP2 for the two
+# families whose layers carry new tensors (qkv biases, q/k norms)
+TARGET = {"qwen2": ["--target-pipeline-model-parallel-size", "2"],
+          "qwen3": ["--target-pipeline-model-parallel-size", "2"]}
+
+
+def _eval(load, data, metrics, tp):
+    run = ["pretrain_gpt.py", "--use-checkpoint-args", "--skip-train", "--load", load,
+           "--data-path", data, "--split", "0,100,0", "--seq-length", str(SEQ),
+           "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-iters", "2",
+           "--train-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
+           str(VOCAB), "--lr", "1e-4", "--device", "cpu", "--metrics-file", metrics]
+    if tp == 1:
+        return [PY, *run]
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
+            *run, "--tensor-model-parallel-size", str(tp)]
+
+
+def _finish(proc, cmd):
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"{cmd}\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-3000:]}"
+    return out
+
+
+def _start(cmd):
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _valid_loss(path):
+    rows = [json.loads(line) for line in open(path)]
+    return [r for r in rows if r.get("split") == "valid"][-1]["lm_loss"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_converted_family_gives_transformers_loss_at_tp1_tp2_and_exports_back(tmp_path,
+                                                                              family):
+    from megalite.data.indexed_dataset import write_documents
+
+    hf_dir, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
+    ref = save_hf_model(family, hf_dir)
+    tokens = np.random.default_rng(7).integers(0, VOCAB, size=WINDOWS * SEQ + 1)
+    data = write_documents(str(tmp_path / "data"), [tokens.tolist()], np.int32)
+    windows = torch.from_numpy(np.stack([tokens[i * SEQ:(i + 1) * SEQ + 1]
+                                         for i in range(WINDOWS)])).long()
+    expected = hf_loss(ref, windows)
+
+    cmd = [PY, CONVERT, "--source-format", "hf", "--target-format", "megalite",
+           "--load-dir", hf_dir, "--save-dir", ckpt, "--target-tensor-parallel-size", "2",
+           *TARGET.get(family, [])]
+    assert "TP=2" in _finish(_start(cmd), cmd)
+    cmds = {"tp1": _eval(ckpt, data, str(tmp_path / "tp1.jsonl"), 1),
+            "tp2": _eval(ckpt, data, str(tmp_path / "tp2.jsonl"), 2),
+            "export": [PY, CONVERT, "--source-format", "megalite", "--target-format", "hf",
+                       "--load-dir", ckpt, "--save-dir", back, *EXPORT_AS.get(family, [])]}
+    procs = {name: _start(cmd) for name, cmd in cmds.items()}
+    outs = {name: _finish(proc, cmds[name]) for name, proc in procs.items()}
+    assert "model flags from the checkpoint" in outs["tp1"]
+    for layout in ("tp1", "tp2"):
+        loss = _valid_loss(str(tmp_path / f"{layout}.jsonl"))
+        print(f"{family} {layout}: loss {loss:.7f}, transformers {expected:.7f}, rel "
+              f"{abs(loss - expected) / expected:.1e}")
+        assert abs(loss - expected) <= 1e-5 * expected, (family, layout, loss, expected)
+
+    exported = getattr(transformers, FAMILIES[family][1]).from_pretrained(back).eval()
+    assert exported.config.architectures == [FAMILIES[family][1]]
+    ids = windows[:, :-1]
+    with torch.no_grad():
+        err = rel(exported(ids).logits, ref(ids).logits)
+    print(f"{family} exported: logits rel {err:.1e}")
+    assert err <= 1e-5

@@ -1,0 +1,67 @@
+"""Tiny random Hugging Face models of the dense families (tests/ is on sys.path), each with
+the feature that family brings, built with ``transformers`` from a tiny config:
+
+* ``llama``: Llama 3.2 -- ``llama3`` RoPE scaling (original context 16 < the sequences, so
+  the scaling shows) and tied embeddings;
+* ``mistral``: head_dim 16 != hidden / heads, ``sliding_window: null``;
+* ``qwen2``: biases on q, k, v; tied embeddings;
+* ``qwen3``: q/k RMSNorm, head_dim 16, and YaRN scaling.
+
+Norm weights and biases are drawn away from their init, so a swapped mapping shows.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 128, 16      # vocabulary needs no padding: the planner's count is HF's
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              rms_norm_eps=1e-5)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
+        head_dim=8, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0,
+                             low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=16))),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(
+        head_dim=16, sliding_window=None, rope_parameters=dict(rope_type="default",
+                                                               rope_theta=1e6))),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        head_dim=16, rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
+                                          original_max_position_embeddings=16))),
+}
+
+
+def hf_model(family: str, seed: int = 0):
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif n.endswith(".bias"):
+                p.normal_(0, 0.5)
+    return model
+
+
+def save_hf_model(family: str, path: str, seed: int = 0):
+    model = hf_model(family, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def hf_loss(model, windows: torch.Tensor) -> float:
+    """Mean next-token cross entropy over ``windows`` [n, SEQ + 1] (fp32)."""
+    with torch.no_grad():
+        logits = model(windows[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             windows[:, 1:].reshape(-1)).item()
+
+
+def rel(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()

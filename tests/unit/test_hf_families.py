@@ -1,0 +1,124 @@
+"""The dense Hugging Face families (Llama 3.x, Mistral, Qwen2, Qwen3) in one process: an
+imported model gives transformers' logits, the planner reads each config and counts HF's
+parameters, export picks the family, and what megalite cannot express is one line naming
+the key.  (tests/e2e/test_hf_families_e2e.py runs the same models through convert.py and
+pretrain_gpt.py.)"""
+import json
+
+import pytest
+import torch
+
+from megalite.checkpointing import hf
+from megalite.checkpointing.hf_adapters import UnsupportedModelError, adapter_for_model
+from megalite.checkpointing.model_io import load_full_state_dict
+from megalite.config import ConfigError, MegaliteConfig, ModelConfig
+from megalite.models.gpt import build_model, single_rank_state
+from megalite.planner import model_spec as ms
+from megalite.transformer.rotary import rotary_frequencies
+
+from hf_families import FAMILIES, VOCAB, hf_model, rel, save_hf_model  # noqa: E402
+
+EXPECT = {   # what each family's import must set
+    "llama": dict(use_rope_scaling=True, rope_scaling_factor=32.0,
+                  rope_scaling_original_max_position_embeddings=16, kv_channels=8,
+                  untie_embeddings_and_output_weights=False, rotary_base=500000),
+    "mistral": dict(kv_channels=16, position_embedding_type="rope", qk_layernorm=False),
+    "qwen2": dict(add_qkv_bias=True, untie_embeddings_and_output_weights=False,
+                  add_bias_linear=False),
+    "qwen3": dict(qk_layernorm=True, kv_channels=16, position_embedding_type="yarn",
+                  rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16),
+}
+EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_gives_hf_logits_and_the_planner_counts_hf_parameters(tmp_path, family):
+    ref = save_hf_model(family, str(tmp_path))
+    model_cfg, full = hf.import_hf(str(tmp_path))
+    for key, value in EXPECT[family].items():
+        assert model_cfg[key] == value, key
+    model = build_model(MegaliteConfig(model=ModelConfig(**model_cfg)), single_rank_state())
+    load_full_state_dict(model.eval(), full, single_rank_state())
+    with torch.no_grad():               # 40 positions: past the scalings' original 16
+        assert rel(model(IDS)[..., :VOCAB], ref(IDS).logits) <= 1e-5
+    planned = ms.from_hf_config(str(tmp_path / "config.json"))
+    assert ms.total_params(planned) == ref.num_parameters() == \
+        sum(p.numel() for p in model.parameters())
+    assert planned.qk_layernorm == model_cfg["qk_layernorm"]
+    assert adapter_for_model(model_cfg).family == EXPORTS_AS[family]
+
+
+def test_export_picks_the_family_or_names_what_the_model_lacks(tmp_path):
+    qwen3 = hf.hf_config_to_model_config(hf_model("qwen3").config.to_dict())
+    assert adapter_for_model(qwen3, "Qwen3ForCausalLM").family == "qwen3"
+    with pytest.raises(UnsupportedModelError, match="does not export as Qwen2ForCausalLM; it "
+                       "needs --add-qkv-bias, no --qk-layernorm"):
+        adapter_for_model(qwen3, "Qwen2ForCausalLM")
+    with pytest.raises(UnsupportedModelError, match="does not export as LlamaForCausalLM; "
+                       "it needs no --qk-layernorm"):
+        adapter_for_model(qwen3, "LlamaForCausalLM")
+    llama = hf.hf_config_to_model_config(hf_model("llama").config.to_dict())
+    out = hf.model_config_to_hf_config(llama)
+    assert out["rope_parameters"]["rope_type"] == "llama3" == out["rope_scaling"]["rope_type"]
+    mistral = adapter_for_model(llama, "MistralForCausalLM").config_to_hf(llama)
+    assert mistral["architectures"] == ["MistralForCausalLM"] and mistral["sliding_window"] is None
+    with pytest.raises(UnsupportedModelError, match="no Hugging Face adapter writes 'Foo'"):
+        adapter_for_model(llama, "Foo")
+
+
+def _cfg(family, **change):
+    d = hf_model(family).config.to_dict()
+    d.update(change)
+    return d
+
+
+REFUSALS = [
+    ("mistral", dict(sliding_window=4096), "sliding_window 4096 is not supported"),
+    ("qwen2", dict(use_sliding_window=True), "use_sliding_window: true is not supported"),
+    ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]),
+     r"layer_types \['sliding_attention'\] are not supported"),
+    ("qwen3", dict(attention_bias=True), "attention_bias: true is not supported for Qwen3"),
+    ("llama", dict(attention_bias=True), "attention_bias: true is not supported for Llama"),
+    ("llama", dict(mlp_bias=True), "mlp_bias: true is not supported"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    ("llama", dict(rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0)),
+     "rope_parameters.rope_type 'dynamic' is not supported"),
+    ("qwen2", dict(partial_rotary_factor=0.5), "partial_rotary_factor 0.5 is not supported"),
+    ("llama", dict(rope_parameters=dict(rope_type="llama3", rope_theta=1e4, factor=8.0)),
+     r"rope_parameters \(llama3\) lacks low_freq_factor, high_freq_factor"),
+    ("qwen3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=1.0,
+                                        original_max_position_embeddings=16,
+                                        attention_factor=2.0)),
+     r"rope_parameters.attention_factor 2.0 with factor 1.0 <= 1 is not expressible"),
+    ("llama", dict(rope_parameters={"full_attention": dict(rope_type="default"),
+                                    "sliding_attention": dict(rope_type="default")}),
+     "rope_parameters: per-layer-type RoPE"),
+]
+
+
+@pytest.mark.parametrize("family,change,message", REFUSALS,
+                         ids=[f"{f}-{next(iter(c))}" for f, c, _ in REFUSALS])
+def test_what_megalite_cannot_express_is_one_line_naming_the_key(family, change, message):
+    with pytest.raises(UnsupportedModelError, match=message) as err:
+        hf.hf_config_to_model_config(_cfg(family, **change))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=message):            # the planner says the same
+        ms._from_adapter(_cfg(family, **change), "config.json")
+
+
+def test_yarn_round_trips_through_transformers_rules():
+    """transformers ignores mscale unless mscale_all_dim is set too; megalite's Megatron
+    rule does not: export writes the factor itself where the two would differ."""
+    base = hf.hf_config_to_model_config(hf_model("qwen3").config.to_dict())
+    for mscale, all_dim, key in ((1.0, 0.0, None), (0.7, 0.0, "attention_factor"),
+                                 (0.0, 0.5, "attention_factor"), (1.0, 1.0, "mscale")):
+        m = dict(base, mscale=mscale, mscale_all_dim=all_dim)
+        out = hf.model_config_to_hf_config(m)
+        rp = out["rope_parameters"]
+        assert (key is None and "attention_factor" not in rp and "mscale" not in rp) or key in rp
+        _, ours = rotary_frequencies(ModelConfig(**m))
+        if "attention_factor" in rp:
+            assert rp["attention_factor"] == ours
+        back = hf.hf_config_to_model_config(json.loads(json.dumps(out)))
+        assert rotary_frequencies(ModelConfig(**back))[1] == pytest.approx(ours, rel=1e-14)
