@@ -84,8 +84,36 @@ def exit_for_user_error(line: str, *, first: bool) -> None:
     if _in_process_group():
         sys.stdout.flush()
         sys.stderr.flush()
+        if first:
+            _linger_for_peers()
         os._exit(EXIT_USER_ERROR)
     sys.exit(EXIT_USER_ERROR)
+
+
+PEER_LINGER_SECONDS = 10.0
+
+
+def _linger_for_peers() -> None:
+    """The rank that published the error may host the store its peers read it from
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, srun without torchrun): it stays until their
+    watchers have seen the line and left -- the launcher then stops it, quietly with status
+    2 -- or for ``PEER_LINGER_SECONDS`` at most."""
+    def _quiet(signum, frame):
+        os._exit(EXIT_USER_ERROR)
+    try:
+        signal.signal(signal.SIGTERM, _quiet)
+    except ValueError:
+        return
+    time.sleep(PEER_LINGER_SECONDS)
+
+
+def leave_for_peer_error(line: str) -> None:
+    """Another rank published a user error (it printed it): record it and leave quietly,
+    wherever this rank's main thread is blocked.  Called by the store watcher."""
+    write_elastic_error_file(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_USER_ERROR)
 
 
 def report_user_error(exc: BaseException, prog: str) -> None:

@@ -12,8 +12,11 @@ and not counted.
 """
 from __future__ import annotations
 
+import os
+import threading
 from collections import defaultdict
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import List, Optional, Sequence
 
 import torch
@@ -311,39 +314,71 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
     return PendingP2P(works, ops, desc, group, peers)
 
 
-# -- the run's first user error, shared through the process group's store -----------------
-FIRST_USER_ERROR_KEY = "megalite/first_user_error"
+# -- the run's first user error, shared through the job's store ---------------------------
+FIRST_USER_ERROR_KEY = "first_user_error"
+_published_here = False
+_control = None
 
 
-def _default_store():
-    if not dist.is_initialized():
-        return None
-    return dist.distributed_c10d._get_default_store()
+def _control_store():
+    """A client of the job's store (torchrun's, or rank 0's under
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) for megalite's own keys, one namespace per
+    restart attempt; None outside a multi-process job."""
+    global _control
+    if _control is None and dist.is_initialized() and dist.get_world_size() > 1 and \
+            "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+        client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                               is_master=False, timeout=timedelta(seconds=30),
+                               wait_for_workers=False)
+        _control = dist.PrefixStore(f"megalite/control/attempt_{attempt}", client)
+    return _control
 
 
 def publish_user_error(line: str) -> bool:
     """Record ``line`` as the run's first user error; True when it was first, so exactly one
-    rank prints it.  Every rank that fails afterwards (a peer's collective broken by this
-    rank's exit) finds it with ``published_user_error`` and exits quietly with status 2."""
-    store = _default_store()
-    if store is None:
-        return True
+    rank prints it.  The other ranks' watchers (``watch_user_errors``) see it and leave."""
+    global _published_here
+    _published_here = True
     try:
+        store = _control_store()
+        if store is None:
+            return True
         stored = store.compare_set(FIRST_USER_ERROR_KEY, "", line)
-    except (RuntimeError, dist.DistError):    # store unreachable: say it here, to be safe
+    except (RuntimeError, dist.DistError, OSError):  # store unreachable: say it here
         return True
     return (stored.decode() if isinstance(stored, bytes) else stored) == line
 
 
 def published_user_error() -> Optional[str]:
     """The user error some rank published, if any (None when the store is gone)."""
-    store = _default_store()
-    if store is None:
-        return None
     try:
-        if not store.check([FIRST_USER_ERROR_KEY]):
+        store = _control_store()
+        if store is None or not store.check([FIRST_USER_ERROR_KEY]):
             return None
         value = store.get(FIRST_USER_ERROR_KEY)
-    except (RuntimeError, dist.DistError):
+    except (RuntimeError, dist.DistError, OSError):
         return None
     return value.decode() if isinstance(value, bytes) else value
+
+
+def watch_user_errors(on_error) -> None:
+    """A daemon thread that waits (server-side, no polling) for another rank's published
+    user error and calls ``on_error(line)``: a rank stuck in any collective or p2p op with
+    the failed rank leaves at once, whoever hosts the store."""
+    if _control_store() is None:
+        return
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    waiter = dist.PrefixStore(f"megalite/control/attempt_{attempt}", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(days=365), wait_for_workers=False))
+
+    def _wait() -> None:
+        try:
+            waiter.wait([FIRST_USER_ERROR_KEY])
+            value = waiter.get(FIRST_USER_ERROR_KEY)
+        except (RuntimeError, dist.DistError, OSError):
+            return                     # the store went away: the job is ending anyway
+        if not _published_here:
+            on_error(value.decode() if isinstance(value, bytes) else value)
+    threading.Thread(target=_wait, daemon=True, name="megalite-user-error-watch").start()

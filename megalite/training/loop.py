@@ -410,6 +410,9 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     backend_line = describe_backend(cfg.model.transformer_impl, device)
     cfg = resolve_backend_config(cfg, device)      # auto -> local | transformer_engine
     state = initialize(cfg)
+    from megalite.boundary import leave_for_peer_error
+
+    comm.watch_user_errors(leave_for_peer_error)   # a peer's user error ends this rank too
     cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
         cfg, state.world_group(), device)
     trainer = Trainer(cfg, state, device, family)

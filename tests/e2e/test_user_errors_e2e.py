@@ -59,11 +59,16 @@ def test_validation_error_under_torchrun_is_one_line_and_the_root_cause(tmp_path
     assert "Traceback" not in p.stdout and "ZeroDivisionError" not in p.stderr
 
 
-def test_one_rank_user_error_after_start_ends_every_rank_with_one_line(tmp_path):
-    """Rank 1 fails mid-run while rank 0 waits in a collective: one line (rank 1's), every
-    rank exits 2 promptly, no traceback from the rank whose collective broke."""
-    p, took = _run(_torchrun(2, HOOKS, "rank1-data-error", *TINY, "--train-iters", "4"),
-                   tmp_path)
+@pytest.mark.parametrize("rank,own_store", [(1, False), (0, True)])
+def test_one_rank_user_error_after_start_ends_every_rank_with_one_line(tmp_path, rank,
+                                                                      own_store):
+    """One rank fails mid-run while its peer waits in a collective: one line (the failing
+    rank's), every rank exits 2 promptly, no traceback from the rank whose collective broke.
+    ``own_store``: rank 0 hosts the store itself (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as the
+    sbatch script sets), so it must outlive its process groups for the peer to read the line."""
+    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if own_store else ENV
+    p, took = _run(_torchrun(2, HOOKS, f"rank{rank}-data-error", *TINY, "--train-iters", "4"),
+                   tmp_path, env=env)
     lines = _printed_errors(p)
     assert lines == ["megalite: error: injected: corpus.bin: token id 512 at position 7 is "
                      "outside the vocabulary (size 100)"], p.stderr[-3000:]

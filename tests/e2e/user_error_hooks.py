@@ -3,7 +3,7 @@
     python tests/e2e/user_error_hooks.py HOOK [pretrain_gpt.py flags]
 
 HOOK is one of
-  rank1-data-error   rank 1 raises a DataError at iteration 2 (its peers are in a collective)
+  rankN-data-error   rank N raises a DataError at iteration 2 (its peers are in a collective)
   sigint-in-save     Ctrl-C (SIGINT to this process) while the second checkpoint's files are
                      being written
   sigint-in-train    Ctrl-C during iteration 3
@@ -31,10 +31,16 @@ def _patch_train_step(at_iteration: int, action) -> None:
     Trainer.train_step = train_step
 
 
-def _rank1_data_error(trainer) -> None:
+def _data_error_on(rank: int):
+    def action(trainer) -> None:
+        _data_error(trainer, rank)
+    return action
+
+
+def _data_error(trainer, rank: int) -> None:
     from megalite.errors import DataError
 
-    if trainer.state.rank == 1:
+    if trainer.state.rank == rank:
         raise DataError("injected: corpus.bin: token id 512 at position 7 is outside the "
                         "vocabulary (size 100)")
 
@@ -59,8 +65,8 @@ def _sigint_in_save() -> None:
 
 def main() -> int:
     hook, argv = sys.argv[1], sys.argv[2:]
-    if hook == "rank1-data-error":
-        _patch_train_step(2, _rank1_data_error)
+    if hook.startswith("rank") and hook.endswith("-data-error"):
+        _patch_train_step(2, _data_error_on(int(hook[4:-len("-data-error")])))
     elif hook == "sigint-in-save":
         _sigint_in_save()
     elif hook == "sigint-in-train":
