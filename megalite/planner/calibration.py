@@ -15,16 +15,16 @@ from __future__ import annotations
 # contention between overlapping kernels, and the kernel libraries of the run's time (the
 # ceilings were measured with 2025 software).  One per GPU generation; H200 and B200 use
 # H100's.
-SUSTAINED_A100 = 0.773
-SUSTAINED_H100 = 0.806
+SUSTAINED_A100 = 0.7733
+SUSTAINED_H100 = 0.8059
 # HBM passes over a layer's saved activations per forward + backward for memory-bound
 # work (norms, activation functions, residual adds, RoPE, dropout, softmax without flash):
 # with fused kernels, and with eager PyTorch (one kernel per elementwise op).
-FUSED_PASSES = 4.96
-EAGER_PASSES = 12.6
+FUSED_PASSES = 4.959
+EAGER_PASSES = 12.56
 # torchtitan's H100s run at a 500 W power limit (its benchmark page): their sustained clock
 # relative to the 700 W parts the kernel tables were measured on.
-H100_500W_CLOCK = 0.813
+H100_500W_CLOCK = 0.8128
 
 # Which published rows (planner/published_runs.py) fit which constant, in fitting order.
 # 5 of the 28 rows; every other row is held out.  The A100 pair fits two constants

@@ -297,5 +297,5 @@ def weight_cast_seconds(params: int, cluster: Cluster, opts) -> float:
 
 def fp8_unavailable(cluster: Cluster, opts) -> Optional[str]:
     if opts.fp8 and not cluster.gpu.fp8_matmul_tflops:
-        return f"{cluster.gpu.name} has no FP8 tensor cores: --fp8-recipe is ignored (bf16)"
+        return f"{cluster.gpu.name} has no FP8 tensor cores"
     return None

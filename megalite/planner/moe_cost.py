@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from functools import lru_cache
 from statistics import NormalDist
 from typing import Union
 
@@ -48,12 +49,10 @@ def uniform_imbalance(m: ModelConfig, L: Layout, seq: int) -> float:
     return 1.0 + expected_max_normal(L.ep) * sd / mean
 
 
-def measured_imbalance(path: str, m: ModelConfig, L: Layout) -> float:
-    """Mean over logged layers and records of max / mean tokens per EP rank."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"--moe-routing: metrics file '{path}' does not exist")
-    ratios = []
-    per_rank = max(1, m.num_experts // max(1, L.ep))
+@lru_cache(maxsize=8)
+def _logged_counts(path: str, mtime: float) -> tuple:
+    """Every ``moe_layer_N_tokens_per_expert`` list of a metrics file (read once)."""
+    out = []
     with open(path) as fh:
         for line in fh:
             line = line.strip()
@@ -64,16 +63,25 @@ def measured_imbalance(path: str, m: ModelConfig, L: Layout) -> float:
             except ValueError:
                 raise ConfigError(f"--moe-routing: '{path}' is not a JSON-lines metrics "
                                   "file (pretrain_gpt.py --metrics-file)") from None
-            for key, counts in rec.items():
-                if not (key.startswith("moe_layer_") and key.endswith("_tokens_per_expert")):
-                    continue
-                if len(counts) != m.num_experts:
-                    raise ConfigError(f"--moe-routing: '{path}' logs {len(counts)} experts, "
-                                      f"the model has {m.num_experts}")
-                loads = [sum(counts[i:i + per_rank]) for i in range(0, len(counts), per_rank)]
-                mean = sum(loads) / len(loads)
-                if mean > 0:
-                    ratios.append(max(loads) / mean)
+            out += [tuple(v) for k, v in rec.items()
+                    if k.startswith("moe_layer_") and k.endswith("_tokens_per_expert")]
+    return tuple(out)
+
+
+def measured_imbalance(path: str, m: ModelConfig, L: Layout) -> float:
+    """Mean over logged layers and records of max / mean tokens per EP rank."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--moe-routing: metrics file '{path}' does not exist")
+    per_rank = max(1, m.num_experts // max(1, L.ep))
+    ratios = []
+    for counts in _logged_counts(path, os.path.getmtime(path)):
+        if len(counts) != m.num_experts:
+            raise ConfigError(f"--moe-routing: '{path}' logs {len(counts)} experts, "
+                              f"the model has {m.num_experts}")
+        loads = [sum(counts[i:i + per_rank]) for i in range(0, len(counts), per_rank)]
+        mean = sum(loads) / len(loads)
+        if mean > 0:
+            ratios.append(max(loads) / mean)
     if not ratios:
         raise ConfigError(f"--moe-routing: '{path}' has no moe_layer_*_tokens_per_expert "
                           "records (train an MoE model with --metrics-file)")

@@ -6,8 +6,8 @@ A row records what its source states; ``assumed`` lists what the row had to assu
 the source is silent.  Layout fields the source does not give (Narayanan et al.'s micro-batch
 and interleaving) are in ``free``: the comparison takes the planner's best value for them
 under the published ones.  ``options`` are the cost model's switches for the software the
-run used (ModelOptions fields).  ``calibration``: the row is one of those the constants in
-planner/calibration.py were fitted on (at most a third of the rows); all others are held out.
+run used (ModelOptions fields).  planner/calibration.py names the rows its constants were
+fitted on (at most a third); all others are held out.
 """
 from __future__ import annotations
 
@@ -65,14 +65,13 @@ class PublishedRun:
     free: Tuple[str, ...] = ()
     memory_gib: Optional[float] = None      # peak memory the source states
     assumed: str = ""
-    calibration: bool = False
 
 
-def _narayanan(model, tp, pp, gpus, batch, tflops, calibration=False):
+def _narayanan(model, tp, pp, gpus, batch, tflops):
     return PublishedRun(
         model, model, NARAYANAN, "a100-80gb", gpus, 2048, batch,
         dict(tp=tp, pp=pp, recompute="full", zero=0, sp=False), "hw_tflops", tflops,
-        options=MEGATRON_2021, free=("micro_batch", "vpp"), calibration=calibration,
+        options=MEGATRON_2021, free=("micro_batch", "vpp"),
         assumed="micro-batch and interleaving not given: the planner's best under the "
                 "published TP/PP; interleaved schedule allowed; no SP (predates it)")
 
@@ -168,11 +167,11 @@ TITAN_ASSUMED = ("the GPUs' sustained clock at 500 W is calibrated (calibration.
                  "default); SDPA = FlashAttention-2")
 
 
-def _titan(name, model, gpus, batch, layout, tps, mem, opts, calibration=False, extra=""):
+def _titan(name, model, gpus, batch, layout, tps, mem, opts, extra=""):
     return PublishedRun(name, model, TORCHTITAN, "h100-80gb", gpus, 8192, batch,
                         dict(layout), "tokens_per_gpu", tps, precision="fp8 tensorwise"
                         if opts.get("fp8") else "bf16", options=dict(opts),
-                        gpu_overrides=TITAN_GPU, memory_gib=mem, calibration=calibration,
+                        gpu_overrides=TITAN_GPU, memory_gib=mem,
                         assumed=TITAN_ASSUMED + extra)
 
 
