@@ -1,49 +1,101 @@
 #!/usr/bin/env python
-"""Planner vs published: Narayanan et al. 2021 Table 1 and Llama 3 405B.
+"""The planner against published training runs (megalite/planner/published_runs.py):
+Narayanan et al. 2021 Table 1, Llama 3 405B (Table 4), Megatron-Bridge's DGX-H100 FP8 rows
+(Llama 3 8B / 70B / 3.1 405B, Qwen3-235B, DeepSeek-V3), Megatron-Core's Mixtral 8x7B, and
+torchtitan's Llama 3.1 8B / 70B / 405B on 500 W H100s.
 
-For each published run the planner searches the same model, cluster and batch with the
-run's techniques (2021 rows: activation recomputation, no distributed optimizer, no
-FlashAttention) and prints its pick, where the published TP/PP ranks, and the predicted
-TFLOP/s per GPU of the published layout against the paper's figure.  Narayanan et al.
-count hardware FLOPs (recomputation included), Llama 3 model FLOPs; each row uses its
-paper's convention.  The Markdown output goes into docs/planner.md.
-Run: python benchmarks/planner_vs_published.py
+For each row it estimates the published layout with the run's software switches and
+prints the predicted throughput in the source's unit and FLOP convention next to the
+published figure; the rows that fitted calibration.py's constants are marked "cal", and
+the error is summarised separately for them and for the held-out rest.  Then the memory
+figures the sources state, and the planner's own pick for each published setting with the
+published layout's rank among its candidates.  The Markdown output goes into
+docs/planner.md.   Run: python benchmarks/planner_vs_published.py [--no-search]
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
-from megalite.planner import model_spec as ms
-from megalite.planner.published import compare
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.planner import calibration  # noqa: E402
+from megalite.planner.published import compare_all  # noqa: E402
+
+UNIT = {"hw_tflops": "TFLOP/s (hw)", "model_tflops": "TFLOP/s", "tokens_per_gpu": "tok/s"}
 
 
-def describe(e) -> str:
-    L = e.layout
-    s = f"TP{L.tp} PP{L.pp}" + (f" VPP{L.vpp}" if L.vpp > 1 else "") + \
-        (f" CP{L.cp}" if L.cp > 1 else "")
-    return s + f" DP{L.dp} mbs{L.micro_batch}" + (" SP" if L.sp else "")
+def layout_text(L) -> str:
+    parts = [f"TP{L.tp}", f"PP{L.pp}"] + ([f"VPP{L.vpp}"] if L.vpp > 1 else []) + \
+        ([f"CP{L.cp}"] if L.cp > 1 else []) + ([f"EP{L.ep}"] if L.ep > 1 else []) + \
+        [f"DP{L.dp}"]
+    extra = ([f"mbs{L.micro_batch}"] + (["SP"] if L.sp else []) +
+             ([{1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[L.zero]] if L.zero else []) +
+             ([f"rec-{L.recompute}" + (f"({L.recompute_layers})" if L.recompute_layers
+                                        else "")] if L.recompute != "none" else []))
+    return " ".join(parts + extra)
 
 
-def main() -> int:
-    print("| model | GPUs | batch | published | planner pick | published layout: rank "
-          "(time vs pick) | published TFLOP/s | predicted | error |")
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-search", action="store_true", help="skip the planner's own picks")
+    args = ap.parse_args(argv)
+    cal = set(calibration.calibration_row_names())
+    rows = compare_all(with_search=not args.no_search)
+
+    print("| run | GPUs | precision | published layout | unit | published | predicted | "
+          "error | fit |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in ms.NARAYANAN_2021 + ["llama3-405b"]:
-        c = compare(name)
-        pub = c.published
-        batch = pub.get("global_batch_size") or f"{pub['global_batch_tokens'] // 2**20}M tok"
-        shown = f"TP{pub['tp']} PP{pub['pp']}" + (f" CP{pub['cp']} DP{pub['dp']}" if "dp" in pub
-                                                   else "")
-        if c.best_published is None:
-            print(f"| {name} | {pub['num_gpus']} | {batch} | {shown} | {describe(c.pick)} | "
-                  f"does not fit | {pub['tflops_per_gpu']} | - | - |")
+    for c in rows:
+        r = c.run
+        print(f"| {r.name} | {r.num_gpus} ({r.gpu}) | {r.precision} | "
+              f"{layout_text(c.as_run.layout)} | {UNIT[r.metric]} | {r.value:g} | "
+              f"{c.predicted:.0f} | {100 * c.error:+.1f}% | "
+              f"{'cal' if r.name in cal else 'held out'} |")
+
+    def summary(name, group):
+        errs = [abs(c.error) for c in group]
+        worst = max(group, key=lambda c: abs(c.error))
+        print(f"- {name}: {len(errs)} rows, mean |error| {100 * sum(errs) / len(errs):.1f}%, "
+              f"max {100 * abs(worst.error):.1f}% ({worst.run.name}); within 10%: "
+              f"{sum(e <= 0.10 for e in errs)}/{len(errs)}")
+
+    print()
+    summary("calibration rows", [c for c in rows if c.run.name in cal])
+    held = [c for c in rows if c.run.name not in cal]
+    summary("held-out rows", held)
+    for tag, key in (("Llama 3 405B", "llama3-405b"), ("MoE", None)):
+        group = [c for c in held if (c.model.num_experts if key is None
+                                     else c.run.name.startswith(key))]
+        summary(f"held out, {tag}", group)
+    print("\nconstants (planner/calibration.py), each fitted on its rows:")
+    for keys, names in calibration.CALIBRATION_ROWS.items():
+        vals = ", ".join(f"{k} = {getattr(calibration, k):g}" for k in keys)
+        print(f"- {vals}: {', '.join(names)}")
+
+    print("\n| run | published memory | predicted (most loaded rank) | fits the model's "
+          "usable memory |")
+    print("|---|---|---|---|")
+    for c in rows:
+        if c.run.memory_gib is not None or not c.as_run.fits:
+            pub = f"{c.run.memory_gib:g} GiB" if c.run.memory_gib is not None else "(ran)"
+            print(f"| {c.run.name} | {pub} | {c.memory_gib:.1f} GiB | "
+                  f"{'yes' if c.as_run.fits else 'no'} ({c.as_run.capacity / 2**30:.1f} "
+                  "GiB usable) |")
+
+    if args.no_search:
+        return 0
+    print("\n| run | planner pick | published layout: rank (step vs pick) | as run vs pick |")
+    print("|---|---|---|---|")
+    for c in rows:
+        if c.pick is None:
+            print(f"| {c.run.name} | nothing fits | - | - |")
             continue
-        as_run = c.as_run
-        pred = as_run.hw_tflops if pub["source"].startswith("Narayanan") else as_run.tflops
-        err = 100 * (pred / pub["tflops_per_gpu"] - 1)
-        print(f"| {name} | {pub['num_gpus']} | {batch} | {shown} | {describe(c.pick)} | "
-              f"{c.published_rank} (+{100 * c.gap:.1f}%) | {pub['tflops_per_gpu']} | "
-              f"{pred:.0f} | {err:+.0f}% |")
+        rank = f"{c.rank} ({100 * c.gap:+.1f}%)" if c.rank else \
+            "not among the candidates that fit"
+        print(f"| {c.run.name} | {layout_text(c.pick.layout)} | {rank} | "
+              f"{100 * c.as_run_gap:+.1f}% |")
     return 0
 
 

@@ -21,13 +21,11 @@ _GPT = dict(normalization="LayerNorm", position_embedding_type="learned_absolute
             hidden_dropout=0.1, attention_dropout=0.1, seq_length=2048)
 
 
-def _gpt2021(heads, hidden, layers, tp, pp, gpus, batch, tflops):
-    """A row of Narayanan et al. 2021, Table 1 (A100-80GB, seq 2048, vocab 51200)."""
+def _gpt2021(heads, hidden, layers):
+    """A model of Narayanan et al. 2021, Table 1 (seq 2048, vocab 51200); the runs themselves
+    are rows of megalite/planner/published_runs.py."""
     return dict(_GPT, num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
-                vocab_size=51200, ffn_hidden_size=4 * hidden,
-                published=dict(source="Narayanan et al. 2021, Table 1", gpu="a100-80gb",
-                               tp=tp, pp=pp, num_gpus=gpus, global_batch_size=batch,
-                               seq_length=2048, tflops_per_gpu=tflops, recompute="full"))
+                vocab_size=51200, ffn_hidden_size=4 * hidden)
 
 
 MODEL_PRESETS = {
@@ -36,28 +34,23 @@ MODEL_PRESETS = {
     "llama3-70b": dict(_LLAMA, num_layers=80, hidden_size=8192, num_attention_heads=64,
                        num_query_groups=8, ffn_hidden_size=28672),
     "llama3-405b": dict(_LLAMA, num_layers=126, hidden_size=16384, num_attention_heads=128,
-                        num_query_groups=8, ffn_hidden_size=53248,
-                        published=dict(source="Llama 3 paper (Dubey et al. 2024), Table 4",
-                                       gpu="h100-80gb", tp=8, cp=1, pp=16, dp=128,
-                                       num_gpus=16384, seq_length=8192,
-                                       global_batch_tokens=16 * 1024 * 1024,
-                                       tflops_per_gpu=400)),
+                        num_query_groups=8, ffn_hidden_size=53248),
     "gpt3-175b": dict(_GPT, num_layers=96, hidden_size=12288, num_attention_heads=96,
                       ffn_hidden_size=4 * 12288, vocab_size=50257),
     "mixtral-8x7b": dict(_LLAMA, num_layers=32, hidden_size=4096, num_attention_heads=32,
                          num_query_groups=8, ffn_hidden_size=14336, moe_ffn_hidden_size=14336,
                          num_experts=8, moe_router_topk=2, vocab_size=32000, rotary_base=1000000,
                          seq_length=4096),
-    "gpt-1.7b": _gpt2021(24, 2304, 24, 1, 1, 32, 512, 137),
-    "gpt-3.6b": _gpt2021(32, 3072, 30, 2, 1, 64, 512, 138),
-    "gpt-7.5b": _gpt2021(32, 4096, 36, 4, 1, 128, 512, 142),
-    "gpt-18.4b": _gpt2021(48, 6144, 40, 8, 1, 256, 1024, 135),
-    "gpt-39.1b": _gpt2021(64, 8192, 48, 8, 2, 512, 1536, 138),
-    "gpt-76.1b": _gpt2021(80, 10240, 60, 8, 4, 1024, 1792, 140),
-    "gpt-145.6b": _gpt2021(96, 12288, 80, 8, 8, 1536, 2304, 148),
-    "gpt-310.1b": _gpt2021(128, 16384, 96, 8, 16, 1920, 2160, 155),
-    "gpt-529.6b": _gpt2021(128, 20480, 105, 8, 35, 2520, 2520, 163),
-    "gpt-1t": _gpt2021(160, 25600, 128, 8, 64, 3072, 3072, 163),
+    "gpt-1.7b": _gpt2021(24, 2304, 24),
+    "gpt-3.6b": _gpt2021(32, 3072, 30),
+    "gpt-7.5b": _gpt2021(32, 4096, 36),
+    "gpt-18.4b": _gpt2021(48, 6144, 40),
+    "gpt-39.1b": _gpt2021(64, 8192, 48),
+    "gpt-76.1b": _gpt2021(80, 10240, 60),
+    "gpt-145.6b": _gpt2021(96, 12288, 80),
+    "gpt-310.1b": _gpt2021(128, 16384, 96),
+    "gpt-529.6b": _gpt2021(128, 20480, 105),
+    "gpt-1t": _gpt2021(160, 25600, 128),
 }
 
 # MoE presets of the launch recipes (launch/recipes/). Shapes from the models' published configs.

@@ -17,6 +17,7 @@ from megalite.planner import model_spec as ms
 from megalite.planner import report
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
+from megalite.planner.kernels import ATTENTION_KERNELS, FP8_RECIPES, fp8_unavailable
 from megalite.planner.search import RECOMPUTE_ORDER, SearchSpace, search
 
 
@@ -58,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--intra-node-bandwidth-gbps", type=float, help="GB/s one way per GPU (NVLink)")
     c.add_argument("--inter-node-bandwidth-gbps", type=float, help="GB/s one way per GPU (network)")
     c.add_argument("--compute-efficiency", type=float,
-                   help="achieved fraction of peak for the model's kernels (default 0.60)")
+                   help="sustained fraction of the GPU's measured kernel ceilings (default: "
+                   "the calibrated one for its generation, docs/planner.md)")
     b = p.add_argument_group("batch")
     b.add_argument("--seq-length", type=int, help="default: the recipe's")
     b.add_argument("--global-batch-size", type=int, help="samples per step")
@@ -91,6 +93,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force this fraction of DP communication to be exposed")
     o.add_argument("--tp-overlap", type=float, default=0.0,
                    help="fraction of TP communication hidden behind GEMMs")
+    o.add_argument("--fp8-recipe", choices=list(FP8_RECIPES),
+                   help="FP8 GEMMs with this recipe (megalite's --fp8-format runs 'delayed'; "
+                   "Transformer Engine's current scaling is 'tensorwise')")
+    o.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="cudnn",
+                   help="core-attention kernel whose measured rate the model uses "
+                   "(cudnn = Transformer Engine's fused attention)")
+    o.add_argument("--tp-comm-overlap", choices=["none", "all", "forward"], default="none",
+                   help="TP collectives pipelined with their GEMMs: all (TE userbuffers), "
+                   "forward (PyTorch async TP)")
+    o.add_argument("--ep-overlap", action="store_true",
+                   help="EP all-to-all behind another micro-batch's compute (Megatron's "
+                   "--overlap-moe-expert-parallel-comm)")
+    o.add_argument("--moe-routing", default="uniform", metavar="uniform|balanced|FILE|X",
+                   help="routing imbalance of the MoE layers: uniform routing (default), "
+                   "balanced, a run's --metrics-file, or a max/mean factor")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10)
     out.add_argument("--json", action="store_true")
@@ -167,7 +184,13 @@ def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
     opts = ModelOptions(grad_bytes=4 if args.grad_dtype == "fp32" else 2, fp32=args.fp32,
                         flash_attention=not args.no_flash_attention, headroom=args.headroom,
                         dp_exposed=args.dp_exposed_fraction, tp_overlap=args.tp_overlap,
-                        local_layers=args.local_layers)
+                        local_layers=args.local_layers, fp8=args.fp8_recipe,
+                        attention_kernel=args.attention_kernel,
+                        tp_comm_overlap=args.tp_comm_overlap, ep_overlap=args.ep_overlap,
+                        moe_routing=moe_routing(args.moe_routing))
+    warn = fp8_unavailable(cluster, opts)
+    if warn:
+        raise ConfigError(f"--fp8-recipe: {warn}; drop the flag or pick an FP8 GPU")
     res = search(m, seq, gbs, cluster, space, opts)
     if args.json:
         print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32), file=out)
@@ -192,6 +215,16 @@ def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}", file=out)
     return 0
+
+
+def moe_routing(text: str):
+    """--moe-routing: a keyword, a number (the factor) or a metrics file (read at estimate)."""
+    if text in ("uniform", "balanced"):
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def global_batch(args, seq: int) -> int:

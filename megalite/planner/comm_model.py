@@ -71,10 +71,14 @@ def collective_time(op: str, nbytes: float, n: int, bw: float, alpha: float) -> 
 # ---- what is sent ---------------------------------------------------------------------
 
 def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 4,
-           sp_regather: bool = True, dtype_bytes: int = 2) -> List[Event]:
+           sp_regather: bool = True, dtype_bytes: int = 2, *, fsdp_reshard: bool = True,
+           param_gather_bytes: int | None = None) -> List[Event]:
     """Every collective rank ``pp_rank`` of the pipeline issues in one iteration.
 
     ``dtype_bytes``: an activation or weight element (2 under bf16, 4 in fp32 training).
+    ``fsdp_reshard=False``: ZeRO-3 keeps the gathered weights from forward to backward
+    (torchtitan with PP), one gather per step.  ``param_gather_bytes``: ZeRO's parameter
+    gathers in another dtype (1 with FP8 weights).
     """
     out: List[Event] = []
     a = dtype_bytes
@@ -100,14 +104,19 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         mlp_tp = n_dense + (n_moe if m.moe_shared_expert_intermediate_size else 0)
         pairs = n_layers + mlp_tp                       # blocks with a TP entry/exit pair
         rec_in, rec_out = (pairs, pairs - n_layers) if full else (0, 0)
+        # (kind "tp_fwd": the forward pass's own collectives, which PyTorch's async TP
+        # overlaps; recomputation's and backward's are "tp")
         if L.sp:
-            out += [Event("tp", "all_gather", T * h, mbs * (2 * pairs + rec_in), a),
-                    Event("tp", "reduce_scatter", T * h, mbs * (pairs + rec_out), a),
+            out += [Event("tp", "all_gather", T * h, mbs * pairs, a, kind="tp_fwd"),
+                    Event("tp", "all_gather", T * h, mbs * (pairs + rec_in), a),
+                    Event("tp", "reduce_scatter", T * h, mbs * pairs, a, kind="tp_fwd"),
+                    Event("tp", "reduce_scatter", T * h, mbs * rec_out, a),
                     Event("tp", "reduce_scatter", T * h, mbs * pairs, a, kind="tp_hidden")]
             if sp_regather:
                 out.append(Event("tp", "all_gather", T * h, mbs * pairs, a, kind="tp_hidden"))
         else:
-            out += [Event("tp", "all_reduce", T * h, mbs * (pairs + rec_out), a),
+            out += [Event("tp", "all_reduce", T * h, mbs * pairs, a, kind="tp_fwd"),
+                    Event("tp", "all_reduce", T * h, mbs * rec_out, a),
                     Event("tp", "all_reduce", T * h, mbs * pairs, a, kind="tp_hidden")]
         if first:                     # vocab-parallel embedding: reduce (SP: scatter) ...
             out.append(Event("tp", "reduce_scatter" if L.sp else "all_reduce", T * h, mbs, a))
@@ -138,6 +147,13 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
             out += [Event("cp", "all_to_all", qkv, n_layers * mbs * (fwd + 1), a, kind="cp"),
                     Event("cp", "all_to_all", ctx, n_layers * mbs * (3 if full else 2), a,
                           kind="cp")]
+        elif L.cp_comm == "allgather":
+            # Llama 3's CP (and Megatron's --cp-comm-type allgather): all-gather K/V before
+            # attention (again when recomputing), reduce-scatter dK/dV after its backward.
+            # Planner-only: megalite runs p2p and a2a.
+            kv = 2 * T * g * d // t * L.cp                 # the gathered K and V
+            out += [Event("cp", "all_gather", kv, n_layers * mbs * (fwd + 1), a, kind="cp"),
+                    Event("cp", "reduce_scatter", kv, n_layers * mbs, a, kind="cp")]
         else:
             # ring: CP-1 K/V transfers forward; backward CP-1 K/V and CP dK/dV transfers
             kv = 2 * T * g * d // t
@@ -174,9 +190,10 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
                 Event("pp", "recv", msg, sends, a, kind="pp")]
     # Data parallel: gradients (and parameters for ZeRO >= 1).
     params = ms.stage_params(m, pp_rank, t, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
-    out += _dp_events(params.dense, "dp-cp", L, grad_bytes, a)
+    w = param_gather_bytes or a
+    out += _dp_events(params.dense, "dp-cp", L, grad_bytes, w, fsdp_reshard)
     if params.expert:
-        out += _dp_events(params.expert, "expert-dp", L, grad_bytes, a)
+        out += _dp_events(params.expert, "expert-dp", L, grad_bytes, w, fsdp_reshard)
     if L.sp and t > 1:          # params that saw a sequence shard: norms, row-parallel
         per_norm = h * (2 if m.normalization == "LayerNorm" else 1)     # biases, positions
         n = (2 * n_layers + (1 if last else 0)) * per_norm
@@ -209,7 +226,8 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     return [e for e in out if e.calls > 0 and e.elements > 0]
 
 
-def _dp_events(n: int, group: str, L: Layout, grad_bytes: int, w: int = 2) -> List[Event]:
+def _dp_events(n: int, group: str, L: Layout, grad_bytes: int, w: int = 2,
+               reshard: bool = True) -> List[Event]:
     size = L.dp * L.cp if group != "expert-dp" else L.edp
     if size <= 1:
         return []
@@ -223,7 +241,8 @@ def _dp_events(n: int, group: str, L: Layout, grad_bytes: int, w: int = 2) -> Li
     if L.zero == 2:
         return [Event(group, "reduce_scatter", n, m, grad_bytes, "dp"),
                 Event(group, "all_gather", n, 1, w, "dp")]
-    return [Event(group, "all_gather", n, 2 * m, w, "dp"),      # FSDP: gather fwd and bwd
+    gathers = 2 * m if reshard else 1          # FSDP: gather fwd and bwd, or once a step
+    return [Event(group, "all_gather", n, gathers, w, "dp"),
             Event(group, "reduce_scatter", n, m, grad_bytes, "dp")]
 
 
@@ -258,7 +277,10 @@ def predict_comm_volume(cfg: MegaliteConfig, rank: int = 0, *, grad_bytes: int =
 # ---- how long it takes -----------------------------------------------------------------
 
 def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
-    """Total time of an event over the iteration (all its calls)."""
+    """Total time of an event over the iteration (all its calls).
+
+    An all-to-all whose group leaves the node sends the share bound for the other nodes
+    over the rank's own NIC while the in-node share takes NVLink at the same time."""
     if e.group in ("pp", "embedding"):               # stage neighbours: other nodes unless
         size = 2                                      # the whole job fits in one node
         bw, alpha = cluster.link(L.world)
@@ -268,20 +290,30 @@ def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
     else:
         size, stride = group_geometry(L, e.group)
         bw, alpha = link_of(cluster, size, stride)
-        if e.op == "all_to_all" and stride * size > cluster.gpus_per_node:
-            bw, alpha = cluster.link(stride * size)   # each rank's own NIC carries its share
+        gpn = cluster.gpus_per_node
+        if e.op == "all_to_all" and stride * size > gpn:
+            nic, alpha = cluster.link(stride * size)
+            nvl, _ = cluster.link(1)
+            local = max(1, min(size, gpn // max(1, stride)))   # group members in one node
+            nbytes = e.elements * e.dtype_bytes
+            t = max(nbytes * (size - local) / size / nic, nbytes * (local - 1) / size / nvl)
+            return e.calls * (t + (size - 1) * alpha)
     return e.calls * collective_time(e.op, e.elements * e.dtype_bytes, size, bw, alpha)
 
 
-def comm_seconds(evts: List[Event], L: Layout, cluster: Cluster) -> Dict[str, float]:
+def comm_seconds(evts: List[Event], L: Layout, cluster: Cluster,
+                 ep_load: float = 1.0) -> Dict[str, float]:
     """Seconds per iteration by kind (before any overlap is subtracted).
 
     p2p sends and receives happen at once on a full-duplex link, so only sends count;
-    bookkeeping scalars ("misc") cost latency only, well inside the noise.
+    bookkeeping scalars ("misc") cost latency only, well inside the noise.  ``ep_load``:
+    the most loaded EP rank's share of the token copies over the mean
+    (moe_cost.routing_imbalance) -- the dispatch / combine all-to-alls finish with it.
     """
     out: Dict[str, float] = defaultdict(float)
     for e in evts:
         if e.op == "recv" or e.kind == "misc":
             continue
-        out[e.kind] += event_seconds(e, L, cluster)
+        scale = ep_load if (e.group == "ep" and e.op == "all_to_all") else 1.0
+        out[e.kind] += scale * event_seconds(e, L, cluster)
     return dict(out)

@@ -1,23 +1,27 @@
 """Step time, throughput and memory of one layout: the number the search ranks by.
 
 step = m * slot + bubble + exposed DP communication + optimizer step, where a slot is one
-micro-batch's forward + backward on the slowest stage (compute at peak x efficiency plus
-the TP / EP / PP communication on its critical path and whatever part of CP's ring the
-attention core does not hide).  Bubble: (p-1) slots for 1F1B [Narayanan et al. 2021],
-(p-1)/v for interleaved, (p-1)(F+B-W) for ZB-H1 [Qi et al. 2024].
+micro-batch's forward + backward on the slowest stage (compute from planner/kernels.py
+plus the TP / EP / PP communication on its critical path and whatever part of CP's ring
+the attention core does not hide).  Bubble: (p-1) slots for 1F1B [Narayanan et al. 2021];
+interleaved (p-1)/v of the compute but all (p-1) p2p hops; (p-1)(F+B-W) for ZB-H1 [Qi et
+al. 2024].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Optional
 
 from megalite.config import ModelConfig
+from megalite.planner import calibration
 from megalite.planner import comm_model as cm
 from megalite.planner import flops as fl
+from megalite.planner import kernels
 from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
+from megalite.planner.moe_cost import Routing, routing_imbalance
 
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
@@ -35,8 +39,26 @@ class ModelOptions:
     tp_overlap: float = 0.0                # fraction of exposed TP comm hidden (TE userbuffers)
     tp_async_backward: bool = True         # backward's input-grad reduction behind wgrad GEMM
     fp32: bool = False
-    elementwise_passes: float = 6.0        # HBM passes over a layer's activations (fwd+bwd)
+    # HBM passes over a layer's activations per forward + backward (norms, activation
+    # functions, residuals): FUSED_PASSES for fused kernels (Transformer Engine, Megatron,
+    # torch.compile), EAGER_PASSES for eager PyTorch (planner/calibration.py).
+    elementwise_passes: Optional[float] = None   # None: FUSED_PASSES (EAGER_ with ``eager``)
+    eager: bool = False                    # eager PyTorch (no fusion): torchtitan uncompiled
     local_layers: bool = False             # megalite's local layers (memory.local_layer_bytes)
+    fp8: Optional[str] = None              # FP8 GEMMs: kernels.FP8_RECIPES key, None = bf16
+    attention_kernel: str = "cudnn"        # kernels.ATTENTION_TFLOPS key (flash kernels)
+    causal: bool = True                    # causal mask: flash kernels skip half the scores
+    recompute_modules: tuple = ("core_attn",)   # selective recompute (+ "every_other_mm")
+    moe_routing: Routing = "uniform"       # moe_cost.routing_imbalance
+    ep_overlap: bool = False               # EP all-to-all behind another micro-batch's compute
+    # TP collectives pipelined with their GEMMs: "all" (Transformer Engine's userbuffers),
+    # "forward" (PyTorch's async TP, 2024: the forward pass's all-gather + matmul and
+    # matmul + reduce-scatter), "none"
+    tp_comm_overlap: str = "none"
+    fsdp_reshard: bool = True              # ZeRO-3 frees gathered weights after forward
+    fp8_param_gather: bool = False         # ZeRO-3 gathers FP8 weights (1 byte)
+    pp_overlap: bool = True                # interleaved p2p behind the next chunk's compute
+    mla: Optional[object] = None           # mla_local.MlaShape: local MLA/MTP count (issue 25)
 
     @property
     def precision(self) -> mem.Precision:
@@ -45,7 +67,16 @@ class ModelOptions:
     @property
     def activations(self) -> mem.ActivationOptions:
         return mem.ActivationOptions(self.flash_attention, element_scale=2 if self.fp32 else 1,
-                                     local_layers=self.local_layers)
+                                     local_layers=self.local_layers,
+                                     recompute_modules=tuple(
+                                         x for x in self.recompute_modules
+                                         if x != "every_other_mm") or ("layernorm",))
+
+    @property
+    def passes(self) -> float:
+        if self.elementwise_passes is not None:
+            return self.elementwise_passes
+        return calibration.EAGER_PASSES if self.eager else calibration.FUSED_PASSES
 
 
 @dataclass
@@ -55,6 +86,7 @@ class Estimate:
     capacity: int
     times: Dict[str, float] = field(default_factory=dict)
     flops: Dict[str, float] = field(default_factory=dict)
+    moe_load: float = 1.0          # most loaded EP rank's tokens over the mean (moe_cost.py)
 
     @property
     def fits(self) -> bool:
@@ -88,7 +120,60 @@ class Estimate:
 def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
               opts: ModelOptions) -> Estimate:
     peak = mem.peak_rank_memory(m, L, seq, opts.precision, opts.activations)
+    if L.recompute == "full" and L.recompute_layers:
+        # Block recomputation: the first N layers of each chunk keep only their input, the
+        # rest everything (memory.py models all-or-nothing; mix the two by layer share).
+        full = dict(peak)
+        none = mem.peak_rank_memory(m, replace(L, recompute="none", recompute_layers=None),
+                                    seq, opts.precision, opts.activations)
+        kinds = ms.stage_layer_kinds(m, L.pp, full["pp_rank"], L.vpp, *L.stage_split)
+        share = min(1.0, L.recompute_layers * L.vpp / max(1, sum(kinds)))
+        act = share * full["activations"] + (1 - share) * (none["activations"])
+        peak = dict(full, activations=int(act))
+        peak["total"] = peak["weights"] + peak["grads"] + peak["optimizer"] + peak["activations"]
+    if opts.fp8 and cluster.gpu.fp8_matmul_tflops:
+        # Transformer Engine keeps each weight's FP8 copy and its transpose between
+        # micro-batches (the cast once per step that kernels.weight_cast_seconds counts),
+        # and saves the GEMM inputs backward needs in FP8: half their bytes.
+        copies = 2 * (peak["params"] if L.zero < 3 else -(-peak["params"] // (L.dp * L.cp)))
+        saved = fp8_activation_saving(m, L, seq, peak["pp_rank"], opts)
+        peak = dict(peak, weights=peak["weights"] + copies,
+                    activations=peak["activations"] - saved)
+        peak["total"] += copies - saved
+    if L.zero >= 3 and not opts.fsdp_reshard:
+        # ZeRO-3 without resharding after forward (torchtitan with PP): the stage's gathered
+        # bf16 weights stay until its last backward.
+        unsharded = peak["params"] * opts.precision.weight
+        peak = dict(peak, weights=peak["weights"] + unsharded)
+        peak["total"] += unsharded
     return Estimate(L, peak, int(cluster.gpu.memory_bytes * opts.headroom))
+
+
+def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
+                          opts: ModelOptions) -> int:
+    """Bytes FP8 training does not keep of what memory.py counts: the saved inputs of the
+    GEMMs (QKV and fc1 inputs, the projection and fc2 inputs, the experts' inputs) in 1
+    byte instead of 2, on the in-flight micro-batches of stage ``pp_rank``."""
+    if L.recompute == "full" and not L.recompute_layers:
+        return 0
+    t, T = L.tp, (seq // L.cp) * L.micro_batch
+    sp = t if L.sp else 1
+    h, ad = m.hidden_size, m.num_attention_heads * m.resolved_kv_channels()
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    norm_outs = 0 if "layernorm" in opts.activations.recompute_modules and \
+        L.recompute == "selective" else 2 * T * h // sp
+    per = 0
+    for n, moe in zip(kinds, (False, True)):
+        if not n:
+            continue
+        one = norm_outs + T * ad // t                       # (QKV, fc1) inputs, proj input
+        if moe:
+            copies = T * m.moe_router_topk * L.etp // t
+            one += copies * h + copies * ms.moe_ffn(m) // L.etp
+        else:
+            one += T * m.resolved_ffn_hidden_size() // t     # fc2 input
+        per += n * one
+    return int(per * mem.in_flight(L, pp_rank))
 
 
 def _stages(L: Layout):
@@ -100,38 +185,75 @@ def _stages(L: Layout):
     return [(0, 1), (1, L.pp - 2), (L.pp - 1, 1)]
 
 
+def overlapped(comm: float, gemm: float, chunks: int) -> float:
+    """Exposed part of a collective pipelined with the GEMM it feeds in ``chunks`` pieces
+    (Transformer Engine's comm-GEMM overlap, PyTorch's async TP): the first piece waits,
+    the rest run behind the GEMM's remaining pieces."""
+    if comm <= 0:
+        return 0.0
+    first = comm / max(1, chunks)
+    return first + max(0.0, comm - first - gemm * (1 - 1 / max(1, chunks)))
+
+
+def _unpaired_share(L: Layout, r: int) -> float:
+    """Share of a stage's chunk forwards with no backward beside them (warm-up; the
+    cool-down mirrors it): Megatron's p - r - 1 micro-batches for 1F1B, 2(p - r - 1) +
+    (v - 1)p chunks interleaved, of m * v."""
+    p, v, m = L.pp, L.vpp, L.num_micro_batches
+    if p == 1:
+        return 1.0 / max(1, m)              # the first forward and the last backward
+    warm = 2 * (p - r - 1) + (v - 1) * p if v > 1 else p - r - 1
+    return min(1.0, warm / (m * v))
+
+
 def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
-               opts: ModelOptions) -> dict:
+               opts: ModelOptions, imbalance: float = 1.0) -> dict:
     """Per-micro-batch times of pipeline rank ``r``: compute (t_f, t_b) and exposed comm."""
-    F = cluster.effective_flops() * (0.5 if opts.fp32 else 1.0)   # fp32 runs on TF32 cores
-    per_gpu, mbs = L.tp * L.cp, L.num_micro_batches
-    kinds = ms.stage_layer_kinds(m, L.pp, r, L.vpp, *L.stage_split)
-    f = fl.stage_flops_per_microbatch(m, kinds, seq, L.micro_batch, r == L.pp - 1, L.recompute)
-    t_f, t_b = f["fwd"] / per_gpu / F, f["bwd"] / per_gpu / F
-    # Memory-bound work (norms, activation functions, dropout, softmax): HBM passes over
-    # the layer's activations, split like the FLOPs (forward 1, backward 2, recompute 1).
-    hbm = cluster.gpu.hbm_gbps * 1e9 * cluster.eff.hbm
-    act = sum(n * mem.layer_activation_bytes(m, L, moe, seq, opts.activations, "none")
-              for n, moe in zip(kinds, (False, True)) if n)
-    extra = opts.elementwise_passes * act / hbm
-    rec = 1.0 if L.recompute == "full" else 0.0
-    t_f, t_b = t_f + extra / (3 + rec), t_b + extra * (2 + rec) / (3 + rec)
-    comm = cm.comm_seconds(cm.events(m, L, seq, r, 4 if opts.fp32 else opts.grad_bytes,
-                                     dtype_bytes=4 if opts.fp32 else 2), L, cluster)
-    tp = comm.get("tp", 0.0) + (0.0 if opts.tp_async_backward else comm.get("tp_hidden", 0.0))
+    mbs = L.num_micro_batches
+    c = kernels.stage_compute(m, L, seq, r, cluster, opts, imbalance)
+    t_f, t_b = c["t_f"], c["t_b"]
+    evts = cm.events(m, L, seq, r, 4 if opts.fp32 else opts.grad_bytes,
+                     dtype_bytes=4 if opts.fp32 else 2, fsdp_reshard=opts.fsdp_reshard,
+                     param_gather_bytes=1 if opts.fp8_param_gather and opts.fp8 else None)
+    comm = cm.comm_seconds(evts, L, cluster, ep_load=imbalance)
+    hidden = 0.0 if opts.tp_async_backward else comm.get("tp_hidden", 0.0)
+    fwd, rest = comm.get("tp_fwd", 0.0) / mbs, (comm.get("tp", 0.0) + hidden) / mbs
+    if opts.tp_comm_overlap == "all":          # TE userbuffers: every TP collective
+        tp = overlapped(fwd + rest, c["gemm"], L.tp)
+    elif opts.tp_comm_overlap == "forward":    # PyTorch async TP (2024): the forward's
+        tp = overlapped(fwd, c["gemm"] / 3, L.tp) + rest
+    else:
+        tp = fwd + rest
+    tp *= 1 - opts.tp_overlap
     # ring attention sends the next K/V block behind the current block's attention;
     # the all-to-alls of --cp-comm-type a2a block (nothing to hide them behind)
-    ring_hidden = 3 * f["core"] / per_gpu / F if L.cp_comm == "p2p" else 0.0
-    row = dict(r=r, t_f=t_f, t_b=t_b, rec=f["recompute"] / per_gpu / F,
-               tp=tp * (1 - opts.tp_overlap) / mbs,
-               cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden),
-               ep=comm.get("ep", 0.0) / mbs, pp=comm.get("pp", 0.0) / mbs,
-               dp=comm.get("dp", 0.0))
+    ring_hidden = c["core"] if L.cp_comm == "p2p" else 0.0
+    ep = comm.get("ep", 0.0) / mbs
+    if opts.ep_overlap:
+        # Megatron's EP A2A overlap pairs one micro-batch's forward with another's
+        # backward, the all-to-alls of each behind the other's compute -- in the 1F1B
+        # steady state only: the warm-up's forwards and the cool-down's backwards run alone.
+        alone = _unpaired_share(L, r)
+        ep = alone * ep + (1 - alone) * max(0.0, ep - (t_f + t_b))
+    # p2p: 1F1B's sends block in the steady state; interleaving overlaps them with the
+    # next chunk (Megatron's --overlap-p2p-communication, 2023; ``pp_overlap``), leaving
+    # what a message takes beyond a chunk.
+    pp = comm.get("pp", 0.0) / mbs
+    if L.vpp > 1 and opts.pp_overlap:
+        pp = max(0.0, pp - (t_f + t_b))
+    row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp,
+               cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden), ep=ep, pp=pp,
+               pp_hop=comm.get("pp", 0.0) / mbs / max(1, L.vpp), dp=comm.get("dp", 0.0),
+               cast=c["cast"])
     row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"]
     return row
 
 
-def _bubble(L: Layout, worst: dict, mean_slot: float) -> float:
+def _bubble(L: Layout, worst: dict, mean_work: float, mean_hop: float) -> float:
+    """Pipeline fill and drain.  ``mean_work``: a micro-batch's slot without its p2p;
+    ``mean_hop``: one forward and one backward message between neighbouring stages.  The
+    warm-up crosses p-1 stage boundaries whatever the interleaving, so interleaving divides
+    the bubble's compute by v but not its hops (the v-fold extra p2p of the schedule)."""
     p = L.pp
     if p == 1:
         return 0.0
@@ -139,7 +261,7 @@ def _bubble(L: Layout, worst: dict, mean_slot: float) -> float:
         comm = worst["slot"] - worst["t_f"] - worst["t_b"]
         frac = (worst["t_f"] + worst["rec"]) / (worst["t_f"] + worst["t_b"])
         return (p - 1) * (worst["t_f"] + worst["rec"] + comm * frac)
-    return (p - 1) * mean_slot / L.vpp
+    return (p - 1) * (mean_work / L.vpp + mean_hop)
 
 
 def _dp_exposed(m: ModelConfig, L: Layout, row: dict, opts: ModelOptions) -> float:
@@ -171,20 +293,26 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     est = est or memory_of(m, L, seq, cluster, opts)
     mbs = L.num_micro_batches
     stages = _stages(L)
-    rows = [_stage_row(m, L, seq, r, cluster, opts) for r, _ in stages]
+    load = routing_imbalance(opts.moe_routing, m, L, seq)
+    rows = [_stage_row(m, L, seq, r, cluster, opts, load) for r, _ in stages]
     weights = [w for _, w in stages]
     worst = max(rows, key=lambda x: x["slot"])
-    mean_slot = sum(r["slot"] * w for r, w in zip(rows, weights)) / L.pp
-    mean_compute = sum((r["t_f"] + r["t_b"]) * w for r, w in zip(rows, weights)) / L.pp
-    bubble = _bubble(L, worst, mean_slot)
+
+    def mean(key):
+        return sum(key(r) * w for r, w in zip(rows, weights)) / L.pp
+
+    mean_compute = mean(lambda r: r["t_f"] + r["t_b"])
+    bubble = _bubble(L, worst, mean(lambda r: r["slot"] - r["pp"]), mean(lambda r: r["pp_hop"]))
     dp = max(_dp_exposed(m, L, r, opts) for r in rows)
     local = est.memory["params"] / (L.dp * L.cp) if L.zero >= 1 else est.memory["params"]
     optim = local * OPTIMIZER_BYTES_PER_PARAM / (cluster.gpu.hbm_gbps * 1e9 * cluster.eff.hbm)
+    optim += kernels.weight_cast_seconds(est.memory["params"], cluster, opts)
     est.times = {"compute": mbs * mean_compute,
                  "imbalance": mbs * (worst["t_f"] + worst["t_b"] - mean_compute),
                  "tp": mbs * worst["tp"], "cp": mbs * worst["cp"], "ep": mbs * worst["ep"],
                  "pp": mbs * worst["pp"], "bubble": bubble, "dp": dp, "optimizer": optim,
-                 "dp_total": max(r["dp"] for r in rows)}
+                 "dp_total": max(r["dp"] for r in rows), "fp8_cast": mbs * worst["cast"]}
+    est.moe_load = load
     est.times["step"] = mbs * worst["slot"] + bubble + dp + optim
     est.flops = fl.iteration_flops(m, seq, L.global_batch, L.recompute)
     return est

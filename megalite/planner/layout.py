@@ -34,6 +34,9 @@ class Layout:
     account_embedding: bool = False
     account_loss: bool = False
     cp_comm: str = "p2p"             # --cp-comm-type: p2p (ring) | a2a (Ulysses)
+    # Full recomputation of only this many layers per model chunk (Megatron's
+    # --recompute-method block --recompute-num-layers N); None: every layer (uniform).
+    recompute_layers: Optional[int] = None
 
     @property
     def dp(self) -> int:
@@ -108,7 +111,8 @@ class Layout:
         t.micro_batch_size, t.global_batch_size = self.micro_batch, self.global_batch
         t.recompute_granularity = None if self.recompute == "none" else self.recompute
         if self.recompute == "full":
-            t.recompute_method = "uniform"
+            t.recompute_method = "block" if self.recompute_layers else "uniform"
+            t.recompute_num_layers = self.recompute_layers or 1
         cfg.optimizer.bf16 = True
         return cfg
 
@@ -146,8 +150,9 @@ class Layout:
         f += ["--micro-batch-size", str(self.micro_batch),
               "--global-batch-size", str(self.global_batch)]
         if self.recompute == "full":
-            f += ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                  "--recompute-num-layers", "1"]
+            f += ["--recompute-granularity", "full", "--recompute-method",
+                  "block" if self.recompute_layers else "uniform",
+                  "--recompute-num-layers", str(self.recompute_layers or 1)]
         elif self.recompute == "selective":
             f += ["--recompute-granularity", "selective"]
         return f + ["--bf16"]
@@ -181,4 +186,6 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   last_layers=p.decoder_last_pipeline_num_layers,
                   account_embedding=p.account_for_embedding_in_pipeline_split,
                   account_loss=p.account_for_loss_in_pipeline_split,
-                  cp_comm=p.cp_comm_type)
+                  cp_comm=p.cp_comm_type,
+                  recompute_layers=t.recompute_num_layers if t.recompute_granularity == "full"
+                  and t.recompute_method == "block" else None)

@@ -20,17 +20,12 @@ from megalite.pipeline_parallel.split import split_layers
 # Model presets live in one place (megalite/model_presets.py): the planner's --recipe and the
 # launch recipes (launch/recipes/*.yaml, ``recipe: {model: NAME}``) read the same shapes.
 RECIPES = MODEL_PRESETS
-NARAYANAN_2021 = [k for k in RECIPES if k.startswith("gpt-") and k != "gpt3-175b"]
 
 
 def recipe(name: str) -> ModelConfig:
     if name.lower() not in RECIPES:
         raise ConfigError(f"--recipe: unknown model '{name}'; choose from {', '.join(RECIPES)}")
     return preset_model(name)
-
-
-def published(name: str) -> Optional[dict]:
-    return RECIPES.get(name.lower(), {}).get("published")
 
 
 def from_hf_config(path: str) -> ModelConfig:

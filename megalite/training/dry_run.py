@@ -69,7 +69,8 @@ def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
     layout = layout_from_config(cfg)
     cluster = make_cluster(cfg.world_size, gpus_per_node, gpu)
     opts = ModelOptions(fp32=not (cfg.optimizer.bf16 or cfg.optimizer.fp16),   # fp16: 2 B too
-                        local_layers=cfg.model.transformer_impl == "local")
+                        local_layers=cfg.model.transformer_impl == "local",
+                        fp8="delayed" if cfg.model.fp8_format else None)  # TE's DelayedScaling
     return evaluate(cfg.model, cfg.model.seq_length, layout, cluster, opts), cluster, opts
 
 

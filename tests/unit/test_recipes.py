@@ -12,6 +12,8 @@ from megalite.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.model_presets import preset_fields
 from megalite.planner import model_spec as ms
+from megalite.planner.layout import Layout
+from megalite.planner.published_runs import BY_NAME
 from megalite.recipes import min_world, read_recipe_info, recipe_files
 from megalite.training.dry_run import planner_estimate
 from megalite.training.entry import main
@@ -109,8 +111,9 @@ def test_llama3_405b_is_the_papers_layout_and_fits_an_h100():
     assert (cfg.world_size, p.tp, p.cp, p.pp, cfg.data_parallel_size) == (16384, 8, 1, 16, 128)
     assert cfg.model.seq_length == 8192
     assert cfg.training.global_batch_size * cfg.model.seq_length == 16 * 1024 * 1024
-    pub = ms.published("llama3-405b")
-    assert (pub["tp"], pub["cp"], pub["pp"], pub["dp"], pub["num_gpus"]) == (8, 1, 16, 128, 16384)
+    run = BY_NAME["llama3-405b-8k-16384gpu"]         # the paper's row (planner/published_runs)
+    pub = Layout(world=run.num_gpus, global_batch=run.global_batch, **run.layout)
+    assert (pub.tp, pub.cp, pub.pp, pub.dp, run.num_gpus) == (8, 1, 16, 128, 16384)
     est, cluster, _ = planner_estimate(cfg, "h100-80gb", 8)
     assert est.fits and est.memory["total"] < 80e9 and cluster.gpu.name == "h100-80gb"
     long = _cfg(os.path.join(RECIPES, "llama3-405b-long-context.yaml"))

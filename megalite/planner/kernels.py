@@ -1,0 +1,301 @@
+"""How long one micro-batch's compute takes on one rank: each GEMM at the GPU's measured
+matmul ceiling (bf16 or FP8), core attention at its kernel's measured rate, and the
+memory-bound work (norms, activations, FP8 casts) at HBM speed.
+
+Every rate here is a *measured kernel figure* (hardware.py's MAMF table, the attention
+table below) or a count; the one end-to-end constant -- the fraction of those ceilings a
+whole training step sustains -- is ``hardware.Efficiency.compute``, calibrated on the rows
+``planner/calibration.py`` names.  What the terms are and where they come from:
+docs/planner.md, "Compute".
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from megalite.config import ModelConfig
+from megalite.planner import flops as fl
+from megalite.planner import memory as mem
+from megalite.planner import mla_local
+from megalite.planner import model_spec as ms
+from megalite.planner.hardware import MAMF_BF16_TFLOPS, Cluster
+from megalite.planner.layout import Layout
+
+# Core attention, TFLOP/s on the FLOPs the kernel does (a causal mask halves the score
+# work and the count), head dim 128, bf16, H100 SXM5: Shah et al. 2024 (FlashAttention-3),
+# Fig. 5 (forward, causal) and Fig. 6 (backward), by sequence length.  "cudnn" is
+# Transformer Engine's fused attention (Megatron / NeMo on Hopper), "fa2" FlashAttention-2
+# (PyTorch SDPA's flash backend in 2024), "fa3" FlashAttention-3.  Other GPUs scale by
+# their matmul ceiling over H100's (an assumption: the same tensor cores do the work).
+ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_TFLOPS = {
+    "fa2": ((191, 260, 298, 319, 333, 335), (214, 260, 291, 310, 318, 322)),
+    "cudnn": ((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516)),
+    "fa3": ((292, 423, 521, 579, 602, 616), (316, 424, 501, 542, 559, 561)),
+}
+ATTENTION_KERNELS = tuple(ATTENTION_TFLOPS) + ("unfused",)
+# FlashAttention's backward recomputes the scores and makes dV, dP, dQ, dK: 5 matmuls to
+# the forward's 2.  Unfused attention keeps the probabilities and runs 4 (dV, dP, dQ, dK).
+FLASH_BWD_OVER_FWD = 2.5
+UNFUSED_BWD_OVER_FWD = 2.0
+GEMM_TILE = 128          # output tile edge of the Hopper / Ampere GEMMs (wave quantization)
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """A Transformer Engine / torchao FP8 recipe as the cost model sees it.
+
+    ``cast_bytes``: HBM bytes per element each quantized GEMM operand costs beyond bf16
+    (the forward inputs, the backward output gradients): reading the bf16 tensor and writing
+    the fp8 copy and its transpose (Hopper's FP8 GEMMs take only the TN layout) is 4 bytes;
+    current ("tensorwise") scaling reads the tensor once more for its amax first, 6.
+    ``gemm`` is the fraction of the FP8 matmul ceiling the GEMMs run at.
+    """
+    name: str
+    cast_bytes: float
+    gemm: float = 1.0
+    source: str = ""
+
+
+FP8_RECIPES = {
+    "delayed": Fp8Recipe("delayed", 4.0, source="TE DelayedScaling: scale from the amax "
+                         "history, amax taken inside the cast"),
+    "tensorwise": Fp8Recipe("tensorwise", 6.0, source="TE Float8CurrentScaling / torchao "
+                            "dynamic tensorwise: an amax pass, then the cast"),
+    "blockwise": Fp8Recipe("blockwise", 4.0, source="TE Float8BlockScaling (1x128 "
+                           "activations, 128x128 weights): block amax inside the cast"),
+    "mxfp8": Fp8Recipe("mxfp8", 4.0, source="TE MXFP8BlockScaling (Blackwell): 32-element "
+                       "blocks scaled in hardware"),
+}
+
+
+def attention_rate(cluster: Cluster, kernel: str, kv_len: int) -> Tuple[float, float]:
+    """(forward, backward) FLOP/s of core attention over ``kv_len`` keys, before the
+    sustained-fraction constant."""
+    if kernel == "unfused":
+        r = cluster.gpu.matmul_tflops * 1e12          # batched GEMMs; softmax is HBM work
+        return r, r
+    fwd, bwd = ATTENTION_TFLOPS[kernel]
+    i = min(bisect_left(ATTENTION_SEQS, kv_len), len(ATTENTION_SEQS) - 1)
+    if i > 0 and kv_len < ATTENTION_SEQS[i]:          # log-linear between table points
+        lo, hi = ATTENTION_SEQS[i - 1], ATTENTION_SEQS[i]
+        w = math.log(kv_len / lo) / math.log(hi / lo)
+        f, b = (x[i - 1] + w * (x[i] - x[i - 1]) for x in (fwd, bwd))
+    else:
+        f, b = fwd[i], bwd[i]
+    scale = cluster.gpu.matmul_tflops / MAMF_BF16_TFLOPS["H100"]
+    return f * scale * 1e12, b * scale * 1e12
+
+
+def gemm_efficiency(rows: int, n: int, groups: int, sms: int) -> float:
+    """Fraction of the matmul ceiling a (grouped) GEMM of ``groups`` x (rows x n) outputs
+    keeps: rows padded to the tile, and the last wave of tiles over the SMs part-empty."""
+    if rows <= 0 or n <= 0:
+        return 1.0
+    tiles = math.ceil(rows / GEMM_TILE) * math.ceil(n / GEMM_TILE) * groups
+    pad = rows / (math.ceil(rows / GEMM_TILE) * GEMM_TILE)
+    waves = math.ceil(tiles / sms)
+    return pad * tiles / (waves * sms)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    rows: int
+    k: int
+    n: int
+    groups: int = 1            # grouped GEMM: local experts
+    expert: bool = False
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.k * self.n * self.groups
+
+
+def layer_gemms(m: ModelConfig, L: Layout, moe: bool, seq: int,
+                imbalance: float = 1.0) -> List[Gemm]:
+    """The forward GEMMs of one layer on one rank per micro-batch (standard attention's
+    projections; experts as one grouped GEMM over the local experts, rows scaled by the
+    routing ``imbalance`` of the most loaded EP rank)."""
+    t, T = L.tp, (seq // L.cp) * L.micro_batch
+    h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
+        m.resolved_kv_channels()
+    gate = 2 if m.swiglu else 1
+    out = [Gemm(T, h, (a + 2 * g) * d // t), Gemm(T, a * d // t, h)]
+    if not moe:
+        f = m.resolved_ffn_hidden_size()
+        return out + [Gemm(T, h, gate * f // t), Gemm(T, f // t, h)]
+    shared = m.moe_shared_expert_intermediate_size
+    if shared:
+        out += [Gemm(T, h, gate * shared // t), Gemm(T, shared // t, h)]
+    local = max(1, m.num_experts // L.ep)
+    copies = T * m.moe_router_topk * L.etp // t         # token copies this rank's experts get
+    rows = max(1, round(copies * imbalance / local))
+    fe = ms.moe_ffn(m)
+    return out + [Gemm(rows, h, gate * fe // L.etp, local, True),
+                  Gemm(rows, fe // L.etp, h, local, True)]
+
+
+def _unfused_attention_gemms(m: ModelConfig, L: Layout, seq: int) -> List[Gemm]:
+    """Unfused core attention as batched GEMMs, one per (sample, local head): scores
+    s_q x d x s_kv, then probabilities x V s_q x s_kv x d (bf16 operands)."""
+    heads = L.micro_batch * m.num_attention_heads // L.tp
+    d, sq = m.resolved_kv_channels(), seq // L.cp
+    return [Gemm(sq, d, seq, heads), Gemm(sq, seq, d, heads)]
+
+
+def _gemm_seconds(gs: List[Gemm], rate: float, hbm: float, sms: int, op_bytes: float) -> float:
+    """Roofline per GEMM: the slower of its compute (at ``rate`` x wave efficiency) and
+    streaming its operands once (``op_bytes`` per input element, 2 per output element)."""
+    total = 0.0
+    for gm in gs:
+        eff = gemm_efficiency(gm.rows, gm.n, gm.groups, sms)
+        byts = gm.groups * (op_bytes * (gm.rows * gm.k + gm.k * gm.n) + 2 * gm.rows * gm.n)
+        total += max(gm.flops / (rate * eff), byts / hbm)
+    return total
+
+
+def _recomputed_gemm_share(m: ModelConfig, gs: List[Gemm], moe: bool, recompute: str,
+                           modules: tuple, opts) -> float:
+    """Fraction of a layer's forward GEMM work its recomputation repeats."""
+    if recompute == "full":
+        return 1.0
+    if recompute != "selective":
+        return 0.0
+    total = sum(gm.flops for gm in gs) or 1.0
+    share = 0.0
+    if "every_other_mm" in modules:
+        # torchtitan's op-level SAC saves every matmul output but the 2nd, 4th and 6th of a
+        # Llama layer (wq, wk, wv, wo, w1, w3, w2): wk, wo and w3 run again.  Here QKV is one
+        # GEMM (wk its g/(a+2g) share) and fc1 holds w1 and w3.
+        a, g = m.num_attention_heads, m.resolved_query_groups()
+        qkv, proj, fc1 = gs[0], gs[1], gs[2]
+        share += (qkv.flops * g / (a + 2 * g) + proj.flops + fc1.flops / 2) / total
+    if "mlp" in modules and not moe:      # Megatron's "mlp": the dense MLP ("moe" is apart)
+        share += sum(gm.flops for gm in gs[2:]) / total
+    if "mla_up_proj" in modules and opts.mla:
+        lin = mla_local.kind_forward_flops(m, moe, 1, opts.mla)["linear"]
+        share += mla_local.up_projection_flops(m, opts.mla) / lin
+    return min(1.0, share)
+
+
+def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster, opts,
+                  imbalance: float = 1.0) -> Dict[str, float]:
+    """Seconds of one micro-batch on a rank of pipeline stage ``r``: ``t_f``, ``t_b``
+    (recomputation included), ``rec`` (the recomputation alone), ``core`` (attention's
+    share of t_f + t_b, what CP's ring hides behind) and ``gemm`` (the dense GEMMs, what
+    TP's comm-GEMM overlap hides behind)."""
+    gpu, eff = cluster.gpu, cluster.eff
+    sustain = eff.compute
+    fp8 = FP8_RECIPES.get(opts.fp8) if opts.fp8 else None
+    if fp8 and not gpu.fp8_matmul_tflops:
+        fp8 = None                      # no FP8 tensor cores: bf16 (the caller warns)
+    if opts.fp32:
+        rate = gpu.matmul_tflops * 0.5 * 1e12 * sustain     # TF32 tensor cores: half rate
+    elif fp8:
+        rate = gpu.fp8_matmul_tflops * fp8.gemm * 1e12 * sustain
+    else:
+        rate = gpu.matmul_tflops * 1e12 * sustain
+    hbm = gpu.hbm_gbps * 1e9 * eff.hbm
+    op_bytes = 1.0 if fp8 else (4.0 if opts.fp32 else 2.0)
+    kernel = opts.attention_kernel if opts.flash_attention else "unfused"
+    kv = seq if L.cp_comm != "p2p" else seq // L.cp     # a ring step attends to one block
+    r_f, r_b = attention_rate(cluster, kernel, kv)
+    r_f, r_b = r_f * sustain, r_b * sustain
+    bwd_ratio = UNFUSED_BWD_OVER_FWD if kernel == "unfused" else FLASH_BWD_OVER_FWD
+    # Flash kernels skip the masked half of a causal score matrix; unfused attention
+    # multiplies the whole matrix and masks it.
+    causal = 0.5 if opts.causal and kernel != "unfused" else 1.0
+    per_gpu = L.tp * L.cp
+    kinds = ms.stage_layer_kinds(m, L.pp, r, L.vpp, *L.stage_split)
+    n_layers = sum(kinds) or 1
+    rec_layers = L.recompute_layers if L.recompute == "full" and L.recompute_layers else None
+    rec_frac = min(1.0, rec_layers * L.vpp / n_layers) if rec_layers else 1.0
+    t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0)
+    tokens = seq * L.micro_batch              # the micro-batch's tokens, all CP ranks together
+    for n, moe in zip(kinds, (False, True)):
+        if not n:
+            continue
+        gs = layer_gemms(m, L, moe, seq, imbalance if moe else 1.0)
+        # The model's own FLOP count (flops.py) sets the dense GEMM work; the list above
+        # only apportions it (MLA / other attention variants land in the first entry).
+        lin = mla_local.kind_forward_flops(m, moe, seq, opts.mla) if opts.mla else \
+            fl.kind_forward_flops(m, moe, seq)
+        listed = sum(gm.flops for gm in gs if not gm.expert) or 1.0
+        want = lin["linear"] * tokens / per_gpu - sum(
+            gm.flops / (imbalance if moe else 1.0) for gm in gs if gm.expert)
+        scale = max(want, 0.0) / listed
+        # Forward: out rows x n; backward: dgrad out rows x k, wgrad out k x n (the same
+        # FLOPs, different tiles).  Comm-GEMM overlap runs the GEMMs next to a TP
+        # collective as TP pieces of rows / t each (ring exchange): TE overlaps the forward
+        # ones and the row-parallel dgrads, PyTorch's async TP the forward ones.
+        ov = opts.tp_comm_overlap if L.tp > 1 else "none"
+
+        def secs(gm: Gemm, out_rows: int, out_cols: int, inner: int, pieces: int = 1):
+            g = Gemm(max(1, out_rows // pieces), inner, out_cols, gm.groups, gm.expert)
+            return pieces * _gemm_seconds([g], rate, hbm, gpu.sms, op_bytes) * (
+                1.0 if gm.expert else scale)
+
+        fwd_pieces = L.tp if ov in ("all", "forward") else 1
+        gf = sum(secs(gm, gm.rows, gm.n, gm.k, 1 if gm.expert else fwd_pieces) for gm in gs)
+        gb = sum(secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and not gm.expert and
+                      i % 2 == 1 else 1) + secs(gm, gm.k, gm.n, gm.rows)
+                 for i, gm in enumerate(gs))
+        core = lin["core"] * tokens / per_gpu * causal
+        if kernel == "unfused":          # batched GEMMs per head: QK^T then P V (roofline)
+            ab = _unfused_attention_gemms(m, L, seq)
+            af = _gemm_seconds(ab, rate, hbm, gpu.sms, 2.0) * core / max(
+                1.0, sum(gm.flops for gm in ab))
+            ab_t = bwd_ratio * af
+        else:
+            af, ab_t = core / r_f, bwd_ratio * core / r_b
+        t["gemm_f"] += n * gf
+        t["gemm_b"] += n * gb
+        t["attn_f"] += n * af
+        t["attn_b"] += n * ab_t
+        share = _recomputed_gemm_share(m, gs, moe, L.recompute, opts.recompute_modules, opts)
+        attn_rec = af if L.recompute == "full" or (
+            L.recompute == "selective" and "core_attn" in opts.recompute_modules) else 0.0
+        t["rec"] += n * (share * gf + attn_rec) * (rec_frac if L.recompute == "full" else 1.0)
+        # Memory-bound work: HBM passes over the layer's activations (fwd 1, bwd 2 shares).
+        act = mem.layer_activation_bytes(m, L, moe, seq, opts.activations, "none")
+        t["hbm"] += n * opts.passes * act / hbm
+        if fp8:
+            t["cast"] += n * fp8.cast_bytes * _quantized_elements(gs) / hbm
+    if r == L.pp - 1:                                       # output layer (+ MTP heads)
+        lo = fl.logits_forward_flops(m) * tokens / per_gpu
+        if opts.mla:
+            lo += mla_local.mtp_head_flops(m, opts.mla) * tokens / per_gpu
+        t["gemm_f"] += lo / rate
+        t["gemm_b"] += 2 * lo / rate
+    # Recomputing a whole layer (or, with op-level SAC, every elementwise op) repeats the
+    # forward's memory-bound work too.
+    rec_hbm = t["hbm"] / 3 * rec_frac if L.recompute == "full" else (
+        t["hbm"] / 3 if L.recompute == "selective" and "every_other_mm" in opts.recompute_modules
+        else 0.0)
+    t_f = t["gemm_f"] + t["attn_f"] + t["hbm"] / 3 + t["cast"] / 2
+    t_b = t["gemm_b"] + t["attn_b"] + 2 * t["hbm"] / 3 + t["cast"] / 2 + t["rec"] + rec_hbm
+    return {"t_f": t_f, "t_b": t_b, "rec": t["rec"] + rec_hbm,
+            "core": t["attn_f"] + t["attn_b"], "gemm": t["gemm_f"] + t["gemm_b"],
+            "cast": t["cast"], "hbm": t["hbm"]}
+
+
+def _quantized_elements(gs: List[Gemm]) -> float:
+    """Elements FP8 quantizes per layer: each GEMM's input forward, its output gradient
+    backward (the weights are cast once per step, counted in ``weight_cast_seconds``)."""
+    return sum(gm.groups * (gm.rows * gm.k + gm.rows * gm.n) for gm in gs)
+
+
+def weight_cast_seconds(params: int, cluster: Cluster, opts) -> float:
+    """FP8: each weight is quantized once per step (cached across micro-batches)."""
+    if not opts.fp8 or not cluster.gpu.fp8_matmul_tflops:
+        return 0.0
+    return params * FP8_RECIPES[opts.fp8].cast_bytes / (cluster.gpu.hbm_gbps * 1e9 *
+                                                       cluster.eff.hbm)
+
+
+def fp8_unavailable(cluster: Cluster, opts) -> Optional[str]:
+    if opts.fp8 and not cluster.gpu.fp8_matmul_tflops:
+        return f"{cluster.gpu.name} has no FP8 tensor cores"
+    return None

@@ -1,0 +1,194 @@
+"""The cost model's terms one by one (docs/planner.md, "Compute" and "Communication"):
+FP8 GEMM rates and casts, attention kernel rates and the causal mask, wave quantization of
+small (expert) GEMMs, routing imbalance (uniform, balanced, a metrics file), the EP overlap
+and its unpaired warm-up, comm-GEMM overlap, the interleaved schedule's p2p in the bubble,
+all-gather CP, block recomputation and the local MLA count."""
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from statistics import NormalDist
+
+import pytest
+
+from megalite.config import ConfigError
+from megalite.planner import comm_model as cm
+from megalite.planner import kernels, mla_local, model_spec as ms, moe_cost
+from megalite.planner.estimate import ModelOptions, estimate
+from megalite.planner.hardware import GPU_PRESETS, make_cluster
+from megalite.planner.layout import Layout, layout_from_config
+
+est_mod = importlib.import_module("megalite.planner.estimate")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LLAMA8 = ms.recipe("llama3-8b")
+MIXTRAL = ms.recipe("mixtral-8x7b")
+
+
+def step(m, L, seq, gpu="h100-80gb", **opts):
+    return estimate(m, L, seq, make_cluster(L.world, 8, gpu), ModelOptions(**opts))
+
+
+def test_measured_ceilings_and_fp8_rate():
+    h100 = GPU_PRESETS["h100-80gb"]
+    assert (h100.matmul_tflops, h100.fp8_matmul_tflops) == (794.5, 1402.6)
+    assert GPU_PRESETS["a100-80gb"].fp8_matmul_tflops is None
+    L = Layout(world=8, micro_batch=1, global_batch=64)
+    bf16 = step(LLAMA8, L, 8192).times["compute"]
+    fp8 = step(LLAMA8, L, 8192, fp8="tensorwise").times["compute"]
+    # GEMMs go 1402.6 / 794.5 = 1.77x faster; attention and memory-bound work do not.
+    assert 1.2 < bf16 / fp8 < 1402.6 / 794.5
+    assert step(LLAMA8, L, 8192).times["fp8_cast"] == 0
+
+
+def test_fp8_cast_traffic_counts_the_amax_pass():
+    L = Layout(world=8, micro_batch=1, global_batch=64)
+    cur = step(LLAMA8, L, 8192, fp8="tensorwise").times["fp8_cast"]
+    delayed = step(LLAMA8, L, 8192, fp8="delayed").times["fp8_cast"]
+    assert cur / delayed == pytest.approx(6 / 4)
+
+
+def test_no_fp8_on_a100_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megalite.planner", "--recipe", "llama3-8b",
+                          "--num-gpus", "8", "--gpu", "a100-80gb", "--global-batch-size", "64",
+                          "--fp8-recipe", "tensorwise"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "--fp8-recipe" in out.stderr and "FP8" in out.stderr
+
+
+def test_plan_with_fp8_is_faster_than_bf16():
+    def tflops(*extra):
+        out = subprocess.run([sys.executable, "-m", "megalite.planner", "--recipe",
+                              "llama3-8b", "--num-gpus", "8", "--global-batch-size", "64",
+                              "--tp", "1", "--pp", "1", "--zero-stages", "3", "--json", "--top",
+                              "1", *extra],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["candidates"][0]["tflops_per_gpu"]
+    assert tflops("--fp8-recipe", "tensorwise") > 1.2 * tflops()
+
+
+def test_attention_rates_interpolate_the_measured_table():
+    c = make_cluster(8)
+    assert kernels.attention_rate(c, "cudnn", 8192) == (529e12, 518e12)
+    assert kernels.attention_rate(c, "cudnn", 1 << 20) == (539e12, 516e12)   # clamped
+    f, _ = kernels.attention_rate(c, "fa2", 1448)             # ~ halfway 1024 .. 2048 (log)
+    assert 260e12 < f < 298e12
+    a100 = make_cluster(8, 8, "a100-80gb")
+    assert kernels.attention_rate(a100, "fa3", 8192)[0] == pytest.approx(602e12 * 271.2 / 794.5)
+
+
+def test_causal_mask_halves_flash_work_only():
+    L = Layout(world=8, micro_batch=1, global_batch=8)
+    cl = make_cluster(8)
+    core = {(k, causal): kernels.stage_compute(LLAMA8, L, 8192, 0, cl, ModelOptions(
+        attention_kernel=k, causal=causal, flash_attention=k != "unfused"))["core"]
+        for k in ("cudnn", "unfused") for causal in (True, False)}
+    assert core[("cudnn", False)] == pytest.approx(2 * core[("cudnn", True)])
+    assert core[("unfused", False)] == pytest.approx(core[("unfused", True)])
+
+
+def test_wave_quantization_of_small_gemms():
+    assert kernels.gemm_efficiency(128, 128 * 132, 1, 132) == 1.0      # one full wave
+    assert kernels.gemm_efficiency(128, 128 * 133, 1, 132) == pytest.approx(133 / 264)
+    assert kernels.gemm_efficiency(64, 128, 1, 132) == pytest.approx(0.5 / 132)   # padded
+    # four experts of 1,000 rows share their waves; one expert of 250 rows wastes more
+    grouped = kernels.gemm_efficiency(1000, 3072, 4, 132)
+    assert grouped > kernels.gemm_efficiency(250, 3072, 1, 132)
+
+
+def test_uniform_routing_is_the_expected_maximum_of_binomial_loads():
+    L = Layout(world=64, pp=4, ep=8, vpp=8, micro_batch=1, global_batch=256)
+    copies = 8 * 4096 * 2                                    # EP group's token copies
+    mean, sd = copies / 8, math.sqrt(copies / 8 * 7 / 8)
+    blom = NormalDist().inv_cdf((8 - 0.375) / 8.25)
+    assert moe_cost.uniform_imbalance(MIXTRAL, L, 4096) == pytest.approx(1 + blom * sd / mean)
+    assert moe_cost.routing_imbalance("balanced", MIXTRAL, L, 4096) == 1.0
+    assert moe_cost.routing_imbalance(1.25, MIXTRAL, L, 4096) == 1.25
+    assert moe_cost.routing_imbalance("uniform", LLAMA8, L, 4096) == 1.0   # dense
+
+
+def test_routing_from_a_metrics_file(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rec = {"iteration": 1, "moe_layer_0_tokens_per_expert": [4, 4, 2, 2, 1, 1, 1, 1],
+           "moe_layer_1_tokens_per_expert": [2] * 8, "lm loss": 3.0}
+    path.write_text(json.dumps(rec) + "\n")
+    L = Layout(world=64, pp=4, ep=4, vpp=8, micro_batch=1, global_batch=256)
+    # EP 4: ranks hold experts (0,1) (2,3) (4,5) (6,7): loads 8,4,2,2 -> 2.0; even -> 1.0
+    assert moe_cost.routing_imbalance(str(path), MIXTRAL, L, 4096) == pytest.approx(1.5)
+    slow = step(MIXTRAL, L, 4096, moe_routing=str(path))
+    even = step(MIXTRAL, L, 4096, moe_routing="balanced")
+    assert slow.step > even.step and slow.moe_load == pytest.approx(1.5)
+    with pytest.raises(ConfigError, match="does not exist"):
+        moe_cost.routing_imbalance(str(tmp_path / "none.jsonl"), MIXTRAL, L, 4096)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"moe_layer_0_tokens_per_expert": [1, 2]}) + "\n")
+    with pytest.raises(ConfigError, match="logs 2 experts"):
+        moe_cost.routing_imbalance(str(bad), MIXTRAL, L, 4096)
+
+
+def test_ep_overlap_only_in_the_steady_state():
+    L = Layout(world=256, tp=2, pp=8, vpp=4, ep=32, sp=True, micro_batch=1,
+               global_batch=2048, schedule="interleaved", account_embedding=True,
+               account_loss=True)
+    m = ms.recipe("qwen3-235b-a22b")
+    # Megatron's interleaved warm-up on stage 0: 2(p-1) + (v-1)p chunks of m*v
+    assert est_mod._unpaired_share(L, 0) == pytest.approx((14 + 24) / (128 * 4))
+    hidden = step(m, L, 4096, ep_overlap=True, fp8="tensorwise")
+    blocking = step(m, L, 4096, fp8="tensorwise")
+    assert hidden.step < blocking.step
+
+
+def test_comm_gemm_overlap_orders():
+    L = Layout(world=64, tp=8, pp=8, vpp=5, sp=True, micro_batch=1, global_batch=128)
+    m = ms.recipe("llama3-70b")
+    tp = {o: step(m, L, 8192, tp_comm_overlap=o).times["tp"] for o in ("none", "forward",
+                                                                         "all")}
+    assert tp["all"] < tp["forward"] < tp["none"]
+
+
+def test_interleaving_divides_the_bubbles_compute_not_its_hops():
+    L = Layout(world=16, pp=4, vpp=4, micro_batch=1, global_batch=16)
+    worst = dict(slot=1.0, t_f=0.3, t_b=0.6, rec=0.0)
+    assert est_mod._bubble(L, worst, 0.9, 0.05) == pytest.approx(3 * (0.9 / 4 + 0.05))
+    assert est_mod._bubble(replace(L, vpp=1), worst, 0.9, 0.05) == pytest.approx(3 * 0.95)
+
+
+def test_allgather_cp_is_gathered_and_exposed():
+    m = ms.recipe("llama3-405b")
+    L = Layout(world=2048, tp=8, pp=16, cp=16, sp=True, micro_batch=1, global_batch=16,
+               cp_comm="allgather", vpp=8, schedule="interleaved", account_embedding=True,
+               account_loss=True)
+    ev = [e for e in cm.events(m, L, 131072, 1) if e.group == "cp"]
+    assert {e.op for e in ev} == {"all_gather", "reduce_scatter"}
+    ring = step(m, replace(L, cp_comm="p2p"), 131072)
+    gathered = step(m, L, 131072)
+    assert gathered.times["cp"] > 0 and ring.times["cp"] <= gathered.times["cp"]
+
+
+def test_block_recompute_sits_between_none_and_full_and_round_trips():
+    L = Layout(world=8, micro_batch=1, global_batch=64, zero=3)
+    none = step(LLAMA8, L, 8192)
+    part = step(LLAMA8, replace(L, recompute="full", recompute_layers=5), 8192)
+    full = step(LLAMA8, replace(L, recompute="full"), 8192)
+    assert none.step < part.step < full.step
+    assert full.memory["activations"] < part.memory["activations"] < none.memory["activations"]
+    B = replace(L, recompute="full", recompute_layers=5)
+    flags = B.parallel_flags()
+    assert flags[flags.index("--recompute-method") + 1] == "block"
+    assert flags[flags.index("--recompute-num-layers") + 1] == "5"
+    assert layout_from_config(B.to_config(LLAMA8, 8192)) == B
+
+
+def test_local_mla_count_matches_the_hand_count():
+    m = ms.recipe("deepseek-v3-like")
+    mla = mla_local.DEEPSEEK_V3
+    q = 1536 * (7168 + 128 * 192)
+    kv = 512 * (7168 + 128 * 256) + 7168 * 64
+    out = 128 * 128 * 7168
+    assert mla_local.attention_linear_flops(m, mla) == 2 * (q + kv + out)
+    f = mla_local.kind_forward_flops(m, True, 4096, mla)
+    assert f["core"] == 2 * 128 * 4096 * (192 + 128)
