@@ -32,16 +32,20 @@ import numpy as np  # noqa: E402
 
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
 from megalite.data.tokenizers import TOKENIZER_TYPES, build_tokenizer_from_config  # noqa: E402
+from megalite.errors import DataError  # noqa: E402
 
 PROG = "preprocess_data.py"
 
 
-class InputError(Exception):
+class InputError(DataError):
     """A problem with the user's input: reported as one line, exit status 2."""
 
 
 def get_args(argv=None):
-    p = argparse.ArgumentParser(prog=PROG, description="Tokenize a corpus into Megatron .bin/.idx files.")
+    from megalite.arguments import OneLineErrorParser   # a bad flag: one line, exit 2
+
+    p = OneLineErrorParser(prog=PROG, help_hint=f"{PROG} --help",
+                           description="Tokenize a corpus into Megatron .bin/.idx files.")
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSON-lines or plain-text file")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
@@ -220,10 +224,7 @@ def run(args) -> list[str]:
     size = os.path.getsize(args.input)
     if size == 0:
         raise InputError(f"input file {args.input!r} is empty")
-    try:
-        tokenizer = build_tokenizer_from_config(args, args.vocab_size)
-    except (OSError, ValueError, ImportError) as e:
-        raise InputError(str(e)) from None
+    tokenizer = build_tokenizer_from_config(args, args.vocab_size)   # DataError: one line
     is_json = detect_json_lines(args.input)
     keys = args.json_keys if is_json else args.json_keys[:1]
     dtype = best_dtype(tokenizer.vocab_size)
@@ -286,15 +287,22 @@ def run(args) -> list[str]:
 
 
 def main(argv=None) -> int:
+    """Behind megalite's boundary: a bad input is one line and exit status 2; Ctrl-C says
+    that no half-written dataset was left."""
+    from megalite.boundary import run_cli
+
+    return run_cli(_main, argv, prog=PROG)
+
+
+def _main(argv=None) -> int:
     args = get_args(argv)
     try:
         run(args)
-    except InputError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        from megalite.errors import Interrupted
+
+        raise Interrupted(f"interrupted by Ctrl-C: no output written for "
+                          f"{args.output_prefix!r} (partial files removed)") from None
     return 0
 
 

@@ -293,15 +293,30 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
 
 def build_tokenizer_from_config(data, vocab_size: int | None = None):
     """The tokenizer a run's ``DataConfig`` (or the preprocessing tool's arguments) names;
-    None without ``--tokenizer-type``. One place maps flags to the constructor."""
+    None without ``--tokenizer-type``. One place maps flags to the constructor.
+
+    The constructors' complaints are about the user's files and flags (a file that is not a
+    sentencepiece model, a tiktoken file with gaps, a missing package): each becomes one
+    ``DataError`` line naming ``--tokenizer-model`` (or the flag it names)."""
+    from megalite.errors import ConfigError, DataError
+
     if not getattr(data, "tokenizer_type", None):
         return None
-    return build_tokenizer(
-        data.tokenizer_type, data.tokenizer_model, vocab_size,
-        getattr(data, "vocab_file", None), getattr(data, "merge_file", None),
-        getattr(data, "tiktoken_pattern", None),
-        getattr(data, "tiktoken_num_special_tokens", None) or 1000,
-        getattr(data, "tiktoken_special_tokens", None))
+    try:
+        return build_tokenizer(
+            data.tokenizer_type, data.tokenizer_model, vocab_size,
+            getattr(data, "vocab_file", None), getattr(data, "merge_file", None),
+            getattr(data, "tiktoken_pattern", None),
+            getattr(data, "tiktoken_num_special_tokens", None) or 1000,
+            getattr(data, "tiktoken_special_tokens", None))
+    except ImportError as exc:
+        raise ConfigError(f"--tokenizer-type {data.tokenizer_type}: {exc}") from None
+    except (ValueError, OSError) as exc:
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if not text.startswith("--") and "NullTokenizer" not in text:
+            where = data.tokenizer_model or getattr(data, "vocab_file", None) or ""
+            text = f"--tokenizer-model {where!r} ({data.tokenizer_type}): {text}"
+        raise DataError(text) from None
 
 
 def _check_inputs(files: Sequence[str]) -> list[str]:

@@ -89,7 +89,8 @@ class Trainer:
     def setup(self):
         from megalite.data import build_tokenizer_from_config
 
-        self.tokenizer = build_tokenizer_from_config(self.cfg.data, self.cfg.model.vocab_size)
+        if self.tokenizer is None:       # pretrain() builds it before any process group
+            self.tokenizer = build_tokenizer_from_config(self.cfg.data, self.cfg.model.vocab_size)
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
@@ -409,6 +410,9 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
 
     backend_line = describe_backend(cfg.model.transformer_impl, device)
     cfg = resolve_backend_config(cfg, device)      # auto -> local | transformer_engine
+    from megalite.data import build_tokenizer_from_config
+
+    tokenizer = build_tokenizer_from_config(cfg.data, cfg.model.vocab_size)  # files: one line
     state = initialize(cfg)
     from megalite.boundary import leave_for_peer_error
 
@@ -416,6 +420,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
         cfg, state.world_group(), device)
     trainer = Trainer(cfg, state, device, family)
+    trainer.tokenizer = tokenizer
     trainer.memory_reporter.start()          # before the model is built: count every tensor
     try:
         trainer.setup()
