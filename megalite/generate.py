@@ -7,7 +7,6 @@ needed; weights saved at any TP/PP are resharded to TP=1, PP=1 on load.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -62,7 +61,19 @@ def generate(model, prompt_ids, max_new_tokens: int, seq_length: int, temperatur
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Behind megalite's boundary: a bad flag or checkpoint is one line, exit status 2."""
+    from megalite.boundary import run_cli
+
+    return run_cli(_main, argv, prog="megalite")
+
+
+def _main(argv=None):
+    from megalite.arguments import OneLineErrorParser
+    from megalite.errors import CheckpointError
+
+    ap = OneLineErrorParser(prog="python -m megalite.generate",
+                            help_hint="python -m megalite.generate --help",
+                            description=__doc__.splitlines()[0])
     ap.add_argument("--load", required=True, help="checkpoint directory (--save of training)")
     ap.add_argument("--prompt", default="\n")
     ap.add_argument("--max-new-tokens", type=int, default=200)
@@ -73,12 +84,12 @@ def main(argv=None):
     from megalite.checkpointing.model_io import LATEST
 
     if not os.path.isfile(os.path.join(a.load, LATEST)):
-        print(f"megalite: error: --load: no checkpoint in '{a.load}'", file=sys.stderr)
-        return 2
+        raise CheckpointError(f"--load: no checkpoint in '{a.load}'; give the --save folder "
+                              "of a training run")
     model, tokenizer, cfg = load_for_inference(a.load)
     if tokenizer is None:
-        print("megalite: error: the checkpoint records no tokenizer", file=sys.stderr)
-        return 2
+        raise CheckpointError(f"--load {a.load}: the checkpoint records no tokenizer (trained "
+                              "with --mock-data?); generation needs one")
     prompt = tokenizer.tokenize(a.prompt)
     out = generate(model, prompt, a.max_new_tokens, cfg.model.seq_length, a.temperature,
                    a.top_k, vocab_size=tokenizer.vocab_size, seed=a.seed)
