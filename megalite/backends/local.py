@@ -23,6 +23,7 @@ from megalite.transformer.norms import IdentityNorm, build_norm, build_qk_norm
 from megalite.moe.experts import GroupedMLP
 from megalite.moe.moe_layer import MoELayer
 from megalite.moe.router import TopKRouter
+from megalite.moe.shared_experts import shared_expert_spec
 from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, MoESubmodules,
                                        ModuleSpec, SelfAttentionSubmodules,
                                        TransformerLayerSubmodules)
@@ -38,7 +39,7 @@ def local_spec() -> LayerSpec:
     mlp = ModuleSpec(MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
                                                    linear_fc2=RowParallelLinear))
     moe = ModuleSpec(MoELayer, submodules=MoESubmodules(router=TopKRouter, experts=GroupedMLP,
-                                                        shared_experts=mlp))
+                                                        shared_experts=shared_expert_spec(mlp)))
     layer = ModuleSpec(TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=build_norm, self_attention=attention, pre_mlp_layernorm=build_norm,
         mlp=mlp, moe_mlp=moe))

@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megalite.moe.shared_experts import shared_expert_spec
 from megalite.param_spec import ParamSpec
 from megalite.transformer.attention import SelfAttention
 from megalite.transformer.layer import TransformerLayer
@@ -309,7 +310,7 @@ def te_spec(model_cfg, *, cp_comm_type: str = "p2p", amax_group=None) -> LayerSp
     moe_mlp = None
     if moe:
         moe_mlp = dataclasses.replace(local.moe_mlp, submodules=dataclasses.replace(
-            local.moe_mlp.submodules, shared_experts=mlp))
+            local.moe_mlp.submodules, shared_experts=shared_expert_spec(mlp)))
     fp8 = Fp8Settings.from_model_config(model_cfg, amax_group)
     layer = ModuleSpec(TETransformerLayer, params={"fp8": fp8},
                        submodules=TransformerLayerSubmodules(

@@ -38,14 +38,18 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
                "rope_scaling_original_max_position_embeddings", "rotary_scaling_factor",
                "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-               "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim")
+               "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
+               "moe_shared_expert_gate", "moe_router_topk_scaling_factor",
+               "moe_router_num_groups", "moe_router_group_topk")
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",
                       "rope_scaling_original_max_position_embeddings")
 YARN_FIELDS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
-               "mscale", "mscale_all_dim")
+               "mscale", "mscale_all_dim",
+               "moe_shared_expert_gate", "moe_router_topk_scaling_factor",
+               "moe_router_num_groups", "moe_router_group_topk")
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                     "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 # Run-time choices, not part of what the weights mean: never printed by model_flags.

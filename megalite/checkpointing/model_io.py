@@ -335,6 +335,8 @@ def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
     for tp_rank in range(tp):
         for stage, metas in enumerate(stages):
+            # expert tensors are written whole, as training writes them (``local_shards``)
+            metas = {n: ParamSpec(m.full_shape) if m.expert else m for n, m in metas.items()}
             tensors = {name: shard_tensor(full_sd[name].float(), meta, tp_rank, tp)
                        for name, meta in metas.items()}
             path = shard_dir(directory, iteration, tp_rank, stage)

@@ -115,7 +115,9 @@ class ModelConfig:
     moe_router_score_function: str = opt("softmax", "Router score: softmax or sigmoid.",
                                          choices=["softmax", "sigmoid"])
     moe_router_pre_softmax: bool = opt(
-        False, "Softmax over all experts before top-k (else softmax over the top-k logits).",
+        False, "Softmax over all experts before top-k, the k weights left unnormalized "
+        "(Qwen2-MoE's norm_topk_prob false); default: softmax over the top-k logits, i.e. "
+        "renormalized over the top-k (Mixtral, Qwen3-MoE). No effect with sigmoid scores.",
         action="store_true")
     moe_router_load_balancing_type: str = opt(
         "aux_loss", "Load balancing: aux_loss (per micro-batch), seq_aux_loss (per sequence) or "
@@ -125,6 +127,10 @@ class ModelConfig:
         False, "DeepSeek-V3 aux-loss-free balancing: a per-expert bias added to the scores "
         "for top-k selection only, nudged after each step.", action="store_true")
     moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert-bias update.", ge=0)
+    moe_router_topk_scaling_factor: Optional[float] = opt(
+        None, "Multiply each token's top-k routing weights by this factor after the score "
+        "function and normalization (DeepSeek-V3's routed_scaling_factor 2.5; none = 1).",
+        gt=0, requires="num_experts")
     moe_router_num_groups: Optional[int] = opt(
         None, "Group-limited routing (DeepSeek-V3): experts form this many equal groups "
         "(e.g. one per EP rank or node); each token picks --moe-router-group-topk groups first.",
@@ -141,6 +147,11 @@ class ModelConfig:
                                      choices=["probs", "position"])
     moe_shared_expert_intermediate_size: Optional[int] = opt(
         None, "Hidden size of the shared expert (a dense MLP every token goes through).", gt=0)
+    moe_shared_expert_gate: bool = opt(
+        False, "Scale the shared expert's output per token by sigmoid(x . w), w a learned "
+        "[1, hidden] gate (Qwen2-MoE's shared_expert_gate); needs "
+        "--moe-shared-expert-intermediate-size.", action="store_true",
+        requires="moe_shared_expert_intermediate_size")
     moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch over the EP group.",
                                          choices=["alltoall", "allgather"])
     transformer_impl: str = opt(

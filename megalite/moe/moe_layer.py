@@ -3,7 +3,8 @@
 
 Parameter names follow Megatron-Core: ``mlp.router.weight``, ``mlp.experts.linear_fc1
 .weight`` / ``linear_fc2.weight`` (all experts, expert dimension first) and
-``mlp.shared_experts.linear_fc1/linear_fc2``.
+``mlp.shared_experts.linear_fc1/linear_fc2`` (+ ``gate_weight`` with
+``--moe-shared-expert-gate``).
 
 Statistics: each training forward (inside the family's extra-loss collection, so never a
 recomputation) adds the router's expert counts and terms to ``step_stats``;
@@ -11,8 +12,6 @@ recomputation) adds the router's expert counts and terms to ``step_stats``;
 global batch, nudges the expert bias, logs and clears them.
 """
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 from torch import nn
@@ -35,10 +34,8 @@ class MoELayer(nn.Module):
         self.experts = build_module(submodules.experts, m, comm_groups, **kw)
         self.shared_experts = None
         if m.moe_shared_expert_intermediate_size and submodules.shared_experts is not None:
-            shared_cfg = dataclasses.replace(
-                m, ffn_hidden_size=m.moe_shared_expert_intermediate_size)
-            self.shared_experts = build_module(submodules.shared_experts, shared_cfg,
-                                               comm_groups, sequence_parallel=sequence_parallel,
+            self.shared_experts = build_module(submodules.shared_experts, m, comm_groups,
+                                               sequence_parallel=sequence_parallel,
                                                layer_number=layer_number, **kw)
         self.token_dispatcher = build_dispatcher(m, comm_groups)
         self.step_stats = None

@@ -1,8 +1,10 @@
 """The top-k router: which experts each token goes to, with what weight, and the
 load-balancing terms (Megatron-Core's ``TopKRouter`` / ``topk_softmax_with_capacity``).
 
-Scores: ``softmax`` (pre-softmax over all experts, or softmax over the top-k logits) or
-``sigmoid`` (normalized over the top-k).  With the DeepSeek-V3 expert bias the top-k is
+Scores: ``softmax`` over the top-k logits (= softmax over all experts renormalized over
+the top-k: Mixtral, Qwen3-MoE), ``softmax`` over all experts before the top-k with
+``--moe-router-pre-softmax`` (not renormalized: Qwen2-MoE), or ``sigmoid`` normalized over
+the top-k (DeepSeek-V3); then times ``--moe-router-topk-scaling-factor``.  With the DeepSeek-V3 expert bias the top-k is
 chosen on ``score + bias`` while the weights stay the unbiased scores; the bias is not
 trained by gradients but nudged after each step toward the under-loaded experts
 (``MoELayer.update_expert_bias``).
@@ -104,7 +106,14 @@ class TopKRouter(nn.Module):
 
     # -- routing --------------------------------------------------------------------------
     def _select(self, logits: torch.Tensor, need_aux: bool):
-        """(probs [T, k], indices [T, k], scores for the aux loss [T, E] or None)."""
+        """(probs [T, k], indices [T, k], scores for the aux loss [T, E] or None), the
+        probs scaled by ``--moe-router-topk-scaling-factor`` (Megatron: after the score
+        function and the normalization; the aux-loss scores are not scaled)."""
+        probs, idx, aux_scores = self._scores(logits, need_aux)
+        factor = self.cfg.moe_router_topk_scaling_factor
+        return (probs * factor if factor else probs), idx, aux_scores
+
+    def _scores(self, logits: torch.Tensor, need_aux: bool):
         m, k = self.cfg, self.topk
         bias = self.expert_bias
 

@@ -96,8 +96,8 @@ def test_registry_dispatch_and_unknown_architectures():
     assert adapter_for_hf({"model_type": "llama"}) is llama     # no architectures: model_type
     m = llama.config_from_hf(llama_cfg())
     assert adapter_for_model(m) is llama
-    with pytest.raises(UnsupportedModelError, match=r"unsupported architecture \['Qwen2Moe"):
-        adapter_for_hf({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]})
+    with pytest.raises(UnsupportedModelError, match=r"unsupported architecture \['Falcon"):
+        adapter_for_hf({"model_type": "falcon", "architectures": ["FalconForCausalLM"]})
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM needs --normalization"):
         adapter_for_model(dataclasses.asdict(toy_model()))
     with pytest.raises(UnsupportedModelError, match="no Hugging Face adapter for model family"):

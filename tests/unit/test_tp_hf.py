@@ -190,7 +190,7 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
                                     "hf", "--load-dir", path, "--save-dir", out)
     assert code == 2 and "not a megalite checkpoint" in err
     cfg = json.load(open(os.path.join(path, "config.json")))
-    cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"])
+    cfg.update(model_type="falcon", architectures=["FalconForCausalLM"])
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     code, err = _convert_in_process(capsys, "--source-format", "hf", "--target-format",
                                     "megalite", "--load-dir", path, "--save-dir", out)

@@ -17,14 +17,18 @@ from megalite.checkpointing.hf_adapters.mistral import MistralAdapter
 from megalite.checkpointing.hf_adapters.mixtral import MixtralAdapter
 from megalite.checkpointing.hf_adapters.qwen2 import Qwen2Adapter
 from megalite.checkpointing.hf_adapters.qwen3 import Qwen3Adapter
+from megalite.checkpointing.hf_adapters.qwen_moe import Qwen2MoeAdapter, Qwen3MoeAdapter
 
 register_adapter(LlamaAdapter())
 register_adapter(MistralAdapter())
 register_adapter(Qwen2Adapter())
 register_adapter(Qwen3Adapter())
 register_adapter(MixtralAdapter())
+register_adapter(Qwen2MoeAdapter())
+register_adapter(Qwen3MoeAdapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
            "registered_adapters", "supported_architectures", "unregister_adapter",
-           "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter"]
+           "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter",
+           "Qwen2MoeAdapter", "Qwen3MoeAdapter"]

@@ -54,6 +54,17 @@ class HFAdapter:
         raise NotImplementedError
 
 
+def softmax_router_problems(mc) -> List[str]:
+    """What a ``ModelConfig``'s router lacks to be a Hugging Face softmax top-k gate (Mixtral,
+    Qwen-MoE): no sigmoid scores, expert bias, scaling factor or group-limited routing."""
+    return [msg for bad, msg in (
+        (mc.moe_router_score_function != "softmax", "--moe-router-score-function softmax"),
+        (mc.moe_router_enable_expert_bias, "no --moe-router-enable-expert-bias"),
+        (mc.moe_router_topk_scaling_factor not in (None, 1.0),
+         "no --moe-router-topk-scaling-factor"),
+        (mc.moe_router_num_groups is not None, "no --moe-router-num-groups")) if bad]
+
+
 _ADAPTERS: List[HFAdapter] = []
 
 

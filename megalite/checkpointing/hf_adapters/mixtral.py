@@ -18,7 +18,7 @@ from typing import Dict, List
 
 import torch
 
-from megalite.checkpointing.hf_adapters.base import UnsupportedModelError
+from megalite.checkpointing.hf_adapters.base import UnsupportedModelError, softmax_router_problems
 from megalite.checkpointing.hf_adapters.llama import LlamaAdapter
 
 
@@ -50,11 +50,9 @@ class MixtralAdapter(LlamaAdapter):
             (not mc.num_experts, "--num-experts"),
             (bool(mc.num_experts) and not all(mc.is_moe_layer(i) for i in range(mc.num_layers)),
              "MoE in every layer (--moe-layer-freq 1)"),
-            (mc.moe_router_score_function != "softmax" or mc.moe_router_pre_softmax,
-             "softmax over the top-k (no --moe-router-pre-softmax)"),
-            (mc.moe_router_enable_expert_bias, "no --moe-router-enable-expert-bias"),
+            (mc.moe_router_pre_softmax, "softmax over the top-k (no --moe-router-pre-softmax)"),
             (bool(mc.moe_shared_expert_intermediate_size),
-             "no --moe-shared-expert-intermediate-size")) if bad]
+             "no --moe-shared-expert-intermediate-size")) if bad] + softmax_router_problems(mc)
 
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
         from megalite.config import ModelConfig

@@ -1,0 +1,208 @@
+"""Hugging Face Qwen2-MoE (``Qwen2MoeForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``)
+<-> megalite: a Llama-style body whose MLP slot holds, per layer, a dense MLP or an MoE block.
+
+MoE block of layer i (megalite name <- HF name, ``model.layers.i.mlp.`` left out):
+
+    router.weight                      <- gate.weight [E, h]
+    experts.linear_fc1.weight          <- [gate_proj; up_proj] of each expert, stacked [E, 2F, h]
+    experts.linear_fc2.weight          <- down_proj of each expert, stacked [E, h, F]
+    shared_experts.linear_fc1.weight   <- [shared_expert.gate_proj; up_proj]   (Qwen2-MoE)
+    shared_experts.linear_fc2.weight   <- shared_expert.down_proj              (Qwen2-MoE)
+    shared_experts.gate_weight         <- shared_expert_gate.weight [1, h]     (Qwen2-MoE)
+
+Checkpoints on disk name each expert (``experts.{e}.gate_proj.weight``); ``transformers`` 5
+holds them fused in memory (``experts.gate_up_proj`` [E, 2F, h], ``experts.down_proj``),
+which is read too.  Export writes the on-disk names.
+
+Routing, in Megatron's terms (``megalite.moe.router``): HF's softmax over all experts, top-k,
+and with ``norm_topk_prob`` a renormalization over the k, is megalite's default (softmax over
+the top-k logits); without it, ``--moe-router-pre-softmax``.  Qwen2-MoE's shared expert is
+``--moe-shared-expert-intermediate-size`` with ``--moe-shared-expert-gate``.  Which layers
+are sparse (HF: layer i unless in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``)
+becomes a ``--moe-layer-freq`` 0/1 pattern; dense layers use ``intermediate_size``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from megalite.checkpointing.hf_adapters.base import UnsupportedModelError, softmax_router_problems
+from megalite.checkpointing.hf_adapters.llama import LlamaAdapter
+
+
+def sparse_layer_pattern(hf: dict) -> List[int]:
+    """HF's rule for which decoder layers hold the MoE block, as a 0/1 list."""
+    step = hf.get("decoder_sparse_step", 1) or 1
+    dense = set(hf.get("mlp_only_layers") or [])
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    return [int(experts > 0 and i not in dense and (i + 1) % step == 0)
+            for i in range(hf["num_hidden_layers"])]
+
+
+def qwen_moe_fields(hf: dict) -> dict:
+    """The ``ModelConfig`` MoE fields of a Qwen2-MoE / Qwen3-MoE config.json (the planner's
+    ``--hf-config`` reads these too)."""
+    pattern = sparse_layer_pattern(hf)
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if not any(pattern):
+        return dict(num_experts=None)
+    shared = hf.get("shared_expert_intermediate_size") or None
+    return dict(
+        num_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
+        moe_ffn_hidden_size=hf["moe_intermediate_size"],
+        moe_layer_freq=1 if all(pattern) else pattern,
+        moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+        moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=bool(shared),
+        moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+
+
+def _layer_of(prefix: str) -> int:
+    """The layer index of a per-layer prefix such as ``decoder.layers.3.``."""
+    return int(prefix.rstrip(".").rsplit(".", 1)[1])
+
+
+def _has(get, key: str) -> bool:
+    try:
+        get(key)
+        return True
+    except UnsupportedModelError:
+        return False
+
+
+class QwenMoeAdapter(LlamaAdapter):
+    """What Qwen2-MoE and Qwen3-MoE share; ``shared_expert`` says whether the family's MoE
+    block has Qwen2-MoE's gated shared expert (it always does there, never in Qwen3-MoE)."""
+    shared_expert = False
+
+    # -- configs -------------------------------------------------------------------------
+    def config_from_hf(self, hf: dict) -> dict:
+        if hf.get("use_sliding_window"):
+            raise UnsupportedModelError(
+                f"{self.architectures[0]}: use_sliding_window is not supported")
+        if "num_experts_per_tok" not in hf or "moe_intermediate_size" not in hf:
+            raise UnsupportedModelError(f"{self.architectures[0]} config lacks "
+                                        "num_experts_per_tok / moe_intermediate_size")
+        cfg = super().config_from_hf(hf)
+        cfg.update(qwen_moe_fields(hf))
+        return cfg
+
+    def export_problems(self, m: dict) -> List[str]:
+        from megalite.config import ModelConfig
+
+        mc = ModelConfig(**m)
+        shared = bool(mc.moe_shared_expert_intermediate_size)
+        body = [p for p in super().export_problems(m) if p != "no --num-experts"]
+        return body + [msg for bad, msg in (
+            (not mc.num_experts, "--num-experts"),
+            (self.shared_expert and not (shared and mc.moe_shared_expert_gate),
+             "--moe-shared-expert-intermediate-size with --moe-shared-expert-gate"),
+            (not self.shared_expert and shared, "no --moe-shared-expert-intermediate-size"),
+        ) if bad] + softmax_router_problems(mc)
+
+    def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
+        from megalite.config import ModelConfig
+
+        problems = self.export_problems(m)
+        if problems:
+            raise UnsupportedModelError(f"only {self.architectures[0]}-style models export "
+                                        "as this family; needs " + ", ".join(problems))
+        hf = super().config_to_hf(m, torch_dtype)
+        mc = ModelConfig(**m)
+        for key in ("mlp_bias",):
+            hf.pop(key, None)
+        hf.update(
+            architectures=list(self.architectures), model_type=self.model_type,
+            num_experts=mc.num_experts, num_experts_per_tok=mc.moe_router_topk,
+            moe_intermediate_size=mc.resolved_moe_ffn_hidden_size(),
+            intermediate_size=mc.resolved_ffn_hidden_size(), decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(mc.num_layers) if not mc.is_moe_layer(i)],
+            norm_topk_prob=not mc.moe_router_pre_softmax,
+            router_aux_loss_coef=mc.moe_aux_loss_coeff, output_router_logits=False,
+            use_sliding_window=False, sliding_window=None)
+        if self.shared_expert:
+            hf["shared_expert_intermediate_size"] = mc.moe_shared_expert_intermediate_size
+        return hf
+
+    # -- state dicts ---------------------------------------------------------------------
+    def mlp_from_hf(self, get, hf: str, mg: str, m: dict) -> Dict[str, torch.Tensor]:
+        from megalite.config import ModelConfig
+
+        if not ModelConfig(**m).is_moe_layer(_layer_of(mg)):
+            return super().mlp_from_hf(get, hf, mg, m)
+        src, dst = hf + "mlp.", mg + "mlp."
+        out = {dst + "router.weight": get(src + "gate.weight")}
+        if _has(get, src + "experts.gate_up_proj"):       # transformers >= 5, in memory
+            out[dst + "experts.linear_fc1.weight"] = get(src + "experts.gate_up_proj")
+            out[dst + "experts.linear_fc2.weight"] = get(src + "experts.down_proj")
+        else:
+            E = m["num_experts"]
+            out[dst + "experts.linear_fc1.weight"] = torch.stack(
+                [torch.cat([get(f"{src}experts.{e}.gate_proj.weight"),
+                            get(f"{src}experts.{e}.up_proj.weight")]) for e in range(E)])
+            out[dst + "experts.linear_fc2.weight"] = torch.stack(
+                [get(f"{src}experts.{e}.down_proj.weight") for e in range(E)])
+        if self.shared_expert:
+            shared = src + "shared_expert."
+            out[dst + "shared_experts.linear_fc1.weight"] = torch.cat(
+                [get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")])
+            out[dst + "shared_experts.linear_fc2.weight"] = get(shared + "down_proj.weight")
+            out[dst + "shared_experts.gate_weight"] = get(src + "shared_expert_gate.weight")
+        return out
+
+    def mlp_to_hf(self, get, put, mg: str, hf: str, m: dict) -> Dict[str, torch.Tensor]:
+        from megalite.config import ModelConfig
+
+        if not ModelConfig(**m).is_moe_layer(_layer_of(mg)):
+            return super().mlp_to_hf(get, put, mg, hf, m)
+        src, dst = mg + "mlp.", hf + "mlp."
+        fc1, fc2 = get(src + "experts.linear_fc1.weight"), get(src + "experts.linear_fc2.weight")
+        out = {dst + "gate.weight": put(get(src + "router.weight"))}
+        for e in range(fc1.shape[0]):
+            gate, up = fc1[e].chunk(2, dim=0)
+            out[f"{dst}experts.{e}.gate_proj.weight"] = put(gate)
+            out[f"{dst}experts.{e}.up_proj.weight"] = put(up)
+            out[f"{dst}experts.{e}.down_proj.weight"] = put(fc2[e])
+        if self.shared_expert:
+            gate, up = get(src + "shared_experts.linear_fc1.weight").chunk(2, dim=0)
+            out[dst + "shared_expert.gate_proj.weight"] = put(gate)
+            out[dst + "shared_expert.up_proj.weight"] = put(up)
+            out[dst + "shared_expert.down_proj.weight"] = put(
+                get(src + "shared_experts.linear_fc2.weight"))
+            out[dst + "shared_expert_gate.weight"] = put(get(src + "shared_experts.gate_weight"))
+        return out
+
+
+class Qwen2MoeAdapter(QwenMoeAdapter):
+    family = "qwen2_moe"
+    architectures = ("Qwen2MoeForCausalLM",)
+    model_type = "qwen2_moe"
+    shared_expert = True
+
+    def config_from_hf(self, hf: dict) -> dict:
+        if hf.get("qkv_bias", True):     # HF's default: every released Qwen2-MoE has them
+            raise UnsupportedModelError("Qwen2MoeForCausalLM: qkv_bias (q/k/v projection "
+                                        "biases) needs --add-qkv-bias, which megalite lacks")
+        if not hf.get("shared_expert_intermediate_size"):
+            raise UnsupportedModelError("Qwen2MoeForCausalLM: shared_expert_intermediate_size "
+                                        "0 is not supported (the block always has its gate)")
+        return super().config_from_hf(hf)
+
+    def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
+        hf = super().config_to_hf(m, torch_dtype)
+        hf.pop("attention_bias", None)
+        hf["qkv_bias"] = False
+        return hf
+
+
+class Qwen3MoeAdapter(QwenMoeAdapter):
+    family = "qwen3_moe"
+    architectures = ("Qwen3MoeForCausalLM",)
+    model_type = "qwen3_moe"
+
+    def config_from_hf(self, hf: dict) -> dict:
+        raise UnsupportedModelError("Qwen3MoeForCausalLM: its per-head q/k RMSNorm (q_norm, "
+                                    "k_norm) needs --qk-layernorm, which megalite lacks")
+
+    def export_problems(self, m: dict) -> List[str]:
+        return super().export_problems(m) + ["--qk-layernorm (not in megalite yet)"]
