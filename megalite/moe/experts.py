@@ -37,8 +37,12 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
     recent torch; on CUDA it needs bf16 and a recent GPU).  Probed once per device/dtype."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    try:    # the first call may come from an eval forward: probe with autograd on
-        with torch.inference_mode(False), torch.enable_grad():
+    try:    # the first call may come from an eval forward: probe with autograd on, and
+        # from inside a recomputed (checkpointed) forward: identity saved-tensor hooks on top
+        # keep the probe's saved tensors out of that checkpoint's count (else its recompute,
+        # which no longer probes, saves fewer tensors and torch refuses the backward)
+        with torch.inference_mode(False), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             a = torch.ones(4, 8, device=device_type, dtype=dtype, requires_grad=True)
             b = torch.ones(2, 8, 8, device=device_type, dtype=dtype, requires_grad=True)
             offs = torch.tensor([1, 4], dtype=torch.int32, device=device_type)

@@ -2,7 +2,8 @@
 
 Forward FLOPs per token and layer, counting a multiply-add as 2:
   QKV 2h(a+2g)d, scores QK^T 2s*a*d, scores x V 2s*a*d, projection 2*a*d*h,
-  MLP 2*h*f*(3 if SwiGLU else 2)  (MoE: router 2hE + top-k experts),
+  MLP 2*h*f*(3 if SwiGLU else 2)  (MoE: router 2hE + top-k experts + shared expert
+  + its gate 2h),
 plus the logits 2hV once per token.  Biases (--add-qkv-bias) and norms (--qk-layernorm
 too) are elementwise and not counted, as in Megatron; d is --kv-channels, which need not
 be h/a.  Backward is twice the forward, so training is 3x --
@@ -28,6 +29,8 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     if moe:
         linear += 2 * h * m.num_experts + m.moe_router_topk * 2 * h * ms.moe_ffn(m) * gate
         linear += 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gate
+        if m.moe_shared_expert_intermediate_size and m.moe_shared_expert_gate:
+            linear += 2 * h                                     # the shared expert's gate
     else:
         linear += 2 * h * m.resolved_ffn_hidden_size() * gate
     core = 4 * seq * a * d

@@ -198,6 +198,7 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
     if shared:
         n += gate * shared * h // tp + (gate * shared // tp if bias else 0)
         n += h * shared // tp + (h if bias else 0)
+        n += h if m.moe_shared_expert_gate else 0                   # its [1, h] sigmoid gate
     per_expert = gate * fe * h // etp + h * fe // etp                # grouped, no biases
     return ParamCount(dense=n, expert=local * per_expert)
 

@@ -2,8 +2,9 @@
 train to the single-process losses of the same model (docs/launching.md, "Recipes").
 
 The Llama-3 405B twin runs on the two-node SLURM cluster in test_slurm_e2e.py; the GPT-3 175B
-twin (TP2 PP2, full recomputation) runs here.  MoE and CP twins are --dry-run only until those
-layers land (validation refuses them; tests/unit/test_recipes.py dry-runs every recipe).
+twin (TP2 PP2, full recomputation) and the Qwen3-235B-A22B twin (TP2 + SP, PP2 x VPP2 with
+embedding and loss counted, EP2, full recomputation, distributed optimizer) run here
+(tests/unit/test_recipes.py dry-runs every recipe).
 """
 import json
 import os
@@ -12,6 +13,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TWIN = "launch/recipes/twins/gpt3-175b.yaml"
+QWEN3_TWIN = "launch/recipes/twins/qwen3-235b-a22b.yaml"
 
 
 def _run(cmd, **kw):
@@ -20,9 +22,9 @@ def _run(cmd, **kw):
     return p.stdout
 
 
-def _losses(path):
+def _losses(path, key="lm_loss"):
     records = [json.loads(line) for line in open(path)]
-    return [r["lm_loss"] for r in records if "split" not in r]     # training lines only
+    return [r[key] for r in records if "split" not in r]     # training lines only
 
 
 def test_gpt3_twin_with_run_local_matches_one_process(tmp_path):
@@ -38,3 +40,25 @@ def test_gpt3_twin_with_run_local_matches_one_process(tmp_path):
     assert abs(twin[0] - one[0]) <= 1e-5 * abs(one[0]), (twin[0], one[0])
     for a, b in zip(twin, one):
         assert abs(a - b) <= 1e-4 * abs(b), (twin, one)
+
+
+def test_qwen3_moe_twin_with_run_local_matches_one_process(tmp_path):
+    import yaml
+
+    SHORT = ["--global-batch-size", "4"]     # 4 micro-batches through PP2 x VPP2
+
+    env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
+    out = _run(["bash", "launch/run_local.sh", QWEN3_TWIN, "--train-iters", "2", *SHORT,
+                "--metrics-file", str(tmp_path / "twin.jsonl")], env=env)
+    assert "[run_local] 4 process(es)" in out
+    one = yaml.safe_load(open(os.path.join(ROOT, QWEN3_TWIN)))
+    one.pop("parallel")                     # the same model and run on one process
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    _run([sys.executable, "pretrain_gpt.py", "--config", str(tmp_path / "one.yaml"),
+          "--train-iters", "2", "--world-size", "1", *SHORT,
+          "--metrics-file", str(tmp_path / "one.jsonl")])
+    for key in ("lm_loss", "moe_aux_loss"):
+        twin, ref = _losses(tmp_path / "twin.jsonl", key), _losses(tmp_path / "one.jsonl", key)
+        assert len(twin) == len(ref) == 2 and ref[0] > 0
+        assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (key, twin, ref)
+        assert abs(twin[1] - ref[1]) <= 1e-4 * abs(ref[1]), (key, twin, ref)

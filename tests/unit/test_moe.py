@@ -273,3 +273,25 @@ def test_grouped_mm_probe_is_not_fooled_by_a_no_grad_first_call():
         assert under_no_grad == experts_mod.grouped_mm_supported("cpu", torch.float32)
     finally:
         experts_mod.grouped_mm_supported.cache_clear()
+
+
+def test_grouped_mm_probe_inside_a_recomputed_forward_keeps_the_checkpoint_consistent():
+    """The probe's own autograd graph, run on the first expert forward, must not count among
+    the tensors a checkpointed forward saves (the recomputation no longer probes): found by
+    the qwen3-235b-a22b twin, whose first MoE forward is under full recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megalite.moe import experts as experts_mod
+
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not available in this torch")
+    cfg = mcfg(hidden_size=16, moe_ffn_hidden_size=16)
+    layer = initialized(MoELayer(cfg, groups(), submodules=_local_moe_submodules(),
+                                 sequence_parallel=False, layer_number=0))
+    x = torch.randn(4, 2, 16, requires_grad=True)
+    experts_mod.grouped_mm_supported.cache_clear()
+    try:
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+    finally:
+        experts_mod.grouped_mm_supported.cache_clear()
+    assert x.grad is not None and layer.experts.linear_fc1.weight.grad is not None

@@ -137,3 +137,22 @@ def test_planner_imports_no_torch():
             "assert 'torch' not in sys.modules, 'torch imported'")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
+
+
+def test_hf_config_qwen_moe_families(tmp_path):
+    """Qwen2-MoE's gated shared expert and sparse-layer rule, read as the HF adapter reads
+    them; the planner's count is the published Qwen1.5-MoE-A2.7B size (14.3B)."""
+    from megalite.planner import model_spec as ms
+    qwen15 = {"model_type": "qwen2_moe", "hidden_size": 2048, "intermediate_size": 5632,
+              "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+              "vocab_size": 151936, "num_experts": 60, "num_experts_per_tok": 4,
+              "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+              "decoder_sparse_step": 1, "norm_topk_prob": False, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(qwen15))
+    m = ms.from_hf_config(str(path))
+    assert m.moe_shared_expert_gate and m.moe_router_pre_softmax
+    assert round(ms.total_params(m) / 1e9, 1) == 14.3      # without q/k/v biases (kB)
+    path.write_text(json.dumps(dict(qwen15, decoder_sparse_step=2, mlp_only_layers=[3])))
+    m2 = ms.from_hf_config(str(path))
+    assert [m2.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]

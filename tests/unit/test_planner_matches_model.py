@@ -94,3 +94,34 @@ def test_account_for_split_stages_equal_model(pp, vpp, accounts):
                                  layer_numbers=layers, device="meta", init=False)
             total += sum(p.numel() for p in model.parameters())
         assert ms.stage_params(m, r, tp=2, pp=pp, vpp=vpp, accounts=accounts).total == total
+
+
+MOE_VARIANTS = {   # Qwen2-MoE's gated shared expert and dense layers; DeepSeek-V3's first dense
+    "qwen2-moe": dict(moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=32,
+                      moe_shared_expert_gate=True, moe_layer_freq=[1, 0, 1, 1, 0, 1]),
+    "deepseek-v3": dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                        moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=32,
+                        moe_layer_freq=[0] + [1] * 5),
+}
+
+
+@pytest.mark.parametrize("variant,tp,ep,etp", [(v, *lay) for v in MOE_VARIANTS
+                                               for lay in [(1, 1, 1), (2, 2, 1), (2, 2, 2)]])
+def test_moe_stage_params_equal_model(variant, tp, ep, etp):
+    """Routed experts over EP x expert-TP, the shared expert (and its gate) over TP, dense
+    layers between MoE layers: the planner's per-rank count is what the model holds."""
+    import dataclasses
+
+    m = dataclasses.replace(model_cfg("llama"), num_experts=4, moe_ffn_hidden_size=48,
+                            moe_router_topk=2, **MOE_VARIANTS[variant])
+    cfg = MegaliteConfig(model=m, world_size=2 * tp * ep * etp, parallel=ParallelConfig(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=2,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        sequence_parallel=tp > 1))
+    state = ParallelState.build(RankGrid.from_config(cfg), 0, create_groups=False)
+    for r in range(2):
+        layers = ms.stage_layer_ids(m, 2, r)
+        model = gpt.GPTModel(cfg, state, pre_process=r == 0, post_process=r == 1,
+                             layer_numbers=layers, device="meta", init=False)
+        real = sum(p.numel() for p in model.parameters())
+        assert ms.stage_params(m, r, tp=tp, pp=2, etp=etp, ep=ep).total == real

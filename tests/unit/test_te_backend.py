@@ -375,6 +375,31 @@ def test_moe_model_keeps_the_pre_mlp_norm_unfused(fake_te):
                                rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("variant", [
+    dict(moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=16,
+         moe_shared_expert_gate=True),                                        # Qwen2-MoE
+    dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+         moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.5,
+         moe_shared_expert_intermediate_size=16)])                            # DeepSeek-V3
+def test_moe_variants_run_through_the_te_spec(fake_te, variant):
+    """The shared expert (gate included) is a TE MLP in the TE spec; router variants are
+    megalite's on both backends: same parameters and the same loss and gradients."""
+    m = mcfg("llama", num_experts=4, moe_layer_freq=[0, 1, 1], moe_router_topk=2, **variant)
+    te, local = model(m, "transformer_engine"), model(m, "local")
+    shared = te.decoder.layers["1"].mlp.shared_experts
+    assert type(shared.linear_fc1).__name__ == "Linear"
+    assert hasattr(shared, "gate_weight") == bool(variant.get("moe_shared_expert_gate"))
+    assert te.param_table.specs.keys() == local.param_table.specs.keys()
+    ids, labels = batch()
+    loss_te, loss_local = te(ids, labels=labels).mean(), local(ids, labels=labels).mean()
+    torch.testing.assert_close(loss_te, loss_local, rtol=1e-6, atol=1e-6)
+    loss_te.backward()
+    loss_local.backward()
+    grads = dict(te.canonical_named_parameters())
+    for name, p in local.canonical_named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_megalite_import_does_not_import_te(tmp_path):
     import subprocess
 
