@@ -60,7 +60,9 @@ MODEL_PRESETS.update({
                           num_query_groups=8, ffn_hidden_size=16384, moe_ffn_hidden_size=16384,
                           num_experts=8, moe_router_topk=2, vocab_size=32768,
                           rotary_base=1000000, seq_length=4096),
-    # Qwen3-235B-A22B config.json (its q/k RMSNorm is not modelled: a few thousand parameters).
+    # Qwen3-235B-A22B config.json: every layer MoE, softmax top-k renormalized (norm_topk_prob),
+    # no shared expert; intermediate_size (dense MLP) unused.  Its per-head q/k RMSNorm
+    # (--qk-layernorm, 128 + 128 weights a layer) comes with that flag.
     "qwen3-235b-a22b": dict(_LLAMA, num_layers=94, hidden_size=4096, num_attention_heads=64,
                             num_query_groups=4, kv_channels=128, ffn_hidden_size=12288,
                             moe_ffn_hidden_size=1536, num_experts=128, moe_router_topk=8,

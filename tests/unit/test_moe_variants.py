@@ -200,3 +200,19 @@ def test_topk_scaling_factor_matches_megatron_core():
         ref, _ = moe_utils.topk_routing_with_score_function(
             logits, K, use_pre_softmax=pre, scaling_factor=2.5, score_function=score)
         torch.testing.assert_close(torch.zeros(10, E).scatter_(1, idx, probs), ref)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--moe-shared-expert-gate"], "--moe-shared-expert-gate gates the shared expert: give "
+                                   "--moe-shared-expert-intermediate-size"),
+    (["--moe-router-topk-scaling-factor", "0"], "--moe-router-topk-scaling-factor must be > 0"),
+])
+def test_bad_variant_flags_are_one_line_errors(capsys, flags, words):
+    from megalite.training.entry import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+              "--seq-length", "8", "--mock-data", "--vocab-size", "32", "--train-iters", "1",
+              "--lr", "1e-3", "--num-experts", "4", "--dry-run", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and words in err and err.count("\n") == 1, err

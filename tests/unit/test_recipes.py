@@ -163,3 +163,37 @@ def test_planner_reads_a_recipe_file_as_its_model():
                  "8", "--gpus-per-node", "2", "--global-batch-size", "8", "--top", "1"],
                 out=twin) == 0
     assert "6 layers, hidden 64" in twin.getvalue()
+
+
+QWEN3_235B_HF = {   # Qwen/Qwen3-235B-A22B config.json (the model fields)
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 94, "num_attention_heads": 64,
+    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936, "num_experts": 128,
+    "num_experts_per_tok": 8, "moe_intermediate_size": 1536, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "max_position_embeddings": 40960,
+    "hidden_act": "silu", "attention_bias": False, "router_aux_loss_coef": 0.001}
+
+
+def test_qwen3_235b_recipe_is_the_published_model_and_layout(tmp_path):
+    """The preset is what Qwen's config.json describes (235B parameters, 22B active), and the
+    recipe is Megatron-Core's H100 row: TP2 PP8 VPP4 EP32, expert-TP 1, 256 GPUs."""
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN3_235B_HF))
+    hf_model, preset = ms.from_hf_config(str(path)), ms.recipe("qwen3-235b-a22b")
+    assert ms.total_params(hf_model) == ms.total_params(preset)
+    assert round(ms.total_params(preset) / 1e9) == 235
+    assert round(ms.active_params(preset) / 1e9) == 22
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                  "vocab_size", "rotary_base", "norm_epsilon", "moe_router_pre_softmax",
+                  "moe_shared_expert_intermediate_size", "untie_embeddings_and_output_weights"):
+        assert getattr(hf_model, field) == getattr(preset, field), field
+    cfg = _cfg(os.path.join(RECIPES, "qwen3-235b-a22b.yaml"))
+    p = cfg.parallel
+    assert (cfg.world_size, p.tp, p.pp, p.virtual_stages(94), p.ep, p.etp) == \
+        (256, 2, 8, 4, 32, 1)
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size,
+            cfg.model.seq_length) == (1, 2048, 4096)
