@@ -277,7 +277,7 @@ def local_moe_bytes(m: ModelConfig, L: Layout, Tn: int, e: int) -> int:
     """megalite's MoE block (``megalite/moe``) per micro-batch with alltoall dispatch and
     uniform routing (each rank receives as many pairs as it sends): the router input, fp32
     logits / scores, int64 choices and permutations, the sorted expert input, fc1 output,
-    (silu,) fc2 input, the returned expert output, and the shared expert's MLP."""
+    (silu,) fc2 input, the returned expert output, and the shared expert's MLP (and gate)."""
     h, E, k = m.hidden_size, m.num_experts, m.moe_router_topk
     pairs = Tn * k
     rows = pairs * L.etp                           # expert rows after the expert-TP gather
@@ -295,6 +295,8 @@ def local_moe_bytes(m: ModelConfig, L: Layout, Tn: int, e: int) -> int:
     shared = m.moe_shared_expert_intermediate_size
     if shared:                                     # its fc1 input is the router's input
         n += (4 if m.swiglu else 2) * e * (Tn * (L.tp if L.sp else 1)) * shared // L.tp
+        if m.moe_shared_expert_gate:               # output x sigmoid gate keeps both factors
+            n += e * Tn * h + e * Tn
     return n
 
 

@@ -216,3 +216,37 @@ def test_bad_variant_flags_are_one_line_errors(capsys, flags, words):
               "--lr", "1e-3", "--num-experts", "4", "--dry-run", *flags])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_planner_counts_what_the_shared_expert_gate_keeps_for_backward():
+    """The gate's product keeps the shared expert's output and the gate: the planner's MoE
+    activation bytes grow by exactly what autograd saves in addition (measured with
+    saved-tensor hooks; parameters and tensors saved twice counted once)."""
+    from megalite.planner import memory as mem
+    from megalite.planner.layout import Layout
+
+    def saved_bytes(m):
+        groups = ModelCommGroups.from_parallel_state(single_rank_state())
+        layer = MoELayer(m, groups, submodules=local_spec().layer.submodules.moe_mlp.submodules,
+                         sequence_parallel=False, layer_number=0)
+        params = {p.data_ptr() for p in layer.parameters()}
+        seen = {}
+
+        def pack(t):
+            if t.data_ptr() not in params:
+                seen[t.data_ptr()] = t.numel() * t.element_size()
+            return t
+
+        x = torch.randn(8, 2, H, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x)
+        return sum(seen.values())
+
+    base = model_cfg(num_experts=E, moe_router_topk=K, moe_ffn_hidden_size=F,
+                     moe_shared_expert_intermediate_size=SHARED)
+    gated = dataclasses.replace(base, moe_shared_expert_gate=True)
+    measured = saved_bytes(gated) - saved_bytes(base)
+    tokens = 16
+    planned = mem.local_moe_bytes(gated, Layout(world=1), tokens, 4) - \
+        mem.local_moe_bytes(base, Layout(world=1), tokens, 4)
+    assert measured == planned == 4 * tokens * (H + 1)

@@ -314,3 +314,4 @@ def test_pp_p2p_messages():
     first, mid = cm.volume(cm.events(m, L, 32, 0)), cm.volume(cm.events(m, L, 32, 1))
     assert first["pp/send"]["calls"] == 4 and mid["pp/send"]["calls"] == 8
     assert mid["pp/send"]["elements"] == 8 * 32 * 64
+
