@@ -203,9 +203,10 @@ def test_topk_scaling_factor_matches_megatron_core():
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--moe-shared-expert-gate"], "--moe-shared-expert-gate gates the shared expert: give "
-                                   "--moe-shared-expert-intermediate-size"),
-    (["--moe-router-topk-scaling-factor", "0"], "--moe-router-topk-scaling-factor must be > 0"),
+    (["--moe-shared-expert-gate"],
+     "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size"),
+    (["--moe-router-topk-scaling-factor", "0"],
+     "--moe-router-topk-scaling-factor must be a positive number, got 0.0"),
 ])
 def test_bad_variant_flags_are_one_line_errors(capsys, flags, words):
     from megalite.training.entry import main
