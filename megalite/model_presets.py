@@ -61,13 +61,12 @@ MODEL_PRESETS.update({
                           num_experts=8, moe_router_topk=2, vocab_size=32768,
                           rotary_base=1000000, seq_length=4096),
     # Qwen3-235B-A22B config.json: every layer MoE, softmax top-k renormalized (norm_topk_prob),
-    # no shared expert; intermediate_size (dense MLP) unused.  Its per-head q/k RMSNorm
-    # (--qk-layernorm, 128 + 128 weights a layer) comes with that flag.
+    # no shared expert, per-head q/k RMSNorm; intermediate_size (dense MLP) unused.
     "qwen3-235b-a22b": dict(_LLAMA, num_layers=94, hidden_size=4096, num_attention_heads=64,
-                            num_query_groups=4, kv_channels=128, ffn_hidden_size=12288,
-                            moe_ffn_hidden_size=1536, num_experts=128, moe_router_topk=8,
-                            vocab_size=151936, rotary_base=1000000, norm_epsilon=1e-6,
-                            seq_length=4096),
+                            num_query_groups=4, kv_channels=128, qk_layernorm=True,
+                            ffn_hidden_size=12288, moe_ffn_hidden_size=1536, num_experts=128,
+                            moe_router_topk=8, vocab_size=151936, rotary_base=1000000,
+                            norm_epsilon=1e-6, seq_length=4096),
     # DeepSeek-V3's sizes (61 layers, the first 3 dense; 256 routed experts, top-8) with
     # megalite's parts: multi-head attention of 128 x 128-dim heads instead of MLA, no shared
     # expert, a softmax top-k router -- hence "-like".

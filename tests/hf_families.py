@@ -5,9 +5,15 @@ the feature that family brings, built with ``transformers`` from a tiny config:
   the scaling shows) and tied embeddings;
 * ``mistral``: head_dim 16 != hidden / heads, ``sliding_window: null``;
 * ``qwen2``: biases on q, k, v; tied embeddings;
-* ``qwen3``: q/k RMSNorm, head_dim 16, and YaRN scaling.
+* ``qwen3``: q/k RMSNorm, head_dim 16, and YaRN scaling;
+* ``qwen2_moe``: Qwen2's q/k/v biases, a dense layer 0 (``mlp_only_layers``) before an MoE
+  layer with 4 experts top-2 not renormalized and the sigmoid-gated shared expert;
+* ``qwen3_moe``: Qwen3's q/k RMSNorm and head_dim 16, a dense layer 0, 4 experts top-2
+  renormalized.
 
-Norm weights and biases are drawn away from their init, so a swapped mapping shows.
+Norm weights and biases are drawn away from their init, so a swapped mapping shows; the MoE
+families' weights are drawn wider (peaky routers, logits far from uniform), so a wrong
+routing rule moves the loss well past the tolerance.
 """
 import pytest
 import torch
@@ -18,6 +24,8 @@ VOCAB, SEQ = 128, 16      # vocabulary needs no padding: the planner's count is 
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
               rms_norm_eps=1e-5)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0],
+           rope_parameters=dict(rope_type="default", rope_theta=1e6))
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(
         head_dim=8, tie_word_embeddings=True,
@@ -32,7 +40,12 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         head_dim=16, rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
                                           original_max_position_embeddings=16))),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        MOE, shared_expert_intermediate_size=24, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        MOE, head_dim=16, norm_topk_prob=True)),
 }
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 
 
 def hf_model(family: str, seed: int = 0):
@@ -46,6 +59,8 @@ def hf_model(family: str, seed: int = 0):
                 p.uniform_(0.5, 1.5)
             elif n.endswith(".bias"):
                 p.normal_(0, 0.5)
+            elif family in MOE_FAMILIES and p.dim() > 1:    # logits far from uniform, so
+                p.normal_(0, 0.5 if n.endswith("mlp.gate.weight") else 0.15)   # routing shows
     return model
 
 

@@ -1,10 +1,11 @@
-"""The dense Hugging Face families as a user meets them: a tiny random transformers model
+"""The Hugging Face families as a user meets them: a tiny random transformers model
 (Llama 3.2 with llama3 RoPE scaling and tied embeddings, Mistral, Qwen2 with qkv biases,
-Qwen3 with q/k norms and YaRN) converted with tools/checkpoint/convert.py (written for TP2,
-Qwen2/Qwen3 for TP2 x PP2),
-evaluated by ``pretrain_gpt.py --use-checkpoint-args --skip-train`` at TP1 and (torchrun) TP2
-on a .bin dataset, gives transformers' loss on the same tokens (rel <= 1e-5); converted
-back to Hugging Face, transformers reproduces the logits.
+Qwen3 with q/k norms and YaRN, Qwen2-MoE and Qwen3-MoE with a dense and an MoE layer)
+converted with tools/checkpoint/convert.py (written for TP2, the Qwen families for TP2 x PP2),
+evaluated by ``pretrain_gpt.py --use-checkpoint-args --skip-train`` (``pretrain_moe.py`` for
+the MoE families) at TP1 and (torchrun) TP2 -- and EP2 for the MoE families -- on a .bin
+dataset, gives transformers' loss on the same tokens (rel <= 1e-5); converted back to
+Hugging Face, transformers reproduces the logits.
 
 The valid split is one document of 4 windows; 2 evaluation iterations of 2 samples see each
 window once, so the loss is the mean over those 4 windows whatever their order.  After the
@@ -20,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf_families import FAMILIES, SEQ, VOCAB, hf_loss, rel, save_hf_model  # noqa: E402
+from hf_families import (FAMILIES, MOE_FAMILIES, SEQ, VOCAB, hf_loss, rel,  # noqa: E402
+                         save_hf_model)
 
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,20 +32,28 @@ WINDOWS = 4
 EXPORT_AS = {"mistral": ["--hf-architecture", "MistralForCausalLM"]}
 # the layout convert.py writes (the runs reshard it on load): TP2, and TP2 x PP2 for the two
 # families whose layers carry new tensors (qkv biases, q/k norms)
-TARGET = {"qwen2": ["--target-pipeline-model-parallel-size", "2"],
-          "qwen3": ["--target-pipeline-model-parallel-size", "2"]}
+TARGET = {f: ["--target-pipeline-model-parallel-size", "2"]
+          for f in ("qwen2", "qwen3", *MOE_FAMILIES)}
+# evaluation layouts: (processes, flags); MoE with TP needs SP (Megatron's rule)
+LAYOUTS = {"tp1": (1, []), "tp2": (2, ["--tensor-model-parallel-size", "2"])}
+MOE_LAYOUTS = {"tp1": (1, []),
+               "tp2": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+               "ep2": (2, ["--expert-model-parallel-size", "2",     # DP2: 1 sample a rank
+                           "--micro-batch-size", "1"])}
 
 
-def _eval(load, data, metrics, tp):
-    run = ["pretrain_gpt.py", "--use-checkpoint-args", "--skip-train", "--load", load,
+def _eval(family, load, data, metrics, layout):
+    procs, flags = layout
+    entry = "pretrain_moe.py" if family in MOE_FAMILIES else "pretrain_gpt.py"
+    run = [entry, "--use-checkpoint-args", "--skip-train", "--load", load,
            "--data-path", data, "--split", "0,100,0", "--seq-length", str(SEQ),
            "--micro-batch-size", "2", "--global-batch-size", "2", "--eval-iters", "2",
            "--train-iters", "1", "--tokenizer-type", "NullTokenizer", "--vocab-size",
-           str(VOCAB), "--lr", "1e-4", "--device", "cpu", "--metrics-file", metrics]
-    if tp == 1:
+           str(VOCAB), "--lr", "1e-4", "--device", "cpu", "--metrics-file", metrics, *flags]
+    if procs == 1:
         return [PY, *run]
-    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tp),
-            *run, "--tensor-model-parallel-size", str(tp)]
+    return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs),
+            *run]
 
 
 def _finish(proc, cmd):
@@ -63,8 +73,8 @@ def _valid_loss(path):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_converted_family_gives_transformers_loss_at_tp1_tp2_and_exports_back(tmp_path,
-                                                                              family):
+def test_converted_family_gives_transformers_loss_at_tp1_tp2_ep2_and_exports_back(tmp_path,
+                                                                                  family):
     from megalite.data.indexed_dataset import write_documents
 
     hf_dir, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
@@ -79,14 +89,15 @@ def test_converted_family_gives_transformers_loss_at_tp1_tp2_and_exports_back(tm
            "--load-dir", hf_dir, "--save-dir", ckpt, "--target-tensor-parallel-size", "2",
            *TARGET.get(family, [])]
     assert "TP=2" in _finish(_start(cmd), cmd)
-    cmds = {"tp1": _eval(ckpt, data, str(tmp_path / "tp1.jsonl"), 1),
-            "tp2": _eval(ckpt, data, str(tmp_path / "tp2.jsonl"), 2),
-            "export": [PY, CONVERT, "--source-format", "megalite", "--target-format", "hf",
-                       "--load-dir", ckpt, "--save-dir", back, *EXPORT_AS.get(family, [])]}
+    layouts = MOE_LAYOUTS if family in MOE_FAMILIES else LAYOUTS
+    cmds = {name: _eval(family, ckpt, data, str(tmp_path / f"{name}.jsonl"), layout)
+            for name, layout in layouts.items()}
+    cmds["export"] = [PY, CONVERT, "--source-format", "megalite", "--target-format", "hf",
+                      "--load-dir", ckpt, "--save-dir", back, *EXPORT_AS.get(family, [])]
     procs = {name: _start(cmd) for name, cmd in cmds.items()}
     outs = {name: _finish(proc, cmds[name]) for name, proc in procs.items()}
     assert "model flags from the checkpoint" in outs["tp1"]
-    for layout in ("tp1", "tp2"):
+    for layout in layouts:
         loss = _valid_loss(str(tmp_path / f"{layout}.jsonl"))
         print(f"{family} {layout}: loss {loss:.7f}, transformers {expected:.7f}, rel "
               f"{abs(loss - expected) / expected:.1e}")

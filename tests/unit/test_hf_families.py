@@ -1,4 +1,5 @@
-"""The dense Hugging Face families (Llama 3.x, Mistral, Qwen2, Qwen3) in one process: an
+"""The Hugging Face families (Llama 3.x, Mistral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE) in one
+process: an
 imported model gives transformers' logits, the planner reads each config and counts HF's
 parameters, export picks the family, and what megalite cannot express is one line naming
 the key.  (tests/e2e/test_hf_families_e2e.py runs the same models through convert.py and
@@ -27,8 +28,16 @@ EXPECT = {   # what each family's import must set
                   add_bias_linear=False),
     "qwen3": dict(qk_layernorm=True, kv_channels=16, position_embedding_type="yarn",
                   rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16),
+    "qwen2_moe": dict(add_qkv_bias=True, num_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=16, ffn_hidden_size=56, moe_layer_freq=[0, 1],
+                      moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=24,
+                      moe_shared_expert_gate=True),
+    "qwen3_moe": dict(qk_layernorm=True, kv_channels=16, num_experts=4, moe_layer_freq=[0, 1],
+                      moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
+                      moe_shared_expert_gate=False),
 }
-EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
@@ -94,6 +103,10 @@ REFUSALS = [
     ("llama", dict(rope_parameters={"full_attention": dict(rope_type="default"),
                                     "sliding_attention": dict(rope_type="default")}),
      "rope_parameters: per-layer-type RoPE"),
+    ("qwen2_moe", dict(use_sliding_window=True), "use_sliding_window: true is not supported"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0),
+     "shared_expert_intermediate_size 0 is not supported"),
+    ("qwen3_moe", dict(attention_bias=True), "attention_bias: true is not supported for Qwen3"),
 ]
 
 

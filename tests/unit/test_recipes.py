@@ -189,7 +189,8 @@ def test_qwen3_235b_recipe_is_the_published_model_and_layout(tmp_path):
     for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                   "kv_channels", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
                   "vocab_size", "rotary_base", "norm_epsilon", "moe_router_pre_softmax",
-                  "moe_shared_expert_intermediate_size", "untie_embeddings_and_output_weights"):
+                  "moe_shared_expert_intermediate_size", "untie_embeddings_and_output_weights",
+                  "qk_layernorm"):
         assert getattr(hf_model, field) == getattr(preset, field), field
     cfg = _cfg(os.path.join(RECIPES, "qwen3-235b-a22b.yaml"))
     p = cfg.parallel

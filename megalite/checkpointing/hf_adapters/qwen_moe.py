@@ -1,5 +1,7 @@
 """Hugging Face Qwen2-MoE (``Qwen2MoeForCausalLM``) and Qwen3-MoE (``Qwen3MoeForCausalLM``)
-<-> megalite: a Llama-style body whose MLP slot holds, per layer, a dense MLP or an MoE block.
+<-> megalite: the attention of Qwen2 (q/k/v biases as the config's ``qkv_bias`` says:
+``--add-qkv-bias``) or Qwen3 (per-head q/k RMSNorm: ``--qk-layernorm``), and an MLP slot
+holding, per layer, a dense MLP or an MoE block.
 
 MoE block of layer i (megalite name <- HF name, ``model.layers.i.mlp.`` left out):
 
@@ -28,7 +30,9 @@ from typing import Dict, List
 import torch
 
 from megalite.checkpointing.hf_adapters.base import UnsupportedModelError, softmax_router_problems
-from megalite.checkpointing.hf_adapters.llama import LlamaAdapter
+from megalite.checkpointing.hf_adapters.llama import refuse_sliding_window
+from megalite.checkpointing.hf_adapters.qwen2 import Qwen2Adapter
+from megalite.checkpointing.hf_adapters.qwen3 import Qwen3Adapter
 
 
 def sparse_layer_pattern(hf: dict) -> List[int]:
@@ -70,19 +74,18 @@ def _has(get, key: str) -> bool:
         return False
 
 
-class QwenMoeAdapter(LlamaAdapter):
-    """What Qwen2-MoE and Qwen3-MoE share; ``shared_expert`` says whether the family's MoE
-    block has Qwen2-MoE's gated shared expert (it always does there, never in Qwen3-MoE)."""
+class QwenMoeMixin:
+    """The MoE parts Qwen2-MoE and Qwen3-MoE share, in front of their dense family's adapter
+    (which maps the attention).  ``shared_expert``: whether the family's MoE block has
+    Qwen2-MoE's gated shared expert (it always does there, never in Qwen3-MoE)."""
     shared_expert = False
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
-        if hf.get("use_sliding_window"):
-            raise UnsupportedModelError(
-                f"{self.architectures[0]}: use_sliding_window is not supported")
-        if "num_experts_per_tok" not in hf or "moe_intermediate_size" not in hf:
+        missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in hf]
+        if missing:
             raise UnsupportedModelError(f"{self.architectures[0]} config lacks "
-                                        "num_experts_per_tok / moe_intermediate_size")
+                                        f"{', '.join(missing)}")
         cfg = super().config_from_hf(hf)
         cfg.update(qwen_moe_fields(hf))
         return cfg
@@ -103,23 +106,16 @@ class QwenMoeAdapter(LlamaAdapter):
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
         from megalite.config import ModelConfig
 
-        problems = self.export_problems(m)
-        if problems:
-            raise UnsupportedModelError(f"only {self.architectures[0]}-style models export "
-                                        "as this family; needs " + ", ".join(problems))
-        hf = super().config_to_hf(m, torch_dtype)
+        hf = super().config_to_hf(m, torch_dtype)     # raises on export_problems
         mc = ModelConfig(**m)
-        for key in ("mlp_bias",):
-            hf.pop(key, None)
+        hf.pop("mlp_bias", None)
         hf.update(
-            architectures=list(self.architectures), model_type=self.model_type,
             num_experts=mc.num_experts, num_experts_per_tok=mc.moe_router_topk,
             moe_intermediate_size=mc.resolved_moe_ffn_hidden_size(),
             intermediate_size=mc.resolved_ffn_hidden_size(), decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(mc.num_layers) if not mc.is_moe_layer(i)],
             norm_topk_prob=not mc.moe_router_pre_softmax,
-            router_aux_loss_coef=mc.moe_aux_loss_coeff, output_router_logits=False,
-            use_sliding_window=False, sliding_window=None)
+            router_aux_loss_coef=mc.moe_aux_loss_coeff, output_router_logits=False)
         if self.shared_expert:
             hf["shared_expert_intermediate_size"] = mc.moe_shared_expert_intermediate_size
         return hf
@@ -173,36 +169,30 @@ class QwenMoeAdapter(LlamaAdapter):
         return out
 
 
-class Qwen2MoeAdapter(QwenMoeAdapter):
+class Qwen2MoeAdapter(QwenMoeMixin, Qwen2Adapter):
+    """Qwen2's attention, but the q/k/v biases are a config switch (``qkv_bias``, true in
+    every release)."""
     family = "qwen2_moe"
     architectures = ("Qwen2MoeForCausalLM",)
     model_type = "qwen2_moe"
     shared_expert = True
 
-    def config_from_hf(self, hf: dict) -> dict:
-        if hf.get("qkv_bias", True):     # HF's default: every released Qwen2-MoE has them
-            raise UnsupportedModelError("Qwen2MoeForCausalLM: qkv_bias (q/k/v projection "
-                                        "biases) needs --add-qkv-bias, which megalite lacks")
+    def family_fields_from_hf(self, hf: dict) -> dict:
+        refuse_sliding_window(hf)
         if not hf.get("shared_expert_intermediate_size"):
             raise UnsupportedModelError("Qwen2MoeForCausalLM: shared_expert_intermediate_size "
                                         "0 is not supported (the block always has its gate)")
-        return super().config_from_hf(hf)
+        return {"add_qkv_bias": bool(hf.get("qkv_bias", True))}
 
-    def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
-        hf = super().config_to_hf(m, torch_dtype)
-        hf.pop("attention_bias", None)
-        hf["qkv_bias"] = False
-        return hf
+    def family_export_problems(self, mc) -> List[str]:
+        return ["no --qk-layernorm"] if mc.qk_layernorm else []
+
+    def family_config_to_hf(self, mc) -> dict:
+        return dict(super().family_config_to_hf(mc), qkv_bias=bool(mc.add_qkv_bias))
 
 
-class Qwen3MoeAdapter(QwenMoeAdapter):
+class Qwen3MoeAdapter(QwenMoeMixin, Qwen3Adapter):
+    """Qwen3's attention (per-head q/k RMSNorm, head_dim of its own)."""
     family = "qwen3_moe"
     architectures = ("Qwen3MoeForCausalLM",)
     model_type = "qwen3_moe"
-
-    def config_from_hf(self, hf: dict) -> dict:
-        raise UnsupportedModelError("Qwen3MoeForCausalLM: its per-head q/k RMSNorm (q_norm, "
-                                    "k_norm) needs --qk-layernorm, which megalite lacks")
-
-    def export_problems(self, m: dict) -> List[str]:
-        return super().export_problems(m) + ["--qk-layernorm (not in megalite yet)"]
