@@ -10,6 +10,7 @@ al. 2024].
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Dict, Optional
 
 from megalite.config import ModelConfig
@@ -22,6 +23,7 @@ from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
 from megalite.planner.moe_cost import Routing, routing_imbalance
+from megalite.pipeline_parallel.split import split_layers
 
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
@@ -176,13 +178,38 @@ def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     return int(per * mem.in_flight(L, pp_rank))
 
 
-def _stages(L: Layout):
-    """Representative pipeline ranks (first, a middle one, last) and how many each stands for."""
-    if L.pp == 1:
-        return [(0, 1)]
-    if L.pp == 2:
-        return [(0, 1), (1, 1)]
-    return [(0, 1), (1, L.pp - 2), (L.pp - 1, 1)]
+def _stages(m: ModelConfig, L: Layout):
+    """Representative pipeline ranks and how many ranks each stands for: the first, the
+    last, and one middle rank per distinct (dense, MoE) layer mix -- a model whose first
+    layers are dense (DeepSeek-V3: 3 of 61) gives its middle stages different loads, and
+    the step waits for the heaviest.  Of the ranks with one mix the lowest stands for them
+    all: its warm-up is the longest and it has the least cool-down idle to hide DP in."""
+    if L.pp <= 2:
+        return [(r, 1) for r in range(L.pp)]
+    if not m.num_experts or m.moe_layer_freq == 1:
+        return [(0, 1), (1, L.pp - 2), (L.pp - 1, 1)]   # middle stages differ in nothing
+    freq = m.moe_layer_freq
+    key = (m.num_layers, tuple(freq) if isinstance(freq, list) else freq)
+    if key not in _MOE_PATTERNS:            # parsing --moe-layer-freq per layer is slow
+        _MOE_PATTERNS[key] = tuple(m.is_moe_layer(i) for i in range(m.num_layers))
+    return [(0, 1)] + list(_middle_groups(_MOE_PATTERNS[key], L.pp, L.vpp, L.stage_split)) \
+        + [(L.pp - 1, 1)]
+
+
+_MOE_PATTERNS: dict = {}
+
+
+@lru_cache(maxsize=1024)
+def _middle_groups(moe: tuple, pp: int, vpp: int, split: tuple) -> tuple:
+    """(lowest rank, ranks) per distinct (dense, MoE) mix of the middle stages; ``moe``:
+    which layers hold experts (the search asks this for many layouts)."""
+    groups: dict = {}
+    for r in range(1, pp - 1):
+        ids = split_layers(len(moe), pp, vpp, split[0], split[1], *split[2]).rank_layers(r)
+        key = sum(moe[i] for i in ids), len(ids)
+        first, n = groups.get(key, (r, 0))
+        groups[key] = (first, n + 1)
+    return tuple(sorted(groups.values()))
 
 
 def overlapped(comm: float, gemm: float, chunks: int) -> float:
@@ -233,8 +260,13 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         # Megatron's EP A2A overlap pairs one micro-batch's forward with another's
         # backward, the all-to-alls of each behind the other's compute -- in the 1F1B
         # steady state only: the warm-up's forwards and the cool-down's backwards run alone.
+        # It pairs them layer by layer; the embedding and the output layer + loss (and
+        # the MTP heads) run before and after the layers with the comm stream idle
+        # (megatron/core/models/common/model_chunk_schedule_plan.py, the chunk schedule's
+        # phases 0 and 6), so they hide no all-to-all.
         alone = _unpaired_share(L, r)
-        ep = alone * ep + (1 - alone) * max(0.0, ep - (t_f + t_b))
+        beside = t_f + t_b - c["head"]
+        ep = alone * ep + (1 - alone) * max(0.0, ep - beside)
     # p2p: 1F1B's sends block in the steady state; interleaving overlaps them with the
     # next chunk (Megatron's --overlap-p2p-communication, 2023; ``pp_overlap``), leaving
     # what a message takes beyond a chunk.
@@ -292,7 +324,7 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
              opts: ModelOptions = ModelOptions(), est: Optional[Estimate] = None) -> Estimate:
     est = est or memory_of(m, L, seq, cluster, opts)
     mbs = L.num_micro_batches
-    stages = _stages(L)
+    stages = _stages(m, L)
     load = routing_imbalance(opts.moe_routing, m, L, seq)
     rows = [_stage_row(m, L, seq, r, cluster, opts, load) for r, _ in stages]
     weights = [w for _, w in stages]

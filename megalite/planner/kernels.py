@@ -184,8 +184,9 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
                   imbalance: float = 1.0) -> Dict[str, float]:
     """Seconds of one micro-batch on a rank of pipeline stage ``r``: ``t_f``, ``t_b``
     (recomputation included), ``rec`` (the recomputation alone), ``core`` (attention's
-    share of t_f + t_b, what CP's ring hides behind) and ``gemm`` (the dense GEMMs, what
-    TP's comm-GEMM overlap hides behind)."""
+    share of t_f + t_b, what CP's ring hides behind), ``gemm`` (the dense GEMMs, what
+    TP's comm-GEMM overlap hides behind) and ``head`` (the output layer, forward and
+    backward: outside the layers, so outside the EP overlap)."""
     gpu, eff = cluster.gpu, cluster.eff
     sustain = eff.compute
     fp8 = FP8_RECIPES.get(opts.fp8) if opts.fp8 else None
@@ -263,12 +264,14 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         t["hbm"] += n * opts.passes * act / hbm
         if fp8:
             t["cast"] += n * fp8.cast_bytes * _quantized_elements(gs) / hbm
+    head = 0.0
     if r == L.pp - 1:                                       # output layer (+ MTP heads)
         lo = fl.logits_forward_flops(m) * tokens / per_gpu
         if opts.mla:
             lo += mla_local.mtp_head_flops(m, opts.mla) * tokens / per_gpu
         t["gemm_f"] += lo / rate
         t["gemm_b"] += 2 * lo / rate
+        head = 3 * lo / rate
     # Recomputing a whole layer (or, with op-level SAC, every elementwise op) repeats the
     # forward's memory-bound work too.
     rec_hbm = t["hbm"] / 3 * rec_frac if L.recompute == "full" else (
@@ -278,7 +281,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     t_b = t["gemm_b"] + t["attn_b"] + 2 * t["hbm"] / 3 + t["cast"] / 2 + t["rec"] + rec_hbm
     return {"t_f": t_f, "t_b": t_b, "rec": t["rec"] + rec_hbm,
             "core": t["attn_f"] + t["attn_b"], "gemm": t["gemm_f"] + t["gemm_b"],
-            "cast": t["cast"], "hbm": t["hbm"]}
+            "cast": t["cast"], "hbm": t["hbm"], "head": head}
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:

@@ -142,6 +142,45 @@ def test_ep_overlap_only_in_the_steady_state():
     assert hidden.step < blocking.step
 
 
+def test_every_middle_layer_mix_is_a_stage_of_its_own():
+    """DeepSeek-V3's first 3 layers are dense: with Bridge's layout (embedding and loss
+    counted, VPP 4) stage 1 holds 2 of them and stages 2-6 eight MoE layers each -- the
+    step waits for those, so they are estimated, not stage 1 standing for all."""
+    from megalite.planner.published import compare
+    c = compare("bridge-deepseek-v3", with_search=False)
+    L, m = c.as_run.layout, c.model
+    assert est_mod._stages(m, L) == [(0, 1), (1, 1), (2, 5), (7, 1)]
+    assert ms.stage_layer_kinds(m, L.pp, 2, L.vpp, *L.stage_split) == (0, 8)
+    rows = [est_mod._stage_row(m, L, 4096, r, c.cluster, c.opts, c.as_run.moe_load)
+            for r in range(L.pp)]
+    worst = max(rows, key=lambda x: x["slot"])
+    assert worst["r"] == 2 and worst["slot"] > 1.2 * rows[1]["slot"]
+    # a uniform model keeps three representatives
+    assert est_mod._stages(LLAMA8, Layout(world=64, pp=8, global_batch=64)) == \
+        [(0, 1), (1, 6), (7, 1)]
+
+
+def test_output_layer_hides_no_ep_all_to_all():
+    """Megatron's EP A2A overlap pairs layers; the output layer and loss run after them
+    with the comm stream idle, so on an all-to-all-bound last stage a bigger output layer
+    adds its whole time to the slot."""
+    L = Layout(world=256, tp=2, pp=8, vpp=4, ep=32, sp=True, micro_batch=1,
+               global_batch=2048, schedule="interleaved", account_embedding=True,
+               account_loss=True)
+    m = ms.recipe("qwen3-235b-a22b")
+    cluster, opts = make_cluster(256, 8, "h100-80gb"), ModelOptions(ep_overlap=True,
+                                                                      fp8="tensorwise")
+    out = []
+    for vocab in (151936, 2 * 151936):
+        mv = replace(m, vocab_size=vocab)
+        row = est_mod._stage_row(mv, L, 4096, L.pp - 1, cluster, opts)
+        head = kernels.stage_compute(mv, L, 4096, L.pp - 1, cluster, opts)["head"]
+        assert row["ep"] > 0                        # the all-to-all is not hidden
+        out.append((row["slot"], head))
+    (s1, h1), (s2, h2) = out
+    assert h2 > h1 > 0 and s2 - s1 == pytest.approx(h2 - h1, rel=1e-6)
+
+
 def test_comm_gemm_overlap_orders():
     L = Layout(world=64, tp=8, pp=8, vpp=5, sp=True, micro_batch=1, global_batch=128)
     m = ms.recipe("llama3-70b")
