@@ -55,6 +55,12 @@ def link_of(cluster: Cluster, size: int, stride: int) -> tuple:
     return min(intra_bw, inter_bw * per_node), alpha
 
 
+def leaves_node(L: Layout, cluster: Cluster, group: str) -> bool:
+    """Whether the ranks of ``group`` span more than one node (so its traffic uses NICs)."""
+    size, stride = group_geometry(L, group)
+    return stride * size > cluster.gpus_per_node
+
+
 def collective_time(op: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
     if n <= 1:
         return 0.0
@@ -291,7 +297,7 @@ def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
         size, stride = group_geometry(L, e.group)
         bw, alpha = link_of(cluster, size, stride)
         gpn = cluster.gpus_per_node
-        if e.op == "all_to_all" and stride * size > gpn:
+        if e.op == "all_to_all" and leaves_node(L, cluster, e.group):
             nic, alpha = cluster.link(stride * size)
             nvl, _ = cluster.link(1)
             local = max(1, min(size, gpn // max(1, stride)))   # group members in one node

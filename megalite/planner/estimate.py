@@ -256,6 +256,9 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     # the all-to-alls of --cp-comm-type a2a block (nothing to hide them behind)
     ring_hidden = c["core"] if L.cp_comm == "p2p" else 0.0
     ep = comm.get("ep", 0.0) / mbs
+    pp = comm.get("pp", 0.0) / mbs
+    interleaved_p2p = L.vpp > 1 and opts.pp_overlap
+    nic_shared = 0.0
     if opts.ep_overlap:
         # Megatron's EP A2A overlap pairs one micro-batch's forward with another's
         # backward, the all-to-alls of each behind the other's compute -- in the 1F1B
@@ -266,12 +269,22 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         # phases 0 and 6), so they hide no all-to-all.
         alone = _unpaired_share(L, r)
         beside = t_f + t_b - c["head"]
-        ep = alone * ep + (1 - alone) * max(0.0, ep - beside)
+        if interleaved_p2p and cm.leaves_node(L, cluster, "ep"):
+            # Meanwhile the interleaved schedule's p2p (asynchronous, beside the paired
+            # chunks: schedules.py, send_forward_recv_forward(overlap_p2p_comm=True)) goes
+            # to the neighbouring stage -- on another node, since an EP group that leaves
+            # the node lies inside one stage -- through the NIC the all-to-all's other-node
+            # share uses: one NIC per GPU (DGX H100: 8 x 400 Gb/s ConnectX-7), and NCCL's
+            # PXN sends what is bound for rail j through NIC j.  Where the all-to-all keeps
+            # that NIC busy, the p2p's bytes add to its time.
+            nic_shared = pp
+        ep = alone * ep + (1 - alone) * max(0.0, ep + nic_shared - beside)
     # p2p: 1F1B's sends block in the steady state; interleaving overlaps them with the
     # next chunk (Megatron's --overlap-p2p-communication, 2023; ``pp_overlap``), leaving
-    # what a message takes beyond a chunk.
-    pp = comm.get("pp", 0.0) / mbs
-    if L.vpp > 1 and opts.pp_overlap:
+    # what a message takes beyond a chunk (nothing more when it shares the NIC above).
+    if nic_shared:
+        pp = 0.0
+    elif interleaved_p2p:
         pp = max(0.0, pp - (t_f + t_b))
     row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp,
                cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden), ep=ep, pp=pp,

@@ -181,6 +181,30 @@ def test_output_layer_hides_no_ep_all_to_all():
     assert h2 > h1 > 0 and s2 - s1 == pytest.approx(h2 - h1, rel=1e-6)
 
 
+def test_p2p_shares_the_nic_with_an_all_to_all_that_keeps_it_busy():
+    """Qwen3-235B on 256 H100 (EP32 over 4 nodes, EP A2A overlap): the all-to-all bounds
+    the steady state; the interleaved p2p to the next stage (another node) leaves through
+    the same NIC, so its bytes add to the exposed time instead of hiding behind compute."""
+    L = Layout(world=256, tp=2, pp=8, vpp=4, ep=32, sp=True, micro_batch=1,
+               global_batch=2048, schedule="interleaved", account_embedding=True,
+               account_loss=True)
+    m = ms.recipe("qwen3-235b-a22b")
+    cluster = make_cluster(256, 8, "h100-80gb")
+    opts = ModelOptions(ep_overlap=True, fp8="tensorwise")
+    row = est_mod._stage_row(m, L, 4096, 1, cluster, opts)
+    comm = cm.comm_seconds(cm.events(m, L, 4096, 1, opts.grad_bytes), L, cluster)
+    c = kernels.stage_compute(m, L, 4096, 1, cluster, opts)
+    mbs = L.num_micro_batches
+    ep, pp = comm["ep"] / mbs, comm["pp"] / mbs
+    alone, beside = est_mod._unpaired_share(L, 1), c["t_f"] + c["t_b"] - c["head"]
+    assert ep > beside and pp > 0                       # all-to-all bound
+    assert row["ep"] == pytest.approx(alone * ep + (1 - alone) * (ep + pp - beside))
+    assert row["pp"] == 0
+    # without the overlap the all-to-alls block and the p2p hides behind the chunks
+    blocking = est_mod._stage_row(m, L, 4096, 1, cluster, replace(opts, ep_overlap=False))
+    assert blocking["ep"] == pytest.approx(ep) and blocking["pp"] == 0
+
+
 def test_comm_gemm_overlap_orders():
     L = Layout(world=64, tp=8, pp=8, vpp=5, sp=True, micro_batch=1, global_batch=128)
     m = ms.recipe("llama3-70b")

@@ -22,13 +22,6 @@ from megalite.planner.published_runs import BY_NAME, RUNS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CAL = set(calibration.calibration_row_names())
-# Rows the model does not reach yet, each with the term it lacks (docs/planner.md, "What
-# the model leaves out").  strict: the day a row passes, this list must shrink.
-KNOWN_MISSES = {
-    "bridge-qwen3-235b-a22b": "bound by the EP32 all-to-all over 4 nodes; the published rate "
-                              "needs it (or the MoE layers' compute) ~12% slower than the "
-                              "model has it, and no source gives a slower all-to-all",
-}
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +54,9 @@ def test_constants_fitted_on_at_most_a_third_of_the_rows_and_reproducible():
 
 @pytest.mark.parametrize("name", [r.name for r in RUNS])
 def test_predicted_within_10_percent(rows, name):
-    if name in KNOWN_MISSES:
-        pytest.xfail(KNOWN_MISSES[name])
     c = rows[name]
     assert abs(c.error) <= 0.10, f"{name}: predicted {c.predicted:.0f}, published " \
                                  f"{c.run.value:g} ({100 * c.error:+.1f}%)"
-
-
-@pytest.mark.parametrize("name", sorted(KNOWN_MISSES))
-def test_known_misses_are_still_misses_but_close(rows, name):
-    assert 0.10 < abs(rows[name].error) <= 0.15
 
 
 def test_held_out_mean_absolute_error_at_most_5_percent(rows):
