@@ -133,8 +133,9 @@ RUNS = [
                  dict(BRIDGE_FP8, moe_routing="uniform", ep_overlap=True),
                  assumed="GBS 2048 from commit 5776a6d9 (the current page drops it); "
                  "embedding and loss counted in the split (recipe); dropless, 'force-balanced' routing (page) = "
-                 "random router logits (Megatron's router.py), i.e. uniform routing; EP A2A "
-                 "overlap (recipe); q/k norm not counted; 1575 tokens/s/GPU"),
+                 "random router logits (Megatron's router.py), i.e. uniform routing; NCCL "
+                 "all-to-all dispatcher (no flex backend on H100) with EP A2A overlap "
+                 "(recipe); q/k norm not counted; 1575 tokens/s/GPU"),
     PublishedRun("bridge-deepseek-v3", "deepseek-v3-like", BRIDGE_ARCHIVE, "h100-80gb", 1024,
                  4096, 8192, dict(tp=2, pp=8, vpp=4, ep=64, etp=1, sp=True, zero=1,
                                   micro_batch=1, recompute="selective", account_embedding=True,
@@ -148,7 +149,8 @@ RUNS = [
                  "'Et|(tt|)*30mL' is the embedding/loss-counted split at VPP 4; shared "
                  "expert 2048; 'force-balanced' = uniform routing; DeepEP dispatch, EP A2A "
                  "overlap, selective recompute of mla_up_proj + mlp, no grad-reduce overlap "
-                 "(run_script.py); "
+                 "(run_script.py); the all-to-all counted per token copy as NCCL sends it, "
+                 "not DeepEP's once-per-node (docs/planner.md: +54% with it); "
                  "338 is per-tensor current scaling (330 blockwise); 1297 tokens/s/GPU"),
     # ---- Megatron-Core MoE, Mixtral 8x7B, BF16 -----------------------------------------
     PublishedRun("mcore-mixtral-8x7b", "mixtral-8x7b", MCORE_MOE, "h100-80gb", 64, 4096, 256,
