@@ -67,16 +67,32 @@ MODEL_PRESETS.update({
                             ffn_hidden_size=12288, moe_ffn_hidden_size=1536, num_experts=128,
                             moe_router_topk=8, vocab_size=151936, rotary_base=1000000,
                             norm_epsilon=1e-6, seq_length=4096),
-    # DeepSeek-V3's sizes (61 layers, the first 3 dense; 256 routed experts, top-8) with
-    # megalite's parts: multi-head attention of 128 x 128-dim heads instead of MLA, no shared
-    # expert, a softmax top-k router -- hence "-like".
-    "deepseek-v3-like": dict(_LLAMA, num_layers=61, hidden_size=7168, num_attention_heads=128,
-                             group_query_attention=False, kv_channels=128,
-                             ffn_hidden_size=18432, moe_ffn_hidden_size=2048, num_experts=256,
-                             moe_router_topk=8, moe_layer_freq=[0] * 3 + [1] * 58,
-                             vocab_size=129280, rotary_base=10000, norm_epsilon=1e-6,
-                             seq_length=4096),
+    # DeepSeek-V3 (DeepSeek-AI 2024; the HF config.json): 61 layers, the first 3 dense;
+    # Multi-Latent Attention (q rank 1536, kv rank 512, heads 128 + 64 rope / 128 v) with
+    # YaRN x40 over a 4k original context; 256 routed experts top-8 with a sigmoid router,
+    # aux-free expert bias, 8 groups top-4, weights x2.5, one shared expert; one MTP module
+    # (loss weight 0.1, the Megatron-MoE model zoo's); the sequence-wise aux loss 1e-4.
+    "deepseek-v3": dict(_LLAMA, num_layers=61, hidden_size=7168, num_attention_heads=128,
+                        group_query_attention=False, ffn_hidden_size=18432,
+                        multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512,
+                        qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128,
+                        qk_layernorm=True, rope_type="yarn", rotary_scaling_factor=40.0,
+                        mscale=1.0, mscale_all_dim=1.0,
+                        yarn_original_max_position_embeddings=4096,
+                        moe_ffn_hidden_size=2048, num_experts=256, moe_router_topk=8,
+                        moe_layer_freq=[0] * 3 + [1] * 58,
+                        moe_shared_expert_intermediate_size=2048,
+                        moe_router_score_function="sigmoid",
+                        moe_router_enable_expert_bias=True, moe_router_num_groups=8,
+                        moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5,
+                        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-4,
+                        mtp_num_layers=1, mtp_loss_scaling_factor=0.1,
+                        vocab_size=129280, rotary_base=10000, norm_epsilon=1e-6,
+                        seq_length=4096),
 })
+# The name of the recipe before MLA and MTP landed (same-sized MHA, softmax router): kept so
+# that `megalite plan --recipe deepseek-v3-like` still answers -- with the real model.
+MODEL_PRESETS["deepseek-v3-like"] = MODEL_PRESETS["deepseek-v3"]
 
 
 def preset_fields(name: str) -> Dict[str, Any]:

@@ -21,6 +21,7 @@ def validate_layout(cfg: MegaliteConfig) -> None:
     One check per topic, in this order (the first fault found is the one reported)."""
     for check in (check_world_size, check_required_model, check_rank_grids,
                   check_virtual_stages, check_stage_split, check_attention_shape,
+                  check_latent_attention, check_multi_token_prediction,
                   check_batch_sizes, check_sequence, check_experts):
         check(cfg)
 
@@ -173,6 +174,35 @@ def check_attention_shape(cfg: MegaliteConfig) -> None:
                               f"--tensor-model-parallel-size ({p.tp}); use a TP that divides it")
     if m.uses_rotary() and m.resolved_kv_channels() % 2:
         raise ConfigError("rotary embeddings need an even head dimension (--kv-channels)")
+
+
+def check_latent_attention(cfg: MegaliteConfig) -> None:
+    """Multi-Latent Attention: the position encoding and head layout it implies (the ranges
+    of its flags are their domains)."""
+    m = cfg.model
+    if not m.multi_latent_attention:
+        return
+    if m.position_embedding_type != "rope":
+        hint = " (YaRN: --rope-type yarn with the --rotary-scaling-factor/--yarn-* flags)" \
+            if m.position_embedding_type == "yarn" else ""
+        raise ConfigError("--multi-latent-attention carries positions in its decoupled RoPE "
+                          f"part: use --position-embedding-type rope{hint}")
+    for given, flag in ((m.group_query_attention, "--group-query-attention"),
+                        (m.add_qkv_bias, "--add-qkv-bias"),
+                        (m.use_rope_scaling, "--use-rope-scaling")):
+        if given:
+            raise ConfigError(f"{flag} does not apply to --multi-latent-attention (one K/V head "
+                              "per query head, no fused qkv projection, YaRN or plain rope "
+                              "part); drop it")
+    if m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim ({m.qk_pos_emb_head_dim}) must be even "
+                          "(RoPE rotates pairs)")
+
+
+def check_multi_token_prediction(cfg: MegaliteConfig) -> None:
+    if cfg.model.mtp_num_layers and cfg.parallel.cp > 1:
+        raise ConfigError("--mtp-num-layers with --context-parallel-size > 1: shifting the "
+                          "tokens across CP ranks is not implemented; use CP 1")
 
 
 def check_batch_sizes(cfg: MegaliteConfig) -> None:

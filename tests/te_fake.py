@@ -147,10 +147,11 @@ class DotProductAttention(_Base):
         if p > 0 and self.rng_states_tracker is not None:
             ctx = self.rng_states_tracker.fork()
             self.forks += 1
-        with ctx:
+        with ctx:     # TE's softmax_scale (MLA's) and a v narrower than q/k (kv_channels (k, v))
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
-                                                 enable_gqa=k.shape[1] != h)
-        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+                                                 enable_gqa=k.shape[1] != h,
+                                                 scale=self.kwargs.get("softmax_scale"))
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * v.shape[-1])
 
 
 @contextlib.contextmanager

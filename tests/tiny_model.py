@@ -1,7 +1,8 @@
 """One tiny model config for the layer-spec and backend tests (tests/ is on sys.path):
 2-3 layers of hidden 32, GPT-2-style (LayerNorm, learned positions, tied, biases) or
-Llama-style (RMSNorm, RoPE, SwiGLU, untied, no biases, GQA) or Qwen-style (Llama plus
-qkv bias, q/k norms, head dim 8), dropout off."""
+Llama-style (RMSNorm, RoPE, SwiGLU, untied, no biases, GQA), Qwen-style (Llama plus
+qkv bias, q/k norms, head dim 8) or DeepSeek-style attention (Llama with Multi-Latent
+Attention: latents with their norms, a YaRN rope part, v narrower than q/k), dropout off."""
 from __future__ import annotations
 
 from megalite.config import ModelConfig
@@ -12,12 +13,18 @@ def tiny_model_cfg(arch: str = "llama", *, seq_length: int = 8, vocab_size: int 
     d = dict(num_layers=num_layers, hidden_size=32, num_attention_heads=8,
              seq_length=seq_length, vocab_size=vocab_size, make_vocab_size_divisible_by=16,
              hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05)
-    if arch in ("llama", "qwen"):
+    if arch in ("llama", "qwen", "mla"):
         d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                  add_bias_linear=False, untie_embeddings_and_output_weights=True,
                  group_query_attention=True, num_query_groups=num_query_groups)
     if arch == "qwen":     # Qwen2/3's attention: qkv bias, q/k norms, head dim != hidden/heads
         d.update(add_qkv_bias=True, qk_layernorm=True, kv_channels=8)
+    if arch == "mla":      # MHA: one K/V head per query head
+        d.update(group_query_attention=False, num_query_groups=None,
+                 multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=12, qk_head_dim=6,
+                 qk_pos_emb_head_dim=4, v_head_dim=5, qk_layernorm=True,
+                 rotary_scaling_factor=4.0, mscale_all_dim=1.0,
+                 yarn_original_max_position_embeddings=4)
     d.update(over)
     return ModelConfig(**d)
 

@@ -43,6 +43,34 @@ def layer_spec_kwargs(impl: str, cfg, state) -> dict:
                 amax_group=getattr(amax, "handle", None))
 
 
+def multi_latent_attention_spec(spec: LayerSpec) -> LayerSpec:
+    """``spec`` with Multi-Latent Attention in the self-attention slot
+    (``--multi-latent-attention``): the backend's core attention and output projection are
+    kept, the q/kv projections are the local parallel linears (duplicated down projections,
+    column-parallel up projections), the latent norms the backend's norm.  A backend that
+    fused the input norm into ``linear_qkv`` (TE) gets the norm back in its own slot: MLA has
+    no single linear to fuse it into."""
+    from megalite.tensor_parallel.layers import (ColumnParallelLinear, DuplicatedLinear)
+    from megalite.transformer.mla import MLASelfAttention
+    from megalite.transformer.norms import IdentityNorm, build_norm
+    from megalite.transformer.spec import MLASelfAttentionSubmodules, ModuleSpec
+
+    layer = spec.layer.submodules
+    attn = layer.self_attention
+    mla = ModuleSpec(MLASelfAttention, params=dict(attn.params),
+                     submodules=MLASelfAttentionSubmodules(
+                         linear_q_proj=ColumnParallelLinear, linear_q_down_proj=DuplicatedLinear,
+                         linear_q_up_proj=ColumnParallelLinear,
+                         linear_kv_down_proj=DuplicatedLinear,
+                         linear_kv_up_proj=ColumnParallelLinear,
+                         core_attention=attn.submodules.core_attention,
+                         linear_proj=attn.submodules.linear_proj,
+                         q_layernorm=build_norm, kv_layernorm=build_norm))
+    norm = build_norm if layer.input_layernorm is IdentityNorm else layer.input_layernorm
+    layer = dataclasses.replace(layer, self_attention=mla, input_layernorm=norm)
+    return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))
+
+
 def context_parallel_spec(spec: LayerSpec, cp_comm_type: str) -> LayerSpec:
     """``spec`` with context-parallel core attention in the core-attention slot (ring
     attention for ``--cp-comm-type p2p``, Ulysses all-to-all for ``a2a``); every other slot

@@ -183,9 +183,14 @@ class TECoreAttention(nn.Module):
 
     def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None,
-                 cp_comm_type: str = "p2p"):
+                 cp_comm_type: str = "p2p", softmax_scale: Optional[float] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None):
         super().__init__()
         te = te_pytorch()
+        # Multi-Latent Attention: k/v head dims differ and the softmax scale is its own
+        extra = {} if softmax_scale is None else {"softmax_scale": softmax_scale}
+        kv_channels = model_cfg.resolved_kv_channels() if k_channels is None else \
+            (k_channels, v_channels or k_channels)
         os.environ.update(TE_ATTENTION_ENV.get(getattr(model_cfg, "attention_backend", "auto"),
                                                {}))
         self.rng_tracker = rng_tracker
@@ -193,12 +198,12 @@ class TECoreAttention(nn.Module):
         proxy = TrackerProxy(self)
         self.attention = te.DotProductAttention(
             num_attention_heads=model_cfg.num_attention_heads,
-            kv_channels=model_cfg.resolved_kv_channels(),
+            kv_channels=kv_channels,
             num_gqa_groups=model_cfg.resolved_query_groups(),
             attention_dropout=model_cfg.attention_dropout, qkv_format="sbhd",
             attn_mask_type=attn_mask_type.value, sequence_parallel=False,
             tp_size=tp.size, tp_group=tp.handle if tp.size > 1 else None,
-            get_rng_state_tracker=lambda: proxy, layer_number=layer_number + 1)
+            get_rng_state_tracker=lambda: proxy, layer_number=layer_number + 1, **extra)
         if cp.size > 1:
             self.attention.set_context_parallel_group(cp.handle, list(cp.ranks),
                                                       cp_stream(), cp_comm_type)

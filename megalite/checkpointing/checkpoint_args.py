@@ -40,16 +40,19 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
                "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
                "moe_shared_expert_gate", "moe_router_topk_scaling_factor",
-               "moe_router_num_groups", "moe_router_group_topk")
+               "moe_router_num_groups", "moe_router_group_topk",
+               # Multi-Latent Attention and its rope part; Multi-Token Prediction
+               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+               "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers")
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",
                       "rope_scaling_original_max_position_embeddings")
 YARN_FIELDS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
-               "mscale", "mscale_all_dim",
-               "moe_shared_expert_gate", "moe_router_topk_scaling_factor",
-               "moe_router_num_groups", "moe_router_group_topk")
+               "mscale", "mscale_all_dim")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim", "rope_type")
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                     "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 # Run-time choices, not part of what the weights mean: never printed by model_flags.
@@ -104,11 +107,13 @@ def _applies(name: str, m: ModelConfig) -> bool:
     if name in LLAMA3_ROPE_FIELDS:
         return m.position_embedding_type == "rope" and m.use_rope_scaling
     if name in YARN_FIELDS:
-        return m.position_embedding_type == "yarn"
+        return m.uses_yarn()
     if name == "max_position_embeddings":
         return m.position_embedding_type == "learned_absolute"
     if name.startswith("moe_"):
         return bool(m.num_experts)
+    if name in MLA_FIELDS:
+        return m.multi_latent_attention
     return name not in ("group_query_attention", "seq_length")   # compared as query groups
 
 

@@ -263,6 +263,8 @@ def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], state,
                          strict: bool = True) -> None:
     """Copy full (unpadded) tensors into this rank's chunks (``state``: its ParallelState;
     each parameter's spec says which of its groups split it)."""
+    from megalite.moe.moe_layer import expert_bias_key, moe_layers
+
     coords = group_coords(state)
     missing = []
     for name, p, spec in _named(_chunks(model_chunks)):
@@ -270,6 +272,12 @@ def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], state,
             missing.append(name)
             continue
         p.copy_(spec.shard(full_sd[name], coords))
+    for chunk in _chunks(model_chunks):      # router buffers (MoE expert bias) by their name
+        num_layers = chunk.model_cfg.num_layers
+        for n, layer in moe_layers([chunk]).items():
+            key = expert_bias_key(n, num_layers)
+            if layer.router.expert_bias is not None and key in full_sd:
+                layer.router.expert_bias.copy_(full_sd[key])
     if missing and strict:
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
 
@@ -277,15 +285,21 @@ def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], state,
 def full_state_dict_from_checkpoint(directory: str, iteration: Optional[int] = None
                                     ) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """(model config dict, {global name: full unpadded tensor}); single process."""
+    from megalite.moe.moe_layer import expert_bias_entries
+
     meta = read_metadata(directory, iteration)
+    bias = (meta.get("extra") or {}).get("moe_expert_bias")   # router buffers, by layer
     if is_dcp(meta):
         from megalite.checkpointing.dcp_format import load_full, saved_tensors
 
         it_dir = iteration_dir(directory, meta["iteration"])
         keys = [k for k in saved_tensors(it_dir) if k.startswith("model.")]
-        return meta["model"], {k[len("model."):]: v for k, v in load_full(it_dir, keys).items()}
-    reader = _Reader(directory, iteration)
-    return reader.meta["model"], {name: reader.full(name) for name in reader.names()}
+        full = {k[len("model."):]: v for k, v in load_full(it_dir, keys).items()}
+    else:
+        reader = _Reader(directory, iteration)
+        full = {name: reader.full(name) for name in reader.names()}
+    full.update(expert_bias_entries(bias, meta["model"]["num_layers"]))
+    return meta["model"], full
 
 
 def stage_parameter_specs(model_cfg, split) -> List[Dict[str, ParamSpec]]:
@@ -329,10 +343,19 @@ def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
     if split.pp != pp or split.num_layers != model_cfg.num_layers:
         raise ValueError(f"pipeline split for PP={split.pp} and {split.num_layers} layers does "
                          f"not match PP={pp} and the model's {model_cfg.num_layers} layers")
+    from megalite.moe.moe_layer import split_expert_bias
+
     stages = stage_parameter_specs(model_cfg, split)
-    missing = sorted({n for metas in stages for n in metas} - set(full_sd))
+    full_sd, bias = split_expert_bias(full_sd, model_cfg.num_layers,
+                                      model_cfg.num_layers + (model_cfg.mtp_num_layers or 0))
+    names = {n for metas in stages for n in metas}
+    missing = sorted(names - set(full_sd))
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    unknown = sorted(set(full_sd) - names)
+    if unknown:     # refuse, never drop: a tensor the model has no place for
+        raise KeyError(f"state dict has {len(unknown)} tensors this model has no parameter "
+                       f"for, e.g. {unknown[:3]}")
     for tp_rank in range(tp):
         for stage, metas in enumerate(stages):
             # expert tensors are written whole, as training writes them (``local_shards``)
@@ -344,4 +367,5 @@ def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
             _atomic_save({"model": tensors,
                           "meta": {n: m.to_meta_dict() for n, m in metas.items()}},
                          os.path.join(path, "model.pt"))
-    _write_metadata(directory, iteration, dataclasses.asdict(model_cfg), tp, pp)
+    _write_metadata(directory, iteration, dataclasses.asdict(model_cfg), tp, pp,
+                    {"moe_expert_bias": bias} if bias else None)

@@ -93,7 +93,8 @@ class ModelConfig:
     qk_layernorm: bool = opt(
         False, "Normalize each head's queries and keys over the head dimension (the "
         "--normalization kind, one weight of --kv-channels shared by all heads) before RoPE "
-        "(Qwen3).", action="store_true")
+        "(Qwen3); with --multi-latent-attention, the q and kv latents instead (Megatron's "
+        "meaning; DeepSeek's models have them).", action="store_true")
     init_method_std: float = opt(0.02, "Std of the normal initialization.", gt=0)
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.", ge=0, lt=1)
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.", ge=0, lt=1)
@@ -103,6 +104,32 @@ class ModelConfig:
         "sequences, where it is faster; SDPA otherwise). Transformer Engine: its flash, fused "
         "or unfused kernel (NVTE_* switches, as Megatron), 'auto' = TE's choice.",
         choices=["auto", "flash", "fused", "unfused", "local"])
+    # Multi-Latent Attention (DeepSeek-V2/V3; transformer/mla.py), Megatron's MLA flags.
+    multi_latent_attention: bool = opt(
+        False, "Multi-Latent Attention: q and k/v through low-rank projections, a decoupled "
+        "RoPE part shared by all heads (--qk-layernorm: norms on the latents).",
+        action="store_true")
+    q_lora_rank: Optional[int] = opt(
+        None, "MLA: rank of the query's low-rank projection (none: one full-rank q "
+        "projection).", gt=0, requires="multi_latent_attention")
+    kv_lora_rank: int = opt(32, "MLA: rank of the compressed key/value latent.", gt=0)
+    qk_head_dim: int = opt(128, "MLA: per-head q/k dimension without position encoding "
+                           "(q/k heads are qk-head-dim + qk-pos-emb-head-dim wide).", gt=0)
+    qk_pos_emb_head_dim: int = opt(
+        64, "MLA: per-head q/k dimension that carries RoPE (even; the key's part is one head "
+        "shared by all heads).", gt=0)
+    v_head_dim: int = opt(128, "MLA: per-head value dimension.", gt=0)
+    rope_type: Optional[str] = opt(
+        None, "MLA's RoPE: rope or yarn (default yarn, as Megatron's MLA; YaRN with "
+        "--rotary-scaling-factor 1 is plain RoPE).", choices=["rope", "yarn"],
+        requires="multi_latent_attention")
+    # Multi-Token Prediction (DeepSeek-V3; transformer/mtp.py).
+    mtp_num_layers: Optional[int] = opt(
+        None, "Multi-Token Prediction: this many sequential MTP modules after the model, the "
+        "k-th predicting the token k+1 positions ahead (on the last pipeline stage).", gt=0)
+    mtp_loss_scaling_factor: float = opt(
+        0.1, "Weight of the MTP loss: the mean of the depths' losses times this joins the "
+        "objective.", ge=0)
     # Mixture of experts.
     num_experts: Optional[int] = opt(None, "Number of routed experts (MoE); none = dense.", gt=0)
     moe_router_topk: int = opt(2, "Experts each token is routed to.", gt=0, le="num_experts")
@@ -179,6 +206,9 @@ class ModelConfig:
         spec, the planner and the FLOP count all use."""
         if not self.num_experts:
             return False
+        if layer >= self.num_layers and self.mtp_num_layers:
+            # an MTP module's layer: built like the model's last layer (Megatron's MTP spec)
+            return self.is_moe_layer(self.num_layers - 1)
         freq = parse_moe_layer_freq(self.moe_layer_freq)
         if isinstance(freq, int):
             return layer % freq == 0
@@ -186,6 +216,10 @@ class ModelConfig:
             raise ValueError(f"--moe-layer-freq pattern has {len(freq)} entries for "
                              f"{self.num_layers} layers")
         return bool(freq[layer])
+
+    def num_transformer_layers(self) -> int:
+        """Decoder layers plus the MTP modules' layers (global numbers L .. L+D-1)."""
+        return self.num_layers + (self.mtp_num_layers or 0)
 
     def resolved_moe_ffn_hidden_size(self) -> int:
         """Hidden size of one routed expert (``--moe-ffn-hidden-size``, else the MLP's)."""
@@ -201,6 +235,17 @@ class ModelConfig:
     def uses_rotary(self) -> bool:
         """Whether attention rotates q and k (plain RoPE or YaRN-scaled)."""
         return self.position_embedding_type in ("rope", "yarn")
+
+    def mla_rope_kind(self) -> str:
+        """Multi-Latent Attention's rope part: ``--rope-type``, default yarn (Megatron's)."""
+        return self.rope_type or "yarn"
+
+    def uses_yarn(self) -> bool:
+        """Whether some rotation is YaRN-scaled (the --rotary-scaling-factor/--yarn-* flags
+        mean something): --position-embedding-type yarn, or MLA's rope part."""
+        if self.multi_latent_attention:
+            return self.mla_rope_kind() == "yarn"
+        return self.position_embedding_type == "yarn"
 
     def resolved_kv_channels(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads

@@ -14,6 +14,7 @@ Needs the (TP-local) head and K/V-head counts divisible by CP (``validation.py``
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,9 @@ class UlyssesAttention(nn.Module):
     qkv_format = "bhsd"
 
     def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None,
+                 softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__()
         check_cp_attention_args(model_cfg, attn_mask_type, "all-to-all attention")
         self.group = comm_groups.cp
@@ -64,7 +67,8 @@ class UlyssesAttention(nn.Module):
                              f"({self.group.size})")
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
-        self.scale = 1.0 / math.sqrt(model_cfg.resolved_kv_channels())
+        self.scale = softmax_scale if softmax_scale is not None else \
+            1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self._order = None
 
     def _orders(self, seq: int, device):
@@ -76,22 +80,29 @@ class UlyssesAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cp = self.group.size
         b, h, s, d = q.shape
-        g = k.shape[1]
+        g, dv = k.shape[1], v.shape[-1]
         hq, hk = h // cp, g // cp
-        # [b, heads, s, d] -> [cp, b, heads/cp, s, d] per tensor, q|k|v packed per rank
-        x = torch.cat([t.reshape(b, cp, t.shape[1] // cp, s, d) for t in (q, k, v)], dim=2)
-        y = AllToAll.apply(x.transpose(0, 1), self.group)         # [cp (src), b, H, s, d]
-        y = y.permute(1, 2, 0, 3, 4).reshape(b, hq + 2 * hk, cp * s, d)
-        order, inverse = self._orders(cp * s, q.device)
-        y = y.index_select(2, inverse)                             # sequence order
-        qf, kf, vf = y.split([hq, hk, hk], dim=1)
+        # [b, heads, s, d] -> [b, cp, heads/cp * s * d] per tensor, q|k|v packed per rank
+        # (flattened, so K and V may have other head dims than Q: Multi-Latent Attention)
+        parts = [t.reshape(b, cp, -1) for t in (q, k, v)]
+        sizes = [t.shape[-1] for t in parts]
+        y = AllToAll.apply(torch.cat(parts, dim=2).transpose(0, 1), self.group)
+        order, inverse = self._orders(cp * s, q.device)        # y: [cp (src), b, packed]
+
+        def whole_sequence(t, heads, dim):                     # [b, heads/cp, S, dim]
+            t = t.reshape(cp, b, heads, s, dim).permute(1, 2, 0, 3, 4)
+            return t.reshape(b, heads, cp * s, dim).index_select(2, inverse)   # in order
+
+        qy, ky, vy = y.split(sizes, dim=-1)
+        qf, kf, vf = whole_sequence(qy, hq, d), whole_sequence(ky, hk, d), \
+            whole_sequence(vy, hk, dv)
         work.add(qf, kf, self.is_causal)
         if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
             kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
         gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}
         o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=self.is_causal,
-                                           **gqa)                  # [b, h/cp, S, d]
+                                           scale=self.scale, **gqa)   # [b, h/cp, S, dv]
         o = o.index_select(2, order)                               # rank order again
-        o = o.reshape(b, hq, cp, s, d).permute(2, 0, 1, 3, 4)       # [cp (dst), b, h/cp, s, d]
+        o = o.reshape(b, hq, cp, s, dv).permute(2, 0, 1, 3, 4)      # [cp (dst), b, h/cp, s, dv]
         o = AllToAll.apply(o, self.group)                          # [cp (head block), ...]
-        return o.permute(1, 0, 2, 3, 4).reshape(b, h, s, d)
+        return o.permute(1, 0, 2, 3, 4).reshape(b, h, s, dv)

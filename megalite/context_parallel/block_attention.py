@@ -6,8 +6,9 @@ scores, so blocks merge exactly (``merge``) and backward can rebuild each block'
 probabilities from the *final* LSE (``block_backward``, FlashAttention's formulas) without
 keeping any s x s matrix between forward and backward.
 
-Layout ``bhsd``: q [b, np, sq, d], k and v [b, ng, sk, d]; query head j reads K/V head
-j // (np/ng), so K/V heads are never repeated (GQA costs no extra memory or messages).
+Layout ``bhsd``: q [b, np, sq, d], k [b, ng, sk, d] and v [b, ng, sk, dv] (dv = d except
+for Multi-Latent Attention); query head j reads K/V head j // (np/ng), so K/V heads are
+never repeated (GQA costs no extra memory or messages).
 Query rows are processed in tiles of at most ``TILE_ELEMENTS`` scores, so the transient
 score matrix stays small however long the sequence (rows are independent: tiling changes
 no result).
@@ -52,16 +53,16 @@ def _scores(q, k, scale: float, causal: bool, row0: int) -> torch.Tensor:
 
 
 def block_forward(q, k, v, scale: float, causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(q k^T * scale) v [b, np, sq, d], LSE [b, np, sq] in ``accum_dtype``)."""
+    """(softmax(q k^T * scale) v [b, np, sq, dv], LSE [b, np, sq] in ``accum_dtype``)."""
     b, h, sq, d = q.shape
-    out = torch.empty(q.shape, dtype=v.dtype, device=q.device)
+    out = torch.empty((b, h, sq, v.shape[-1]), dtype=v.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
     for r0, r1 in query_tiles(q, k.shape[2]):
         qt = q[:, :, r0:r1]
         s = _scores(qt, k, scale, causal, r0)
         tile_lse = torch.logsumexp(s, dim=-1)
         p = s.sub_(tile_lse[..., None]).exp_().to(v.dtype)       # in place: one tile alive
-        out[:, :, r0:r1] = torch.matmul(p, v).view(qt.shape)
+        out[:, :, r0:r1] = torch.matmul(p, v).view(b, h, r1 - r0, v.shape[-1])
         lse[:, :, r0:r1] = tile_lse.view(qt.shape[:3])
     return out, lse
 

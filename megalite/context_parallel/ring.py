@@ -4,7 +4,8 @@ Each CP rank holds its load-balanced tokens (``load_balance.py``: chunks r and 2
 In CP steps every rank sees every other rank's K/V: at step i rank r holds the K/V of
 rank (r - i) mod CP, and while it computes attention on that block it is already sending
 it to r + 1 and receiving the next from r - 1 (``comm.batch_send_recv_async``).  Block
-outputs merge exactly by the log-sum-exp rule.  Only the K/V heads travel (GQA).
+outputs merge exactly by the log-sum-exp rule.  Only the K/V heads travel (GQA); K and V
+may have different head dims (Multi-Latent Attention sends its expanded K and V).
 
 Causal masking with the 2CP chunk layout needs only three kinds of block pair:
   * step 0 (own K/V): a plain causal mask on the local tokens (they are in order);
@@ -21,6 +22,7 @@ the output and the LSE (fp32 for 16-bit inputs).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import nn
@@ -72,17 +74,24 @@ def _pairs(step: int, rank: int, cp: int, causal: bool, c: int):
     return slice(c, None), every, False
 
 
+def _split_kv(kv: torch.Tensor, dk: int):
+    """The K and V parts of a ring message [b, ng, s, dk + dv] (views)."""
+    return kv[..., :dk], kv[..., dk:]
+
+
 class RingAttentionFunction(torch.autograd.Function):
-    """q [b, np, s, d], k and v [b, ng, s, d] (this rank's 2 chunks) -> [b, np, s, d]."""
+    """q [b, np, s, d], k [b, ng, s, d], v [b, ng, s, dv] (this rank's 2 chunks) ->
+    [b, np, s, dv].  K and V travel as one message, concatenated along the head dim."""
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale: float, causal: bool):
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
-        kv = torch.stack([k, v])                                   # the message: K/V heads
+        dk = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1)                             # the message: K/V heads
         acc = accum_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=acc, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
         for step in range(cp):
             pending = None
@@ -90,7 +99,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
             qs, ks, masked = _pairs(step, rank, cp, causal, c)
-            qb, kb, vb = q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks]
+            k_now, v_now = _split_kv(kv, dk)
+            qb, kb, vb = q[:, :, qs], k_now[:, :, ks], v_now[:, :, ks]
             work.add(qb, kb, masked)
             blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked)
             merge(out[:, :, qs], lse[:, :, qs], blk_out.to(acc), blk_lse)
@@ -113,7 +123,8 @@ class RingAttentionFunction(torch.autograd.Function):
         acc = lse.dtype
         delta = (dout.to(acc) * out.to(acc)).sum(-1)               # rowsum(dO * O)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        dk_dim = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1)
         dkv_pending = dkv_in = None
         for step in range(cp):
             kv_pending = None
@@ -121,8 +132,9 @@ class RingAttentionFunction(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 kv_pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
             qs, ks, masked = _pairs(step, rank, cp, causal, c)
-            dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks],
-                                              kv[1][:, :, ks], lse[:, :, qs],
+            k_now, v_now = _split_kv(kv, dk_dim)
+            dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_now[:, :, ks],
+                                              v_now[:, :, ks], lse[:, :, qs],
                                               delta[:, :, qs], scale, masked)
             dq[:, :, qs] += dq_b
             # the dK/dV accumulator of the K/V held now arrives from the previous rank
@@ -131,15 +143,17 @@ class RingAttentionFunction(torch.autograd.Function):
                 dkv = dkv_in
             else:
                 dkv = torch.zeros_like(kv)
-            dkv[0][:, :, ks] += dk_b
-            dkv[1][:, :, ks] += dv_b
+            dk_acc, dv_acc = _split_kv(dkv, dk_dim)
+            dk_acc[:, :, ks] += dk_b
+            dv_acc[:, :, ks] += dv_b
             dkv_in = torch.empty_like(dkv)
             dkv_pending = comm.batch_send_recv_async([(dkv, nxt)], [(dkv_in, prv)], group)
             if kv_pending is not None:
                 kv_pending.wait()
                 kv = incoming
         dkv_pending.wait()                                          # our own K/V's grads
-        return dq.to(q.dtype), dkv_in[0], dkv_in[1], None, None, None
+        dk, dv = _split_kv(dkv_in, dk_dim)
+        return dq.to(q.dtype), dk, dv, None, None, None
 
 
 class RingAttention(nn.Module):
@@ -147,13 +161,16 @@ class RingAttention(nn.Module):
     qkv_format = "bhsd"
 
     def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None,
+                 softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__()
         check_cp_attention_args(model_cfg, attn_mask_type, "ring attention")
         self.group = comm_groups.cp
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
-        self.scale = 1.0 / math.sqrt(model_cfg.resolved_kv_channels())
+        self.scale = softmax_scale if softmax_scale is not None else \
+            1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.backends import context_parallel_spec, get_layer_spec, layer_spec_kwargs
+from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
+                               multi_latent_attention_spec)
 from megalite.backends.te_names import canonical_renames
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
@@ -37,6 +38,9 @@ from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entr
 from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
 from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
 from megalite.transformer.block import TransformerBlock
+from megalite.transformer.extra_losses import add_extra_loss
+from megalite.transformer.mla import mla_rotary
+from megalite.transformer.mtp import MultiTokenPrediction, mtp_loss_name, roll_left
 from megalite.transformer.rotary import RotaryEmbedding
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -107,30 +111,41 @@ class GPTModel(nn.Module):
         self.layer_numbers = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
         self.sequence_parallel = bool(cfg.parallel.sequence_parallel) and state.tp.size > 1
         self.tied = not m.untie_embeddings_and_output_weights
+        # the word embedding is also read on the last stage: tied output, or MTP's inputs
+        self.shares_embedding = self.tied or bool(m.mtp_num_layers)
         self.vocab_size = m.vocab_size
         impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
         spec = get_layer_spec(impl, **layer_spec_kwargs(impl, cfg, state))
+        if m.multi_latent_attention:
+            spec = multi_latent_attention_spec(spec)
         if state.cp.size > 1:
             spec = context_parallel_spec(spec, cfg.parallel.cp_comm_type)
         self.rng_tracker = None                      # attached by the parallelize phase
         kw = dict(device=device, dtype=params_dtype)
         sp = self.sequence_parallel
 
-        if pre_process:
+        # --mtp-num-layers: the last stage embeds the shifted tokens itself; off the first
+        # stage its embedding is a tied copy of the first stage's (Megatron's approach)
+        self.embeds_for_mtp = post_process and bool(m.mtp_num_layers)
+        if pre_process or self.embeds_for_mtp:
             self.embedding = LanguageModelEmbedding(m, state.tp, sequence_parallel=sp,
                                                     rng_tracker=self.rng_tracker, **kw)
-        self.rotary = RotaryEmbedding.from_config(m)
-        self.decoder = TransformerBlock(m, ModelCommGroups.from_parallel_state(state), spec,
-                                        layer_numbers=self.layer_numbers,
+        self.rotary = mla_rotary(m) if m.multi_latent_attention else \
+            RotaryEmbedding.from_config(m)
+        groups = ModelCommGroups.from_parallel_state(state)
+        self.decoder = TransformerBlock(m, groups, spec, layer_numbers=self.layer_numbers,
                                         sequence_parallel=sp, post_layer_norm=post_process,
                                         rng_tracker=self.rng_tracker, **kw)
+        self.mtp = MultiTokenPrediction(m, groups, spec, sequence_parallel=sp,
+                                        rng_tracker=self.rng_tracker, **kw) \
+            if self.embeds_for_mtp else None
         self.fused_loss = False
         if post_process:
             self.output_layer = spec.column_parallel_linear(
                 m.hidden_size, m.vocab_size, tp_group=state.tp, bias=False, gather_output=False,
                 sequence_parallel=sp, init_std=m.init_method_std,
                 pad_multiple=m.make_vocab_size_divisible_by,
-                skip_weight_param=self.tied and pre_process, **kw)
+                skip_weight_param=self.tied and hasattr(self, "embedding"), **kw)
             # --cross-entropy-loss-fusion: only for the plain column-parallel output layer
             # (a bias or another backend's layer keeps the unfused path).
             self.fused_loss = m.cross_entropy_loss_fusion and isinstance(
@@ -139,9 +154,17 @@ class GPTModel(nn.Module):
         # layer holds a copy under the same canonical name (same init and checkpoint entry),
         # whose grad is summed over the 'embedding' group and which the grad norm skips.
         # TE's fused norm weights (linear_qkv.layer_norm_weight, ...) keep their local names
+        # With MTP the last stage's own embedding is that copy (the output layer borrows it
+        # when tied); an untied output layer is then not part of the tie.
         canonical, tied = canonical_renames(n for n, _ in self.named_parameters()), {}
-        if self.tied and pre_process:
+        if self.shares_embedding and pre_process:
             tied[WORD_EMBEDDING] = TIED_OWNER
+            if m.mtp_num_layers:            # the last stage copies the whole embedding
+                for name, _ in self.embedding.named_parameters(prefix="embedding"):
+                    tied[name] = TIED_OWNER
+        elif self.embeds_for_mtp:
+            for name, _ in self.embedding.named_parameters(prefix="embedding"):
+                tied[name] = TIED_COPY
         elif self.tied and post_process:
             canonical[OUTPUT_WEIGHT], tied[OUTPUT_WEIGHT] = WORD_EMBEDDING, TIED_COPY
         self.param_table = ParamTable.from_module(self, canonical, tied)
@@ -167,9 +190,9 @@ class GPTModel(nn.Module):
         ``state['embedding']`` before the optimizer step.  At PP = 1 it is a single
         Parameter used by both the embedding and the output layer.
         """
-        if not self.tied:
+        if not self.shares_embedding:
             return None
-        if self.pre_process:
+        if self.pre_process or self.embeds_for_mtp:
             return self.embedding.word_embeddings.weight
         if self.post_process:
             return self.output_layer.weight
@@ -207,9 +230,17 @@ class GPTModel(nn.Module):
         hidden = self.decoder(hidden, rotary)
         if not self.post_process:
             return hidden
-        weight = self.embedding.word_embeddings.weight if (self.tied and self.pre_process) \
-            else None
-        if labels is not None and self.fused_loss:     # logits never held whole
+        weight = self.embedding.word_embeddings.weight \
+            if (self.tied and hasattr(self, "embedding")) else None
+        if labels is not None and self.mtp is not None and self.training:
+            self._mtp_losses(hidden, input_ids, position_ids, labels, loss_mask, rotary, weight)
+        if labels is None:
+            return self.output_layer(hidden, weight=weight).transpose(0, 1)  # [b, s, v/tp]
+        return self._token_loss(hidden, weight, labels, loss_mask)
+
+    def _token_loss(self, hidden, weight, labels, loss_mask) -> torch.Tensor:
+        """Per-token loss [b, s] of ``hidden`` [s(/tp), b, h] against ``labels`` [b, s]."""
+        if self.fused_loss:     # logits never held whole
             head = functools.partial(
                 fused_linear_cross_entropy, labels=labels.t(), group=self.tp_group,
                 vocab_size=self.vocab_size, sequence_parallel=self.sequence_parallel,
@@ -217,11 +248,24 @@ class GPTModel(nn.Module):
                 chunk_tokens=self.model_cfg.cross_entropy_chunk_tokens)
             return self.output_layer(hidden, weight=weight, loss_head=head).t()
         logits = self.output_layer(hidden, weight=weight)                 # [s, b, v/tp]
-        if labels is None:
-            return logits.transpose(0, 1)
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,
                                             inplace=True)                 # [s, b]
         return loss.t()
+
+    def _mtp_losses(self, hidden, input_ids, position_ids, labels, loss_mask, rotary,
+                    weight) -> None:
+        """Each MTP depth's mean loss over its micro-batch tokens, into the extra-loss
+        channel (``transformer/mtp.py``): depth k's target of position i is labels[i + k]."""
+        m = self.model_cfg
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None \
+            else loss_mask.float()
+        share = m.mtp_loss_scaling_factor / m.mtp_num_layers
+        for depth, h in enumerate(self.mtp(hidden, input_ids, position_ids, self.embedding,
+                                           rotary), start=1):
+            labels, mask = roll_left(labels), roll_left(mask)
+            per_token = self._token_loss(h, weight, labels, mask)
+            loss = (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)
+            add_extra_loss(mtp_loss_name(depth), loss, weight=share)
 
 
 def build_model(cfg, state, **kwargs) -> GPTModel:

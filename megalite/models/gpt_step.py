@@ -4,7 +4,7 @@
 ``loss_func`` is the masked per-token loss over the global token count).  Extra loss terms
 that modules register (``transformer/extra_losses.py``) join the backward of the chunk
 that computed them and are logged under their names: the MoE layers' aux and z losses
-(``moe/router.py``); ``after_train_step`` adds the per-layer expert-load statistics.
+(``moe/router.py``) and the MTP depths' losses (``transformer/mtp.py``); ``after_train_step`` adds the per-layer expert-load statistics.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from megalite.moe.metrics import moe_step_metrics
 from megalite.moe.router import extra_loss_names as moe_extra_loss_names
 from megalite.optimizer.optimizer import model_dtype
 from megalite.transformer.extra_losses import collect_extra_losses
+from megalite.transformer.mtp import mtp_loss_names
 
 
 def build_model_chunks(cfg, state, device) -> list:
@@ -71,8 +72,9 @@ def forward_step(batch: dict, model, ctx: StepContext):
 
 
 def extra_loss_names(cfg):
-    """The MoE layers' load-balancing terms (none for a dense model)."""
-    return moe_extra_loss_names(cfg.model)
+    """The MoE layers' load-balancing terms (none for a dense model) and each MTP depth's
+    loss (``mtp_1_loss``, ...)."""
+    return moe_extra_loss_names(cfg.model) + mtp_loss_names(cfg.model)
 
 
 def after_train_step(chunks, cfg, state) -> dict:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from megalite.tensor_parallel.random import model_parallel_tracker
-from megalite.transformer.recompute import configure_recompute
+from megalite.transformer.recompute import configure_layer_recompute, configure_recompute
 
 STAGE_SEED_OFFSET = 100   # tracker seed = seed + 100 * pp rank (Megatron's per-stage offset)
 
@@ -38,6 +38,9 @@ def apply_rng_tracker(chunk: nn.Module, tracker) -> None:
 
 def apply_recompute(chunk: nn.Module, training_cfg) -> None:
     configure_recompute(chunk.decoder, training_cfg)
+    if getattr(chunk, "mtp", None) is not None:     # the MTP modules' transformer layers
+        configure_layer_recompute([layer.transformer_layer for layer in chunk.mtp.layers],
+                                  training_cfg, chunk.decoder.rng_tracker)
 
 
 def is_meta(chunk: nn.Module) -> bool:

@@ -55,9 +55,15 @@ def grouped_mm_supported(device_type: str, dtype: torch.dtype) -> bool:
 
 def aligned_16(x: torch.Tensor, w: torch.Tensor) -> bool:
     """``torch._grouped_mm`` wants 16-byte aligned rows (in, weight and out)."""
+    return rows_aligned_16(x, w) and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+
+
+def rows_aligned_16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The shape half of ``aligned_16``: what the path choice may depend on.  Where the
+    buffers sit is not (a recomputed forward gets other addresses, and activation
+    checkpointing requires it to take the same path)."""
     size = x.element_size()
-    return x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0 and \
-        all(n * size % 16 == 0 for n in (x.shape[1], w.shape[1], w.shape[2]))
+    return all(n * size % 16 == 0 for n in (x.shape[1], w.shape[1], w.shape[2]))
 
 
 class LoopedGroupedLinear(torch.autograd.Function):
@@ -95,7 +101,9 @@ class LoopedGroupedLinear(torch.autograd.Function):
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: Counts) -> torch.Tensor:
     """Rows of expert e times ``w[e].t()``; ``tokens_per_expert`` as a list or a tensor
     (a tensor needs no host round trip on the grouped-GEMM path)."""
-    if grouped_mm_supported(x.device.type, x.dtype) and aligned_16(x, w):
+    if grouped_mm_supported(x.device.type, x.dtype) and rows_aligned_16(x, w):
+        if not aligned_16(x, w):            # a misaligned view: an aligned copy, same path
+            x, w = x.clone(), w.clone()
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)

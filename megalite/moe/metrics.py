@@ -20,7 +20,7 @@ def moe_step_metrics(chunks, cfg, state) -> dict:
     m = cfg.model
     if not m.num_experts:
         return {}
-    ids = [n for n in range(m.num_layers) if m.is_moe_layer(n)]
+    ids = [n for n in range(m.num_transformer_layers()) if m.is_moe_layer(n)]  # + MTP's
     E = m.num_experts
     held = moe_layers(chunks)
     device = next(iter(chunks[0].parameters())).device

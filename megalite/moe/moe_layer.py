@@ -79,6 +79,32 @@ def moe_layers(chunks):
     return out
 
 
+EXPERT_BIAS_SUFFIX = "mlp.router.expert_bias"
+
+
+def expert_bias_key(layer: int, num_layers: int) -> str:
+    """The name of layer ``layer``'s expert bias in a full state dict (a router buffer, not
+    a parameter: checkpoints keep it in their JSON metadata, keyed by layer number; the HF
+    converters carry it under this name).  Layers from ``num_layers`` on are MTP layers."""
+    if layer < num_layers:
+        return f"decoder.layers.{layer}.{EXPERT_BIAS_SUFFIX}"
+    return f"mtp.layers.{layer - num_layers}.transformer_layer.{EXPERT_BIAS_SUFFIX}"
+
+
+def split_expert_bias(full_sd: dict, num_layers: int, num_all_layers: int) -> tuple:
+    """(full_sd without expert-bias entries, {layer number (str): bias list})."""
+    keys = {expert_bias_key(n, num_layers): n for n in range(num_all_layers)}
+    rest = {k: v for k, v in full_sd.items() if k not in keys}
+    bias = {str(keys[k]): v.float().tolist() for k, v in full_sd.items() if k in keys}
+    return rest, bias
+
+
+def expert_bias_entries(saved: dict, num_layers: int) -> dict:
+    """{full state-dict name: bias tensor} of a checkpoint's ``moe_expert_bias`` metadata."""
+    return {expert_bias_key(int(n), num_layers): torch.tensor(v, dtype=torch.float32)
+            for n, v in (saved or {}).items()}
+
+
 def expert_bias_state(chunks, state) -> dict:
     """{layer number (str): bias list} of every MoE layer of the model, on every rank
     (gathered over pp), for a checkpoint's JSON metadata.  Collective over pp."""

@@ -143,13 +143,13 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     # to the last tensor backward needs (non-reentrant checkpointing stops there).
     if L.cp > 1:
         fwd = 2 if L.recompute in ("full", "selective") else 1
-        d, g = m.resolved_kv_channels(), m.resolved_query_groups()
+        a_q, g, d, dv = ms.attention_head_dims(m)     # MLA: expanded heads, v narrower
         if L.cp_comm == "a2a":
             # q|k|v in and the output back, forward; the same two on the gradients backward.
             # Recomputing core attention alone stops after attention, before the output's
             # all-to-all (which saves nothing); a full-layer recompute runs it too.
-            qkv = T * (m.num_attention_heads + 2 * g) * d // t
-            ctx = T * m.num_attention_heads * d // t
+            qkv = T * (a_q * d + g * (d + dv)) // t
+            ctx = T * a_q * dv // t
             out += [Event("cp", "all_to_all", qkv, n_layers * mbs * (fwd + 1), a, kind="cp"),
                     Event("cp", "all_to_all", ctx, n_layers * mbs * (3 if full else 2), a,
                           kind="cp")]
@@ -162,7 +162,7 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
                     Event("cp", "reduce_scatter", kv, n_layers * mbs, a, kind="cp")]
         else:
             # ring: CP-1 K/V transfers forward; backward CP-1 K/V and CP dK/dV transfers
-            kv = 2 * T * g * d // t
+            kv = T * g * (d + dv) // t
             steps = n_layers * mbs * ((L.cp - 1) * (fwd + 1) + L.cp)
             out += [Event("cp", "send", kv, steps, a, kind="cp"),
                     Event("cp", "recv", kv, steps, a, kind="cp")]
@@ -209,7 +209,9 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         if first and m.position_embedding_type == "learned_absolute":
             n += ms.max_positions(m) * h
         out.append(Event("tp", "all_reduce", n, 1, dtype_bytes=grad_bytes, kind="dp"))
-    if L.pp > 1 and not m.untie_embeddings_and_output_weights and (first or last):
+    # tied output layer, or MTP's copy of the embedding on the last stage
+    if L.pp > 1 and (not m.untie_embeddings_and_output_weights or m.mtp_num_layers) and \
+            (first or last):
         out.append(Event("embedding", "all_reduce", m.padded_vocab_size(t) * h // t, 1,
                          dtype_bytes=grad_bytes, kind="dp"))
         # after the step the owner (first stage) broadcasts its updated copy: replicas stay

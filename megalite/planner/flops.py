@@ -6,7 +6,11 @@ Forward FLOPs per token and layer, counting a multiply-add as 2:
   + its gate 2h),
 plus the logits 2hV once per token.  Biases (--add-qkv-bias) and norms (--qk-layernorm
 too) are elementwise and not counted, as in Megatron; d is --kv-channels, which need not
-be h/a.  Backward is twice the forward, so training is 3x --
+be h/a.  Multi-Latent Attention replaces QKV and the projection by its down/up projections
+(``mla_projection_flops``) and its scores use q/k heads of qk + rope and values of
+v_head_dim; each MTP depth adds eh_proj 4h^2, one more layer and the logits again
+(``mtp_forward_flops``, as Megatron's ``num_floating_point_operations``).  Backward is
+twice the forward, so training is 3x --
 the same total as Megatron-LM's ``num_floating_point_operations`` (docs/planner.md).
 Recomputation re-runs forwards: full adds one layer forward (4x instead of 3x, Narayanan
 et al. 2021's 96*B*s*l*h^2 formula), selective adds the attention core only.
@@ -19,13 +23,27 @@ from megalite.config import ModelConfig
 from megalite.planner import model_spec as ms
 
 
+def mla_projection_flops(m: ModelConfig) -> float:
+    """Per-token forward FLOPs of MLA's projections: q (down + up, or one), kv down (latent +
+    shared rope key), kv up (k nope + v per head), output."""
+    h, a = m.hidden_size, m.num_attention_heads
+    qh = m.qk_head_dim + m.qk_pos_emb_head_dim
+    q = 2 * h * m.q_lora_rank + 2 * m.q_lora_rank * a * qh if m.q_lora_rank else 2 * h * a * qh
+    kv = 2 * h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + \
+        2 * m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim)
+    return float(q + kv + 2 * a * m.v_head_dim * h)
+
+
 def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     """Per-token forward FLOPs of one dense or MoE layer, split into GEMMs and the
-    attention core."""
+    attention core (MLA: scores over q/k heads of qk + rope, values of v_head_dim)."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
     gate = 3 if m.swiglu else 2
-    linear = 2 * h * (a + 2 * g) * d + 2 * a * d * h
+    if m.multi_latent_attention:
+        linear = mla_projection_flops(m)
+    else:
+        linear = 2 * h * (a + 2 * g) * d + 2 * a * d * h
     if moe:
         linear += 2 * h * m.num_experts + m.moe_router_topk * 2 * h * ms.moe_ffn(m) * gate
         linear += 2 * h * (m.moe_shared_expert_intermediate_size or 0) * gate
@@ -33,8 +51,24 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
             linear += 2 * h                                     # the shared expert's gate
     else:
         linear += 2 * h * m.resolved_ffn_hidden_size() * gate
-    core = 4 * seq * a * d
+    _, _, dqk, dv = ms.attention_head_dims(m)
+    core = 2 * seq * a * (dqk + dv)                # q k^T and p v
     return {"linear": float(linear), "core": float(core)}
+
+
+def mtp_forward_flops(m: ModelConfig, seq: int, padded_vocab: Optional[int] = None
+                      ) -> Dict[str, float]:
+    """Per-token forward FLOPs of the MTP modules: per depth eh_proj (2h -> h), a layer like
+    the model's last, and the shared output layer once more."""
+    if not m.mtp_num_layers:
+        return {"linear": 0.0, "core": 0.0, "layer": 0.0}
+    f = kind_forward_flops(m, ms.is_moe_layer(m, m.num_layers), seq)
+    per_depth = f["linear"] + 4.0 * m.hidden_size * m.hidden_size + \
+        logits_forward_flops(m, padded_vocab)
+    D = m.mtp_num_layers
+    # "layer": what full recomputation re-runs (the transformer layer, not eh_proj or logits)
+    return {"linear": D * per_depth, "core": D * f["core"],
+            "layer": D * (f["linear"] + f["core"])}
 
 
 def logits_forward_flops(m: ModelConfig, padded_vocab: Optional[int] = None) -> float:
@@ -45,7 +79,7 @@ def logits_forward_flops(m: ModelConfig, padded_vocab: Optional[int] = None) -> 
 
 
 def layers_forward_flops(m: ModelConfig, seq: int) -> Tuple[float, float]:
-    """(GEMM, attention-core) forward FLOPs per token summed over all layers."""
+    """(GEMM, attention-core) forward FLOPs per token summed over the decoder's layers."""
     n_moe = sum(ms.is_moe_layer(m, i) for i in range(m.num_layers)) if m.num_experts else 0
     lin = core = 0.0
     for n, moe in ((m.num_layers - n_moe, False), (n_moe, True)):
@@ -58,9 +92,11 @@ def layers_forward_flops(m: ModelConfig, seq: int) -> Tuple[float, float]:
 
 def forward_flops_per_token(m: ModelConfig, seq: int, padded_vocab: Optional[int] = None
                             ) -> float:
-    """All layers plus the output layer, per token (training = 3x this)."""
+    """All layers plus the output layer (and the MTP modules), per token (training = 3x
+    this)."""
     lin, core = layers_forward_flops(m, seq)
-    return lin + core + logits_forward_flops(m, padded_vocab)
+    mtp = mtp_forward_flops(m, seq, padded_vocab)
+    return lin + core + logits_forward_flops(m, padded_vocab) + mtp["linear"] + mtp["core"]
 
 
 def iteration_flops(m: ModelConfig, seq: int, global_batch: int, recompute: str = "none"
@@ -68,8 +104,10 @@ def iteration_flops(m: ModelConfig, seq: int, global_batch: int, recompute: str 
     """``model`` FLOPs (what MFU counts) and ``hardware`` FLOPs (plus recomputation)."""
     tokens = float(seq) * global_batch
     lin, core = layers_forward_flops(m, seq)
-    model = 3 * tokens * (lin + core + logits_forward_flops(m))
-    extra = {"none": 0.0, "selective": tokens * core, "full": tokens * (lin + core)}[recompute]
+    mtp = mtp_forward_flops(m, seq)
+    model = 3 * tokens * (lin + core + logits_forward_flops(m) + mtp["linear"] + mtp["core"])
+    extra = {"none": 0.0, "selective": tokens * (core + mtp["core"]),
+             "full": tokens * (lin + core + mtp["layer"])}[recompute]
     return {"model": model, "hardware": model + extra}
 
 
@@ -93,4 +131,9 @@ def stage_flops_per_microbatch(m: ModelConfig, kinds, seq: int, micro_batch: int
     if last:
         lo = tokens * logits_forward_flops(m)
         fwd += lo
+        mtp = mtp_forward_flops(m, seq)              # the MTP modules live on the last stage
+        fwd += tokens * (mtp["linear"] + mtp["core"])
+        core += tokens * mtp["core"]
+        rec += {"none": 0.0, "selective": tokens * mtp["core"],
+                "full": tokens * mtp["layer"]}[recompute]
     return {"fwd": fwd, "bwd": 2 * fwd + rec, "recompute": rec, "core": core}

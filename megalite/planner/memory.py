@@ -107,7 +107,10 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
     masks = 2 * drop_h * T * h
     rep = (norm_in + masks) // sp + norm_out // sp
     # Attention: Q, K, V kept for the core; the core's output feeds the projection.
-    attn = 2 * T * (a * d + 2 * g * d) // t + 2 * T * a * d // t
+    if m.multi_latent_attention:
+        attn = mla_latent_bytes(m, T // sp, 2) + mla_core_input_bytes(m, T, t, 2)
+    else:
+        attn = 2 * T * (a * d + 2 * g * d) // t + 2 * T * a * d // t
     if "core_attn" not in modules:
         kv_len = seq                               # each query sees the whole (ring) sequence
         if opts.flash_attention:
@@ -128,6 +131,44 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
         if "mlp" not in modules:
             mlp += (2 * gate * copies * fe + 2 * copies * fe) // L.etp
     return (rep + attn + mlp) * opts.element_scale
+
+
+def mla_latent_bytes(m: ModelConfig, Tn: int, e: int) -> int:
+    """Multi-Latent Attention's latents per micro-batch (on the ``Tn`` tokens a norm sees):
+    the q and kv latents before and after their norms (the up projections' inputs) and the
+    shared rope key, ``e`` bytes each."""
+    n = (m.q_lora_rank or 0) + m.kv_lora_rank
+    return e * Tn * (2 * n if m.qk_layernorm else n) + e * Tn * m.qk_pos_emb_head_dim
+
+
+def mla_core_input_bytes(m: ModelConfig, T: int, t: int, e: int) -> int:
+    """MLA's expanded q, k ([heads, qk + rope]) and v ([heads, v]) kept for core attention,
+    and the core output the projection keeps ([heads, v])."""
+    a, qh, v = m.num_attention_heads, m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    return e * T * a * (2 * qh + v) // t + e * T * a * v // t
+
+
+def mtp_activation_bytes(m: ModelConfig, L: Layout, seq: int, opts: "ActivationOptions",
+                         recompute: Optional[str] = None) -> int:
+    """The MTP modules on the last stage, per micro-batch (transformer/mtp.py): per depth a
+    layer like the model's last, the two input norms and the eh_proj input [2h] (its output
+    is gathered to the full hidden size), the shifted tokens' ids and embedding, and a loss
+    head like the model's (final norm, output-layer input, fp32 logits)."""
+    if not m.mtp_num_layers:
+        return 0
+    recompute = L.recompute if recompute is None else recompute
+    t, T, h = L.tp, (seq // L.cp) * L.micro_batch, m.hidden_size
+    e = 2 * opts.element_scale
+    Tn = T // (t if L.sp else 1)
+    layer = layer_activation_bytes(m, L, ms.is_moe_layer(m, m.num_layers), seq, opts,
+                                   recompute)
+    norms = 2 * (_local_norm(m, Tn, e) + e * Tn * h)          # enorm, hnorm and outputs
+    if opts.local_layers:
+        head = local_head_bytes(m, L, seq, opts)
+    else:
+        head = 2 * 2 * Tn * h * opts.element_scale + 4 * T * m.padded_vocab_size(t) // t
+    per_depth = layer + norms + e * Tn * 2 * h + e * T * h // t + 8 * T + head
+    return m.mtp_num_layers * per_depth
 
 
 def in_flight(L: Layout, pp_rank: int) -> float:
@@ -165,6 +206,8 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     per_mb = sum(n * layer_activation_bytes(m, L, moe, seq, opts)
                  for n, moe in zip(kinds, (False, True)) if n)
+    if pp_rank == L.pp - 1:                         # the MTP modules (none: 0)
+        per_mb += mtp_activation_bytes(m, L, seq, opts)
     total = per_mb * in_flight(L, pp_rank) + recompute_working_bytes(m, L, seq, pp_rank, opts)
     if opts.local_layers:
         return int(total + local_stage_extra_bytes(m, L, seq, pp_rank, opts, kinds))
@@ -181,10 +224,11 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
 
 # ---- megalite's local layers, buffer by buffer ------------------------------------------
 
-def _local_norm(m: ModelConfig, tokens: int, e: int) -> int:
+def _local_norm(m: ModelConfig, tokens: int, e: int, size: Optional[int] = None) -> int:
     """What a norm keeps besides its output: LayerNorm x, mean, rstd; megalite's RMSNorm an
-    fp32 copy of x, the normalised x and an fp32 rsqrt per token."""
-    h = m.hidden_size
+    fp32 copy of x, the normalised x and an fp32 rsqrt per token (``size``: its width,
+    default the hidden size)."""
+    h = size or m.hidden_size
     if m.normalization == "RMSNorm":
         return 4 * tokens * h + e * tokens * h + 4 * tokens
     return e * tokens * h + 2 * e * tokens
@@ -231,14 +275,21 @@ def local_layer_parts(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     rope = m.uses_rotary()
     norm = e * Tn * h if "layernorm" in mods else _local_norm(m, Tn, e)
     drop = e * Tn * h if m.hidden_dropout > 0 else 0
-    attn = e * Tn * h + e * T * (a + 2 * g) * d // t         # qkv input (SP: shard), qkv
-    attn += _qk_norm_bytes(m, T, t, e)
-    if rope:                                       # rotated q, k; bf16 copies of cos, sin
-        attn += e * T * (a + g) * d // t + (4 * T * d if e == 2 else 0)
-    elif m.qk_layernorm:
-        attn += e * T * (a + g) * d // t           # normalized q, k
-    elif g != a:
-        attn += e * T * a * d // t                 # q regrouped per head
+    if m.multi_latent_attention:
+        flash = opts.flash_attention and "core_attn" not in mods
+        attn = local_mla_bytes(m, T, Tn, t, e, flash, seq // L.cp)
+        d = m.v_head_dim                           # the core output below is [heads, v]
+        if flash:
+            mods = mods | {"core_attn"}            # its buffers are counted above
+    else:
+        attn = e * Tn * h + e * T * (a + 2 * g) * d // t     # qkv input (SP: shard), qkv
+        attn += _qk_norm_bytes(m, T, t, e)
+        if rope:                                   # rotated q, k; bf16 copies of cos, sin
+            attn += e * T * (a + g) * d // t + (4 * T * d if e == 2 else 0)
+        elif m.qk_layernorm:
+            attn += e * T * (a + g) * d // t       # normalized q, k
+        elif g != a:
+            attn += e * T * a * d // t             # q regrouped per head
     if "core_attn" not in mods:
         if opts.flash_attention:                   # output (shared with proj input for MHA
             shared = not rope and not m.qk_layernorm and g == a   # without RoPE or q/k
@@ -259,6 +310,37 @@ def local_layer_parts(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     else:                                          # fc1 input; fc1 output, (silu,) fc2 input
         mlp = e * Tn * h + (4 if m.swiglu else 2) * e * T * f // t
     return norm + drop + attn, proj + norm + drop + mlp
+
+
+def local_mla_bytes(m: ModelConfig, T: int, Tn: int, t: int, e: int, flash: bool,
+                    positions: int) -> int:
+    """megalite's MLA (transformer/mla.py) through core attention's inputs, per micro-batch
+    (measured against ``activation_memory.measure_saved``): the down projections' input;
+    each latent norm's buffers (``_local_norm``) and the up projections' inputs; the query
+    and key built for core attention ([heads, qk + rope] each); then v: with SDPA's fused
+    kernel a zero-padded copy as wide as q and the padded output (``DotProductAttention``),
+    otherwise the kv up output, which v (a view of it) keeps whole.  ``Tn``: the tokens a
+    norm sees (SP: a shard).  The kv latent is kept as a view of the kv down output (whole,
+    rope key included) by the up projection without a norm, or by the norm in fp32; a
+    16-bit norm keeps an fp32 copy of the latent alone."""
+    a, h = m.num_attention_heads, m.hidden_size
+    qr, kvr, rope = m.q_lora_rank or 0, m.kv_lora_rank, m.qk_pos_emb_head_dim
+    qh = m.qk_head_dim + rope
+    n = e * Tn * h                                          # down projections' input
+    for r in ((qr,) if qr else ()) + (kvr,):
+        n += e * Tn * r                                     # the up projection's input
+        if m.qk_layernorm:
+            n += _local_norm(m, Tn, e, r)
+    if e == 4 or not m.qk_layernorm:    # what keeps the kv latent is a view of the kv down
+        n += e * Tn * rope              # output: that keeps the rope key's columns too
+    n += 2 * e * T * a * qh // t                            # query, key
+    if e == 2:
+        n += 4 * positions * rope                           # 16-bit copies of cos, sin
+    if flash:
+        n += 2 * e * T * a * qh // t + 4 * a * T // t       # padded v, padded output, LSE
+    else:
+        n += e * T * a * (m.qk_head_dim + m.v_head_dim) // t    # kv up output
+    return n
 
 
 def unfused_backward_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions) -> int:

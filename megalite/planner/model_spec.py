@@ -178,14 +178,50 @@ def layer_params(m: ModelConfig, layer: int, tp: int = 1, etp: int = 1, ep: int 
     return kind_params(m, is_moe_layer(m, layer), tp, etp, ep)
 
 
+def attention_head_dims(m: ModelConfig) -> tuple:
+    """(query heads, K/V heads, q/k head dim, v head dim) that core attention sees: MLA's
+    expanded heads (qk + rope, v) or standard attention's."""
+    if m.multi_latent_attention:
+        return (m.num_attention_heads, m.num_attention_heads,
+                m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim)
+    d = m.resolved_kv_channels()
+    return m.num_attention_heads, m.resolved_query_groups(), d, d
+
+
+def mla_attention_params(m: ModelConfig, tp: int = 1) -> int:
+    """MLA's projections and latent norms on one rank (transformer/mla.py): duplicated down
+    projections and latent norms, column-parallel up projections, row-parallel output."""
+    h, a = m.hidden_size, m.num_attention_heads
+    qh = m.qk_head_dim + m.qk_pos_emb_head_dim
+    latent_norm = (lambda r: _norm(m, r)) if m.qk_layernorm else (lambda r: 0)
+    if m.q_lora_rank:
+        n = h * m.q_lora_rank + latent_norm(m.q_lora_rank) + m.q_lora_rank * a * qh // tp
+    else:
+        n = h * a * qh // tp
+    n += h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + latent_norm(m.kv_lora_rank)
+    n += m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim) // tp
+    n += h * a * m.v_head_dim // tp + (h if m.add_bias_linear else 0)
+    return n
+
+
+def mla_latent_cache_elements(m: ModelConfig) -> int:
+    """Per token and layer, what MLA must keep for later tokens at inference: the
+    compressed latent and the shared rope key (DeepSeek-V2 section 2.1.2), against
+    2 x heads x (qk + rope or v) for the expanded K/V."""
+    return m.kv_lora_rank + m.qk_pos_emb_head_dim
+
+
 def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 1) -> ParamCount:
     h, a, g = m.hidden_size, m.num_attention_heads, m.resolved_query_groups()
     d, bias = m.resolved_kv_channels(), m.add_bias_linear
     qkv_rows = (a + 2 * g) * d
     n = _norm(m, h) * 2                                  # input norm + pre-MLP norm
-    n += qkv_rows * h // tp + (qkv_rows // tp if bias or m.add_qkv_bias else 0)   # QKV
-    n += 2 * _norm(m, d) if m.qk_layernorm else 0       # q/k norms: replicated over TP
-    n += h * a * d // tp + (h if bias else 0)                       # row-parallel projection
+    if m.multi_latent_attention:
+        n += mla_attention_params(m, tp)
+    else:
+        n += qkv_rows * h // tp + (qkv_rows // tp if bias or m.add_qkv_bias else 0)   # QKV
+        n += 2 * _norm(m, d) if m.qk_layernorm else 0   # q/k norms: replicated over TP
+        n += h * a * d // tp + (h if bias else 0)                   # row-parallel projection
     gate = 2 if m.swiglu else 1
     if not moe:
         f = m.resolved_ffn_hidden_size()
@@ -211,11 +247,29 @@ def embedding_params(m: ModelConfig, tp: int) -> int:
 
 
 def head_params(m: ModelConfig, tp: int, pp: int) -> int:
-    """Final norm plus the output layer (or the tied embedding's copy when PP > 1)."""
+    """Final norm plus the output layer (or the tied embedding's copy when PP > 1; with MTP
+    that copy is the last stage's embedding, counted in ``mtp_params``)."""
     n = _norm(m, m.hidden_size)
-    if m.untie_embeddings_and_output_weights or pp > 1:
+    if m.untie_embeddings_and_output_weights or (pp > 1 and not m.mtp_num_layers):
         n += m.padded_vocab_size(tp) * m.hidden_size // tp
     return n
+
+
+def mtp_params(m: ModelConfig, tp: int = 1, pp: int = 1, etp: int = 1, ep: int = 1
+               ) -> ParamCount:
+    """The MTP modules on the last stage (transformer/mtp.py): per depth two input norms, the
+    column-parallel eh_proj [h, 2h], a layer like the model's last and the final norm; plus,
+    off the first stage, the embedding's tied copy."""
+    out = ParamCount()
+    if not m.mtp_num_layers:
+        return out
+    h = m.hidden_size
+    one = kind_params(m, is_moe_layer(m, m.num_layers), tp, etp, ep)
+    per_depth = 3 * _norm(m, h) + 2 * h * h // tp
+    out += ParamCount(m.mtp_num_layers * (one.dense + per_depth), m.mtp_num_layers * one.expert)
+    if pp > 1:
+        out.dense += embedding_params(m, tp)
+    return out
 
 
 def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
@@ -232,6 +286,7 @@ def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: in
         out.dense += embedding_params(m, tp)
     if pp_rank == pp - 1:
         out.dense += head_params(m, tp, pp)
+        out += mtp_params(m, tp, pp, etp, ep)
     return out
 
 
@@ -249,12 +304,17 @@ def active_params(m: ModelConfig) -> int:
     fe, bias = moe_ffn(m), m.add_bias_linear
     per_expert = gate * fe * m.hidden_size + m.hidden_size * fe + \
         ((gate * fe + m.hidden_size) if bias else 0)
-    moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_layers))
+    moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_transformer_layers()))  # + MTP
     return total - moe_layers * (m.num_experts - m.moe_router_topk) * per_expert
 
 
 def describe(m: ModelConfig) -> str:
     moe = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else ""
+    if m.multi_latent_attention:
+        moe += (f", MLA (q rank {m.q_lora_rank}, kv rank {m.kv_lora_rank}, heads "
+                f"{m.qk_head_dim}+{m.qk_pos_emb_head_dim}/{m.v_head_dim})")
+    if m.mtp_num_layers:
+        moe += f", MTP {m.mtp_num_layers}"
     gqa = f"/{m.resolved_query_groups()} kv" if m.resolved_query_groups() != m.num_attention_heads \
         else ""
     n = total_params(m)

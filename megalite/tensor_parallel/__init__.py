@@ -1,6 +1,7 @@
 """Tensor-parallel building blocks: region mappings, parallel layers, vocab-parallel loss, RNG."""
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, DuplicatedLinear,
+                                             RowParallelLinear,
                                              VocabParallelEmbedding,
                                              allreduce_sequence_parallel_grads,
                                              linear_with_sp_gather, make_param)
@@ -12,7 +13,7 @@ from megalite.tensor_parallel.random import (MODEL_PARALLEL_RNG, RNGStatesTracke
                                              init_parameters, model_parallel_tracker)
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "make_param",
+    "ColumnParallelLinear", "DuplicatedLinear", "RowParallelLinear", "VocabParallelEmbedding", "make_param",
     "allreduce_sequence_parallel_grads", "linear_with_sp_gather", "vocab_parallel_cross_entropy",
     "copy_to_tp_region", "reduce_from_tp_region", "gather_from_sp_region",
     "reduce_scatter_to_sp_region", "scatter_to_sp_region", "gather_from_tp_region",

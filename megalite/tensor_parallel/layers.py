@@ -153,6 +153,34 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
+class DuplicatedLinear(nn.Module):
+    """Y = X W^T with W whole on every TP rank (TE's ``parallel_mode="duplicated"``; MLA's
+    down projections, whose small outputs every head needs).
+
+    Without sequence parallelism every TP rank computes the same output from the same
+    input; what follows it must hand back the full gradient (MLA's up projections are
+    column-parallel, whose backward all-reduces), so W's gradient is the same on every rank.
+    With SP each rank projects only its sequence shard: W is marked ``sequence_parallel``
+    and its gradient is summed over the TP group."""
+
+    def __init__(self, input_size: int, output_size: int, *, tp_group: Group, bias: bool = False,
+                 sequence_parallel: bool = False, init_std: float = 0.02, device=None,
+                 dtype=None):
+        super().__init__()
+        sp = tp_group.name if sequence_parallel and tp_group.size > 1 else None
+        kw = dict(device=device, dtype=dtype)
+        make_param(self, "weight", ParamSpec((output_size, input_size),
+                                             init=("normal", init_std), sequence_parallel=sp),
+                   {}, **kw)
+        self.bias = None
+        if bias:
+            make_param(self, "bias", ParamSpec((output_size,), init=("zeros",),
+                                               sequence_parallel=sp), {}, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 class RowParallelLinear(nn.Module):
     """Y = X A^T with A split by columns (input features): partial sums are all-reduced,
     or reduce-scattered along the sequence with ``sequence_parallel``.

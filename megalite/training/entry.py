@@ -43,6 +43,8 @@ def describe_pipeline_split(cfg) -> str:
             return "embedding" if (r, c) == (0, 0) else "loss"
         return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
     ranks = [" | ".join(span(r, c) for c in range(v)) for r in range(p.pp)]
+    if cfg.model.mtp_num_layers:        # the MTP modules sit with the loss, on the last stage
+        ranks[-1] += f" + MTP x{cfg.model.mtp_num_layers}"
     extra = [name for name, on in (("embedding", p.account_for_embedding_in_pipeline_split),
                                    ("loss", p.account_for_loss_in_pipeline_split)) if on]
     each = "each " if len(extra) > 1 else ""

@@ -16,9 +16,12 @@ from megalite.checkpointing.model_io import iteration_dir, load_model_shards, re
 def load_legacy_checkpoint(trainer, root: str, iteration: int, layout: dict) -> None:
     """``layout``: this run's layout (optimizer and RNG state load only when it matches)."""
     cfg, state = trainer.cfg, trainer.state
+    from megalite.moe.moe_layer import load_expert_bias_state
+
     load_model_shards(root, trainer.model_chunks, cfg, state, iteration)
     trainer.optimizer.reload_model_params()
-    extra = read_metadata(root, iteration).get("extra", {})
+    extra = read_metadata(root, iteration).get("extra") or {}
+    load_expert_bias_state(trainer.model_chunks, extra.get("moe_expert_bias", {}))
     if cfg.checkpoint.finetune:
         return
     trainer.iteration = iteration

@@ -15,10 +15,14 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def _moe_summary(record: dict) -> str:
-    """MoE terms and the worst layer's max/mean tokens per expert (per layer: metrics file)."""
-    parts = [f" | {k.replace('_', ' ')}: {record[k]:.6E}" for k in ("moe_aux_loss", "moe_z_loss")
-             if k in record]
+def _extra_loss_summary(record: dict) -> str:
+    """MTP depths' losses (Megatron's "mtp_1 loss"), MoE terms and the worst layer's max/mean
+    tokens per expert (per layer: metrics file)."""
+    mtp = sorted((k for k in record if k.startswith("mtp_") and k.endswith("_loss")),
+                 key=lambda k: int(k.split("_")[1]))
+    parts = [f" | {k[:-len('_loss')]} loss: {record[k]:.6E}" for k in mtp]
+    parts += [f" | {k.replace('_', ' ')}: {record[k]:.6E}" for k in ("moe_aux_loss", "moe_z_loss")
+              if k in record]
     if "moe_load_balance" in record:
         parts.append(f" | moe load max/mean: {record['moe_load_balance']:.3f}")
     return "".join(parts)
@@ -96,7 +100,7 @@ class TrainingLogger:
                 f" | tokens/s: {record['tokens_per_sec']:.0f}"
                 f" | TFLOP/s/device: {record['tflops_per_device']:.3f}"
                 f" | MFU: {100 * record['mfu']:.2f}%"
-                f" | peak mem: {_fmt_bytes(record['peak_mem_bytes'])}" + _moe_summary(record))
+                f" | peak mem: {_fmt_bytes(record['peak_mem_bytes'])}" + _extra_loss_summary(record))
 
     def log_eval(self, iteration: int, loss: float, split: str = "valid",
                  consumed_samples: int | None = None):

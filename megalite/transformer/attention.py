@@ -60,8 +60,13 @@ class DotProductAttention(nn.Module):
     qkv_format = "bhsd"
 
     def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None,
+                 softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
+                 v_channels: Optional[int] = None):
         super().__init__()
+        # softmax_scale: None = 1/sqrt(q's head dim); k/v_channels: read off the tensors here
+        # (TE's kernel needs them up front)
+        self.softmax_scale = softmax_scale
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise ValueError(f"local core attention supports causal and no_mask masks, "
                              f"not {attn_mask_type}")
@@ -79,19 +84,38 @@ class DotProductAttention(nn.Module):
         causal = self.is_causal
         fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker) else contextlib.nullcontext()
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p)
+        scale = self.softmax_scale
         with fork:
             if kernel == "unfused":
-                return unfused_attention(q, k, v, causal=causal, dropout_p=p)
+                return unfused_attention(q, k, v, causal=causal, dropout_p=p, scale=scale)
+            if v.shape[-1] != q.shape[-1]:
+                return self._padded_value(q, k, v, p, causal, scale)
             if k.shape[1] == q.shape[1]:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+                                                      scale=scale)
             if _SDPA_GQA:  # query heads share k/v heads inside the kernel: no copies
                 return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                                      enable_gqa=True)
+                                                      enable_gqa=True, scale=scale)
             rep = q.shape[1] // k.shape[1]
             b, g, s, d = k.shape
             k = k[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
-            v = v[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+            v = v[:, :, None].expand(b, g, rep, s, v.shape[-1]).reshape(b, g * rep, s, -1)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+                                                  scale=scale)
+
+
+    @staticmethod
+    def _padded_value(q, k, v, p, causal, scale):
+        """SDPA's flash kernel needs one head dim for q, k and v; Multi-Latent Attention's
+        values are narrower.  Zero columns make v as wide as q (the extra output columns
+        are zero and dropped), so the fused kernel -- O(s) memory, where its math fallback
+        keeps the s x s probabilities -- still runs; the padding costs one v-sized copy."""
+        dv = v.shape[-1]
+        v = F.pad(v, (0, q.shape[-1] - dv))
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] and _SDPA_GQA else {}
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+                                             scale=scale, **gqa)
+        return out[..., :dv]
 
 
 class SelfAttention(nn.Module):

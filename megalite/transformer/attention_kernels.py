@@ -21,7 +21,7 @@ short sequences only.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +56,9 @@ def causal_bias(rows: int, s_q: int, s_k: int, dtype: torch.dtype, device) -> to
 
 
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                      dropout_p: float = 0.0) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d)) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d].
+                      dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d]
+    (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).
 
     The query heads of one group are stacked along the sequence, so each group is one
     batched matmul against its shared k / v (no copies of k, v).  Scale and causal mask go
@@ -66,13 +67,14 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     b, heads, s, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     rows = heads // groups
+    alpha = d ** -0.5 if scale is None else scale
     q3 = q.reshape(b * groups, rows * s, d)
     k3 = k.reshape(b * groups, s_k, d).transpose(1, 2)
     if causal:
         bias = causal_bias(rows, s, s_k, q.dtype, q.device)
-        scores = torch.baddbmm(bias, q3, k3, alpha=d ** -0.5)      # [b*g, r*s, s_k]
+        scores = torch.baddbmm(bias, q3, k3, alpha=alpha)      # [b*g, r*s, s_k]
     else:
-        scores = torch.bmm(q3, k3).mul_(d ** -0.5)
+        scores = torch.bmm(q3, k3).mul_(alpha)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)

@@ -1,10 +1,11 @@
 """Extra loss terms from any module on any pipeline stage (the MoE load-balancing loss).
 
-A module calls ``add_extra_loss(name, value)`` in its forward.  The model family's forward
+A module calls ``add_extra_loss(name, value[, weight])`` in its forward.  The model family's forward
 step runs the chunk under ``collect_extra_losses(names)`` and then ``attach``-es the terms
 to the chunk's output: the output is unchanged, but backward through it -- from the loss
 on the last stage, from the received gradient on any other stage -- also back-propagates
-``scale * term``.  So no schedule needs to know about extra losses, and a stage that is
+``scale * weight * term`` (weight 1 unless given: MoE's terms carry their coefficient in
+the value; MTP logs its cross entropy and weights it).  So no schedule needs to know about extra losses, and a stage that is
 not the last can still add one (Megatron's ``MoEAuxLossAutoScaler`` does the same).
 
 A term must have the same value on every TP rank (compute it from statistics reduced over
@@ -24,18 +25,18 @@ _COLLECTORS: List["ExtraLosses"] = []
 
 
 class _AttachTerms(torch.autograd.Function):
-    """Identity on ``output``; backward also feeds ``scale`` into every term."""
+    """Identity on ``output``; backward also feeds ``scale`` times each term's weight into
+    every term."""
 
     @staticmethod
-    def forward(ctx, output, scale, *terms):
-        ctx.scale = scale
-        ctx.term_specs = [(t.shape, t.dtype, t.device) for t in terms]
+    def forward(ctx, output, scales, *terms):
+        ctx.term_specs = [(t.shape, t.dtype, t.device, w) for t, w in zip(terms, scales)]
         return output
 
     @staticmethod
     def backward(ctx, grad_output):
-        grads = [torch.full(shape, ctx.scale, dtype=dtype, device=device)
-                 for shape, dtype, device in ctx.term_specs]
+        grads = [torch.full(shape, w, dtype=dtype, device=device)
+                 for shape, dtype, device, w in ctx.term_specs]
         return (grad_output, None, *grads)
 
 
@@ -45,8 +46,9 @@ class ExtraLosses:
     def __init__(self, names: Sequence[str]):
         self.names = tuple(names)
         self.terms: List[Tuple[str, torch.Tensor]] = []
+        self.weights: List[float] = []      # each term's weight in the objective
 
-    def add(self, name: str, value: torch.Tensor) -> None:
+    def add(self, name: str, value: torch.Tensor, weight: float = 1.0) -> None:
         if name not in self.names:
             raise KeyError(f"extra loss {name!r} is not declared by the model family "
                            f"(declared: {list(self.names)})")
@@ -54,6 +56,7 @@ class ExtraLosses:
             raise ValueError(f"extra loss {name!r} must be a scalar, got shape "
                              f"{tuple(value.shape)}")
         self.terms.append((name, value.reshape(())))
+        self.weights.append(float(weight))
 
     def accumulate(self, totals: torch.Tensor) -> None:
         """Add each term's detached value into ``totals`` (one slot per declared name)."""
@@ -61,11 +64,12 @@ class ExtraLosses:
             totals[self.names.index(name)] += value.detach().to(totals.dtype)
 
     def attach(self, output: torch.Tensor, scale: float) -> torch.Tensor:
-        """``output`` with ``scale * sum(terms)`` joined to its backward."""
-        terms = [v for _, v in self.terms if v.requires_grad]
+        """``output`` with ``scale * sum(weight * term)`` joined to its backward."""
+        terms = [(v, scale * w) for (_, v), w in zip(self.terms, self.weights)
+                 if v.requires_grad]
         if not terms or not torch.is_grad_enabled():
             return output
-        return _AttachTerms.apply(output, scale, *terms)
+        return _AttachTerms.apply(output, [w for _, w in terms], *[v for v, _ in terms])
 
 
 @contextlib.contextmanager
@@ -84,7 +88,9 @@ def is_collecting() -> bool:
     return bool(_COLLECTORS)
 
 
-def add_extra_loss(name: str, value: torch.Tensor) -> None:
-    """Register a scalar loss term from inside a model's forward (see module docstring)."""
+def add_extra_loss(name: str, value: torch.Tensor, weight: float = 1.0) -> None:
+    """Register a scalar loss term from inside a model's forward (see module docstring).
+    It is logged as ``value``; the objective gets ``weight * value`` (MTP logs its cross
+    entropy and trains on a scaled share of it)."""
     if _COLLECTORS:
-        _COLLECTORS[-1].add(name, value)
+        _COLLECTORS[-1].add(name, value, weight)

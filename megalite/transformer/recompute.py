@@ -156,6 +156,19 @@ def selective_targets(layer, modules) -> List[torch.nn.Module]:
     return out
 
 
+def configure_layer_recompute(layers, training_cfg, tracker=None) -> None:
+    """Recompute for layers outside a block (the MTP modules'): ``full`` checkpoints each
+    layer whole (Megatron's MTP allows uniform with one layer per group), ``selective`` its
+    named submodules."""
+    t = training_cfg
+    for layer in layers:
+        if t.recompute_granularity == "full":
+            wrap_module(layer, tracker)
+        elif t.recompute_granularity == "selective":
+            for module in selective_targets(layer, t.recompute_modules or ["core_attn"]):
+                wrap_module(module, tracker)
+
+
 def configure_recompute(block, training_cfg) -> None:
     """Apply the ``--recompute-*`` flags of ``training_cfg`` to a TransformerBlock."""
     t = training_cfg

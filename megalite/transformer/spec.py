@@ -11,6 +11,8 @@ context-parallel attention and MoE become spec choices rather than constructor e
         k_layernorm        norm builder over the head dim (--qk-layernorm)
         core_attention     (model_cfg, comm_groups, *, layer_number, attn_mask_type, rng_tracker)
         linear_proj        row-parallel linear
+                           or ModuleSpec(MLASelfAttention, MLASelfAttentionSubmodules):
+                           q/kv down and up projections, latent norms, core attention, proj
       pre_mlp_layernorm    norm builder
       mlp / moe_mlp        chosen per layer by ``ModelConfig.is_moe_layer`` (``mlp_for_layer``)
         router, experts, shared_experts   (MoESubmodules)
@@ -62,6 +64,20 @@ class SelfAttentionSubmodules:
     # head's q and k before RoPE; used only when the model config asks for them
     q_layernorm: Optional[Spec] = None
     k_layernorm: Optional[Spec] = None
+
+
+@dataclass(frozen=True, eq=False)
+class MLASelfAttentionSubmodules:
+    """Multi-Latent Attention's slots (``transformer/mla.py``; Megatron's names)."""
+    linear_q_proj: Spec        # column-parallel, hidden -> heads x q head (no --q-lora-rank)
+    linear_q_down_proj: Spec   # duplicated over TP, hidden -> q_lora_rank
+    linear_q_up_proj: Spec     # column-parallel, q_lora_rank -> heads x q head
+    linear_kv_down_proj: Spec  # duplicated over TP, hidden -> kv_lora_rank + rope dim
+    linear_kv_up_proj: Spec    # column-parallel, kv_lora_rank -> heads x (k nope + v)
+    core_attention: Spec       # as SelfAttention's, with k/v head dims and softmax scale
+    linear_proj: Spec          # row-parallel, heads x v -> hidden
+    q_layernorm: Spec          # norm builders for the latents (with --qk-layernorm)
+    kv_layernorm: Spec
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,8 +2,9 @@
 train to the single-process losses of the same model (docs/launching.md, "Recipes").
 
 The Llama-3 405B twin runs on the two-node SLURM cluster in test_slurm_e2e.py; the GPT-3 175B
-twin (TP2 PP2, full recomputation) and the Qwen3-235B-A22B twin (TP2 + SP, PP2 x VPP2 with
-embedding and loss counted, EP2, full recomputation, distributed optimizer) run here
+twin (TP2 PP2, full recomputation), the Qwen3-235B-A22B twin (TP2 + SP, PP2 x VPP2 with
+embedding and loss counted, EP2, full recomputation, distributed optimizer) and the
+DeepSeek-V3 twin (MLA + MTP, EP2 x PP2, the distributed optimizer, full recomputation) run here
 (tests/unit/test_recipes.py dry-runs every recipe).
 """
 import json
@@ -62,3 +63,24 @@ def test_qwen3_moe_twin_with_run_local_matches_one_process(tmp_path):
         assert len(twin) == len(ref) == 2 and ref[0] > 0
         assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (key, twin, ref)
         assert abs(twin[1] - ref[1]) <= 1e-4 * abs(ref[1]), (key, twin, ref)
+
+
+def test_deepseek_v3_twin_trains_with_its_extra_losses_logged(tmp_path):
+    """MLA + MTP + EP2 + PP2 on 4 CPU processes: the MTP, aux and z losses of every step are
+    on the console line and in the metrics file (tests/distributed/test_mla_mtp_dist.py holds
+    the same structure to the one-process losses)."""
+    env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
+    metrics = tmp_path / "twin.jsonl"
+    out = _run(["bash", "launch/run_local.sh", "launch/recipes/twins/deepseek-v3.yaml",
+                "--train-iters", "2", "--metrics-file", str(metrics)], env=env)
+    assert "[run_local] 4 process(es)" in out and "layers per pipeline rank" not in out
+    lines = [ln for ln in out.splitlines() if " iteration " in ln and "lm loss" in ln]
+    assert len(lines) == 2
+    for ln in lines:
+        assert "mtp_1 loss: " in ln and "moe aux loss: " in ln and "moe z loss: " in ln
+    records = [json.loads(line) for line in open(metrics) if "split" not in line]
+    assert [r["iteration"] for r in records] == [1, 2]
+    for r in records:
+        assert r["mtp_1_loss"] > 0 and r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
+        # the MTP module's MoE layer (global number 3 of 3 decoder layers) reports too
+        assert "moe_layer_3_tokens_per_expert" in r

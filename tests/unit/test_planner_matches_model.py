@@ -31,6 +31,15 @@ def model_cfg(arch):
                  num_query_groups=4)
     elif arch == "qk-layernorm-ln":  # LayerNorm q/k norms: weight and bias each
         d.update(qk_layernorm=True)
+    elif arch in ("mla-mtp-tied", "deepseek"):      # MLA latents + norms, MTP on the last stage
+        d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                 add_bias_linear=False, multi_latent_attention=True, q_lora_rank=24,
+                 kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
+                 qk_layernorm=True, mtp_num_layers=2)
+        if arch == "deepseek":
+            d.update(q_lora_rank=None, untie_embeddings_and_output_weights=True, num_experts=4,
+                     moe_ffn_hidden_size=16, moe_layer_freq=[0] + [1] * 5,
+                     moe_shared_expert_intermediate_size=32, mtp_num_layers=1)
     return ModelConfig(**d)
 
 
@@ -52,12 +61,13 @@ def real_count(m, tp, pp, pp_rank, vpp=1, first=None, last=None):
 
 
 @pytest.mark.parametrize("arch,tp,pp", list(itertools.product(
-    ["llama", "gpt", "gpt-untied", "gqa-swiglu-bias", "qwen", "qk-layernorm-ln"], [1, 2],
+    ["llama", "gpt", "gpt-untied", "gqa-swiglu-bias", "qwen", "qk-layernorm-ln", "mla-mtp-tied",
+     "deepseek"], [1, 2],
     [1, 2, 3])))
 def test_stage_params_equal_model(arch, tp, pp):
     m = model_cfg(arch)
-    for r in range(pp):
-        assert ms.stage_params(m, r, tp=tp, pp=pp).total == real_count(m, tp, pp, r)
+    for r in range(pp):     # expert-TP defaults to TP
+        assert ms.stage_params(m, r, tp=tp, pp=pp, etp=tp).total == real_count(m, tp, pp, r)
 
 
 def test_interleaved_and_uneven_stages_equal_model():

@@ -44,7 +44,7 @@ def _cfg(path, *extra):
 
 def test_the_issue_lists_every_recipe_and_a_twin_each():
     names = sorted(os.path.basename(f)[:-5] for f in PUBLISHED)
-    assert names == ["deepseek-v3-like", "gpt3-175b", "llama3-405b", "llama3-405b-long-context",
+    assert names == ["deepseek-v3", "gpt3-175b", "llama3-405b", "llama3-405b-long-context",
                      "llama3-70b", "llama3-8b", "mixtral-8x22b", "qwen3-235b-a22b"]
     assert sorted(os.path.basename(f) for f in TWINS) == \
         sorted(os.path.basename(f) for f in PUBLISHED)
@@ -86,6 +86,10 @@ def _structure(cfg):
             "uneven": p.decoder_first_pipeline_num_layers is not None,
             "moe": bool(cfg.model.num_experts), "dense-first": cfg.model.num_experts and
             not cfg.model.is_moe_layer(0), "gqa": cfg.model.group_query_attention,
+            "mla": cfg.model.multi_latent_attention, "mtp": bool(cfg.model.mtp_num_layers),
+            "router": (cfg.model.moe_router_score_function,
+                       cfg.model.moe_router_enable_expert_bias,
+                       bool(cfg.model.moe_shared_expert_intermediate_size)),
             "arch": (cfg.model.normalization, cfg.model.position_embedding_type,
                      cfg.model.swiglu, cfg.model.add_bias_linear,
                      cfg.model.untie_embeddings_and_output_weights)}

@@ -261,7 +261,7 @@ def test_a_te_checkpoint_opens_without_te(fake_te, tmp_path, monkeypatch):
 
 # ---- the TE spec end to end (stand-in TE) ------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen", "mla"])
 def test_te_spec_forward_and_grads_match_local(fake_te, arch):
     m = mcfg(arch)
     local, te = model(m, "local"), model(m, "transformer_engine")
@@ -408,3 +408,19 @@ def test_megalite_import_does_not_import_te(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
     assert out == "False"
+
+
+def test_te_spec_with_multi_latent_attention_uses_te_core_attention_and_projection(fake_te):
+    """MLA through the TE spec: TE's DotProductAttention gets the (q/k, v) head dims and
+    MLA's softmax scale, TE's row-parallel Linear is the output projection; the down/up
+    projections and latent norms are megalite's, the input norm is back in its own slot."""
+    from megalite.transformer.mla import mla_softmax_scale
+
+    m = mcfg("mla")
+    te = model(m, "transformer_engine")
+    attn = te.decoder.layers["1"].self_attention
+    assert type(attn.linear_proj).__name__ == "Linear"
+    assert type(te.decoder.layers["1"].input_layernorm).__name__ == "RMSNorm"
+    dpa = [k for n, k in te_fake.BUILT if n == "DotProductAttention"][0]
+    assert dpa["kv_channels"] == (m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim)
+    assert dpa["softmax_scale"] == mla_softmax_scale(m) != (6 + 4) ** -0.5   # YaRN's mscale^2

@@ -12,6 +12,7 @@ from megalite.checkpointing.hf_adapters.base import (HFAdapter, UnsupportedModel
                                                      registered_adapters,
                                                      supported_architectures,
                                                      unregister_adapter)
+from megalite.checkpointing.hf_adapters.deepseek_v3 import DeepseekV3Adapter
 from megalite.checkpointing.hf_adapters.llama import LlamaAdapter
 from megalite.checkpointing.hf_adapters.mistral import MistralAdapter
 from megalite.checkpointing.hf_adapters.mixtral import MixtralAdapter
@@ -24,11 +25,10 @@ register_adapter(MistralAdapter())
 register_adapter(Qwen2Adapter())
 register_adapter(Qwen3Adapter())
 register_adapter(MixtralAdapter())
-register_adapter(Qwen2MoeAdapter())
-register_adapter(Qwen3MoeAdapter())
+register_adapter(DeepseekV3Adapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
            "registered_adapters", "supported_architectures", "unregister_adapter",
            "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter",
-           "Qwen2MoeAdapter", "Qwen3MoeAdapter"]
+           "DeepseekV3Adapter"]

@@ -124,7 +124,9 @@ class LlamaAdapter(HFAdapter):
         return [msg for bad, msg in (
             (mc.normalization != "RMSNorm", "--normalization RMSNorm"),
             (not mc.swiglu, "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
-            (bool(mc.num_experts), "no --num-experts")) if bad] + \
+            (bool(mc.num_experts), "no --num-experts"),
+            (mc.multi_latent_attention, "no --multi-latent-attention"),
+            (bool(mc.mtp_num_layers), "no --mtp-num-layers")) if bad] + \
             rope_export_problems(mc) + self.family_export_problems(mc)
 
     def family_export_problems(self, mc) -> List[str]:
