@@ -25,10 +25,12 @@ register_adapter(MistralAdapter())
 register_adapter(Qwen2Adapter())
 register_adapter(Qwen3Adapter())
 register_adapter(MixtralAdapter())
+register_adapter(Qwen2MoeAdapter())
+register_adapter(Qwen3MoeAdapter())
 register_adapter(DeepseekV3Adapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
            "registered_adapters", "supported_architectures", "unregister_adapter",
            "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter",
-           "DeepseekV3Adapter"]
+           "Qwen2MoeAdapter", "Qwen3MoeAdapter", "DeepseekV3Adapter"]
