@@ -76,6 +76,8 @@ def test_deepseek_v3_converts_evaluates_and_exports(tmp_path):
         got[name] = _eval_loss(metrics)
     for name, loss in got.items():
         assert abs(loss - expected) <= 1e-5 * expected, (name, loss, expected)
+    print(f"transformers {expected:.8f}; " + ", ".join(       # shown with -s
+        f"{n} rel {abs(v - expected) / expected:.1e}" for n, v in got.items()))
 
     back = str(tmp_path / "hf_back")
     _run([PY, "tools/checkpoint/convert.py", "--source-format", "megalite", "--target-format",
@@ -83,7 +85,8 @@ def test_deepseek_v3_converts_evaluates_and_exports(tmp_path):
     again = transformers.DeepseekV3ForCausalLM.from_pretrained(back).eval()
     ids = batches[0]["tokens"]
     with torch.no_grad():
-        assert rel(again(ids).logits, ref(ids).logits) <= 1e-5
+        logits_rel = rel(again(ids).logits, ref(ids).logits)
+    assert logits_rel <= 1e-5
     from transformers.modeling_layers import MtpModel
     from safetensors.torch import load_file
 
@@ -113,6 +116,8 @@ def test_deepseek_v3_converts_evaluates_and_exports(tmp_path):
         [experts["down_proj"][e] for e in range(n)])
     missing, unexpected = head.load_state_dict(mine, strict=False)
     assert not unexpected and all("embed" in k or "shared_head" in k for k in missing), missing
-    assert rel(hf_mtp_logits(again, head, ids), hf_mtp_logits(ref, mtp, ids)) <= 1e-5
+    mtp_rel = rel(hf_mtp_logits(again, head, ids), hf_mtp_logits(ref, mtp, ids))
+    print(f"exported: logits rel {logits_rel:.1e}, MTP logits rel {mtp_rel:.1e}")
+    assert mtp_rel <= 1e-5
     assert torch.equal(sd["model.layers.1.mlp.gate.e_score_correction_bias"],
                        ref.model.layers[1].mlp.gate.e_score_correction_bias)
