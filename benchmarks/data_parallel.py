@@ -11,9 +11,14 @@
   step per rank (``training.tensor_memory_meter``) next to ``planner.step_peak``;
 * overlap -- step time on 2 processes with --overlap-grad-reduce off and on (median of
   alternating steps), and a timeline of one overlapped step (Chrome trace + SVG) showing
-  the bucket reductions starting while backward still runs.
+  the bucket reductions starting while backward still runs;
+* compose -- FSDP2 with PP (1F1B, interleaved, zero bubble), CP, EP, TP x PP and hybrid
+  sharding (HSDP, FSDP2 and the distributed optimizer), issue 26: per rank, the data-parallel
+  collectives of one step measured by the counters next to the theory from the rank's real
+  FSDP units (``fsdp2.expected_collectives``) and the planner's prediction, then the step's
+  peak of live tensor bytes next to ``planner.step_peak``.
 
-    python benchmarks/data_parallel.py [comm memory overlap] [--svg docs/img/dp_overlap.svg]
+    python benchmarks/data_parallel.py [comm memory overlap compose] [--svg docs/img/dp_overlap.svg]
 """
 from __future__ import annotations
 
@@ -49,7 +54,7 @@ def _trainer(flags, world):
     from megalite.training.loop import Trainer
 
     cfg = parse_args(["--world-size", str(world), *MODEL, *flags])
-    grid = RankGrid(world, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    grid = RankGrid.from_config(cfg)
     state = ParallelState.build(grid, 0, create_groups=False) if world == 1 else \
         ParallelState.build(grid, torch_dist.get_rank())
     trainer = Trainer(cfg, state, "cpu")
@@ -89,16 +94,14 @@ def _state_bytes(trainer) -> dict:
 # -- comm ---------------------------------------------------------------------------------
 def comm_rank(world):
     from megalite import comm
-    from megalite.distributed.fsdp2 import counting_fsdp_collectives
 
     rows = []
     for name, flags in STRATEGIES.items():
         trainer = _trainer(flags + ["--global-batch-size", str(world)], world)
         it = trainer.data_iterator(trainer.train_ds, 0)
-        with counting_fsdp_collectives(comm.counter, "fsdp"):
-            for _ in range(2):
-                comm.counter.reset()
-                trainer.train_step(it)
+        for _ in range(2):
+            comm.counter.reset()
+            trainer.train_step(it)
         c = comm.counter.snapshot()
         psi = sum(p.numel() for p in trainer.strategy.params)
         get = lambda k: c.get(k, {}).get("elements", 0)        # noqa: E731
@@ -106,7 +109,8 @@ def comm_rank(world):
             meas = {"all-reduce": get("dp-cp/all_reduce") - 2}   # minus token count + loss
             theory = {"all-reduce": psi}
         elif name == "FSDP2":
-            meas = {"all-gather": get("fsdp/all_gather"), "reduce-scatter": get("fsdp/reduce_scatter")}
+            meas = {"all-gather": get("dp-cp/all_gather"),
+                    "reduce-scatter": get("dp-cp/reduce_scatter")}
             theory = {"all-gather": 2 * psi, "reduce-scatter": psi}
         else:
             meas = {"reduce-scatter": get("dp-cp/reduce_scatter"),
@@ -132,10 +136,10 @@ def run_comm(pool, world):
 MEMORY_FLAGS = ["--ddp-bucket-size", "20000"]
 
 
-def metered_steps(flags, world, steps=3):
+def metered_steps(flags, world, steps=3, before_step=None):
     """Build a trainer and run ``steps`` steps under the tensor-memory meter (started before
-    the model is built, so every live tensor is counted).  Returns the trainer, the peak of
-    each step and the meter's stale-free count."""
+    the model is built, so every live tensor is counted); ``before_step(i)`` runs before
+    step i.  Returns the trainer, the peak of each step and the meter's stale-free count."""
     from megalite.training.tensor_memory_meter import TensorMemoryMeter
 
     meter = TensorMemoryMeter().start()
@@ -143,6 +147,8 @@ def metered_steps(flags, world, steps=3):
         trainer = _trainer(flags, world)
         it = trainer.data_iterator(trainer.train_ds, 0)
         for i in range(steps):
+            if before_step is not None:
+                before_step(i)
             with meter.window(f"step{i + 1}"):
                 trainer.train_step(it)
     finally:
@@ -155,7 +161,7 @@ def memory_rank(world):
 
     from megalite.planner import model_spec as ms
     from megalite.planner.layout import layout_from_config
-    from megalite.planner.memory import Precision, state_bytes
+    from megalite.planner.memory import Precision, layout_state_bytes
     from megalite.planner.step_peak import predict_step_peak
 
     rank = torch_dist.get_rank() if world > 1 else 0
@@ -166,8 +172,8 @@ def memory_rank(world):
         cfg = trainer.cfg
         L = layout_from_config(cfg)
         params = ms.stage_params(cfg.model, 0, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
-        kept = state_bytes(params, L.dp * L.cp, L.edp, L.zero,
-                           Precision.bf16() if cfg.optimizer.bf16 else Precision.fp32())
+        kept = layout_state_bytes(params, L, Precision.bf16() if cfg.optimizer.bf16
+                                  else Precision.fp32())
         out.append({"name": name, "kept": _state_bytes(trainer), "kept_planner": kept,
                     "first_peak": steps[0].peak_bytes, "peak": steps[-1].peak_bytes,
                     "start": steps[-1].start_bytes, "stale": stale,
@@ -282,11 +288,107 @@ def run_overlap(pool, steps, svg):
         print(f"timeline: {trace} (Chrome trace), {svg}")
 
 
+# -- compose (issue 26) -------------------------------------------------------------------
+FSDP, PP2 = ["--use-torch-fsdp2"], ["--pipeline-model-parallel-size", "2"]
+HYBRID = ["--num-distributed-optimizer-instances", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+       "--moe-aux-loss-coeff", "1e-2"]
+COMPOSE = {   # name: (world, flags); GBS 4: two micro-batches per rank at DP 2
+    "FSDP2 x PP2 1F1B": (4, FSDP + PP2),
+    "FSDP2 x PP2 interleaved": (4, FSDP + PP2 + ["--num-virtual-stages-per-pipeline-rank", "2"]),
+    "FSDP2 x PP2 zero-bubble": (4, FSDP + PP2 + ["--pipeline-schedule", "zero-bubble"]),
+    "FSDP2 x CP2": (4, FSDP + ["--context-parallel-size", "2"]),
+    "FSDP2 x EP2 (MoE)": (4, FSDP + MOE + ["--expert-model-parallel-size", "2"]),
+    "FSDP2 x TP2 x PP2": (8, FSDP + PP2 + ["--tensor-model-parallel-size", "2",
+                                            "--sequence-parallel"]),
+    "HSDP 2x2 FSDP2": (4, FSDP + HYBRID + ["--global-batch-size", "8"]),
+    "HSDP 2x2 dist-opt": (4, ["--use-distributed-optimizer"] + HYBRID +
+                          ["--global-batch-size", "8"]),
+}
+def dp_traffic(key: str) -> bool:
+    """The data-parallel strategy's gathers and reductions (not the loss / norm scalars)."""
+    group, op = key.split("/")
+    return (group.startswith(("dp-cp", "expert-dp")) and op in ("all_gather", "reduce_scatter")) \
+        or group.endswith("-replicate")
+
+
+def compose_rank(names, world):
+    """Per case: this rank's data-parallel collectives of the third step (measured, from
+    the units, planned) and each step's peak of live tensor bytes next to the planner's."""
+    import torch.distributed as torch_dist
+
+    from megalite import comm
+    from megalite.distributed.fsdp2 import expected_collectives
+    from megalite.planner.comm_model import predict_comm_volume
+    from megalite.planner.step_peak import predict_step_peak
+
+    rank = torch_dist.get_rank()
+    out = []
+    for name in names:
+        flags = COMPOSE[name][1]
+        gbs = [] if "--global-batch-size" in flags else ["--global-batch-size", "4"]
+        trainer, steps, _ = metered_steps(flags + gbs, world,
+                                          before_step=lambda i: comm.counter.reset())
+        cfg = trainer.cfg
+        measured = {k: v["elements"] for k, v in comm.counter.snapshot().items()
+                    if dp_traffic(k)}
+        planned = {k: v["elements"] for k, v in predict_comm_volume(cfg, rank).items()}
+        units = expected_collectives(trainer.model_chunks, cfg.num_micro_batches,
+                                     cfg.parallel.pp > 1) if cfg.parallel.use_torch_fsdp2 \
+            else {}
+        out.append({"name": name, "measured": measured, "units": units,
+                    "planned": {k: planned.get(k, 0) for k in measured},
+                    "peak": steps[-1].peak_bytes, "predicted": predict_step_peak(cfg, rank)})
+        del trainer
+    return out
+
+
+def run_compose(pool, only=None):
+    names = [n for n in COMPOSE if only is None or n in only]
+    print("\n== FSDP2 / HSDP compositions: data-parallel elements per step per rank ==")
+    print(f"{'case':24s} {'rank':>4s} {'group/op':28s} {'measured':>9s} {'units':>9s} "
+          f"{'planner':>9s} {'m/units':>7s} {'m/plan':>7s}")
+    from megalite.testing import WorkerPool
+
+    results = {}
+    for world in sorted({COMPOSE[n][0] for n in names}):
+        # the tensor meter makes a step slow (profiler): a pool with a long timeout
+        own = WorkerPool(world, timeout_s=1800)
+        try:
+            for name in [n for n in names if COMPOSE[n][0] == world]:
+                results[name] = [rows[0] for rows in own.run(compose_rank, [name], world)]
+        finally:
+            own.close()
+    for name in names:
+        for rank, r in enumerate(results[name]):
+            for key in sorted(r["measured"]):
+                m, u, p = r["measured"][key], r["units"].get(key, 0), r["planned"][key]
+                ratio = f"{m / u:7.3f}" if u else "    n/a"
+                print(f"{name:24s} {rank:4d} {key:28s} {m:9d} {u:9d} {p:9d} {ratio} "
+                      f"{m / p if p else float('nan'):7.3f}")
+    print("(units: what FSDP2 must send for the rank's real units, dim 0 padded; n/a: the "
+          "distributed optimizer's own buffers.  With PP one all-gather and one reduce-"
+          "scatter per parameter per step; HSDP all-reduces each reduced shard across "
+          "instances)")
+    print("\n== peak live CPU tensor bytes of the third step, per rank, next to the planner's "
+          "step peak ==")
+    print(f"{'case':24s} {'rank':>4s} {'peak':>10s} {'planner':>10s} {'meas/plan':>9s}  "
+          "planner's peak phase and its parts")
+    for name in names:
+        for rank, r in enumerate(results[name]):
+            p = r["predicted"]
+            parts = " ".join(f"{k[:4]} {p[k]}" for k in
+                             ("weights", "grads", "optimizer", "activations", "transient"))
+            print(f"{name:24s} {rank:4d} {r['peak']:10d} {p['total']:10d} "
+                  f"{r['peak'] / p['total']:9.3f}  {p['peak_phase']}: {parts}")
+
+
 def main(argv=None):
     from megalite.testing import PoolManager
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("parts", nargs="*", default=["comm", "memory", "overlap"])
+    ap.add_argument("parts", nargs="*", default=["comm", "memory", "overlap", "compose"])
+    ap.add_argument("--cases", nargs="*", default=None, help="compose: only these cases")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--svg", default=None, help="write the overlap timeline as SVG here")
     args = ap.parse_args(argv)
@@ -300,6 +402,8 @@ def main(argv=None):
             run_memory(pool)
         if "overlap" in args.parts:
             run_overlap(pool, args.steps, args.svg)
+        if "compose" in args.parts:
+            run_compose(pool, args.cases)
     finally:
         pool.close()
     return 0

@@ -314,6 +314,52 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
     return PendingP2P(works, ops, desc, group, peers)
 
 
+# -- collectives torch itself issues on our groups (FSDP2) ---------------------------------
+# FSDP2 calls torch.distributed directly; its all-gathers (output), reduce-scatters (input)
+# and HSDP all-reduces are counted here, under the megalite name of the group they run on,
+# with the convention above.  Only calls from outside this module are counted (comm.py's own
+# go through the functions above and are counted there).
+_EXTERNAL_GROUPS: dict = {}        # id(ProcessGroup) -> (ProcessGroup, name, size)
+_EXTERNAL_OPS = (("all_gather_single", "all_gather", "output_tensor"),
+                 ("reduce_scatter_single", "reduce_scatter", "input"),
+                 ("all_reduce", "all_reduce", "tensor"))
+
+
+def count_external_group(process_group, name: str, size: int) -> None:
+    """Count collectives that others (FSDP2) issue on ``process_group`` as ``name``.  The
+    communicator must be one of its own (``parallel_state.dedicated_group``): one name each."""
+    _install_external_hooks()
+    _EXTERNAL_GROUPS.setdefault(id(process_group), (process_group, name, size))
+
+
+def external_group_name(process_group) -> Optional[str]:
+    entry = _EXTERNAL_GROUPS.get(id(process_group))
+    return entry[1] if entry else None
+
+
+def _install_external_hooks() -> None:
+    import inspect
+    import sys
+
+    if getattr(dist, "_megalite_counted", False):
+        return
+    for fn_name, op, tensor_arg in _EXTERNAL_OPS:
+        original = getattr(dist, fn_name)
+        signature = inspect.signature(original)
+
+        def hooked(*args, _original=original, _sig=signature, _op=op, _arg=tensor_arg,
+                   **kwargs):
+            entry = None
+            if _EXTERNAL_GROUPS and sys._getframe(1).f_globals.get("__name__") != __name__:
+                bound = _sig.bind(*args, **kwargs)
+                entry = _EXTERNAL_GROUPS.get(id(bound.arguments.get("group")))
+            if entry is not None and entry[2] > 1:
+                counter.add(entry[1], _op, bound.arguments[_arg])
+            return _original(*args, **kwargs)
+        setattr(dist, fn_name, hooked)
+    dist._megalite_counted = True
+
+
 # -- the run's first user error, shared through the job's store ---------------------------
 FIRST_USER_ERROR_KEY = "first_user_error"
 _published_here = False

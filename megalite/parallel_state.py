@@ -35,9 +35,28 @@ GROUP_TOKENS = {
     "expert-mp": ("expert", "tp-ep-pp"),   # expert model-parallel (expert grad-norm reduction)
 }
 
+# Hybrid sharding (``--num-distributed-optimizer-instances`` R > 1, Megatron's name): each
+# data-parallel group (dp-cp, expert-dp) is cut into R contiguous *shard* groups -- the
+# distributed optimizer's / FSDP2's instances, neighbouring ranks so their all-gathers and
+# reduce-scatters stay inside a node -- and *replicate* groups across them (the same
+# position in every instance: one all-reduce of the reduced shard per step).  With R = 1
+# the shard group is the data-parallel group itself and the replicate group one rank.
+HYBRID_GROUPS = {"dp-cp-shard": ("dp-cp", "shard"), "dp-cp-replicate": ("dp-cp", "replicate"),
+                 "expert-dp-shard": ("expert-dp", "shard"),
+                 "expert-dp-replicate": ("expert-dp", "replicate")}
+
 # torch DeviceMesh dimensions per grid, slowest-varying first (ORDER reversed, minus the
 # dimension the grid fixes to 1); each name is also the name of this dimension's group.
 MESH_DIMS = {"dense": ("pp", "dp", "cp", "tp"), "expert": ("pp", "expert-dp", "ep", "expert-tp")}
+
+
+def hybrid_split(members: List[int], instances: int, part: str) -> List[List[int]]:
+    """A data-parallel group's ``instances`` contiguous shard groups (``part="shard"``), or
+    its replicate groups: the j-th member of every shard group (Megatron-Core's intra- and
+    inter-instance groups of ``--num-distributed-optimizer-instances``)."""
+    size = len(members) // instances
+    shards = [members[i * size:(i + 1) * size] for i in range(instances)]
+    return shards if part == "shard" else [list(col) for col in zip(*shards)]
 
 
 def _prefix_product(values, start=1):
@@ -82,14 +101,19 @@ class RankGrid:
     """Pure-Python rank arithmetic for the dense and the expert grid."""
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 etp: Optional[int] = None, vpp: int = 1):
+                 etp: Optional[int] = None, vpp: int = 1, dp_instances: int = 1):
         etp = etp or tp
         if world_size % (tp * pp * cp) or world_size % (etp * ep * pp):
             raise ValueError(f"world size {world_size} does not fit tp={tp} cp={cp} pp={pp} "
                              f"(expert: etp={etp} ep={ep})")
-        self.world_size, self.vpp = world_size, vpp
+        self.world_size, self.vpp, self.dp_instances = world_size, vpp, dp_instances
         self.dims = {"dense": dict(tp=tp, cp=cp, ep=1, dp=world_size // (tp * cp * pp), pp=pp),
                      "expert": dict(tp=etp, cp=1, ep=ep, dp=world_size // (etp * ep * pp), pp=pp)}
+        for grid in ("dense", "expert"):
+            d = self.dims[grid]
+            if dp_instances > 1 and (d["dp"] * d["cp"]) % dp_instances:
+                raise ValueError(f"{dp_instances} instances do not divide the {grid} "
+                                 f"data-parallel size {d['dp'] * d['cp']}")
         self._cache: Dict[str, List[List[int]]] = {}
 
     def size(self, name: str) -> int:
@@ -99,6 +123,11 @@ class RankGrid:
         if name not in self._cache:
             if name == "embedding":
                 self._cache[name] = [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+            elif name in HYBRID_GROUPS:
+                base, part = HYBRID_GROUPS[name]
+                self._cache[name] = [
+                    grp for g in self.groups(base)
+                    for grp in hybrid_split(g, self.dp_instances, part)]
             else:
                 grid, token = GROUP_TOKENS[name]
                 order = ORDER.split("-")
@@ -122,7 +151,8 @@ class RankGrid:
         lines = [f"world {self.world_size}: TP={d['tp']} CP={d['cp']} DP={d['dp']} PP={d['pp']}"
                  f" | expert grid: ETP={e['tp']} EP={e['ep']} EDP={e['dp']} PP={e['pp']}"
                  f" | order {ORDER}"]
-        for name in [*GROUP_TOKENS, "embedding"]:
+        hybrid = list(HYBRID_GROUPS) if self.dp_instances > 1 else []
+        for name in [*GROUP_TOKENS, "embedding", *hybrid]:
             groups = self.groups(name)
             shown = " ".join(str(g).replace(" ", "") for g in groups[:16])
             more = f" ... (+{len(groups) - 16})" if len(groups) > 16 else ""
@@ -148,7 +178,8 @@ class RankGrid:
     def from_config(cls, cfg) -> "RankGrid":
         p = cfg.parallel
         return cls(cfg.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
-                   vpp=p.virtual_stages(cfg.model.num_layers))
+                   vpp=p.virtual_stages(cfg.model.num_layers),
+                   dp_instances=p.num_distributed_optimizer_instances)
 
 
 @dataclass
@@ -190,7 +221,7 @@ class ParallelState:
         (a timedelta, from ``--distributed-timeout-minutes``) applies to every group, not
         just the world: torch's default for a new group would be 30 minutes."""
         state = cls(grid=grid, rank=rank, timeout=timeout)
-        for name in [*GROUP_TOKENS, "embedding"]:
+        for name in [*GROUP_TOKENS, "embedding", *HYBRID_GROUPS]:
             for ranks in grid.groups(name):
                 handle = None
                 if create_groups and len(ranks) > 1:
@@ -268,6 +299,31 @@ class ParallelState:
             names, ranks = self.grid.mesh_ranks(grid)
             self.meshes[key] = DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=names)
         return self.meshes[key]
+
+
+_DEDICATED: Dict[tuple, object] = {}
+_LOCAL: Dict[int, object] = {}
+
+
+def dedicated_group(state: "ParallelState", name: str) -> Group:
+    """This rank's ``name`` group on communicators of its own, shared with no other group
+    of the same ranks (``_new_group`` shares one per rank set): FSDP2's meshes run on these,
+    so comm.py can tell their traffic apart by communicator.  A one-rank group gets a local
+    communicator (created by its rank alone).  Collective over the world on first use per
+    (name, layout): every rank must ask for the same names in the same order."""
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in state.grid.groups(name):
+        key = (name, tuple(ranks), state.timeout)
+        if len(ranks) > 1 and key not in _DEDICATED:
+            _DEDICATED[key] = dist.new_group(ranks, timeout=state.timeout)
+        if state.rank in ranks:
+            if len(ranks) == 1 and state.rank not in _LOCAL:
+                _LOCAL[state.rank] = dist.new_group(ranks, use_local_synchronization=True)
+            handle = _DEDICATED[key] if len(ranks) > 1 else _LOCAL[state.rank]
+            mine = Group(name, ranks, handle, state.rank)
+    return mine
 
 
 def _new_group(ranks: List[int], timeout=None, backend=None):

@@ -384,19 +384,25 @@ def validate_logging(cfg: MegaliteConfig) -> None:
 
 def check_data_parallel(cfg: MegaliteConfig) -> None:
     """Data-parallel strategy flags (docs/data_parallel.md): combinations that do not compose
-    are refused, never ignored."""
+    are refused, never ignored.  FSDP2 composes with TP, PP (every schedule), CP and EP."""
     p = cfg.parallel
-    if p.use_torch_fsdp2:
-        if p.pp > 1:
-            raise ConfigError("--use-torch-fsdp2 does not compose with pipeline parallelism "
-                              "(PP > 1, tied embeddings across stages); use "
-                              "--use-distributed-optimizer with PP")
-        if p.use_distributed_optimizer:
-            raise ConfigError("--use-torch-fsdp2 and --use-distributed-optimizer both shard the "
-                              "optimizer; pick one")
-        if p.cp > 1 or cfg.model.num_experts:
-            raise ConfigError("--use-torch-fsdp2 shards over DP only: not with CP > 1 or "
-                              "--num-experts")
+    if p.use_torch_fsdp2 and p.use_distributed_optimizer:
+        raise ConfigError("--use-torch-fsdp2 and --use-distributed-optimizer both shard the "
+                          "optimizer; pick one")
+    instances = p.num_distributed_optimizer_instances
+    if instances > 1:
+        if not (p.use_distributed_optimizer or p.use_torch_fsdp2):
+            raise ConfigError("--num-distributed-optimizer-instances > 1 splits the sharded "
+                              "data-parallel group: add --use-distributed-optimizer or "
+                              "--use-torch-fsdp2")
+        dp_cp = cfg.data_parallel_size * p.cp
+        edp = cfg.world_size // (p.etp * p.ep * p.pp)
+        for size, what in ((dp_cp, "data-parallel x context-parallel size"),
+                           (edp if cfg.model.num_experts else instances, "expert data-parallel "
+                            "size (world / (expert-TP x EP x PP))")):
+            if size % instances:
+                raise ConfigError(f"--num-distributed-optimizer-instances ({instances}) must "
+                                  f"divide the {what} ({size})")
 
 
 def check_resume_schedule(cfg: MegaliteConfig) -> None:

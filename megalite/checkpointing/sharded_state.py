@@ -53,7 +53,8 @@ def _spec_chunks(spec: ParamSpec, local: torch.Tensor, coords, at=None) -> list:
 def fsdp_piece(p: torch.Tensor, state):
     """(local tensor, its offsets in the TP-local tensor, DP groups it is sharded over) of
     an FSDP2 DTensor parameter (``__create_chunk_list__``: DCP's protocol); a plain
-    parameter is all of its local tensor."""
+    parameter is all of its local tensor.  An HSDP mesh (replicate x shard) spans the whole
+    data-parallel group: its pieces repeat across instances (``first_fsdp_replica``)."""
     if not (hasattr(p, "__create_chunk_list__") and hasattr(p, "device_mesh")):
         return p.detach(), None, ()
     (meta,) = p.__create_chunk_list__()
@@ -64,6 +65,26 @@ def fsdp_piece(p: torch.Tensor, state):
     return p.to_local().detach(), tuple(meta.offsets), groups
 
 
+def first_fsdp_replica(p: torch.Tensor) -> bool:
+    """False on the HSDP instances but the first, whose piece of ``p`` repeats another's
+    (a mesh dimension with a ``Replicate`` placement, at a coordinate other than 0)."""
+    if not hasattr(p, "device_mesh"):
+        return True
+    coordinate = p.device_mesh.get_coordinate() or ()
+    return all(c == 0 for c, placement in zip(coordinate, p.placements)
+               if placement.is_replicate())
+
+
+def buffer_writer(spec: ParamSpec, coords, group_name: str) -> bool:
+    """The owner rule for a distributed optimizer's flat range sharded over ``group_name``:
+    its data-parallel group, or with instances ("dp-cp-shard", ...) the first instance."""
+    from megalite.parallel_state import HYBRID_GROUPS
+
+    base, part = HYBRID_GROUPS.get(group_name, (group_name, None))
+    first_instance = part is None or coords[f"{base}-replicate"][0] == 0
+    return first_instance and writes_chunk(spec, coords, sharded_over=(base,))
+
+
 def model_sharded_state_dict(model_chunks, state) -> Dict[str, ShardedTensor]:
     """``model.<canonical name>`` -> this rank's chunks of every parameter (of its FSDP2
     shard when the parameter is a DTensor)."""
@@ -72,9 +93,9 @@ def model_sharded_state_dict(model_chunks, state) -> Dict[str, ShardedTensor]:
     for chunk in _as_list(model_chunks):
         for name, p, spec in param_table(chunk).named(chunk):
             local, at, fsdp_groups = fsdp_piece(p, state)
-            out[f"model.{name}"] = ShardedTensor(spec.full_shape,
-                                                 _spec_chunks(spec, local, coords, at),
-                                                 writes_chunk(spec, coords, fsdp_groups))
+            out[f"model.{name}"] = ShardedTensor(
+                spec.full_shape, _spec_chunks(spec, local, coords, at),
+                writes_chunk(spec, coords, fsdp_groups) and first_fsdp_replica(p))
     return out
 
 
@@ -103,7 +124,7 @@ def optimizer_sharded_state_dict(optimizer, model_chunks, state) -> Dict[str, Sh
                 steps += _scalars(optimizer.inner.state.get(piece, {}))
                 spec = spec_of[id(p)]
                 p_lo = buf.start + lo - buf.offsets[index[id(p)]]
-                writer = writes_chunk(spec, coords, sharded_over=(buf.group.name,))
+                writer = buffer_writer(spec, coords, buf.group.name)
                 for key, t in flat.items():
                     entry = out.setdefault(f"optimizer.{key}.{names[id(p)]}",
                                            ShardedTensor(spec.full_shape, [], writer))
@@ -121,7 +142,7 @@ def optimizer_sharded_state_dict(optimizer, model_chunks, state) -> Dict[str, Sh
                 local = t.to_local() if at is not None else t.view(p.shape)
                 out[f"optimizer.{key}.{names[id(p)]}"] = ShardedTensor(
                     spec.full_shape, _spec_chunks(spec, local, coords, at),
-                    writes_chunk(spec, coords, fsdp_groups))
+                    writes_chunk(spec, coords, fsdp_groups) and first_fsdp_replica(p))
     if steps:
         if len(set(steps)) != 1:
             raise ValueError(f"optimizer step counts differ between parameters: {set(steps)}")

@@ -55,6 +55,11 @@ class ParallelConfig:
     use_torch_fsdp2: bool = opt(
         False, "ZeRO-3 through torch FSDP2 (fully_shard) over DP: one unit per transformer "
         "layer, the embedding and the output layer.", action="store_true")
+    num_distributed_optimizer_instances: int = opt(
+        1, "Hybrid sharding (HSDP): split each data-parallel group into this many instances of "
+        "neighbouring ranks; the distributed optimizer / FSDP2 shard inside an instance and "
+        "all-reduce the reduced shards across instances (Megatron-Core's and Megatron-FSDP's "
+        "flag).", gt=0)
     distributed_backend: str = opt("auto", "Collective backend; auto = nccl on CUDA, gloo on CPU.",
                                    choices=["auto", "nccl", "gloo"])
     distributed_timeout_minutes: float = opt(

@@ -14,7 +14,13 @@ never reaches into optimizer internals and FSDP2 can be a third implementation:
   (DP group, dtype), reduce-scattered; ``DistributedOptimizer`` steps this rank's shard and
   the strategy all-gathers the parameters.  With ``--overlap-grad-reduce``: one buffer per
   bucket, and only the reduced shard of the gradient is kept (ZeRO-2).
-* ``FSDP2Strategy`` (``--use-torch-fsdp2``): torch's ``fully_shard`` (ZeRO-3).
+* ``FSDP2Strategy`` (``--use-torch-fsdp2``): torch's ``fully_shard`` (ZeRO-3), with TP, PP,
+  CP and EP.
+
+``--num-distributed-optimizer-instances R`` (hybrid sharding): the distributed optimizer and
+FSDP2 shard over one instance of DP x CP / R neighbouring ranks ("dp-cp-shard") and
+all-reduce the reduced shards over the other instances ("dp-cp-replicate"); experts alike
+over expert-DP.
 
 ``--overlap-grad-reduce`` (DDP and distributed optimizer): gradients live in per-bucket
 buffers whose reductions start during backward (``grad_buckets.OverlapScheduler``).
@@ -33,7 +39,7 @@ import torch
 
 from megalite import comm
 from megalite.distributed.distributed_optimizer import DistributedOptimizer
-from megalite.distributed.fsdp2 import apply_fsdp2
+from megalite.distributed.fsdp2 import apply_fsdp2, shard_group_names
 from megalite.distributed.grad_buckets import (Bucket, OverlapScheduler, bucket_size,
                                                split_into_buckets)
 from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_parallel_grads,
@@ -323,8 +329,9 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
                 by_key.setdefault((dp_group_name(spec), p.dtype), []).append(p)
             groups = [(key, ps, False) for key, ps in by_key.items()]
         self.sharded_buffers = [
-            ShardedBuffer(ps, state[g], torch.float32 if self.bf16 else dt,
-                          keep_shard_only=overlap) for (g, dt), ps, _ in groups]
+            ShardedBuffer(ps, self._shard_groups(g)[0], torch.float32 if self.bf16 else dt,
+                          keep_shard_only=overlap, replicate=self._shard_groups(g)[1])
+            for (g, dt), ps, _ in groups]
         self._grad_of: Dict[int, torch.Tensor] = {}
         for buf in self.sharded_buffers:
             for p, view in zip(buf.params, buf.grad_views):
@@ -354,6 +361,14 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
                 buf.shard_ranges(), buf.shard_size,
                 lambda p: p is not None and counts_toward_norm(self._spec_of[id(p)], self.coords))
             self._norm_spans.append((cls, buf, [(lo, hi) for lo, hi, c in runs if c]))
+
+    def _shard_groups(self, dp_group: str) -> tuple:
+        """(shard group, replicate group or None) for buffers of ``dp_group``: the group
+        itself, or with --num-distributed-optimizer-instances its instance and the same
+        shard's ranks in the other instances (Megatron's intra / inter partial DP)."""
+        grid = "expert" if dp_group == "expert-dp" else "dense"
+        shard, replicate = shard_group_names(grid, self.state.grid.dp_instances)
+        return self.state[shard], (self.state[replicate] if replicate else None)
 
     def grad(self, p):
         """``p``'s view of its grad buffer (ZeRO-2: storage-less between the reduce-scatter
@@ -400,11 +415,11 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
             g = buf.grad_shard
             for lo, hi in spans:
                 sq += g[lo:hi].float().pow(2).sum()
-        if mine:        # the DP group's members hold the same parameters: all or none
-            comm.all_reduce(sq, self.state[PARAM_CLASS_GROUPS[cls].dp])
+        if mine:        # the shard group's members hold the same parameters: all or none
+            comm.all_reduce(sq, mine[0][0].group)
         return sq
 
-    def _sync_params(self):
+    def _sync_params(self):       # the all-gathers run inside each shard group (instance)
         if not self.cfg.parallel.overlap_param_gather:
             for buf in self.sharded_buffers:
                 buf.all_gather_params()
@@ -446,9 +461,12 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
 
 class FSDP2Strategy(DataParallelStrategy):
     """ZeRO-3 through torch FSDP2 (``megalite.distributed.fsdp2``): parameters (DTensor
-    shards over DP), gradients and optimizer states are all 1/DP per rank.  FSDP reduce-
-    scatters each unit's gradients during backward; ``finish_grad_sync`` adds the
-    sequence-parallel sums over TP on the local shards (every TP rank shards alike)."""
+    shards over DP x CP, experts over expert-DP; HSDP: inside an instance), gradients and
+    optimizer states are all 1/DP per rank.  FSDP reduce-scatters each unit's gradients
+    during backward (with PP: after each chunk's last backward, ``pipeline_parallel.
+    fsdp_sync``); ``finish_grad_sync`` adds, on the local shards, the sequence-parallel sums
+    over TP and the PP-tied embedding's sum over the first and last stage (every TP rank,
+    and both stages, shard alike: the same DP x CP position holds the same rows)."""
 
     def __init__(self, named_params, cfg, state, specs=None):
         super().__init__(named_params, cfg, state, specs)
@@ -474,18 +492,22 @@ class FSDP2Strategy(DataParallelStrategy):
             p.grad = None
 
     def finish_grad_sync(self):
+        for p in self.params:           # a tied copy / replicated param that saw no
+            self.grad(p)                # gradient still joins its group's sums
         reduce_model_parallel_grads(self.params, self.local_grad, self.state, self.specs)
 
     def _local_squares(self, cls):
-        """Squares of this rank's shards of counted parameters, summed over DP (the shards
-        of all DP ranks cover each element once); the base class adds TP."""
+        """Squares of this rank's shards of counted parameters, summed over the group that
+        shards them (DP x CP / expert-DP; HSDP: the instance) -- those shards cover each
+        element once; the base class adds TP x PP."""
         sq = torch.zeros(1, dtype=torch.float32, device=self._device())
         for p, spec in zip(self.params, self.specs):
             if param_class(spec) == cls and counts_toward_norm(spec, self.coords):
                 g = self.local_grad(p)
                 if g is not None:
                     sq += g.float().pow(2).sum()
-        comm.all_reduce(sq, self.state[PARAM_CLASS_GROUPS[cls].dp])
+        comm.all_reduce(sq, self.state[shard_group_names(
+            "expert" if cls == "expert" else "dense", self.state.grid.dp_instances)[0]])
         return sq
 
 

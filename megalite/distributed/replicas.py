@@ -47,8 +47,9 @@ def broadcast_tied_embeddings(params: Iterable[torch.nn.Parameter], state, specs
     if group.size == 1 or not tied:
         return
     with torch.no_grad():
-        for p in tied:
-            comm.broadcast(p.data, src=group.ranks[0], group=group)
+        for p in tied:      # FSDP2: both stages hold the same rows (same DP x CP position)
+            local = p.to_local() if isinstance(p, DTensor) else p.data
+            comm.broadcast(local, src=group.ranks[0], group=group)
 
 
 def checksum(tensor: torch.Tensor) -> Tuple[int, int]:

@@ -25,8 +25,10 @@ class ShardedBuffer:
     """
 
     def __init__(self, params: List[torch.nn.Parameter], group, grad_dtype: torch.dtype,
-                 keep_shard_only: bool = False):
-        self.params, self.group = list(params), group
+                 keep_shard_only: bool = False, replicate=None):
+        # ``replicate`` (--num-distributed-optimizer-instances > 1): the same shard's ranks
+        # in the other instances; the reduced shard is all-reduced over them
+        self.params, self.group, self.replicate = list(params), group, replicate
         # ZeRO-2 (``keep_shard_only``): the reduced shard lives in its own tensor and the
         # full-size grad buffer is freed after the reduce-scatter, re-allocated (zeroed) on
         # the next step's first gradient (``ensure_full_grads``).
@@ -80,14 +82,20 @@ class ShardedBuffer:
 
     def start_reduce_scatter(self) -> "comm.Pending":
         """Asynchronous ``reduce_scatter_grads`` (the overlapped buckets): ``wait()`` leaves
-        the DP-summed shard in ``grad_shard``."""
+        the DP-summed shard in ``grad_shard`` (across instances too)."""
         self.ensure_full_grads()
         if self._own_shard is not None:
-            return comm.reduce_scatter_tensor(self._own_shard, self.grad_data, self.group,
-                                              async_op=True)
+            pending = comm.reduce_scatter_tensor(self._own_shard, self.grad_data, self.group,
+                                                 async_op=True)
+            return comm.Pending(self._own_shard, pending, self._reduce_across_instances)
         out = torch.empty_like(self.grad_shard)
         pending = comm.reduce_scatter_tensor(out, self.grad_data, self.group, async_op=True)
-        return comm.Pending(self.grad_shard, pending, lambda: self.grad_shard.copy_(out))
+        return comm.Pending(self.grad_shard, pending, lambda: (
+            self.grad_shard.copy_(out), self._reduce_across_instances()))
+
+    def _reduce_across_instances(self) -> None:
+        if self.replicate is not None:
+            comm.all_reduce(self.grad_shard, self.replicate)
 
     def shard_ranges(self) -> List[Tuple[torch.nn.Parameter, int, int]]:
         """``(param, lo, hi)``: the part of each parameter inside this rank's shard, in
@@ -105,11 +113,11 @@ class ShardedBuffer:
         if self._own_shard is not None:
             self.start_reduce_scatter().wait()
             return
-        if self.group.size == 1:
-            return
-        out = torch.empty_like(self.grad_shard)
-        comm.reduce_scatter_tensor(out, self.grad_data, self.group)
-        self.grad_shard.copy_(out)
+        if self.group.size > 1:
+            out = torch.empty_like(self.grad_shard)
+            comm.reduce_scatter_tensor(out, self.grad_data, self.group)
+            self.grad_shard.copy_(out)
+        self._reduce_across_instances()
 
     def start_all_gather_params(self) -> "comm.Pending":
         """Asynchronous ``all_gather_params`` (``--overlap-param-gather``)."""

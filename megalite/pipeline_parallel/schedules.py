@@ -34,7 +34,7 @@ from typing import List
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from megalite.pipeline_parallel import simulator
+from megalite.pipeline_parallel import fsdp_sync, simulator
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape
 from megalite.pipeline_parallel.weight_grad import backward_input
 
@@ -70,7 +70,6 @@ class PipelineExecutor:
         self.p, self.v, self.rank = state.pp.size, len(model_chunks), state.pp.rank
         ref = next(model_chunks[0].parameters())
         self.link = StageLink(state, activation_shape(cfg, state), ref.dtype, ref.device)
-        self.params = [[p for p in c.parameters() if p.requires_grad] for c in model_chunks]
         self.received, self.to_send = {}, {}
         self.stash = {}      # (mb, chunk) -> (stage input or None, output edge / loss)
         self.pending_w = {}  # (mb, chunk) -> PendingWeightGrad
@@ -83,11 +82,27 @@ class PipelineExecutor:
         return self._wall0 + (time.perf_counter() - self._perf0)
 
     def run(self, program) -> "PipelineExecutor":
-        for op in program:
+        program = list(program)
+        fsdp = fsdp_sync.fsdp_chunks(self.chunks)
+        # FSDP2 chunks: one gradient reduction each, after their last backward op
+        last_grad_op = {}
+        if fsdp and not self.forward_only:
+            for chunk in fsdp:
+                fsdp_sync.defer_gradient_sync(chunk)
+            for i, op in enumerate(program):
+                if op.kind in ("BW", "B", "W") and self.chunks[op.chunk] in fsdp:
+                    last_grad_op[op.chunk] = i
+        reduce_after = {i: c for c, i in last_grad_op.items()}
+        for i, op in enumerate(program):
             t0 = self._now()
             getattr(self, "_" + op.kind)(op)
+            if i in reduce_after:
+                fsdp_sync.reduce_gradients(self.chunks[reduce_after[i]])
             self.events.append((op, t0, self._now()))
             self.max_in_flight = max(self.max_in_flight, len(self.stash) + len(self.pending_w))
+        if self.forward_only:
+            for chunk in fsdp:
+                fsdp_sync.reshard(chunk)
         if self.stash or self.pending_w or self.to_send or self.received:
             raise RuntimeError("pipeline program ended with work left over")
         return self
@@ -134,8 +149,9 @@ class PipelineExecutor:
         if op.kind == "BW":
             torch.autograd.backward([out], None if grad is None else [grad])
             gx = x.grad if x is not None and x.is_leaf else None
-        else:
-            grads, pending = backward_input([out], [grad], [x], self.params[op.chunk])
+        else:   # the chunk's parameters now: FSDP2 registers its gathered ones in forward
+            params = [p for p in self.chunks[op.chunk].parameters() if p.requires_grad]
+            grads, pending = backward_input([out], [grad], [x], params)
             self.pending_w[(op.mb, op.chunk)] = pending
             gx = grads[0] if x is not None and x.is_leaf else None
         out_msg = simulator.produces(op, self.rank, self.p, self.v)

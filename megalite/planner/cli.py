@@ -28,6 +28,17 @@ def _ints(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got '{text}'")
 
 
+def _instances(text: str) -> list:
+    """Comma-separated positive integers or the word ``node``."""
+    out = []
+    for x in (x for x in text.split(",") if x):
+        if x == "node" or (x.isdigit() and int(x) > 0):
+            out.append(x if x == "node" else int(x))
+        else:
+            raise argparse.ArgumentTypeError(f"expected positive integers or 'node', got '{x}'")
+    return out
+
+
 def _words(choices):
     def parse(text: str) -> List[str]:
         vals = [x for x in text.split(",") if x]
@@ -71,8 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--micro-batch-sizes", type=_ints, metavar="N[,N]")
     s.add_argument("--recompute", type=_words(RECOMPUTE_ORDER), default=list(RECOMPUTE_ORDER))
     s.add_argument("--zero-stages", type=_ints, default=[0, 1], metavar="S[,S]",
-                   help="0 DDP, 1 --use-distributed-optimizer; 2 (grads) and 3 (FSDP) have no "
-                   "megalite flag yet and are advice only (default 0,1)")
+                   help="0 DDP, 1 --use-distributed-optimizer, 2 with --overlap-grad-reduce, "
+                   "3 --use-torch-fsdp2 (with PP, CP, EP and TP alike; default 0,1)")
+    s.add_argument("--num-distributed-optimizer-instances", dest="instances",
+                   type=_instances, default=[1], metavar="R[,R]",
+                   help="hybrid sharding for stages >= 1: R instances (HSDP for FSDP2); "
+                   "'node' = as many as keep each instance inside a node (default 1)")
     s.add_argument("--schedules", type=_words(("1f1b", "interleaved", "zero-bubble")),
                    default=["1f1b", "interleaved"])
     s.add_argument("--cp-min-seq-length", type=int, default=16384,
@@ -180,7 +195,8 @@ def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
                         micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
                         zero=tuple(args.zero_stages), schedules=tuple(args.schedules),
                         cp_min_seq=args.cp_min_seq_length,
-                        max_micro_batch=args.max_micro_batch_size)
+                        max_micro_batch=args.max_micro_batch_size,
+                        instances=tuple(args.instances))
     opts = ModelOptions(grad_bytes=4 if args.grad_dtype == "fp32" else 2, fp32=args.fp32,
                         flash_attention=not args.no_flash_attention, headroom=args.headroom,
                         dp_exposed=args.dp_exposed_fraction, tp_overlap=args.tp_overlap,
@@ -203,10 +219,8 @@ def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
             print("activations modelled for Transformer Engine's fused kernels (the GPU target); "
                   "megalite's local layers, what runs today, keep more: add --local-layers",
                   file=out)
-        best = next((e for e in res.ranked if e.layout.emittable), None)
-        if best is not None:
-            print("\nbest layout as pretrain_gpt.py flags:", file=out)
-            print(shlex.join(report.winner_flags(best, m, seq, args.fp32)), file=out)
+        print("\nbest layout as pretrain_gpt.py flags:", file=out)
+        print(shlex.join(report.winner_flags(res.ranked[0], m, seq, args.fp32)), file=out)
         if args.explain:
             print("\n" + report.explain(res, cluster, min(args.top, 5)), file=out)
     if args.plot:

@@ -39,9 +39,15 @@ class Event:
 
 def group_geometry(L: Layout, group: str) -> tuple:
     """(size, stride) of a group in the tp-cp-ep-dp-pp rank order."""
+    S, E = L.dense_shards, L.expert_shards
     return {"tp": (L.tp, 1), "cp": (L.cp, L.tp), "dp": (L.dp, L.tp * L.cp),
             "dp-cp": (L.dp * L.cp, L.tp), "ep": (L.ep, L.etp), "expert-tp": (L.etp, 1),
-            "expert-dp": (L.edp, L.etp * L.ep)}[group]
+            "expert-dp": (L.edp, L.etp * L.ep),
+            # --num-distributed-optimizer-instances: an instance is S neighbouring DP x CP
+            # ranks; the same shard's ranks in the R instances are S x TP apart
+            "dp-cp-shard": (S, L.tp), "dp-cp-replicate": (L.instances, L.tp * S),
+            "expert-dp-shard": (E, L.etp * L.ep),
+            "expert-dp-replicate": (L.instances, L.etp * L.ep * E)}[group]
 
 
 def link_of(cluster: Cluster, size: int, stride: int) -> tuple:
@@ -83,7 +89,7 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
 
     ``dtype_bytes``: an activation or weight element (2 under bf16, 4 in fp32 training).
     ``fsdp_reshard=False``: ZeRO-3 keeps the gathered weights from forward to backward
-    (torchtitan with PP), one gather per step.  ``param_gather_bytes``: ZeRO's parameter
+    (with PP it always does: one gather and one reduction per step, ``fsdp_events``).  ``param_gather_bytes``: ZeRO's parameter
     gathers in another dtype (1 with FP8 weights).
     """
     out: List[Event] = []
@@ -197,9 +203,12 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     # Data parallel: gradients (and parameters for ZeRO >= 1).
     params = ms.stage_params(m, pp_rank, t, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
     w = param_gather_bytes or a
-    out += _dp_events(params.dense, "dp-cp", L, grad_bytes, w, fsdp_reshard)
-    if params.expert:
-        out += _dp_events(params.expert, "expert-dp", L, grad_bytes, w, fsdp_reshard)
+    if L.zero == 3:
+        out += fsdp_events(m, L, params, pp_rank, grad_bytes, w, fsdp_reshard)
+    else:
+        out += _dp_events(params.dense, "dp-cp", L, grad_bytes, w)
+        if params.expert:
+            out += _dp_events(params.expert, "expert-dp", L, grad_bytes, w)
     if L.sp and t > 1:          # params that saw a sequence shard: norms, row-parallel
         per_norm = h * (2 if m.normalization == "LayerNorm" else 1)     # biases, positions
         n = (2 * n_layers + (1 if last else 0)) * per_norm
@@ -223,10 +232,21 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     # their DP group): bytes are nothing, but they are collectives the run makes.
     if L.dp * L.cp > 1:
         out.append(Event("dp-cp", "all_reduce", 1, 2, 8, kind="misc"))
-        if L.zero >= 1:
-            out.append(Event("dp-cp", "all_reduce", 1, 1, 4, kind="misc"))
-    if L.zero >= 1 and params.expert and L.edp > 1:
-        out.append(Event("expert-dp", "all_reduce", 1, 1, 4, kind="misc"))
+    if L.zero >= 1:             # the squares of sharded gradients, over their shard group
+        dense, expert = sharded_groups(L, "dense")[0], sharded_groups(L, "expert")[0]
+        if L.dense_shards > 1:
+            out.append(Event(dense, "all_reduce", 1, 1, 4, kind="misc"))
+        experts_here = params.expert or (L.zero == 3 and m.num_experts)   # FSDP2: per class
+        if experts_here and L.expert_shards > 1 and not fsdp_experts_with_dense(L):
+            out.append(Event(expert, "all_reduce", 1, 1, 4, kind="misc"))
+    if m.num_experts:   # MoE: the extra-loss sums (the loop) and the per-layer statistics
+        from megalite.moe.router import extra_loss_names   # (moe/metrics.py), over dp-cp, pp
+
+        table = sum(1 for n in range(m.num_layers) if m.is_moe_layer(n)) * (m.num_experts + 3)
+        for group, size in (("dp-cp", L.dp * L.cp), ("pp", L.pp)):
+            if size > 1:
+                out += [Event(group, "all_reduce", len(extra_loss_names(m)), 1, 8, kind="misc"),
+                        Event(group, "all_reduce", table, 1, 8, kind="misc")]
     if L.tp * L.pp > 1:
         out.append(Event("mp", "all_reduce", 1, 1, 4, kind="misc"))
     if m.num_experts and L.etp * L.ep * L.pp > 1:     # expert squares: expert-TP x EP x PP
@@ -234,24 +254,92 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     return [e for e in out if e.calls > 0 and e.elements > 0]
 
 
-def _dp_events(n: int, group: str, L: Layout, grad_bytes: int, w: int = 2,
-               reshard: bool = True) -> List[Event]:
-    size = L.dp * L.cp if group != "expert-dp" else L.edp
-    if size <= 1:
-        return []
-    m = L.num_micro_batches
+def sharded_groups(L: Layout, grid: str) -> tuple:
+    """(shard group, replicate group or None) of a grid's ZeRO >= 1 buffers or FSDP2 mesh:
+    the data-parallel group, or with instances its instance and the other instances."""
+    base = "dp-cp" if grid == "dense" else "expert-dp"
+    return (base, None) if L.instances == 1 else (f"{base}-shard", f"{base}-replicate")
+
+
+def fsdp_experts_with_dense(L: Layout) -> bool:
+    """FSDP2 gives routed experts a mesh of their own only when it spans other ranks than
+    the dense one (``distributed.fsdp2.fsdp_meshes``); otherwise they are one unit with
+    their layer and reduce over the dense groups."""
+    return L.ep == 1 and L.etp == L.tp and L.cp == 1
+
+
+def _dp_events(n: int, group: str, L: Layout, grad_bytes: int, w: int = 2) -> List[Event]:
+    grid = "expert" if group == "expert-dp" else "dense"
+    size = L.expert_shards if grid == "expert" else L.dense_shards
+    shard, replicate = sharded_groups(L, grid) if L.zero >= 1 else (group, None)
     if L.zero == 0:
-        return [Event(group, "all_reduce", n, 1, grad_bytes, "dp")]
+        size = L.dp * L.cp if grid == "dense" else L.edp
+        return [Event(group, "all_reduce", n, 1, grad_bytes, "dp")] if size > 1 else []
+    m = L.num_micro_batches
     n = -(-n // size) * size                  # sharded flat buffers are padded to d | n
-    if L.zero == 1:
-        return [Event(group, "reduce_scatter", n, 1, grad_bytes, "dp"),
-                Event(group, "all_gather", n, 1, w, "dp")]
-    if L.zero == 2:
-        return [Event(group, "reduce_scatter", n, m, grad_bytes, "dp"),
-                Event(group, "all_gather", n, 1, w, "dp")]
-    gathers = 2 * m if reshard else 1          # FSDP: gather fwd and bwd, or once a step
-    return [Event(group, "all_gather", n, gathers, w, "dp"),
-            Event(group, "reduce_scatter", n, m, grad_bytes, "dp")]
+    reduces = 1 if L.zero == 1 else m
+    out = [Event(shard, "reduce_scatter", n, reduces, grad_bytes, "dp"),
+           Event(shard, "all_gather", n, 1, w, "dp")] if size > 1 else []
+    if replicate is not None:                 # the reduced shard, across the instances
+        out.append(Event(replicate, "all_reduce", n // size, reduces, grad_bytes, "dp"))
+    return out
+
+
+def fsdp_events(m: ModelConfig, L: Layout, params, pp_rank: int, grad_bytes: int,
+                w: int = 2, reshard: bool = True) -> List[Event]:
+    """FSDP2 (``--use-torch-fsdp2``; ``distributed.fsdp2``), per unit as it runs.  Without
+    PP every micro-batch gathers each unit for forward and again for backward -- the root
+    (what no unit holds: the final norm, and the tied embedding) only once, it stays
+    gathered -- and reduce-scatters every gradient.  With PP a chunk keeps its units
+    gathered until its last backward and reduces once (``pipeline_parallel.fsdp_sync``):
+    one all-gather and one reduce-scatter per parameter per step.  HSDP all-reduces each
+    reduced shard across the instances.  One collective per unit and pass (calls); the
+    elements are the totals (parameters are not padded here: FSDP2 pads dim 0 of each to
+    the shard count).  ``reshard=False`` without PP: units stay gathered from forward to
+    backward (torchtitan's "never"), one gather per unit and micro-batch."""
+    out: List[Event] = []
+    mbs = 1 if L.pp > 1 else L.num_micro_batches
+    together = fsdp_experts_with_dense(L)
+    n_dense, n_moe = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    untied = m.untie_embeddings_and_output_weights
+    root = fsdp_root_params(m, L, pp_rank)
+    # units of the stage (all its chunks): layers, an untied embedding / output layer; the
+    # roots that hold parameters (the last stage's final norm; a tied embedding at PP = 1)
+    units = n_dense + n_moe + (pp_rank == 0 and untied) + (pp_rank == L.pp - 1 and untied)
+    roots = 1 if root else 0
+    parts = [("dense", params.dense + (params.expert if together else 0), units, roots),
+             ("expert", 0 if together else params.expert, n_moe, 0)]
+    for grid, n, k, r in parts:
+        size = L.dense_shards if grid == "dense" else L.expert_shards
+        shard, replicate = sharded_groups(L, grid)
+        if not n:
+            continue
+        once = L.pp > 1 or not reshard
+        gathered = n if once else 2 * n - (root if grid == "dense" else 0)
+        gathers = k + r if once else 2 * k + r        # per micro-batch (PP: per step)
+        reduces = k + r
+        if size > 1:
+            out += [Event(shard, "all_gather", gathered / gathers, mbs * gathers, w, "dp"),
+                    Event(shard, "reduce_scatter", n / reduces, mbs * reduces, grad_bytes,
+                          "dp")]
+        if replicate is not None:
+            out.append(Event(replicate, "all_reduce", -(-n // size) / reduces, mbs * reduces,
+                             grad_bytes, "dp"))
+    return out
+
+
+def fsdp_root_params(m: ModelConfig, L: Layout, pp_rank: int) -> int:
+    """Parameters of a chunk's FSDP2 root (no unit of their own): the final norm on the last
+    stage, and at PP = 1 the tied embedding (shared with the output layer).  Only matters
+    without PP: there the root is gathered once per micro-batch, the units twice."""
+    n = 0
+    output = m.padded_vocab_size(L.tp) * m.hidden_size // L.tp
+    if pp_rank == L.pp - 1:       # head_params at PP = 1: the norm (+ an untied output layer)
+        n += ms.head_params(m, L.tp, 1) - (output if m.untie_embeddings_and_output_weights
+                                           else 0)
+    if not m.untie_embeddings_and_output_weights and L.pp == 1:
+        n += ms.embedding_params(m, L.tp)
+    return n
 
 
 def volume(evts: List[Event]) -> Dict[str, dict]:

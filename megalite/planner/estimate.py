@@ -113,7 +113,7 @@ class Estimate:
 
     def to_dict(self, cluster: Cluster) -> dict:
         return {"layout": self.layout.to_dict(), "flags": self.layout.parallel_flags(),
-                "emittable": self.layout.emittable, "memory_bytes": dict(self.memory),
+                "memory_bytes": dict(self.memory),
                 "capacity_bytes": self.capacity, "fits": self.fits,
                 "times_s": dict(self.times), "tflops_per_gpu": self.tflops,
                 "hw_tflops_per_gpu": self.hw_tflops, "mfu": self.mfu(cluster)}
@@ -137,14 +137,14 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         # Transformer Engine keeps each weight's FP8 copy and its transpose between
         # micro-batches (the cast once per step that kernels.weight_cast_seconds counts),
         # and saves the GEMM inputs backward needs in FP8: half their bytes.
-        copies = 2 * (peak["params"] if L.zero < 3 else -(-peak["params"] // (L.dp * L.cp)))
+        copies = 2 * (peak["params"] if L.zero < 3 else -(-peak["params"] // L.dense_shards))
         saved = fp8_activation_saving(m, L, seq, peak["pp_rank"], opts)
         peak = dict(peak, weights=peak["weights"] + copies,
                     activations=peak["activations"] - saved)
         peak["total"] += copies - saved
-    if L.zero >= 3 and not opts.fsdp_reshard:
-        # ZeRO-3 without resharding after forward (torchtitan with PP): the stage's gathered
-        # bf16 weights stay until its last backward.
+    if L.zero >= 3 and not opts.fsdp_reshard and L.pp == 1:
+        # ZeRO-3 without resharding after forward: the gathered bf16 weights stay until
+        # backward (with PP memory.rank_memory counts them, and the unsharded gradients).
         unsharded = peak["params"] * opts.precision.weight
         peak = dict(peak, weights=peak["weights"] + unsharded)
         peak["total"] += unsharded
@@ -314,8 +314,10 @@ def _dp_exposed(m: ModelConfig, L: Layout, row: dict, opts: ModelOptions) -> flo
 
     ZeRO-0/1 reduce the accumulated gradients during the last micro-batch's backward (ZeRO-1
     gathers parameters during the next forward); ZeRO-2/3 communicate every micro-batch,
-    behind the compute of the ones that follow.  Stage r also hides it in its r cool-down
-    idle slots.  At least the last bucket is exposed.
+    behind the compute of the ones that follow -- except FSDP2 under PP, which gathers once
+    at a chunk's first forward and reduces once after its last backward, as ZeRO-1 does.
+    Stage r also hides it in its r cool-down idle slots.  At least the last bucket is
+    exposed.
     """
     total, mbs = row["dp"], L.num_micro_batches
     if total <= 0:
@@ -323,12 +325,13 @@ def _dp_exposed(m: ModelConfig, L: Layout, row: dict, opts: ModelOptions) -> flo
     if opts.dp_exposed is not None:
         return opts.dp_exposed * total
     idle = row["r"] * row["t_b"]
-    window = {0: row["t_b"], 1: row["t_b"] + row["t_f"]}.get(
-        L.zero, mbs * (row["t_b"] + row["t_f"])) + idle
+    per_step = L.zero == 1 or (L.zero == 3 and L.pp > 1)
+    window = {0: row["t_b"]}.get(L.zero, row["t_b"] + row["t_f"] if per_step
+                                 else mbs * (row["t_b"] + row["t_f"])) + idle
     params = ms.stage_params(m, row["r"], L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split).total
     bucket = total * min(1.0, opts.bucket_elements / max(1, params)) / (2 if L.zero else 1)
     exposed = max(bucket, total - window)
-    if L.zero >= 2:
+    if L.zero >= 2 and not per_step:
         exposed = max(exposed, total / mbs - row["t_b"] - idle)
     return exposed
 
@@ -349,7 +352,7 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     mean_compute = mean(lambda r: r["t_f"] + r["t_b"])
     bubble = _bubble(L, worst, mean(lambda r: r["slot"] - r["pp"]), mean(lambda r: r["pp_hop"]))
     dp = max(_dp_exposed(m, L, r, opts) for r in rows)
-    local = est.memory["params"] / (L.dp * L.cp) if L.zero >= 1 else est.memory["params"]
+    local = est.memory["params"] / L.dense_shards if L.zero >= 1 else est.memory["params"]
     optim = local * OPTIMIZER_BYTES_PER_PARAM / (cluster.gpu.hbm_gbps * 1e9 * cluster.eff.hbm)
     optim += kernels.weight_cast_seconds(est.memory["params"], cluster, opts)
     est.times = {"compute": mbs * mean_compute,

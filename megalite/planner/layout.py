@@ -37,6 +37,9 @@ class Layout:
     # Full recomputation of only this many layers per model chunk (Megatron's
     # --recompute-method block --recompute-num-layers N); None: every layer (uniform).
     recompute_layers: Optional[int] = None
+    # --num-distributed-optimizer-instances (ZeRO >= 1): shards inside R instances of
+    # neighbouring ranks, replicated across them (HSDP for FSDP2)
+    instances: int = 1
 
     @property
     def dp(self) -> int:
@@ -46,6 +49,16 @@ class Layout:
     def edp(self) -> int:
         """Expert data-parallel size (world / (expert-TP x EP x PP))."""
         return self.world // (self.etp * self.ep * self.pp)
+
+    @property
+    def dense_shards(self) -> int:
+        """Ranks one dense parameter is sharded over with ZeRO >= 1: DP x CP, or an
+        instance of it (``instances``)."""
+        return self.dp * self.cp // self.instances
+
+    @property
+    def expert_shards(self) -> int:
+        return self.edp // self.instances
 
     @property
     def accounts(self) -> tuple:
@@ -61,12 +74,6 @@ class Layout:
     def num_micro_batches(self) -> int:
         return self.global_batch // (self.micro_batch * self.dp)
 
-    @property
-    def emittable(self) -> bool:
-        """Stages 0-2 always have megalite flags; ZeRO-3 (``--use-torch-fsdp2``) only without
-        PP, CP and EP (validation refuses those): otherwise the layout is advice only."""
-        return self.zero <= 2 or (self.pp == 1 and self.cp == 1 and self.ep == 1)
-
     def short(self) -> str:
         parts = [f"TP{self.tp}" + ("+SP" if self.sp else ""), f"CP{self.cp}" + ("/a2a" if self.cp > 1 and self.cp_comm == "a2a" else ""),
                  f"PP{self.pp}",
@@ -75,6 +82,8 @@ class Layout:
             parts.insert(3, f"VPP{self.vpp}")
         if self.ep > 1 or self.etp != self.tp:
             parts.append(f"EP{self.ep}/ETP{self.etp}")
+        if self.instances > 1:
+            parts.append(f"HSDP{self.instances}x{self.dense_shards}")
         if self.first_layers is not None or self.last_layers is not None:
             parts.append(f"split{self.first_layers}/../{self.last_layers}")
         if any(self.accounts):
@@ -108,6 +117,7 @@ class Layout:
         p.use_distributed_optimizer = self.zero in (1, 2)
         p.overlap_grad_reduce = self.zero == 2       # ZeRO-2: bucketed, shard-only grads
         p.use_torch_fsdp2 = self.zero == 3
+        p.num_distributed_optimizer_instances = self.instances
         t.micro_batch_size, t.global_batch_size = self.micro_batch, self.global_batch
         t.recompute_granularity = None if self.recompute == "none" else self.recompute
         if self.recompute == "full":
@@ -147,6 +157,8 @@ class Layout:
             f.append("--overlap-grad-reduce")
         if self.zero == 3:
             f.append("--use-torch-fsdp2")
+        if self.instances > 1:
+            f += ["--num-distributed-optimizer-instances", str(self.instances)]
         f += ["--micro-batch-size", str(self.micro_batch),
               "--global-batch-size", str(self.global_batch)]
         if self.recompute == "full":
@@ -188,4 +200,5 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   account_loss=p.account_for_loss_in_pipeline_split,
                   cp_comm=p.cp_comm_type,
                   recompute_layers=t.recompute_num_layers if t.recompute_granularity == "full"
-                  and t.recompute_method == "block" else None)
+                  and t.recompute_method == "block" else None,
+                  instances=p.num_distributed_optimizer_instances)

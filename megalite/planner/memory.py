@@ -64,6 +64,18 @@ def state_bytes(params: ms.ParamCount, dense_shards: int, expert_shards: int, ze
     return {k: a[k] + b[k] for k in a}
 
 
+def layout_state_bytes(params: ms.ParamCount, L: Layout, prec: Precision) -> Dict[str, int]:
+    """``state_bytes`` over the layout's shard groups (DP x CP and expert-DP, or one instance
+    of them with ``--num-distributed-optimizer-instances``), as megalite holds them: under
+    FSDP2 (stage 3) the fp32 shards *are* the optimizer's masters (half precision exists
+    only in the gathered compute copies), so a shard's master bytes count as weights."""
+    st = state_bytes(params, L.dense_shards, L.expert_shards, L.zero, prec)
+    if L.zero == 3 and prec.master:
+        shard = st["weights"] // prec.weight
+        st["weights"], st["optimizer"] = shard * prec.master, shard * prec.adam
+    return st
+
+
 # ---- activations (Korthikanti et al. 2022, generalised to GQA / SwiGLU / MoE / CP) -----
 
 @dataclass(frozen=True)
@@ -418,8 +430,11 @@ def rank_memory(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precisi
                 opts: ActivationOptions = ActivationOptions()) -> Dict[str, int]:
     params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep,
                              *L.stage_split)
-    out = state_bytes(params, L.dp * L.cp, L.edp, L.zero, prec)
-    if L.zero >= 3:                                 # two all-gathered layers in flight (prefetch)
+    out = layout_state_bytes(params, L, prec)
+    if L.zero >= 3 and L.pp > 1:    # PP keeps the stage gathered, its gradients unsharded
+        out["weights"] += params.total * prec.weight
+        out["grads"] = params.total * prec.grad
+    elif L.zero >= 3:               # two all-gathered layers in flight (prefetch)
         kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
         biggest = max((ms.kind_params(m, moe, L.tp, L.etp, L.ep).total
                        for n, moe in zip(kinds, (False, True)) if n), default=0)

@@ -61,7 +61,7 @@ def table(res: SearchResult, cluster: Cluster, top: int) -> str:
     for i, e in enumerate(res.ranked[:top], 1):
         L, mm = e.layout, e.memory
         shard = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "FSDP"}[L.zero] + \
-            ("" if L.emittable else "*")
+            (f"/{L.instances}" if L.instances > 1 else "")
         lines.append(
             f"{i:>3} {L.short():<{w}} {L.micro_batch:>3} {L.recompute:<9} {shard:<8} "
             f"{L.schedule:<11} {_gib(mm['weights']):>7} {_gib(mm['grads']):>6} "
@@ -69,7 +69,7 @@ def table(res: SearchResult, cluster: Cluster, top: int) -> str:
             f"{e.step:>8.4g} {e.tflops:>8.1f} {100 * e.mfu(cluster):>5.1f}%")
     cap = res.ranked[0].capacity if res.ranked else int(cluster.gpu.memory_bytes)
     lines.append(f"memory in GiB on the most loaded rank; capacity {_gib(cap)} GiB usable of "
-                 f"{_gib(cluster.gpu.memory_bytes)}; * = FSDP with PP/CP/EP: advice only (no megalite flag)")
+                 f"{_gib(cluster.gpu.memory_bytes)}; sharding /R = R instances (HSDP)")
     return "\n".join(lines)
 
 

@@ -40,6 +40,9 @@ class SearchSpace:
     max_vpp: int = 8
     uneven: bool = True                           # Llama-3-style lighter first/last stages
     sequence_parallel: Optional[bool] = None      # None: try both when TP > 1
+    # --num-distributed-optimizer-instances for stages >= 1 (HSDP); "node": the count that
+    # keeps one instance (TP x DP x CP / R ranks) inside a node
+    instances: Sequence = (1,)
 
 
 @dataclass
@@ -134,9 +137,29 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                                         sp != space.sequence_parallel:
                                     continue
                                 yield [Layout(world, tp, pp, cp, ep, etp, vpp, mb, global_batch,
-                                              rc, z, sp, sched, first, last, *accounts)
-                                       for z in space.zero for mb in _pick(mbs, space.micro_batch)
+                                              rc, z, sp, sched, first, last, *accounts,
+                                              instances=r)
+                                       for z in space.zero
+                                       for r in instance_options(space, z, tp, cp, dp, ep,
+                                                                 etp, pp, world, gpn)
+                                       for mb in _pick(mbs, space.micro_batch)
                                        for rc in space.recompute]
+
+
+def instance_options(space: SearchSpace, zero: int, tp: int, cp: int, dp: int, ep: int,
+                     etp: int, pp: int, world: int, gpus_per_node: int) -> List[int]:
+    """The instance counts R to try: those asked for that split both data-parallel groups
+    (DP x CP and expert-DP) evenly; only R = 1 without sharding (DDP)."""
+    if zero == 0:
+        return [1]
+    edp = world // (etp * ep * pp)
+    out = []
+    for r in space.instances:
+        if r == "node":          # one instance = tp x (dp x cp / R) ranks = a node
+            r = max(1, tp * dp * cp // gpus_per_node)
+        if (dp * cp) % r == 0 and edp % r == 0 and r not in out:
+            out.append(r)
+    return out
 
 
 def _expert_options(m: ModelConfig, tp: int, pp: int, world: int, space: SearchSpace):
@@ -182,7 +205,7 @@ def search(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
         fitted = set()
         for L in sorted(group, key=lambda L: RECOMPUTE_ORDER.index(L.recompute)):
             res.considered += 1
-            key = (L.micro_batch, L.zero)
+            key = (L.micro_batch, L.zero, L.instances)
             if key in fitted:                  # a cheaper recompute level already fits
                 res.rejected["dominated (less recomputation fits)"] += 1
                 continue
@@ -217,7 +240,7 @@ def rank_key(e: Estimate, cluster: Cluster, tolerance: float = 0.005):
     L, gpn = e.layout, cluster.gpus_per_node
     bin_ = math.floor(math.log(e.step) / math.log1p(tolerance))
     return (bin_, L.tp * L.cp > gpn, L.etp * L.ep > gpn, L.cp, -L.dp, L.etp, L.vpp,
-            not L.emittable, L.zero, RECOMPUTE_ORDER.index(L.recompute), -L.micro_batch, e.step)
+            L.zero, L.instances, RECOMPUTE_ORDER.index(L.recompute), -L.micro_batch, e.step)
 
 
 def evaluate(m: ModelConfig, seq: int, L: Layout, cluster: Cluster,

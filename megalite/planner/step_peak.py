@@ -19,7 +19,12 @@ step has three phases and each peaks on its own:
 
 Gradients live at the peak: DDP and ZeRO-1 keep their full buffers, ZeRO-2 its shards;
 FSDP2 frees them at ``zero_grad`` and re-makes them during backward, so at the start of
-backward (its peak) none is live.  The first ZeRO-2 step reduces every bucket after backward
+the last micro-batch's backward (its peak) those of the earlier micro-batches are live, as
+shards.  FSDP2 under PP keeps each chunk gathered and its gradients unsharded (fp32) until
+the chunk's one reduction after its last backward: the stage's parameters (compute dtype)
+and gradients are live next to the in-flight activations -- unless every forward runs
+before the first backward (1F1B, interleaved), when the activation peak has no gradient yet
+and the first backward ends with one micro-batch fewer held.  The first ZeRO-2 step reduces every bucket after backward
 (it learns the accumulation counts), so its full gradient is live once: this models the
 steps after it.  gloo's copies are measured (``benchmarks/data_parallel.py``): its
 reduce-scatter and all-gather allocate one temporary the size of the full tensor; NCCL
@@ -33,8 +38,9 @@ from megalite.config import MegaliteConfig, ModelConfig
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
 from megalite.planner.memory import (ActivationOptions, Precision, activation_bytes,
-                                     attention_kernel_of, local_head_bytes, local_layer_parts,
-                                     state_bytes, unfused_backward_bytes)
+                                     attention_kernel_of, in_flight, layout_state_bytes,
+                                     local_head_bytes, local_layer_parts,
+                                     unfused_backward_bytes)
 
 COALESCE_ELEMENTS = 40_000_000     # comm.all_reduce_coalesced's flat-buffer bound
 
@@ -73,14 +79,14 @@ def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision
               opts: ActivationOptions, gloo: bool, overlap: bool,
               bucket_elements: int) -> Dict[str, object]:
     params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
-    d = L.dp * L.cp
-    st = state_bytes(params, d, L.edp, L.zero, prec)
+    d = L.dense_shards
+    st = layout_state_bytes(params, L, prec)
     act = activation_bytes(m, L, seq, pp_rank, opts)
     copy = 1 if gloo else 0
     psi = max(params.dense, params.expert)          # the larger of the two DP buffers
     backward = max(act + largest_param(m, L) * prec.weight,
                    unfused_attention_backward(m, L, seq, pp_rank, opts, act))
-    sync = step = 0
+    sync = step = gathered = 0
     grads = st["grads"]
     if L.zero == 0 and not overlap and d > 1:
         sync = min(psi, COALESCE_ELEMENTS) * prec.grad
@@ -94,13 +100,28 @@ def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision
         sync = live
         if d > 1:
             step = -(-bucket // d) * prec.weight + copy * bucket * prec.weight
+    elif L.zero == 3 and L.pp > 1:
+        # PP: each unit stays gathered from its first forward to the chunk's one reduction
+        # (after its last backward), its gradients accumulate unsharded in the reduce dtype
+        # (fp32); the reduction copies a unit's gradients into the reduce-scatter input
+        # (and gloo into its own buffer) before freeing them
+        unit = largest_fsdp_unit(m, L, pp_rank)
+        gathered, grads = params.total * prec.weight, params.total * 4
+        sync = int(unit * 4 * (1 + (copy if d > 1 else 0) + 1 / d))
+        k = in_flight(L, pp_rank)
+        if k >= L.num_micro_batches and L.schedule != "zero-bubble":
+            # every forward runs before the first backward: at the activation peak no
+            # gradient exists yet; after the first backward one micro-batch fewer is held
+            # (zero bubble keeps the activations until each W: not so)
+            backward = max(act - grads, act * (k - 1) / k) + largest_param(m, L) * prec.weight
     elif L.zero == 3:
         unit = largest_fsdp_unit(m, L, pp_rank)
         backward += int(unit * prec.weight * (2 + 1 / d + (copy if d > 1 else 0)))
-        grads = 0
+        # the sharded gradients of the earlier micro-batches (none with one)
+        grads = st["grads"] if L.num_micro_batches > 1 else 0
     phases = {"backward": int(backward), "grad_sync": int(sync), "optimizer_step": int(step)}
     peak_phase = max(phases, key=phases.get)
-    weights, optimizer = st["weights"], st["optimizer"]
+    weights, optimizer = st["weights"] + gathered, st["optimizer"]
     total = weights + grads + optimizer + phases[peak_phase]
     return {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": act,
             "transient": phases[peak_phase] - (act if peak_phase == "backward" else 0),

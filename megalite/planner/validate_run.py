@@ -30,11 +30,25 @@ ACT_TOL, COMM_TOL = 0.10, 0.01
 
 # ---- measuring (runs on every rank) ---------------------------------------------------
 
+def _local(t):
+    """A DTensor's (FSDP2 shard's) local tensor; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _is_parameter(t) -> bool:
+    """A parameter or a view of one (FSDP2's gathered parameters are fresh ``Parameter``s,
+    saved by the layers that use them): not an activation."""
+    import torch
+
+    return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None),
+                                                           torch.nn.Parameter)
+
+
 class LiveSaved:
     """Bytes of activations alive now and at the peak, each storage counted once."""
 
     def __init__(self, params):
-        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.skip = {_local(p).untyped_storage().data_ptr() for p in params}
         self.refs: Dict[int, list] = {}
         self.live = self.peak = 0
         self._ctx_seen: Dict[int, weakref.ref] = {}
@@ -59,6 +73,8 @@ class LiveSaved:
 
     # saved_tensors_hooks: a holder per saved tensor, released when autograd drops it
     def pack(self, t):
+        if _is_parameter(t):
+            return t
         ptr = self.acquire(t.untyped_storage())
         return t if ptr is None else _Holder(t.detach(), ptr, self)
 
@@ -80,7 +96,8 @@ class LiveSaved:
             if not isinstance(node, torch.autograd.function.BackwardCFunction):
                 continue
             for v in vars(node).values():
-                if isinstance(v, torch.Tensor) and not self._known(v):
+                if isinstance(v, torch.Tensor) and not _is_parameter(v) and \
+                        not self._known(v):
                     ptr = self.acquire(v.untyped_storage())
                     if ptr is not None:
                         weakref.finalize(v, self.release, ptr)
@@ -104,9 +121,10 @@ class _Holder:
 
 
 def _storages_bytes(tensors, skip=()) -> int:
-    seen = {s.untyped_storage().data_ptr() for s in skip}
+    seen = {_local(s).untyped_storage().data_ptr() for s in skip}
     total = 0
     for t in tensors:
+        t = _local(t)
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
@@ -163,7 +181,23 @@ def predict(cfg, rank: int) -> dict:
     # Full recomputation's re-materialised layer lives inside checkpoint's own hooks, out of
     # the measurement's sight: compare what the forward stores.
     mem["activations"] -= mem["recompute_working"]
+    # measured after the step: the states kept between steps (FSDP2's gathered units and
+    # unsharded gradients live only inside the step)
+    mem.update(kept_state_bytes(cfg, rank))
     return {**{k: mem[k] for k in MEMORY_ROWS}, "comm": predict_comm_volume(cfg, rank)}
+
+
+def kept_state_bytes(cfg, rank: int) -> dict:
+    """Weights / grads / optimizer bytes rank ``rank`` keeps between steps."""
+    from megalite.planner import model_spec as ms
+    from megalite.planner.layout import layout_from_config
+    from megalite.planner.memory import Precision, layout_state_bytes
+
+    L = layout_from_config(cfg)
+    half = cfg.optimizer.bf16 or cfg.optimizer.fp16
+    params = ms.stage_params(cfg.model, rank // (cfg.world_size // L.pp), L.tp, L.pp, L.vpp,
+                             L.etp, L.ep, *L.stage_split)
+    return layout_state_bytes(params, L, Precision.bf16() if half else Precision.fp32())
 
 
 def compare(pred: dict, meas: dict) -> List[dict]:

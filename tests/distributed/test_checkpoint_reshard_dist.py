@@ -9,7 +9,10 @@ states sharded over expert-DP) -> EP1 and EP1 -> EP2 x expert-TP2; CP2xDP2 (dist
 optimizer over dp-cp) -> CP1 at DP1 and TP2xDP2 -> CP2xDP2, and CP2xDP2 with hidden dropout
 on resumes bit for bit (each CP rank's generators come back).  Rows on 2 processes (one
 launch): FSDP2 DP2 -> DDP DP2 and -> DP1, DDP DP2 -> FSDP2 DP2 (FSDP2's optimizer states
-are DTensor pieces at their offsets, loaded into whole tensors and back).
+are DTensor pieces at their offsets, loaded into whole tensors and back).  Issue 26's
+compositions on 4 processes: FSDP2 x PP2 -> distributed optimizer PP2, the distributed
+optimizer with 2 instances -> HSDP 2 x 2 (FSDP2) -> DDP DP4 (an HSDP piece is written by
+its first instance only), MoE EP2 under FSDP2 (experts sharded over expert-DP) -> EP1.
 """
 import torch.distributed as torch_dist
 
@@ -45,6 +48,10 @@ LAYOUTS = {   # name: (world size, flags)
     "cp2dp2_distopt": (4, ["--context-parallel-size", "2", *DO]),
     "cp2dp2": (4, ["--context-parallel-size", "2"]),
     "cp2dp2_dropout": (4, ["--context-parallel-size", "2", "--hidden-dropout", "0.1"]),
+    "fsdp2_pp2": (4, ["--pipeline-model-parallel-size", "2", "--use-torch-fsdp2"]),
+    "distopt_2x2": (4, [*DO, "--num-distributed-optimizer-instances", "2"]),
+    "hsdp_2x2": (4, ["--use-torch-fsdp2", "--num-distributed-optimizer-instances", "2"]),
+    "moe_ep2_fsdp2": (4, [*MOE, "--expert-model-parallel-size", "2", "--use-torch-fsdp2"]),
     "fsdp2_dp2": (2, ["--use-torch-fsdp2"]),
     "ddp_dp2": (2, []),
 }
@@ -53,7 +60,9 @@ ROWS = {   # launch world size: [(saved at, resumed at)]
         ("pp2dp2_distopt", "dp1"), ("dp1", "tp2dp2_distopt"), ("tp2dp2", "dp4"),
         ("moe_ep2_distopt", "moe_ep1"), ("moe_ep1", "moe_ep2_etp2"),
         ("cp2dp2_distopt", "dp1"), ("tp2dp2", "cp2dp2"),
-        ("cp2dp2_dropout", "cp2dp2_dropout")],
+        ("cp2dp2_dropout", "cp2dp2_dropout"),
+        ("fsdp2_pp2", "pp2dp2_distopt"), ("distopt_2x2", "hsdp_2x2"), ("hsdp_2x2", "dp4"),
+        ("moe_ep2_fsdp2", "moe_ep1")],
     2: [("fsdp2_dp2", "ddp_dp2"), ("fsdp2_dp2", "dp1"), ("ddp_dp2", "fsdp2_dp2")],
 }
 NO_OPTIM = {4: ("tp2pp2", "tp1pp4"), 2: ("fsdp2_dp2", "ddp_dp2")}   # the control rows

@@ -8,8 +8,9 @@ last-bit differences of the reduction order: measured max |diff| 3e-6 at TP2, th
 and without FSDP2, ~1e-7 without TP).  Communication of the last
 step against theory for Psi = this rank's parameters: DDP all-reduce Psi (+2 elements:
 the step's token count and loss); ZeRO-2
-reduce-scatter + all-gather Psi each (padded per bucket); FSDP2 (counted by hooking the
-collectives it calls) all-gather 2 Psi - root + reduce-scatter Psi per micro-batch.  Bytes
+reduce-scatter + all-gather Psi each (padded per bucket); FSDP2 (its collectives counted by
+comm.py under the mesh group's name) all-gather 2 Psi - root + reduce-scatter Psi per
+micro-batch.  Bytes
 of weights / grads / optimizer states each rank keeps, measured on the tensors, equal the
 planner's state bytes for the layout (ZeRO-1: optimizer / DP, ZeRO-2: grads too, FSDP2:
 weights too).  Replicas stay bit-identical.  An FSDP2 checkpoint loads into a DDP run and
@@ -26,7 +27,7 @@ from megalite.checkpointing.model_io import load_model_shards, save_model_shards
 from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
     model_sharded_state_dict
 from megalite.config import ConfigError
-from megalite.distributed.fsdp2 import counting_fsdp_collectives, fsdp_units
+from megalite.distributed.fsdp2 import fsdp_units
 from megalite.distributed.replicas import check_replicas
 from megalite.validation import validate
 
@@ -63,10 +64,9 @@ def _train(flags, world):
     trainer = _trainer(flags, world)
     it = trainer.data_iterator(trainer.train_ds, 0)
     losses = []
-    with counting_fsdp_collectives(comm.counter, "fsdp"):
-        for _ in range(ITERS):
-            comm.counter.reset()
-            losses.append(trainer.train_step(it)["lm_loss"])
+    for _ in range(ITERS):
+        comm.counter.reset()
+        losses.append(trainer.train_step(it)["lm_loss"])
     s = trainer.strategy
     s.wait_param_gathers()      # --overlap-param-gather: the last step's gathers are in flight
     try:                # replicas bit-identical (FSDP2: over TP only, DP holds shards)
@@ -220,7 +220,7 @@ def _check(results, world, reference):
             if "fsdp2" in name:
                 # gathered: every unit twice (forward, backward), the root once (kept for
                 # backward); reduce-scattered: everything once; per micro-batch
-                ag, rs, padded = c["fsdp/all_gather"], c["fsdp/reduce_scatter"], r["padded"]
+                ag, rs, padded = c["dp-cp/all_gather"], c["dp-cp/reduce_scatter"], r["padded"]
                 assert 0 <= padded - psi < 0.05 * psi            # dim 0 padded to DP
                 assert rs["elements"] == r["micro"] * padded, (name, rs, padded)
                 assert ag["elements"] == r["micro"] * (2 * padded - r["root_padded"]), \
@@ -276,7 +276,7 @@ def test_overlap_zero2_fsdp2_world4(dist, reference):
 
 
 @pytest.mark.parametrize("flags,match", [
-    (FSDP + PP2, "pipeline"), (FSDP + DO, "pick one"),
+    (FSDP + DO, "pick one"),
     (["--overlap-param-gather"], "needs --use-distributed-optimizer"),
     (["--ddp-bucket-size", "0"], "--ddp-bucket-size")])
 def test_refused_combinations(flags, match):

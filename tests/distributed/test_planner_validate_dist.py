@@ -14,6 +14,7 @@ LLAMA = ["--normalization", "RMSNorm", "--position-embedding-type", "rope", "--s
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 CP2 = ["--context-parallel-size", "2"]
+FSDP, HYBRID = ["--use-torch-fsdp2"], ["--num-distributed-optimizer-instances", "2"]
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "1e-2",
        "--moe-z-loss-coeff", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
@@ -34,6 +35,11 @@ CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) 
     "moe_ep2_tp2_sp_etp1_shared_llama": (4, MOE + LLAMA + TP2 + [
         "--expert-model-parallel-size", "2", "--sequence-parallel",
         "--expert-tensor-parallel-size", "1", "--moe-shared-expert-intermediate-size", "32"]),
+    # FSDP2 (issue 26): its all-gathers / reduce-scatters counted per unit; with PP once per
+    # step; HSDP's all-reduce across instances; experts over expert-DP
+    "fsdp2_pp2_llama": (4, FSDP + PP2 + LLAMA),
+    "hsdp_2x2_llama_bf16": (4, FSDP + HYBRID + LLAMA + ["--bf16"]),
+    "fsdp2_moe_ep2": (4, FSDP + MOE + ["--expert-model-parallel-size", "2"]),
 }
 
 

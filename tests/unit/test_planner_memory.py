@@ -269,7 +269,44 @@ def test_fsdp_moves_3x_weights_per_micro_batch():
     m, L = _cfg(world=4, global_batch=8, zero=3)          # 2 micro-batches per DP rank
     n = ms.stage_params(m, 0).total
     v = cm.volume(cm.events(m, L, 32, 0))
-    assert v["dp-cp/all_gather"]["elements"] + v["dp-cp/reduce_scatter"]["elements"] == 3 * n * 2
+    # every unit gathered twice (forward, backward), the root -- the final norm and the
+    # tied embedding -- once: it stays gathered for backward
+    root = ms.embedding_params(m, 1) + 2 * 64
+    assert cm.fsdp_root_params(m, L, 0) == root
+    assert v["dp-cp/all_gather"]["elements"] == 2 * (2 * n - root)
+    assert v["dp-cp/reduce_scatter"]["elements"] == 2 * n
+
+
+def test_fsdp_with_pp_gathers_and_reduces_once_per_step():
+    m, L = _cfg(world=8, pp=2, global_batch=16, zero=3)   # 4 micro-batches per DP rank
+    for stage in (0, 1):
+        n = ms.stage_params(m, stage, pp=2).total
+        v = cm.volume(cm.events(m, L, 32, stage))
+        assert v["dp-cp/all_gather"]["elements"] == n == v["dp-cp/reduce_scatter"]["elements"]
+
+
+def test_hybrid_sharding_groups_and_volumes():
+    """R instances: shards over d/R neighbouring ranks, the reduced shard all-reduced over
+    the R instances; the memory of one rank as with d/R-way sharding."""
+    m, L = _cfg(world=8, global_batch=8, zero=3, instances=2)   # d = 8, d' = 4, 1 micro-batch
+    n = ms.stage_params(m, 0).total
+    v = cm.volume(cm.events(m, L, 32, 0))
+    assert v["dp-cp-shard/reduce_scatter"]["elements"] == n
+    assert v["dp-cp-replicate/all_reduce"]["elements"] == -(-n // 4)
+    assert cm.group_geometry(L, "dp-cp-shard") == (4, 1)
+    assert cm.group_geometry(L, "dp-cp-replicate") == (2, 4)
+    one = mem.layout_state_bytes(ms.stage_params(m, 0), L, mem.Precision.bf16())
+    assert one == mem.layout_state_bytes(ms.stage_params(m, 0), Layout(world=4, global_batch=8,
+                                                                          zero=3),
+                                         mem.Precision.bf16())
+    # FSDP2's fp32 shards are the masters: 4 + 8 bytes per sharded element, as ZeRO's 12
+    assert one["weights"] == 4 * -(-n // 4) and one["optimizer"] == 8 * -(-n // 4)
+    m1, L1 = _cfg(world=8, global_batch=8, zero=1, instances=2)
+    v1 = cm.volume(cm.events(m1, L1, 32, 0))
+    pad = -(-n // 4) * 4
+    assert v1["dp-cp-shard/reduce_scatter"]["elements"] == pad == \
+        v1["dp-cp-shard/all_gather"]["elements"]
+    assert v1["dp-cp-replicate/all_reduce"]["elements"] == pad // 4
 
 
 def test_tp_four_all_reduces_per_layer_per_micro_batch():

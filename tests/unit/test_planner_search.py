@@ -98,15 +98,44 @@ def test_zero_2_and_3_layouts_emit_their_flags():
     m = ms.recipe("llama3-70b")
     res = search(m, 4096, 1024, make_cluster(1024), SearchSpace(zero=(3,), tp=[1], pp=[1]),
                  ModelOptions())
-    assert res.ranked and res.ranked[0].layout.emittable
+    assert res.ranked
     flags = res.ranked[0].layout.parallel_flags()
     assert "--use-torch-fsdp2" in flags and "--use-distributed-optimizer" not in flags
-    assert not Layout(world=64, pp=2, zero=3).emittable       # FSDP2 does not compose with PP
     z2 = Layout(world=64, zero=2)
-    assert z2.emittable and {"--use-distributed-optimizer", "--overlap-grad-reduce"} <= \
-        set(z2.parallel_flags())
+    assert {"--use-distributed-optimizer", "--overlap-grad-reduce"} <= set(z2.parallel_flags())
     from megalite.planner.layout import layout_from_config
     assert layout_from_config(z2.to_config(m, 4096)).zero == 2
+
+
+def test_fsdp2_with_pp_cp_ep_and_hsdp_layouts_are_searched_and_emitted():
+    """Issue 26: stage 3 composes with PP (every schedule), CP and EP, and hybrid sharding
+    is searched ("node": instances that keep each shard group inside a node); the layouts
+    pass validation (also the data-parallel rules) and round-trip through their config."""
+    from megalite.planner.layout import layout_from_config
+    from megalite.validation import check_data_parallel
+
+    m = ms.recipe("llama3-70b")
+    res = search(m, 8192, 512, make_cluster(256), SearchSpace(
+        zero=(3,), instances=(1, "node"), schedules=("1f1b", "interleaved", "zero-bubble")))
+    got = {(e.layout.pp > 1, e.layout.instances > 1, e.layout.schedule) for e in res.ranked}
+    assert (True, False, "1f1b") in got and (True, True, "interleaved") in got
+    assert (True, False, "zero-bubble") in got and (True, True, "1f1b") in got
+    hsdp = next(e.layout for e in res.ranked if e.layout.instances > 1)
+    assert hsdp.tp * hsdp.dense_shards == 8          # an instance is one node
+    assert ["--num-distributed-optimizer-instances", str(hsdp.instances)] == \
+        hsdp.parallel_flags()[hsdp.parallel_flags().index(
+            "--num-distributed-optimizer-instances"):][:2]
+    for L in [res.ranked[0].layout, hsdp]:
+        assert "--use-torch-fsdp2" in L.parallel_flags()
+        cfg = L.to_config(m, 8192)
+        validate_layout(cfg)
+        check_data_parallel(cfg)
+        assert layout_from_config(cfg) == L
+    cp = search(m, 65536, 64, make_cluster(256), SearchSpace(zero=(3,), cp=[2], tp=[8]))
+    assert cp.ranked and all(e.layout.cp == 2 for e in cp.ranked)
+    moe = ms.recipe("mixtral-8x7b")
+    ep = search(moe, 4096, 256, make_cluster(64), SearchSpace(zero=(3,), ep=[2, 4]))
+    assert ep.ranked and any(e.layout.ep > 1 and e.layout.zero == 3 for e in ep.ranked)
 
 
 def test_account_for_split_offered_with_interleaving_and_round_trips():
