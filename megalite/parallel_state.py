@@ -45,6 +45,16 @@ HYBRID_GROUPS = {"dp-cp-shard": ("dp-cp", "shard"), "dp-cp-replicate": ("dp-cp",
                  "expert-dp-shard": ("expert-dp", "shard"),
                  "expert-dp-replicate": ("expert-dp", "replicate")}
 
+
+
+def shard_group_names(grid: str, instances: int) -> tuple:
+    """(shard group, replicate group or None) over which the distributed optimizer's buffers
+    / FSDP2's mesh of ``grid`` ("dense" or "expert") shard: the data-parallel group itself,
+    or with ``instances`` > 1 one instance of it and the other instances."""
+    base = "dp-cp" if grid == "dense" else "expert-dp"
+    return (base, None) if instances == 1 else (f"{base}-shard", f"{base}-replicate")
+
+
 # torch DeviceMesh dimensions per grid, slowest-varying first (ORDER reversed, minus the
 # dimension the grid fixes to 1); each name is also the name of this dimension's group.
 MESH_DIMS = {"dense": ("pp", "dp", "cp", "tp"), "expert": ("pp", "expert-dp", "ep", "expert-tp")}

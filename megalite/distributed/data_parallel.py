@@ -39,7 +39,7 @@ import torch
 
 from megalite import comm
 from megalite.distributed.distributed_optimizer import DistributedOptimizer
-from megalite.distributed.fsdp2 import apply_fsdp2, shard_group_names
+from megalite.distributed.fsdp2 import apply_fsdp2
 from megalite.distributed.grad_buckets import (Bucket, OverlapScheduler, bucket_size,
                                                split_into_buckets)
 from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_parallel_grads,
@@ -52,6 +52,7 @@ from megalite.optimizer.grad_scaler import build_grad_scaler, unscale_and_find_i
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, MixedPrecisionOptimizer,
                                           has_fp32_masters)
 from megalite.param_spec import ParamSpec, group_coords, named_specs
+from megalite.parallel_state import shard_group_names
 
 
 def accumulate_main_grad(param) -> None:

@@ -33,6 +33,7 @@ registers its groups under our names so the counters see its collectives.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -41,6 +42,7 @@ import torch
 from megalite import comm
 from megalite.optimizer.optimizer import model_dtype
 from megalite.param_spec import param_table
+from megalite.parallel_state import shard_group_names
 
 
 def fsdp_units(chunk) -> List[torch.nn.Module]:
@@ -59,12 +61,6 @@ def reshard_after_forward(cfg) -> bool:
     """torchtitan's default: free the gathered parameters after forward unless pipelining
     (PP keeps them until the chunk's last backward instead of re-gathering per micro-batch)."""
     return cfg.parallel.pp == 1
-
-
-def shard_group_names(grid: str, instances: int) -> tuple:
-    """(shard group, replicate group or None) of the dense / expert grid's FSDP mesh."""
-    base = "dp-cp" if grid == "dense" else "expert-dp"
-    return (base, None) if instances == 1 else (f"{base}-shard", f"{base}-replicate")
 
 
 @dataclass
@@ -161,6 +157,10 @@ def shard_chunk(chunk, cfg, state, units=None, device: str = "cpu") -> list:
     for m in modules:
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
+    # the last chunk returns its per-token loss transposed (a view); only the loss function
+    # reads it, never in place, so FSDP2's warning about views is a false alarm here
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) "
+                            r"returned a view tensor")
     return modules
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from megalite.config import MegaliteConfig, ModelConfig
+from megalite.parallel_state import shard_group_names
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout, layout_from_config
@@ -255,17 +256,17 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
 
 
 def sharded_groups(L: Layout, grid: str) -> tuple:
-    """(shard group, replicate group or None) of a grid's ZeRO >= 1 buffers or FSDP2 mesh:
-    the data-parallel group, or with instances its instance and the other instances."""
-    base = "dp-cp" if grid == "dense" else "expert-dp"
-    return (base, None) if L.instances == 1 else (f"{base}-shard", f"{base}-replicate")
+    """(shard group, replicate group or None) of a grid's ZeRO >= 1 buffers or FSDP2 mesh."""
+    return shard_group_names(grid, L.instances)
 
 
 def fsdp_experts_with_dense(L: Layout) -> bool:
     """FSDP2 gives routed experts a mesh of their own only when it spans other ranks than
-    the dense one (``distributed.fsdp2.fsdp_meshes``); otherwise they are one unit with
-    their layer and reduce over the dense groups."""
-    return L.ep == 1 and L.etp == L.tp and L.cp == 1
+    the dense one (``distributed.fsdp2.fsdp_meshes`` compares the ranks); expert-DP and
+    DP x CP are the same ranks exactly when EP = 1 and expert-TP = TP (the expert grid folds
+    CP into expert-DP; tested against ``RankGrid``), and then experts are one unit with their
+    layer."""
+    return L.ep == 1 and L.etp == L.tp
 
 
 def _dp_events(n: int, group: str, L: Layout, grad_bytes: int, w: int = 2) -> List[Event]:

@@ -117,6 +117,9 @@ SKIP = [
      "benchmark (minutes on CPU, needs a quiet machine); its output is quoted, not checked"),
     (r"^NPROC=8 launch/run_local\.sh launch/recipes/twins/gpt3-175b\.yaml",
      "long (8 processes); tests/e2e/test_recipes_e2e.py runs this twin through run_local.sh"),
+    (r"^megalite plan --validate-run --nproc 4 .*--use-torch-fsdp2 --pipeline-model-parallel-size 2",
+     "long (4 processes); tests/distributed/test_planner_validate_dist.py::fsdp2_pp2_llama "
+     "runs these flags"),
     (r"^megalite plan --validate-run --nproc 4 --num-layers 4 .*--pipeline-model-parallel-size 2",
      "long (4 processes); tests/distributed/test_planner_validate_dist.py::"
      "tp2_pp2_sp_llama_bf16 runs these flags"),

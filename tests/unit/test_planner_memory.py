@@ -285,6 +285,23 @@ def test_fsdp_with_pp_gathers_and_reduces_once_per_step():
         assert v["dp-cp/all_gather"]["elements"] == n == v["dp-cp/reduce_scatter"]["elements"]
 
 
+def test_fsdp_expert_mesh_rule_matches_the_rank_grid():
+    """The planner's size rule for "experts share the dense FSDP mesh" is the rank rule
+    ``fsdp2.fsdp_meshes`` applies: expert-DP has the ranks of DP x CP (instances alike)."""
+    from megalite.parallel_state import RankGrid, shard_group_names
+
+    for kw in (dict(world=8), dict(world=8, ep=2, etp=1), dict(world=8, tp=2, etp=1),
+               dict(world=8, tp=2, etp=2), dict(world=8, cp=2), dict(world=16, pp=2, ep=2),
+               dict(world=8, instances=2), dict(world=16, ep=2, etp=1, instances=2)):
+        L = Layout(global_batch=16, zero=3, **kw)
+        grid = RankGrid(L.world, tp=L.tp, pp=L.pp, cp=L.cp, ep=L.ep, etp=L.etp,
+                        dp_instances=L.instances)
+        same = all(grid.group_of(a, 0) == grid.group_of(b, 0)
+                   for a, b in zip(shard_group_names("expert", L.instances),
+                                   shard_group_names("dense", L.instances)) if a)
+        assert cm.fsdp_experts_with_dense(L) == same, kw
+
+
 def test_hybrid_sharding_groups_and_volumes():
     """R instances: shards over d/R neighbouring ranks, the reduced shard all-reduced over
     the R instances; the memory of one rank as with d/R-way sharding."""
