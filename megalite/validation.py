@@ -395,11 +395,11 @@ def check_data_parallel(cfg: MegaliteConfig) -> None:
             raise ConfigError("--num-distributed-optimizer-instances > 1 splits the sharded "
                               "data-parallel group: add --use-distributed-optimizer or "
                               "--use-torch-fsdp2")
-        dp_cp = cfg.data_parallel_size * p.cp
-        edp = cfg.world_size // (p.etp * p.ep * p.pp)
-        for size, what in ((dp_cp, "data-parallel x context-parallel size"),
-                           (edp if cfg.model.num_experts else instances, "expert data-parallel "
-                            "size (world / (expert-TP x EP x PP))")):
+        sizes = [(cfg.data_parallel_size * p.cp, "data-parallel x context-parallel size")]
+        if cfg.model.num_experts:
+            sizes.append((cfg.world_size // (p.etp * p.ep * p.pp),
+                          "expert data-parallel size (world / (expert-TP x EP x PP))"))
+        for size, what in sizes:
             if size % instances:
                 raise ConfigError(f"--num-distributed-optimizer-instances ({instances}) must "
                                   f"divide the {what} ({size})")

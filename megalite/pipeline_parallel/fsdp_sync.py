@@ -48,6 +48,9 @@ def reduce_gradients(chunk) -> None:
 
 
 def reshard(chunk) -> None:
+    """Free every unit's gathered parameters (after a forward-only run under PP)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in chunk.modules():
-        if hasattr(module, "reshard") and hasattr(module, "unshard"):
+        if isinstance(module, FSDPModule):
             module.reshard()
