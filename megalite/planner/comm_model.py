@@ -90,8 +90,8 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
 
     ``dtype_bytes``: an activation or weight element (2 under bf16, 4 in fp32 training).
     ``fsdp_reshard=False``: ZeRO-3 keeps the gathered weights from forward to backward
-    (with PP it always does: one gather and one reduction per step, ``fsdp_events``).  ``param_gather_bytes``: ZeRO's parameter
-    gathers in another dtype (1 with FP8 weights).
+    (with PP it always does: one gather and one reduction per step, ``fsdp_events``).
+    ``param_gather_bytes``: ZeRO's parameter gathers in another dtype (1 with FP8 weights).
     """
     out: List[Event] = []
     a = dtype_bytes

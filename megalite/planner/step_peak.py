@@ -24,9 +24,9 @@ shards.  FSDP2 under PP keeps each chunk gathered and its gradients unsharded (f
 the chunk's one reduction after its last backward: the stage's parameters (compute dtype)
 and gradients are live next to the in-flight activations -- unless every forward runs
 before the first backward (1F1B, interleaved), when the activation peak has no gradient yet
-and the first backward ends with one micro-batch fewer held.  The first ZeRO-2 step reduces every bucket after backward
-(it learns the accumulation counts), so its full gradient is live once: this models the
-steps after it.  gloo's copies are measured (``benchmarks/data_parallel.py``): its
+and the first backward ends with one micro-batch fewer held.  The first ZeRO-2 step reduces
+every bucket after backward (it learns the accumulation counts), so its full gradient is
+live once: this models the steps after it.  gloo's copies are measured (``benchmarks/data_parallel.py``): its
 reduce-scatter and all-gather allocate one temporary the size of the full tensor; NCCL
 works in place.
 """

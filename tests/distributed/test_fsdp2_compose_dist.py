@@ -118,8 +118,8 @@ def _train(flags, world):
         replicas = str(e)
     cfg = trainer.cfg
     planned_bytes, planned_comm = _planned(cfg, trainer.state.rank)
-    expected = expected_collectives(trainer.model_chunks, cfg.num_micro_batches, cfg.parallel.pp > 1) \
-        if cfg.parallel.use_torch_fsdp2 else {}
+    expected = expected_collectives(trainer.model_chunks, cfg.num_micro_batches,
+                                    cfg.parallel.pp > 1) if cfg.parallel.use_torch_fsdp2 else {}
     return {"losses": losses, "replicas": replicas, "comm": comm.counter.snapshot(),
             "evaluated": evaluated,
             "expected": expected, "planned_comm": planned_comm,
