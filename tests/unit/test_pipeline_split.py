@@ -164,6 +164,8 @@ def test_default_split_is_the_even_runtime_split(tmp_path):
 
 
 def test_convert_tool_target_layout_flags(tmp_path, capsys):
+    """The converter's --target-* flags are checked by the runtime's split rule, the written
+    checkpoint (DCP) loads into every stage of that layout (and of another one)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -177,17 +179,24 @@ def test_convert_tool_target_layout_flags(tmp_path, capsys):
     write_checkpoint_from_full(str(tmp_path / "src"), dataclasses.asdict(cfg.model), full, 1, 1)
     argv = ["--source-format", "megalite", "--target-format", "megalite",
             "--load-dir", str(tmp_path / "src"), "--save-dir", str(tmp_path / "dst"),
-            "--target-pipeline-model-parallel-size", "2"]
+            "--target-pipeline-parallel-size", "2"]
     assert tool.main(argv + ["--target-num-virtual-stages-per-pipeline-rank", "2",
                              "--target-account-for-embedding-in-pipeline-split",
                              "--target-account-for-loss-in-pipeline-split"]) == 0
-    assert "VPP=2" in capsys.readouterr().out
-    for pp_rank in range(2):
-        saved = torch.load(os.path.join(shard_dir(str(tmp_path / "dst"), 0, 0, pp_rank),
-                                        "model.pt"))["model"]
-        chunks, _ = rank_chunks(cfg, 0, pp_rank)
-        assert set(saved) == {n for c in chunks for n, _ in c.canonical_named_parameters()}
+    out = capsys.readouterr().out
+    assert "VPP=2" in out and "--num-virtual-stages-per-pipeline-rank 2" in out
+    for layout in (cfg, layout_cfg(layers, 2, 3, {}, tied, seed=5)):
+        for tp_rank in range(layout.parallel.tp):
+            for pp_rank in range(layout.parallel.pp):
+                chunks, state = rank_chunks(layout, tp_rank, pp_rank)
+                load_model_shards(str(tmp_path / "dst"), chunks, layout, state)
+                for c in chunks:
+                    for n, p, spec in c.param_table.named(c):
+                        assert torch.equal(p.detach(),
+                                           shard_tensor(full[n], spec, tp_rank,
+                                                        layout.parallel.tp)), n
     with pytest.raises(SystemExit) as exc:        # 6 layers do not split evenly over PP 4
         tool.main(argv[:-1] + ["4"])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "target pipeline layout" in err and err.count("\n") == 1
+    assert exc.value.code == 2 and "target layout" in err and err.count("\n") == 1
+    assert "--target-pipeline-model-parallel-size" in err

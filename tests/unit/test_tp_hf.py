@@ -147,7 +147,11 @@ def test_convert_cli_roundtrip_and_errors(tmp_path):
                  "--save-dir", mg, "--target-tensor-parallel-size", "2",
                  "--target-pipeline-model-parallel-size", "2")
     assert r.returncode == 0, r.stderr
-    assert os.path.isdir(os.path.join(mg, "iter_0000000", "mp_rank_01_001"))
+    # the format training writes: DCP files, metadata, manifest, marker (no mp_rank_* dirs)
+    assert sorted(os.listdir(os.path.join(mg, "iter_0000000"))) == [
+        ".metadata", "__0_0.distcp", "manifest.json", "metadata.json"]
+    assert json.load(open(os.path.join(mg, "iter_0000000", "metadata.json")))["format"] == \
+        "megalite-dcp-v1"
     r = _convert("--source-format", "megalite", "--target-format", "megalite", "--load-dir", mg,
                  "--save-dir", mg1, "--target-tensor-parallel-size", "1")
     assert r.returncode == 0, r.stderr
@@ -185,7 +189,8 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     code, err = _convert_in_process(capsys, "--source-format", "hf", "--target-format",
                                     "megalite", "--load-dir", path, "--save-dir", out,
                                     "--target-tensor-parallel-size", "3")
-    assert code == 2 and "does not divide" in err and err.count("\n") == 1
+    assert code == 2 and err.count("\n") == 1 and \
+        "is not divisible by --target-tensor-parallel-size (3)" in err
     code, err = _convert_in_process(capsys, "--source-format", "megalite", "--target-format",
                                     "hf", "--load-dir", path, "--save-dir", out)
     assert code == 2 and "not a megalite checkpoint" in err
