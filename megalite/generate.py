@@ -38,11 +38,6 @@ def load_for_inference(root: str, tokenizer_flags: dict | None = None):
     if tokenizer_flags and tokenizer_flags.get("tokenizer_type"):
         data, vocab = dict(tokenizer_flags), cfg.model.vocab_size
     tokenizer = build_tokenizer_from_config(SimpleNamespace(**data), vocab)
-    if tokenizer is None:
-        from megalite.config import ConfigError
-
-        raise ConfigError(f"--load {root}: the checkpoint records no tokenizer; give "
-                          f"--tokenizer-type (and --tokenizer-model FILE)")
     state = ParallelState.build(RankGrid(1), 0, create_groups=False)
     model = build_model(cfg, state)
     load_model_shards(root, [model], cfg, state)

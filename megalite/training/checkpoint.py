@@ -308,11 +308,19 @@ def save_model_checkpoint(root: str, model_cfg: dict, full_sd: Dict[str, torch.T
     from megalite.checkpointing.sharded_state import layout_chunks
     from megalite.config import ModelConfig
     from megalite.models.gpt import parameter_specs
+    from megalite.moe.moe_layer import split_expert_bias
 
-    specs = parameter_specs(ModelConfig(**model_cfg))
+    m = ModelConfig(**model_cfg)
+    specs = parameter_specs(m)
+    # router expert biases are buffers: JSON metadata, as a training save keeps them
+    full_sd, bias = split_expert_bias(full_sd, m.num_layers, m.num_layers + (m.mtp_num_layers or 0))
     missing = sorted(set(specs) - set(full_sd))
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    unknown = sorted(set(full_sd) - set(specs))
+    if unknown:     # refuse, never drop: a tensor the model has no place for
+        raise KeyError(f"state dict has {len(unknown)} tensors this model has no parameter "
+                       f"for, e.g. {unknown[:3]}")
     sd = {}
     for name, spec in specs.items():
         full = full_sd[name].detach().float().contiguous()
@@ -329,6 +337,8 @@ def save_model_checkpoint(root: str, model_cfg: dict, full_sd: Dict[str, torch.T
     info = dict(info or {})
     extra = {"consumed_samples": 0, "layout": layout, "loop_state": None,
              **info.pop("extra", {})}
+    if bias:
+        extra["moe_expert_bias"] = bias
     meta = {"format": FORMAT, "iteration": iteration,
             "consumed_samples": extra["consumed_samples"], "optimizer_step": None,
             "layout": layout, "rng_ranks": [], "tensor_model_parallel_size": layout["tp"],

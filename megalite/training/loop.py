@@ -61,6 +61,7 @@ class Trainer:
         self.optimizer = None       # its optimizer (checkpointed state)
         self.scheduler = None
         self.train_ds = self.valid_ds = self.test_ds = None
+        self.dataset_sizes = (0, 0, 0)      # samples each split is built for (_build_data)
         self.forward_backward = get_forward_backward_func(cfg, state)
         self.record_timeline = bool(cfg.logging.pipeline_timeline) and (
             state.pp.size > 1 or cfg.parallel.overlap_grad_reduce)   # schedule / DP buckets
@@ -118,6 +119,7 @@ class Trainer:
         # train_samples // global batch iterations): more epochs change every sample's order
         train = t.train_samples if t.train_samples else self.train_iters * gbs
         num_samples = (train, evals * gbs, t.eval_iters * gbs)
+        self.dataset_sizes = num_samples
         self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
             data_path=cfg.data.data_path, split=cfg.data.split, seq_length=cfg.model.seq_length,
             seed=t.seed, num_samples=num_samples, mock=cfg.data.mock_data,
@@ -439,6 +441,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         logger.info(compat_flags.describe(cfg.accepted_flags))
     log_precision(logger, precision)
     logger.info(describe_parameters(cfg, trainer.model_chunks))
+    logger.info("> datasets target sizes (minimum size): train {}, validation {}, test {}"
+                .format(*trainer.dataset_sizes))          # Megatron's line
     t = cfg.training
     failed = False
     try:

@@ -177,9 +177,10 @@ def convert(args) -> str:
         meta = read_metadata(args.load_dir, args.load_iteration)
         iteration = meta["iteration"]
         model_cfg, full = full_state_dict_from_checkpoint(args.load_dir, args.load_iteration)
-        # what the source says beyond its tensors: its run's flags, tokenizer, MoE biases
+        # what the source says beyond its tensors: its run's flags and tokenizer (MoE expert
+        # biases travel in ``full``, as the HF adapters read and write them)
         kept = {k: v for k, v in (meta.get("extra") or {}).items()
-                if k in ("consumed_samples", "tokenizer", "moe_expert_bias")}
+                if k in ("consumed_samples", "tokenizer")}
         info["extra"] = kept
         if isinstance(meta.get("args"), dict):
             info["args"] = dict(meta["args"], model=model_cfg)
