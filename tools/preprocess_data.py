@@ -125,7 +125,9 @@ def _encode(item):
 
 # A sentence ends at . ! ? (or their CJK forms, or an ellipsis), possibly followed by closing
 # quotes or brackets, where whitespace and then a non-lowercase character (or the end) follow.
-_SENTENCE_END = re.compile(r"""[.!?\u2026\u3002\uff01\uff1f]+["'\u2019\u201d)\]]*(?=\s+(?![a-z])|$)""")
+_SENTENCE_END = re.compile(r"""[.!?\u2026\u3002\uff01\uff1f]+"""   # the end marks
+                           r"""["'\u2019\u201d)\]]*"""              # closing quotes, brackets
+                           r"""(?=\s+(?![a-z])|$)""")                 # then space + no lowercase
 _ABBREVIATIONS = {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e",
                   "cf", "fig", "no", "vol", "ch", "sec"}
 

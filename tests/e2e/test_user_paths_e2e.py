@@ -60,10 +60,9 @@ def _close(a, b, tol=1e-5):
 
 
 def test_mixtral_hf_to_megalite_at_expert_layouts_and_back(tmp_path):
-    """convert.py imports a Mixtral cut for TP2 x PP2; pretrain_moe.py evaluates it at EP2
-    (its loss is Hugging Face's) and fine-tunes it at EP2; that pretrain_moe.py checkpoint
-    re-lays out to TP2 x PP2 x EP2 (Megatron's flag spellings) and exports to a Mixtral
-    whose loss is the run's."""
+    """convert.py imports a Mixtral cut for TP2 x PP2; pretrain_moe.py loads it at EP2 and
+    evaluates Hugging Face's loss; that run's checkpoint re-lays out to TP2 x PP2 x EP2
+    (Megatron's flag spellings) and exports to a Mixtral with the same loss."""
     from mixtral_fixture import hf_mixtral
 
     ref = hf_mixtral(str(tmp_path / "hf"))
@@ -77,19 +76,18 @@ def test_mixtral_hf_to_megalite_at_expert_layouts_and_back(tmp_path):
     it_dir = os.path.join(mg, "iter_0000000")
     assert sorted(os.listdir(it_dir)) == [".metadata", "__0_0.distcp", "manifest.json",
                                           "metadata.json"]        # the training format
-    run = ["--data-path", data, "--tokenizer-type", "NullTokenizer", *EVAL,
-           "--load", mg, "--use-checkpoint-args"]
-    m1 = tmp_path / "eval.jsonl"
-    p = _run(TORCHRUN + ["pretrain_moe.py", *run, "--expert-model-parallel-size", "2",
-                         "--skip-train", "--metrics-file", str(m1)])
+    # fine-tune at EP2 with --lr 0 (the weights stay the imported ones): the run's final
+    # evaluation is Hugging Face's loss, and its checkpoint is a pretrain_moe.py one
+    ft, metrics = str(tmp_path / "ft"), tmp_path / "ft.jsonl"
+    p = _run(TORCHRUN + ["pretrain_moe.py", "--data-path", data, "--tokenizer-type",
+                         "NullTokenizer", *EVAL, "--load", mg, "--use-checkpoint-args",
+                         "--expert-model-parallel-size", "2", "--finetune", "--train-iters",
+                         "1", "--lr", "0", "--save", ft, "--metrics-file", str(metrics)])
     assert "legacy" not in p.stdout + p.stderr
-    assert _close(_valid_losses(m1)[-1], _hf_loss(ref))
-
-    ft, m2 = str(tmp_path / "ft"), tmp_path / "ft.jsonl"
-    _run(TORCHRUN + ["pretrain_moe.py", *run, "--expert-model-parallel-size", "2",
-                     "--finetune", "--train-iters", "2", "--lr", "1e-3", "--save", ft,
-                     "--metrics-file", str(m2)])
-    trained = _valid_losses(m2)[-1]
+    trained = _valid_losses(metrics)[-1]
+    assert _close(trained, _hf_loss(ref))
+    assert json.load(open(os.path.join(ft, "iter_0000001", "metadata.json")))[
+        "optimizer_step"] == 1.0
     re_laid, hf_out = str(tmp_path / "tp2"), str(tmp_path / "hf_out")
     out = _run(CONVERT + ["--source-format", "megalite", "--target-format", "megalite",
                           "--load-dir", ft, "--save-dir", re_laid,      # Megatron's spellings

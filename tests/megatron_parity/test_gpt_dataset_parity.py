@@ -27,11 +27,11 @@ class _Tok:
     unique_identifiers = {"class": "test"}
 
 
-def corpus(path, n_docs, seed, base=0):
+def corpus(path, n_docs, seed, base=0, high=5000):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 60, size=n_docs)
     lengths[1] = 0   # one empty document (kept: it takes part in the shuffle)
-    docs = [list(base + 1 + rng.integers(0, 5000, size=int(n))) for n in lengths]
+    docs = [list(base + 1 + rng.integers(0, high, size=int(n))) for n in lengths]
     return write_documents(str(path), docs, np.int32)
 
 
@@ -103,7 +103,7 @@ def test_blend_matches_blended_dataset(tmp_path):
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "30000", "--device", "cpu", "--log-interval", "100"]
+        "--vocab-size", "128", "--device", "cpu", "--log-interval", "100"]   # small: cheap
 
 
 def _pretrain(tmp_path, *flags):
@@ -139,7 +139,7 @@ def test_train_samples_as_given_across_an_epoch_boundary(tmp_path):
     iterations; building for the 416 samples those consume would be one epoch and change
     every sample.  The run's indices are megatron-core's GPTDataset for 418."""
     rng = np.random.default_rng(0)
-    docs = [list(1 + rng.integers(0, 5000, size=48)) for _ in range(139)] + [[7]]
+    docs = [list(1 + rng.integers(0, 120, size=48)) for _ in range(139)] + [[7]]
     prefix = write_documents(str(tmp_path / "c"), docs, np.int32)     # 417 x 16 + 1 tokens
     recs = _pretrain(tmp_path, "--data-path", prefix, "--split", "1,0,0", "--micro-batch-size",
                      "8", "--global-batch-size", "16", "--train-samples", "418",
@@ -158,8 +158,8 @@ def test_per_split_data_paths_match_megatron(tmp_path):
     """--train-data-path (a weighted blend) / --valid-data-path / --test-data-path: each split
     is all of its own files, --split ignored; every dataset the run built is megatron-core's
     for the same blend_per_split and sample counts."""
-    a, b, c = (corpus(tmp_path / n, k, s) for n, k, s in (("a", 120, 1), ("b", 90, 2),
-                                                          ("c", 60, 3)))
+    a, b, c = (corpus(tmp_path / name, docs, seed, high=120)
+               for name, docs, seed in (("a", 120, 1), ("b", 90, 2), ("c", 60, 3)))
     recs = _pretrain(tmp_path, "--train-data-path", "0.6", a, "0.4", b, "--valid-data-path", c,
                      "--test-data-path", c, "--split", "1,0,0", "--micro-batch-size", "4",
                      "--global-batch-size", "8", "--train-iters", "3", "--eval-interval", "2",
