@@ -135,6 +135,21 @@ def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
     return out
 
 
+def given_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set:
+    """The dests the command line itself sets (parsed again with every default suppressed),
+    so a default can be told from a value the user typed."""
+    kept, defaults = [(a, a.default) for a in parser._actions], parser._defaults
+    parser._defaults = {}
+    for a, _ in kept:
+        a.default = argparse.SUPPRESS
+    try:
+        return set(vars(parser.parse_known_args(list(argv))[0]))
+    finally:
+        parser._defaults = defaults
+        for a, default in kept:
+            a.default = default
+
+
 def env_world_size(default: int = 1) -> int:
     for var in ("WORLD_SIZE", "SLURM_NTASKS"):
         if os.environ.get(var):
@@ -157,8 +172,8 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     preset = flag_value(argv, "--model-preset") or recipe.model
     if preset:             # preset shapes < the --config file < the command line
         parser.set_defaults(**preset_fields(preset))
-    if config_path:
-        parser.set_defaults(**_yaml_defaults(config_path, parser))
+    from_file = _yaml_defaults(config_path, parser) if config_path else {}
+    parser.set_defaults(**from_file)
     ns = vars(parser.parse_args(argv))
     published_world = recipe.num_gpus if ns["dry_run"] else None
     world = ns.pop("world_size") or env_world_size(published_world or 1)
@@ -177,7 +192,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     if cfg.checkpoint.use_checkpoint_args:     # before validation, which needs the model flags
         from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
 
-        cfg, notes = apply_checkpoint_args(cfg)
+        cfg, notes = apply_checkpoint_args(cfg, set(from_file) | given_dests(parser, argv))
         if int(os.environ.get("RANK", "0")) == 0:
             print("\n".join(notes), flush=True)
     if validate_config:

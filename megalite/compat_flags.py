@@ -1,14 +1,11 @@
 """Megatron-LM flags megalite accepts without a setting of its own.
 
 A Megatron script ports by changing the program name, so every flag its ``examples/``
-training scripts pass must parse.  Three kinds live here (flags with a real setting are
-dataclass fields in ``config.py``):
+training scripts pass must parse.  Two kinds live here (flags with a real setting are
+dataclass fields in ``config.py``, never listed here: a test holds that):
 
 * ``NO_EFFECT``: distinctions megalite does not have (fusion switches, kernel backends,
   memory housekeeping).  Accepted and listed once in the log as having no effect here.
-* ``PENDING``: features that arrive with another issue (DP overlap / FSDP2, MoE dispatch,
-  checkpoint formats and exits).  They parse now; once the feature lands its flag becomes a
-  config field and the entry here is skipped (``register`` never adds a flag twice).
 * ``RUNTIME_ONLY``: features that need hardware (FP8 needs Transformer Engine on a GPU with
   FP8).  They parse and pass ``--dry-run``; a run refuses them with one line where the
   machine cannot run them.
@@ -48,7 +45,6 @@ NO_EFFECT = [
     CompatFlag("--no-bias-dropout-fusion", FLAG, _FUSION),
     CompatFlag("--no-gradient-accumulation-fusion", FLAG, _FUSION),
     CompatFlag("--no-rope-fusion", FLAG, _FUSION),
-    CompatFlag("--cross-entropy-loss-fusion", FLAG, _FUSION),
     CompatFlag("--cross-entropy-fusion-impl", VALUE, _FUSION),
     CompatFlag("--manual-gc", FLAG, "Python's garbage collector is left alone"),
     CompatFlag("--manual-gc-interval", VALUE, "Python's garbage collector is left alone"),
@@ -77,27 +73,10 @@ NO_EFFECT = [
     CompatFlag("--profile-step-end", VALUE, "no torch profiler hook yet"),
     CompatFlag("--profile-ranks", LIST, "no torch profiler hook yet"),
     CompatFlag("--use-pytorch-profiler", FLAG, "no torch profiler hook yet"),
+    CompatFlag("--moe-grouped-gemm", FLAG, "the experts always run as grouped GEMMs"),
+    CompatFlag("--ckpt-format", VALUE, "checkpoints are always torch.distributed.checkpoint "
+               "(Megatron's torch_dist)"),
 ]
-
-# ---- PENDING: flags of features owned by other issues (12: DP overlap/FSDP2, 14: MoE,
-# ---- 15: checkpoints and exits).  When the owner adds the config field, its entry here
-# ---- is skipped automatically; delete it then.
-PENDING = [
-    CompatFlag("--overlap-grad-reduce", FLAG, "gradient reduction is not overlapped yet (issue 12)"),
-    CompatFlag("--overlap-param-gather", FLAG, "parameter gathers are not overlapped yet (issue 12)"),
-    CompatFlag("--ddp-bucket-size", VALUE, "gradient buckets arrive with issue 12"),
-    CompatFlag("--use-torch-fsdp2", FLAG, "FSDP2 training arrives with issue 12"),
-    CompatFlag("--moe-router-load-balancing-type", VALUE, "MoE layers arrive with issue 14"),
-    CompatFlag("--moe-grouped-gemm", FLAG, "MoE layers arrive with issue 14"),
-    CompatFlag("--moe-token-dispatcher-type", VALUE, "MoE layers arrive with issue 14"),
-    CompatFlag("--exit-duration-in-mins", VALUE, "timed exit arrives with issue 15"),
-    CompatFlag("--exit-signal-handler", FLAG, "signal-triggered save arrives with issue 15"),
-    CompatFlag("--ckpt-format", VALUE, "megalite writes its own checkpoint format (issue 15)"),
-    CompatFlag("--async-save", FLAG, "asynchronous saves arrive with issue 15"),
-    CompatFlag("--check-for-nan-in-loss-and-grad", FLAG,
-               "a non-finite loss always stops the run; grad checks arrive with issue 15"),
-]
-# ---- end of PENDING
 
 RUNTIME_ONLY = [
     # --fp8-format / --fp8-amax-history-len / --fp8-amax-compute-algo are ModelConfig fields
@@ -107,7 +86,7 @@ RUNTIME_ONLY = [
     CompatFlag("--fp8-margin", VALUE, "FP8 needs Transformer Engine"),
 ]
 
-ALL = NO_EFFECT + PENDING + RUNTIME_ONLY
+ALL = NO_EFFECT + RUNTIME_ONLY
 
 
 def register(parser: argparse.ArgumentParser) -> None:

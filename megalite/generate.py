@@ -3,18 +3,23 @@
     python -m megalite.generate --load CKPT_DIR --prompt "ROMEO:" --max-new-tokens 200
 
 The checkpoint's metadata carries the model config and tokenizer, so no other flag is
-needed; weights saved at any TP/PP are resharded to TP=1, PP=1 on load.
+needed (no optimizer flag ever: this is inference); weights saved at any layout are
+resharded to one process on load.  A checkpoint that records no tokenizer (a converted
+one whose Hugging Face directory had none) takes Megatron's tokenizer flags
+(``--tokenizer-type``, ``--tokenizer-model``, ``--vocab-file``, ``--merge-file``).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import torch
 
 
-def load_for_inference(root: str):
-    """(model, tokenizer, cfg) on one CPU process, weights from ``root``."""
+def load_for_inference(root: str, tokenizer_flags: dict | None = None):
+    """(model, tokenizer, cfg) on one CPU process, weights from ``root``;
+    ``tokenizer_flags`` (DataConfig names) replace the checkpoint's tokenizer."""
     from megalite.checkpointing.model_io import load_model_shards, read_metadata
     from megalite.config import MegaliteConfig, ModelConfig
     from types import SimpleNamespace
@@ -29,7 +34,10 @@ def load_for_inference(root: str):
     cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.0
     tok_meta = meta.get("extra", {}).get("tokenizer", {})
     data = {**meta.get("args", {}).get("data", {}), **tok_meta}   # tiktoken flags too
-    tokenizer = build_tokenizer_from_config(SimpleNamespace(**data), tok_meta.get("vocab_size"))
+    vocab = tok_meta.get("vocab_size")
+    if tokenizer_flags and tokenizer_flags.get("tokenizer_type"):
+        data, vocab = dict(tokenizer_flags), cfg.model.vocab_size
+    tokenizer = build_tokenizer_from_config(SimpleNamespace(**data), vocab)
     state = ParallelState.build(RankGrid(1), 0, create_groups=False)
     model = build_model(cfg, state)
     load_model_shards(root, [model], cfg, state)
@@ -80,16 +88,26 @@ def _main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
+    from megalite.config import DataConfig
+
+    tok = ap.add_argument_group("tokenizer (default: the checkpoint's)")
+    choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(DataConfig)}
+    for name in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"):
+        tok.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                         choices=choices[name])
     a = ap.parse_args(argv)
     from megalite.checkpointing.model_io import LATEST
 
     if not os.path.isfile(os.path.join(a.load, LATEST)):
         raise CheckpointError(f"--load: no checkpoint in '{a.load}'; give the --save folder "
                               "of a training run")
-    model, tokenizer, cfg = load_for_inference(a.load)
+    flags = {n: getattr(a, n) for n in ("tokenizer_type", "tokenizer_model", "vocab_file",
+                                        "merge_file")}
+    model, tokenizer, cfg = load_for_inference(a.load, flags)
     if tokenizer is None:
         raise CheckpointError(f"--load {a.load}: the checkpoint records no tokenizer (trained "
-                              "with --mock-data?); generation needs one")
+                              "with --mock-data, or converted from a Hugging Face directory "
+                              "without one); give --tokenizer-type (and --tokenizer-model FILE)")
     prompt = tokenizer.tokenize(a.prompt)
     out = generate(model, prompt, a.max_new_tokens, cfg.model.seq_length, a.temperature,
                    a.top_k, vocab_size=tokenizer.vocab_size, seed=a.seed)

@@ -38,10 +38,18 @@ def load_yaml(path: str) -> dict:
 
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file '{path}' does not exist")
-    with open(path) as fh:
-        raw = yaml.safe_load(fh) or {}
+    wants = "--config takes a YAML file of 'setting: value' lines (e.g. launch/recipes/*.yaml)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            raw = yaml.safe_load(fh) or {}
+    except UnicodeDecodeError:
+        raise ConfigError(f"--config: '{path}' is not a text file; {wants}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigError(f"--config: '{path}' is not valid YAML{where}; {wants}") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"--config: '{path}' must hold a mapping of setting: value")
+        raise ConfigError(f"--config: '{path}' is not a YAML mapping; {wants}")
     return raw
 
 

@@ -299,6 +299,10 @@ def validate_files(cfg: MegaliteConfig) -> None:
                 raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag} FILE")
     if d.tokenizer_type == "NullTokenizer" and cfg.model.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    per_split = d.per_split_data_path()
+    if per_split and (d.mock_data or d.data_path):
+        raise ConfigError("--train/valid/test-data-path give each split its own data: not "
+                          "with --data-path or --mock-data (one data source, as Megatron)")
     if d.mock_data:
         if d.sample_windows != "packed":
             raise ConfigError("--sample-windows random cuts windows from --data-path; mock data is "
@@ -306,12 +310,17 @@ def validate_files(cfg: MegaliteConfig) -> None:
         if cfg.model.vocab_size is None and d.tokenizer_type is None:
             raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type)")
         return
-    if not d.data_path:
+    if not d.data_path and not per_split:
         if cfg.training.dry_run:   # a layout check (recipes): given files are still checked
             return
         raise ConfigError("--data-path is required (or use --mock-data)")
     if d.tokenizer_type is None:
-        raise ConfigError("--tokenizer-type is required with --data-path")
+        given = "--data-path" if d.data_path else "--train/valid/test-data-path"
+        raise ConfigError(f"--tokenizer-type is required with {given}")
+    t = cfg.training
+    if per_split and not d.train_data_path and not (t.skip_train or t.dry_run):
+        raise ConfigError("training with per-split data needs --train-data-path (or "
+                          "--skip-train to only evaluate)")
 
 
 def validate_training(cfg: MegaliteConfig) -> None:

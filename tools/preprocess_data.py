@@ -12,15 +12,25 @@ lines are skipped). Anything else is plain text, split by ``--text-docs``: ``fil
 the whole file is one document, as nanoGPT treats it), ``paragraph`` (blank-line separated
 blocks) or ``line``. Plain text is written under the first ``--json-keys`` key.
 A document whose text tokenizes to nothing is left out (of that key's output).
+
+Megatron's ``--split-sentences`` cuts each document into sentences (one sequence each, the
+document boundaries kept; output ``{prefix}_{key}_sentence``) with a built-in rule-based
+splitter (no nltk: see ``split_sentences``); ``--keep-newlines`` keeps the whitespace that
+follows each sentence.  ``--partitions N`` deals the documents (of every file the ``--input``
+glob matches) to N partitions as Megatron does -- round-robin, or in consecutive blocks with
+``--keep-sequential-samples`` -- and writes them partition after partition: the output is the
+file Megatron's merge of its partition outputs gives.
 Bad input exits with status 2 and a one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 
@@ -51,6 +61,12 @@ def get_args(argv=None):
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line")
     g.add_argument("--text-docs", choices=("file", "paragraph", "line"), default="file",
                    help="plain text only: what one document is (default: the whole file)")
+    g.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (writes {prefix}_{key}_sentence.bin/.idx)")
+    g.add_argument("--keep-newlines", action="store_true",
+                   help="with --split-sentences: keep the whitespace (newlines) after sentences")
+    g.add_argument("--lang", default="english",
+                   help="Megatron's nltk language; the built-in splitter is the same for all")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", default=None,
@@ -70,12 +86,21 @@ def get_args(argv=None):
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="deal the documents to N partitions, written one after another "
+                   "(Megatron's order); --input may then be a glob of files")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="with --partitions: consecutive blocks of documents, not round-robin")
     g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error("--workers must be >= 1")
     if args.log_interval < 1:
         p.error("--log-interval must be >= 1")
+    if args.partitions < 1:
+        p.error("--partitions must be >= 1")
+    if args.keep_newlines and not args.split_sentences:
+        p.error("--keep-newlines keeps newlines between sentences: it needs --split-sentences")
     return args
 
 
@@ -85,16 +110,51 @@ def get_args(argv=None):
 _W: dict = {}
 
 
-def _init_worker(tokenizer_args, keys, is_json, append_eod):
+def _init_worker(tokenizer_args, keys, is_json, append_eod, sentences=None):
     _W["tok"] = build_tokenizer_from_config(tokenizer_args, tokenizer_args.vocab_size)
-    _W.update(keys=keys, is_json=is_json, append_eod=append_eod)
+    _W.update(keys=keys, is_json=is_json, append_eod=append_eod, sentences=sentences)
 
 
 def _encode(item):
-    """``(lineno, raw bytes)`` -> ``(lineno, {key: int64 tokens}, error or None, bytes read)``."""
+    """``(where, raw bytes)`` -> ``(where, {key: [int64 tokens of each sequence]}, error or
+    None, bytes read)``; ``where`` (file, line number) comes back as given."""
     lineno, raw = item
     lineno, out, error = _encode_text(lineno, raw)
     return lineno, out, error, len(raw)
+
+
+# A sentence ends at . ! ? (or their CJK forms, or an ellipsis), possibly followed by closing
+# quotes or brackets, where whitespace and then a non-lowercase character (or the end) follow.
+_SENTENCE_END = re.compile(r"""[.!?\u2026\u3002\uff01\uff1f]+"""   # the end marks
+                           r"""["'\u2019\u201d)\]]*"""              # closing quotes, brackets
+                           r"""(?=\s+(?![a-z])|$)""")                 # then space + no lowercase
+_ABBREVIATIONS = {"mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e",
+                  "cf", "fig", "no", "vol", "ch", "sec"}
+
+
+def split_sentences(text: str, keep_newlines: bool = False) -> list:
+    """``text`` as sentences, without nltk: cut after a sentence end followed by whitespace
+    and a character that is not lowercase, except after a known abbreviation or a single
+    capital (an initial).  ``keep_newlines``: each sentence keeps the whitespace after it
+    (so the sentences concatenate back to the text), as Megatron's punkt variable does;
+    otherwise sentences are stripped.  Text without a sentence end is one sentence."""
+    out, start = [], 0
+    for m in _SENTENCE_END.finditer(text):
+        word = text[start:m.start()].rsplit(None, 1)[-1] if text[start:m.start()].strip() else ""
+        stem = word.lower().rstrip(".")
+        if text[m.start()] == "." and (stem in _ABBREVIATIONS or
+                                       (len(word) == 1 and word.isupper())):
+            continue
+        end = m.end()
+        while keep_newlines and end < len(text) and text[end].isspace():
+            end += 1
+        out.append(text[start:end])
+        start = end
+    if start < len(text):
+        out.append(text[start:])
+    if not keep_newlines:
+        out = [t.strip() for t in out]
+    return [t for t in out if t.strip()]
 
 
 def _encode_text(lineno, raw):
@@ -121,16 +181,22 @@ def _encode_text(lineno, raw):
         texts = {keys[0]: text}
     out = {}
     for k, t in texts.items():
-        try:
-            ids = tok.tokenize(t)
-        except ValueError as e:
-            return lineno, None, str(e)
-        arr = np.asarray(ids, dtype=np.int64)
-        if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
-            return lineno, None, f"token id {int(arr.max())} outside the vocab of {tok.vocab_size}"
-        if _W["append_eod"] and arr.size:
-            arr = np.append(arr, tok.eod)
-        out[k] = arr
+        parts = [t] if _W["sentences"] is None else split_sentences(t, _W["sentences"])
+        seqs = []
+        for part in parts:
+            try:
+                ids = tok.tokenize(part)
+            except ValueError as e:
+                return lineno, None, str(e)
+            arr = np.asarray(ids, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= tok.vocab_size):
+                return lineno, None, (f"token id {int(arr.max())} outside the vocab of "
+                                      f"{tok.vocab_size}")
+            if arr.size:              # Megatron drops sentences of no tokens
+                seqs.append(arr)
+        if _W["append_eod"] and seqs:  # on the last sentence, as Megatron counts it
+            seqs[-1] = np.append(seqs[-1], tok.eod)
+        out[k] = seqs
     return lineno, out, None
 
 
@@ -148,6 +214,40 @@ def detect_json_lines(path: str) -> bool:
                 except ValueError:
                     return False
     return False
+
+
+def input_files(args) -> list:
+    """The files ``--input`` names: one file, or with ``--partitions`` > 1 every file its glob
+    matches (Megatron's rule), sorted so the output does not depend on the file system."""
+    if args.partitions > 1:
+        found = sorted(f for f in glob.glob(args.input) if os.path.isfile(f))
+        if not found:
+            raise InputError(f"--input {args.input!r} matches no file")
+        return found
+    if not os.path.exists(args.input):
+        raise InputError(f"input file {args.input!r} does not exist")
+    if not os.path.isfile(args.input):
+        raise InputError(f"input {args.input!r} is not a file")
+    return [args.input]
+
+
+def partitioned_documents(files, text_docs: str, partitions: int, sequential: bool):
+    """``(path, is_json, line number, raw bytes)`` of every document of ``files`` in the
+    order Megatron's ``--partitions`` output has them: partition p holds documents
+    p, p+N, p+2N, ... (round-robin over all files), or with ``sequential`` the p-th block of
+    consecutive documents -- which is the input order, so one pass."""
+    def every():
+        for path in files:
+            is_json = detect_json_lines(path)
+            for lineno, raw in iter_documents(path, is_json, text_docs):
+                yield path, is_json, lineno, raw
+    if partitions == 1 or sequential:
+        yield from every()
+        return
+    for p in range(partitions):              # one pass over the input per partition
+        for i, doc in enumerate(every()):
+            if i % partitions == p:
+                yield doc
 
 
 def iter_documents(path: str, is_json: bool, text_docs: str):
@@ -217,47 +317,52 @@ def tokenizer_args(args) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------------------
 def run(args) -> list[str]:
-    if not os.path.exists(args.input):
-        raise InputError(f"input file {args.input!r} does not exist")
-    if not os.path.isfile(args.input):
-        raise InputError(f"input {args.input!r} is not a file")
-    size = os.path.getsize(args.input)
+    files = input_files(args)
+    size = sum(os.path.getsize(f) for f in files)
     if size == 0:
         raise InputError(f"input file {args.input!r} is empty")
     tokenizer = build_tokenizer_from_config(args, args.vocab_size)   # DataError: one line
-    is_json = detect_json_lines(args.input)
+    kinds = {detect_json_lines(f) for f in files}
+    if len(kinds) > 1:
+        raise InputError(f"--input {args.input!r} mixes JSON-lines and plain-text files")
+    is_json = kinds.pop()
     keys = args.json_keys if is_json else args.json_keys[:1]
     dtype = best_dtype(tokenizer.vocab_size)
 
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in keys}
+    level = "sentence" if args.split_sentences else "document"      # Megatron's naming
+    prefixes = {k: f"{args.output_prefix}_{k}_{level}" for k in keys}
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in prefixes.items()}
     written = {k: [] for k in keys}
-    init = (tokenizer_args(args), keys, is_json, args.append_eod)
+    init = (tokenizer_args(args), keys, is_json, args.append_eod,
+            args.keep_newlines if args.split_sentences else None)
     progress = Progress(size, args.log_interval)
     pool = None
-    n_docs = n_skipped = n_tokens = 0
+    n_docs = n_skipped = n_tokens = n_sentences = 0
     ok = False
     try:
-        docs = iter_documents(args.input, is_json, args.text_docs)
+        docs = (((path, lineno), raw) for path, _, lineno, raw in partitioned_documents(
+            files, args.text_docs, args.partitions, args.keep_sequential_samples))
         if args.workers > 1:
             pool = multiprocessing.Pool(args.workers, initializer=_init_worker, initargs=init)
             results = pool.imap(_encode, docs, chunksize=64)
         else:
             _init_worker(*init)
             results = map(_encode, docs)
-        for lineno, encoded, error, nbytes in results:
+        for (path, lineno), encoded, error, nbytes in results:
             if error is not None:
                 where = f"line {lineno}" if is_json or args.text_docs != "file" else "input"
-                raise InputError(f"{args.input}: {where}: {error}")
-            for k, arr in encoded.items():
-                if arr.size == 0:  # empty for this key: skipped in this key's output only
+                raise InputError(f"{path}: {where}: {error}")
+            for k, seqs in encoded.items():
+                if not seqs:  # empty for this key: skipped in this key's output only
                     n_skipped += 1
                     continue
-                builders[k].add_item(arr)
+                for arr in seqs:
+                    builders[k].add_item(arr)
+                    n_tokens += int(arr.size)
+                n_sentences += len(seqs)
                 builders[k].end_document()
-                n_tokens += int(arr.size)
             n_docs += 1
             progress.doc(nbytes)
         if n_tokens == 0:
@@ -279,6 +384,10 @@ def run(args) -> list[str]:
                         os.remove(path)
     dt = time.time() - progress.start
     skipped = f", skipped {n_skipped} empty texts" if n_skipped else ""
+    if args.split_sentences:
+        skipped += f", {n_sentences} sentences"
+    if args.partitions > 1:
+        skipped += f" from {len(files)} file(s) in {args.partitions} partitions"
     print(f"{PROG}: {n_docs} documents{skipped}, {n_tokens} tokens ({np.dtype(dtype).name}) in {dt:.1f}s; "
           f"tokenizer {args.tokenizer_type} (vocab {tokenizer.vocab_size}, eod {tokenizer.eod})")
     for k, p in prefixes.items():

@@ -6,7 +6,8 @@ the wrong model).  So before any process group exists:
 
 * ``--use-checkpoint-args`` copies the model flags from the checkpoint ``--load`` will
   read (Megatron's ``load_args_from_checkpoint``: shape flags only where the command line
-  left them unset, architecture switches always);
+  left them unset, architecture switches always) and how the model was trained (dropout,
+  MoE balancing and capacity: the checkpoint's unless the command line gives the flag);
 * otherwise a model flag that disagrees with the checkpoint is one ``ConfigError`` naming
   the flag, both values and the fix.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from megalite.checkpointing.manifest import iteration_dir, read_marker, saved_iterations
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, field_flag
@@ -53,10 +54,23 @@ YARN_FIELDS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                "mscale", "mscale_all_dim")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim", "rope_type")
+# How the model was trained (regularisation, MoE balancing and token dropping): the
+# checkpoint's value unless the command line (or --config) gives the flag.  Without this a
+# fine-tune of an imported Llama would train with the default dropout of 0.1.
+TRAINED_FIELDS = ("init_method_std", "hidden_dropout", "attention_dropout",
+                  "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff",
+                  "moe_router_bias_update_rate", "moe_expert_capacity_factor",
+                  "moe_token_drop_policy", "mtp_loss_scaling_factor")
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                     "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
-# Run-time choices, not part of what the weights mean: never printed by model_flags.
+# Run-time choices, not part of what the weights mean: never copied, never printed by
+# model_flags.  Every ModelConfig field is in exactly one of these four tuples (a test
+# holds every new field to it).
 NOT_MODEL = ("transformer_impl",)
+RUNTIME_FIELDS = ("make_vocab_size_divisible_by", "attention_backend",
+                  "moe_token_dispatcher_type", "transformer_impl", "fp8_format",
+                  "fp8_amax_history_len", "fp8_amax_compute_algo", "cross_entropy_loss_fusion",
+                  "cross_entropy_chunk_tokens")
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 
@@ -204,10 +218,13 @@ def check_model_matches_checkpoint(cfg: MegaliteConfig) -> None:
                 f"{_fix(name, saved)} (or --use-checkpoint-args)")
 
 
-def apply_checkpoint_args(cfg: MegaliteConfig) -> Tuple[MegaliteConfig, List[str]]:
+def apply_checkpoint_args(cfg: MegaliteConfig, given: Iterable[str] = ()
+                          ) -> Tuple[MegaliteConfig, List[str]]:
     """``--use-checkpoint-args``: ``cfg`` with the checkpoint's model (and, if none is
     given, tokenizer) settings, and the notes to print; ``cfg`` itself when ``--load``
-    holds no checkpoint yet (a run that will resume into it starts from its own flags)."""
+    holds no checkpoint yet (a run that will resume into it starts from its own flags).
+    ``given``: the field names the command line or --config set (those win for
+    ``TRAINED_FIELDS``; a replaced architecture flag is noted only when given)."""
     load = cfg.checkpoint.load
     if not load:
         raise ConfigError("--use-checkpoint-args reads the model flags from a checkpoint: "
@@ -218,14 +235,17 @@ def apply_checkpoint_args(cfg: MegaliteConfig) -> Tuple[MegaliteConfig, List[str
                      "command-line model flags"]
     path, meta = found
     saved, model = meta["model"], dataclasses.asdict(cfg.model)
+    given = set(given)
     notes = []
-    for name in SHAPE_FIELDS + ARCH_FIELDS:
+    for name in SHAPE_FIELDS + ARCH_FIELDS + TRAINED_FIELDS:
         if name not in _FIELDS or name not in saved:
             continue
         if name in SHAPE_FIELDS and model[name] is not None:
             continue                        # the command line wins for unforced shape flags
+        if name in TRAINED_FIELDS and name in given:
+            continue                        # e.g. --hidden-dropout for this fine-tune
         if model[name] != saved[name]:
-            if model[name] != _FIELDS[name].default and model[name] is not None:
+            if name in given and model[name] is not None:
                 notes.append(f"> {flag_of(name)} {_describe(name, model[name])} replaced by "
                              f"the checkpoint's {_describe(name, saved[name])}")
             model[name] = saved[name]

@@ -1,4 +1,5 @@
-"""A simple sharded on-disk model format (until torch.distributed.checkpoint replaces it).
+"""The interim (pre-DCP) sharded model format -- still read -- and model-only loading of
+either format.
 
 Layout::
 
@@ -11,9 +12,11 @@ Layout::
 Every shard file carries the split rule of each tensor (``ParamSpec.to_meta_dict``: the
 TP split in the keys of the original ``ParamMeta``), so a checkpoint can be unsharded
 without building a model and reloaded at any TP/PP (``load_model_shards`` reshards on the
-fly; ``full_state_dict_from_checkpoint`` / ``write_checkpoint_from_full`` are the pure,
-single-process halves the converter uses).  Vocabulary tensors are unsharded to the
-logical (unpadded) vocabulary and re-padded for the target TP.
+fly, and reads DCP training checkpoints too; ``full_state_dict_from_checkpoint`` gives the
+full tensors of either format, which the converter reads).  Vocabulary tensors are unsharded
+to the logical (unpadded) vocabulary and re-padded for the target TP.  Nothing but
+``save_model_shards`` (kept so the legacy readers stay tested) writes this format: the
+converter writes the training format (``training.checkpoint.save_model_checkpoint``).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalite import comm
-from megalite.checkpointing.sharding import shard_tensor, unshard_tensors
+from megalite.checkpointing.sharding import unshard_tensors
 from megalite.param_spec import ParamSpec, group_coords, param_table
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -300,72 +303,3 @@ def full_state_dict_from_checkpoint(directory: str, iteration: Optional[int] = N
         full = {name: reader.full(name) for name in reader.names()}
     full.update(expert_bias_entries(bias, meta["model"]["num_layers"]))
     return meta["model"], full
-
-
-def stage_parameter_specs(model_cfg, split) -> List[Dict[str, ParamSpec]]:
-    """{global name: ParamSpec} of what each pipeline rank holds (its chunks together).
-
-    Each chunk is built on the meta device exactly as ``build_model_chunks`` builds it
-    (same layers, same embedding/output placement from the one split rule), so the names
-    -- the tied embedding copy on the last stage included -- are what a run at that
-    layout saves and loads."""
-    from megalite.config import MegaliteConfig
-    from megalite.models.gpt import GPTModel, single_rank_state
-
-    cfg, state = MegaliteConfig(model=model_cfg), single_rank_state()
-    stages = []
-    for pp_rank in range(split.pp):
-        metas: Dict[str, ParamSpec] = {}
-        for vpp_rank in range(split.vpp):
-            chunk = GPTModel(cfg, state, pre_process=split.holds_embedding(pp_rank, vpp_rank),
-                             post_process=split.holds_output(pp_rank, vpp_rank),
-                             layer_numbers=split.layers(pp_rank, vpp_rank), device="meta",
-                             init=False)
-            for name, meta in chunk.param_table.specs.items():
-                metas.setdefault(name, meta)
-        stages.append(metas)
-    return stages
-
-
-def write_checkpoint_from_full(directory: str, model_cfg_dict: dict,
-                               full_sd: Dict[str, torch.Tensor], tp: int, pp: int,
-                               iteration: int = 0, split=None) -> None:
-    """Write a checkpoint at layout (tp, pp) from full tensors; pure, single process.
-
-    ``split`` is the target's pipeline split (``megalite.pipeline_parallel.split``; default:
-    the even split over ``pp`` stages), so uneven, interleaved and embedding/loss-counting
-    layouts get the stage files the runtime builds for them."""
-    from megalite.config import ModelConfig
-    from megalite.pipeline_parallel.split import split_layers
-
-    model_cfg = ModelConfig(**model_cfg_dict)
-    split = split or split_layers(model_cfg.num_layers, pp)
-    if split.pp != pp or split.num_layers != model_cfg.num_layers:
-        raise ValueError(f"pipeline split for PP={split.pp} and {split.num_layers} layers does "
-                         f"not match PP={pp} and the model's {model_cfg.num_layers} layers")
-    from megalite.moe.moe_layer import split_expert_bias
-
-    stages = stage_parameter_specs(model_cfg, split)
-    full_sd, bias = split_expert_bias(full_sd, model_cfg.num_layers,
-                                      model_cfg.num_layers + (model_cfg.mtp_num_layers or 0))
-    names = {n for metas in stages for n in metas}
-    missing = sorted(names - set(full_sd))
-    if missing:
-        raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
-    unknown = sorted(set(full_sd) - names)
-    if unknown:     # refuse, never drop: a tensor the model has no place for
-        raise KeyError(f"state dict has {len(unknown)} tensors this model has no parameter "
-                       f"for, e.g. {unknown[:3]}")
-    for tp_rank in range(tp):
-        for stage, metas in enumerate(stages):
-            # expert tensors are written whole, as training writes them (``local_shards``)
-            metas = {n: ParamSpec(m.full_shape) if m.expert else m for n, m in metas.items()}
-            tensors = {name: shard_tensor(full_sd[name].float(), meta, tp_rank, tp)
-                       for name, meta in metas.items()}
-            path = shard_dir(directory, iteration, tp_rank, stage)
-            os.makedirs(path, exist_ok=True)
-            _atomic_save({"model": tensors,
-                          "meta": {n: m.to_meta_dict() for n, m in metas.items()}},
-                         os.path.join(path, "model.pt"))
-    _write_metadata(directory, iteration, dataclasses.asdict(model_cfg), tp, pp,
-                    {"moe_expert_bias": bias} if bias else None)

@@ -20,6 +20,7 @@ Keys: ``model.<canonical name>``, ``optimizer.<state>.<canonical name>`` (``exp_
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Dict, Iterable, List, Sequence, Tuple
 
@@ -257,6 +258,22 @@ def spec_chunks(spec: ParamSpec, local: torch.Tensor, coords, at=None) -> list:
     """``(global offsets, view of local)`` of each chunk of a TP-local tensor shaped like the
     parameter, or of its FSDP2 piece starting at ``at`` (views: a loader copies into them)."""
     return _spec_chunks(spec, local, coords, at)
+
+
+def layout_chunks(spec: ParamSpec, full: torch.Tensor, sizes) -> list:
+    """``(global offsets, piece of full)`` of every distinct chunk the ranks of a layout
+    (``sizes``: {group: size}, e.g. tp, ep, expert-tp) hold of a full tensor: the pieces a run
+    at that layout would write, so a load at that layout reads exactly its own pieces."""
+    groups = list(spec.split_groups)
+    missing = [g for g in groups if g not in sizes]
+    if missing:
+        raise ValueError(f"no size given for the group(s) {missing} that split {spec.full_shape}")
+    seen: Dict[tuple, torch.Tensor] = {}
+    for ranks in itertools.product(*(range(sizes[g]) for g in groups)):
+        coords = {g: (r, sizes[g]) for g, r in zip(groups, ranks)}
+        for c in spec.chunks(coords):
+            seen.setdefault(c.offsets, full[c.global_slices()])
+    return list(seen.items())
 
 
 def master_pieces(optimizer) -> List[List[Tuple[int, torch.Tensor]]]:

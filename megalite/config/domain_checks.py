@@ -47,23 +47,30 @@ def moe_layer_freq_problem(value, cfg) -> Optional[str]:
     return None
 
 
-@domain_check(["-1", "corpus"], ["/nonexistent-megalite-walk/corpus"])
-def data_blend_problem(value, cfg) -> Optional[str]:
-    """[w1] p1 [w2] p2 ...: finite non-negative weights, prefixes with .bin and .idx"""
-    for item in value:
-        try:
-            weight = float(item)
-        except ValueError:
-            weight = None
-        if weight is not None:
-            if not (math.isfinite(weight) and weight >= 0):
-                return f"--data-path weight {item!r} must be a finite, non-negative number"
-            continue
-        for ext in (".bin", ".idx"):
-            if not os.path.isfile(item + ext):
-                return f"--data-path: '{item}{ext}' does not exist; run " \
-                       "tools/preprocess_data.py to create it"
-    return None
+def blend_problem(flag: str) -> Callable:
+    """The domain of a ``--data-path``-style blend list, its messages naming ``flag``
+    (``--data-path`` and Megatron's per-split ``--train/valid/test-data-path``)."""
+    @domain_check(["-1", "corpus"], ["/nonexistent-megalite-walk/corpus"])
+    def problem(value, cfg) -> Optional[str]:
+        """[w1] p1 [w2] p2 ...: finite non-negative weights, prefixes with .bin and .idx"""
+        for item in value:
+            try:
+                weight = float(item)
+            except ValueError:
+                weight = None
+            if weight is not None:
+                if not (math.isfinite(weight) and weight >= 0):
+                    return f"{flag} weight {item!r} must be a finite, non-negative number"
+                continue
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(item + ext):
+                    return f"{flag}: '{item}{ext}' does not exist; run " \
+                           "tools/preprocess_data.py to create it"
+        return None
+    return problem
+
+
+data_blend_problem = blend_problem("--data-path")
 
 
 @domain_check("90,5,4,1", "0,0,0")

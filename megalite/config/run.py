@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megalite.config.domain_checks import (data_blend_problem, load_dir_problem, rampup_problem,
-                                     split_problem, step_batch_schedule_problem)
+from megalite.config.domain_checks import (blend_problem, data_blend_problem, load_dir_problem,
+                                           rampup_problem, split_problem,
+                                           step_batch_schedule_problem)
 from megalite.config.fields import opt
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -18,6 +19,14 @@ class DataConfig:
     data_path: list = opt([], "Dataset prefixes, optionally weighted: [w1] p1 [w2] p2 ...",
                           nargs="*", check=data_blend_problem)
     split: str = opt("969, 30, 1", "Train/valid/test proportions.", check=split_problem)
+    train_data_path: list = opt(
+        [], "Training data of its own (Megatron's per-split data): prefixes, optionally "
+        "weighted, as --data-path; with per-split paths --split is ignored.", nargs="*",
+        check=blend_problem("--train-data-path"))
+    valid_data_path: list = opt([], "Validation data of its own (as --train-data-path).",
+                                nargs="*", check=blend_problem("--valid-data-path"))
+    test_data_path: list = opt([], "Test data of its own (as --train-data-path).", nargs="*",
+                               check=blend_problem("--test-data-path"))
     mock_data: bool = opt(False, "Train on deterministic random tokens.", action="store_true")
     tokenizer_type: Optional[str] = opt(
         None, "Tokenizer.", choices=["SentencePieceTokenizer", "ByteLevelTokenizer",
@@ -45,6 +54,11 @@ class DataConfig:
         "shuffled document stream, each token once per epoch) or random (nanoGPT: windows at "
         "uniformly random offsets; for small corpora trained for several epochs). Valid/test "
         "stay packed.", choices=["packed", "random"])
+
+    def per_split_data_path(self) -> Optional[tuple]:
+        """(train, valid, test) blend lists of Megatron's per-split flags, None without them."""
+        paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return tuple(list(p or []) for p in paths) if any(paths) else None
 
 
 @dataclass

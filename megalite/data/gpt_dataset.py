@@ -379,6 +379,7 @@ def build_train_valid_test_datasets(
     eod_mask_loss: bool = False,
     contiguous: bool = False,
     sample_windows: str = "packed",
+    per_split_data_path: Sequence[Sequence[str]] | None = None,
 ):
     """Train, valid and test datasets (``None`` where 0 samples are asked or the split is empty).
 
@@ -387,7 +388,9 @@ def build_train_valid_test_datasets(
     ``--data-path`` list; ``mock=True`` ignores it and returns :class:`MockGPTDataset` s.
     ``sample_windows="random"`` cuts the *training* samples at random offsets
     (:class:`~megalite.data.random_windows.RandomWindowDataset`); valid/test stay packed so
-    every evaluation covers its split evenly and the same way.
+    every evaluation covers its split evenly and the same way.  ``per_split_data_path``
+    (Megatron's ``--train/valid/test-data-path``): three blend lists, each split all of its
+    own (``data_path`` and ``split`` unused; an empty list gives no dataset).
     """
     if sample_windows not in ("packed", "random"):
         raise ValueError(f"sample_windows must be 'packed' or 'random', got {sample_windows!r}")
@@ -401,11 +404,37 @@ def build_train_valid_test_datasets(
             else None
             for i, n in enumerate(num_samples)
         )
+    common = dict(seq_length=seq_length, seed=seed, vocab_size=vocab_size, cache_dir=cache_dir,
+                  eod_token=eod_token, eod_mask_loss=eod_mask_loss, contiguous=contiguous,
+                  sample_windows=sample_windows)
+    if per_split_data_path is not None:
+        # Megatron's --train/valid/test-data-path: each split is all of its own blend
+        # (--split ignored); a split without a path has no dataset
+        if len(per_split_data_path) != 3:
+            raise ValueError("per_split_data_path must be (train, valid, test) lists")
+        out = []
+        for i, (paths, n) in enumerate(zip(per_split_data_path, num_samples)):
+            only = [0.0] * 3
+            only[i] = 1.0
+            sizes = tuple(n if j == i else 0 for j in range(3))
+            out.append(_build_splits(paths, only, sizes, single_prefix_direct=True,
+                                     **common)[i] if paths and n > 0 else None)
+        return tuple(out)
     if not data_path:
         raise ValueError("no --data-path given (pass --mock-data for synthetic data)")
-    split_weights = parse_split(split)
+    return _build_splits(data_path, parse_split(split), num_samples, **common)
+
+
+def _build_splits(data_path, split_weights, num_samples, *, seq_length, seed, vocab_size,
+                  cache_dir, eod_token, eod_mask_loss, contiguous, sample_windows,
+                  single_prefix_direct=False):
+    """The three datasets of one ``--data-path`` blend cut by ``split_weights``
+    (``single_prefix_direct``: one prefix is its own dataset even when weighted, as
+    Megatron builds a per-split blend)."""
     _, prefixes = parse_data_path(data_path)
     raw_weights = megatron_blend_weights(data_path)
+    if single_prefix_direct and len(prefixes) == 1:
+        raw_weights = None
     indexed = [IndexedDataset(p) for p in prefixes]
     if vocab_size:
         for ds in indexed:
@@ -413,7 +442,8 @@ def build_train_valid_test_datasets(
     segments = []
     for ds in indexed:
         segs, rule = split_segments(ds, split_weights, contiguous)
-        logger.info("%s: split %s by %s -> %s tokens", ds.path_prefix, split, rule, [s.num_tokens for s in segs])
+        logger.info("%s: split %s by %s -> %s tokens", ds.path_prefix, split_weights, rule,
+                    [s.num_tokens for s in segs])
         segments.append(segs)
 
     def one(d: int, i: int, n: int | None, want: int):

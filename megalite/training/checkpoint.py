@@ -294,6 +294,66 @@ def finish_pending_save(trainer) -> None:
         pending.wait()
 
 
+def save_model_checkpoint(root: str, model_cfg: dict, full_sd: Dict[str, torch.Tensor],
+                          sizes: Dict[str, int], iteration: int = 0,
+                          info: Optional[dict] = None) -> str:
+    """Write full (logical) model tensors as a training checkpoint -- the same DCP files,
+    metadata.json, manifest and marker ``save_training_checkpoint`` writes, weights only --
+    from one process (what ``tools/checkpoint/convert.py`` writes).
+
+    Each tensor is cut into the chunks the ranks of the layout ``sizes`` ({"tp", "ep",
+    "expert-tp": size}) hold, so a run at that layout reads exactly its own pieces; DCP
+    reshards for any other layout.  ``info``: metadata entries to add (``args``, ``extra``,
+    where the weights came from).  A failed write removes its folder."""
+    from megalite.checkpointing.sharded_state import layout_chunks
+    from megalite.config import ModelConfig
+    from megalite.models.gpt import parameter_specs
+    from megalite.moe.moe_layer import split_expert_bias
+
+    m = ModelConfig(**model_cfg)
+    specs = parameter_specs(m)
+    # router expert biases are buffers: JSON metadata, as a training save keeps them
+    full_sd, bias = split_expert_bias(full_sd, m.num_layers, m.num_layers + (m.mtp_num_layers or 0))
+    missing = sorted(set(specs) - set(full_sd))
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} parameters, e.g. {missing[:3]}")
+    unknown = sorted(set(full_sd) - set(specs))
+    if unknown:     # refuse, never drop: a tensor the model has no place for
+        raise KeyError(f"state dict has {len(unknown)} tensors this model has no parameter "
+                       f"for, e.g. {unknown[:3]}")
+    sd = {}
+    for name, spec in specs.items():
+        full = full_sd[name].detach().float().contiguous()
+        if tuple(full.shape) != spec.full_shape:
+            raise ValueError(f"'{name}' has shape {tuple(full.shape)}, the model expects "
+                             f"{spec.full_shape}")
+        sd[f"model.{name}"] = ChunkedTensor(spec.full_shape, layout_chunks(spec, full, sizes))
+    it_dir = mf.iteration_dir(root, iteration)
+    if os.path.isdir(it_dir):               # an earlier conversion to the same iteration
+        shutil.rmtree(it_dir)
+    layout = {"tp": sizes.get("tp", 1), "ep": sizes.get("ep", 1),
+              "expert_tp": sizes.get("expert-tp", 1), "pp": sizes.get("pp", 1),
+              "vpp": sizes.get("vpp", 1)}
+    info = dict(info or {})
+    extra = {"consumed_samples": 0, "layout": layout, "loop_state": None,
+             **info.pop("extra", {})}
+    if bias:
+        extra["moe_expert_bias"] = bias
+    meta = {"format": FORMAT, "iteration": iteration,
+            "consumed_samples": extra["consumed_samples"], "optimizer_step": None,
+            "layout": layout, "rng_ranks": [], "tensor_model_parallel_size": layout["tp"],
+            "pipeline_model_parallel_size": layout["pp"], "model": dict(model_cfg),
+            "extra": extra, "args": {"model": dict(model_cfg)}, **info}
+    try:
+        save_chunked(sd, it_dir, single=True)
+        files = mf.digest_files(it_dir, [n for n in os.listdir(it_dir) if n.endswith(".distcp")])
+        _finish_iteration(it_dir, root, meta, files, None)
+    except BaseException:
+        shutil.rmtree(it_dir, ignore_errors=True)
+        raise
+    return it_dir
+
+
 def _prune(root: str, keep: Optional[int], current: int) -> None:
     if not keep:
         return
@@ -423,6 +483,9 @@ def _load_dcp(trainer, it_dir: str) -> None:
         restore_optim(meta["optimizer_step"])
     if restore_rng is not None:
         restore_rng()
+    elif not cfg.checkpoint.no_load_rng and not meta.get("rng_ranks"):
+        _print0(f"> {it_dir} holds no RNG state (weights only): generators keep their "
+                f"seeded state")
     elif not cfg.checkpoint.no_load_rng:
         _print0(f"> RNG state not loaded: no rank of {it_dir} had this rank's TP/PP/CP/VPP "
                 f"coordinates ({run_layout(trainer)}); generators keep their seeded state")

@@ -61,6 +61,7 @@ class Trainer:
         self.optimizer = None       # its optimizer (checkpointed state)
         self.scheduler = None
         self.train_ds = self.valid_ds = self.test_ds = None
+        self.dataset_sizes = (0, 0, 0)      # samples each split is built for (_build_data)
         self.forward_backward = get_forward_backward_func(cfg, state)
         self.record_timeline = bool(cfg.logging.pipeline_timeline) and (
             state.pp.size > 1 or cfg.parallel.overlap_grad_reduce)   # schedule / DP buckets
@@ -95,7 +96,9 @@ class Trainer:
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
         self.optimizer = self.strategy.optimizer
-        self.scheduler = scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...
+        # evaluation (--skip-train) takes no optimizer flags: no --lr, no schedule
+        self.scheduler = None if cfg.training.skip_train else \
+            scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...
         if cfg.checkpoint.save:             # a bad --save fails now, not at the first save
             from megalite.training.checkpoint import preflight_save_dir
 
@@ -112,16 +115,18 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.training
         gbs = t.global_batch_size
         evals = (self.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
-        # a batch-size ramp consumes at most --train-samples (Megatron's dataset size)
-        train = t.train_samples if t.rampup_batch_size and t.train_samples else \
-            self.train_iters * gbs
+        # Megatron builds the training set for --train-samples as given (the loop then runs
+        # train_samples // global batch iterations): more epochs change every sample's order
+        train = t.train_samples if t.train_samples else self.train_iters * gbs
         num_samples = (train, evals * gbs, t.eval_iters * gbs)
+        self.dataset_sizes = num_samples
         self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
             data_path=cfg.data.data_path, split=cfg.data.split, seq_length=cfg.model.seq_length,
             seed=t.seed, num_samples=num_samples, mock=cfg.data.mock_data,
             vocab_size=cfg.model.vocab_size, cache_dir=cfg.data.data_cache_path,
             eod_token=getattr(self.tokenizer, "eod", None), eod_mask_loss=cfg.data.eod_mask_loss,
-            sample_windows=cfg.data.sample_windows)
+            sample_windows=cfg.data.sample_windows,
+            per_split_data_path=cfg.data.per_split_data_path())
 
     def data_iterator(self, dataset, consumed: int, cyclic: bool = False):
         from megalite.data import build_data_iterator
@@ -272,8 +277,8 @@ class Trainer:
                                             record["peak_mem_bytes"])   # planner vs measured
             check_finite(out["lm_loss"], out["grad_norm"], self.iteration, self.state.rank,
                          cfg.checkpoint.check_for_nan_in_loss_and_grad)
-            if t.eval_interval and t.eval_iters and self.iteration % t.eval_interval == 0 and \
-                    self.iteration < self.train_iters:
+            if t.eval_interval and t.eval_iters and self.valid_ds is not None and \
+                    self.iteration % t.eval_interval == 0 and self.iteration < self.train_iters:
                 logger.log_eval(self.iteration, self.evaluate(self.valid_ds, t.eval_iters),
                                 consumed_samples=self.consumed_samples)
             if cfg.checkpoint.save and cfg.checkpoint.save_interval and \
@@ -436,6 +441,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         logger.info(compat_flags.describe(cfg.accepted_flags))
     log_precision(logger, precision)
     logger.info(describe_parameters(cfg, trainer.model_chunks))
+    logger.info("> datasets target sizes (minimum size): train {}, validation {}, test {}"
+                .format(*trainer.dataset_sizes))          # Megatron's line
     t = cfg.training
     failed = False
     try:
@@ -446,7 +453,7 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
                 trainer.finish_saves()
         if trainer.exit_reason:              # preempted: the checkpoint is what matters
             return 0
-        if t.eval_iters:
+        if t.eval_iters and trainer.valid_ds is not None:    # Megatron: no data, no eval
             logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters),
                             consumed_samples=trainer.consumed_samples)
         if cfg.logging.loss_plot and trainer.is_writer and cfg.logging.metrics_file:

@@ -1,6 +1,11 @@
 """Sample order equals Megatron-Core's ``GPTDataset`` / ``BlendedDataset`` for the same seed,
 split, sequence length and sample counts: the index arrays, the first 500 training samples
 and every validation sample (oracle: megatron-core with its compiled ``helpers_cpp``)."""
+import glob
+import json
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -22,11 +27,11 @@ class _Tok:
     unique_identifiers = {"class": "test"}
 
 
-def corpus(path, n_docs, seed, base=0):
+def corpus(path, n_docs, seed, base=0, high=5000):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, 60, size=n_docs)
     lengths[1] = 0   # one empty document (kept: it takes part in the shuffle)
-    docs = [list(base + 1 + rng.integers(0, 5000, size=int(n))) for n in lengths]
+    docs = [list(base + 1 + rng.integers(0, high, size=int(n))) for n in lengths]
     return write_documents(str(path), docs, np.int32)
 
 
@@ -91,3 +96,86 @@ def test_blend_matches_blended_dataset(tmp_path):
         for k in range(len(y)):
             assert x[k]["tokens"].tolist() == y[k]["tokens"].tolist(), k
             assert int(x[k]["dataset_id"]) == int(y[k]["dataset_id"])
+
+
+# -- what pretrain_gpt.py builds (the entry point as a subprocess, its dataset cache read) ---
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+        "--seq-length", "16", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "128", "--device", "cpu", "--log-interval", "100"]   # small: cheap
+
+
+def _pretrain(tmp_path, *flags):
+    metrics = tmp_path / "metrics.jsonl"
+    p = subprocess.run([sys.executable, "pretrain_gpt.py", *TINY, *flags, "--data-cache-path",
+                        str(tmp_path / "cache"), "--metrics-file", str(metrics)],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(x) for x in metrics.read_text().splitlines()]
+
+
+def _cached(tmp_path):
+    """{(data file, split): (description, (doc_idx, sample_idx, shuffle_idx))} of the run."""
+    out = {}
+    for path in glob.glob(str(tmp_path / "cache" / "*_description.json")):
+        desc = json.load(open(path))
+        stem = path[:-len("_description.json")]
+        out[(desc["data"], desc["split"])] = (desc, tuple(
+            np.load(f"{stem}_{n}.npy") for n in ("doc_idx", "sample_idx", "shuffle_idx")))
+    return out
+
+
+def _same_indices(ours, theirs):
+    doc, sample, shuffle = ours
+    assert np.array_equal(doc, theirs.document_index)
+    assert np.array_equal(sample, theirs.sample_index)
+    assert np.array_equal(shuffle, theirs.shuffle_index)
+
+
+def test_train_samples_as_given_across_an_epoch_boundary(tmp_path):
+    """--train-samples 418 at global batch 16 on a corpus of 417 samples per epoch:
+    Megatron builds the training set for 418 samples (two epochs) and runs 418 // 16 = 26
+    iterations; building for the 416 samples those consume would be one epoch and change
+    every sample.  The run's indices are megatron-core's GPTDataset for 418."""
+    rng = np.random.default_rng(0)
+    docs = [list(1 + rng.integers(0, 120, size=48)) for _ in range(139)] + [[7]]
+    prefix = write_documents(str(tmp_path / "c"), docs, np.int32)     # 417 x 16 + 1 tokens
+    recs = _pretrain(tmp_path, "--data-path", prefix, "--split", "1,0,0", "--micro-batch-size",
+                     "8", "--global-batch-size", "16", "--train-samples", "418",
+                     "--eval-iters", "0")
+    train = [r for r in recs if "split" not in r]
+    assert [r["iteration"] for r in train] == list(range(1, 27))
+    assert train[-1]["consumed_samples"] == 416
+    (desc, ours), = _cached(tmp_path).values()
+    assert desc["num_samples"] == 418
+    theirs = megatron(([prefix], None), "1,0,0", 16, 1234, (418, 0, 0), tmp_path / "m")[0]
+    assert len(theirs) == 834         # two epochs of 417
+    _same_indices(ours, theirs)
+
+
+def test_per_split_data_paths_match_megatron(tmp_path):
+    """--train-data-path (a weighted blend) / --valid-data-path / --test-data-path: each split
+    is all of its own files, --split ignored; every dataset the run built is megatron-core's
+    for the same blend_per_split and sample counts."""
+    a, b, c = (corpus(tmp_path / name, docs, seed, high=120)
+               for name, docs, seed in (("a", 120, 1), ("b", 90, 2), ("c", 60, 3)))
+    recs = _pretrain(tmp_path, "--train-data-path", "0.6", a, "0.4", b, "--valid-data-path", c,
+                     "--test-data-path", c, "--split", "1,0,0", "--micro-batch-size", "4",
+                     "--global-batch-size", "8", "--train-iters", "3", "--eval-interval", "2",
+                     "--eval-iters", "2")
+    assert [r["iteration"] for r in recs if r.get("split") == "valid"] == [2, 3]
+    cached = _cached(tmp_path)
+    assert set(cached) == {("a", "train"), ("b", "train"), ("c", "valid"), ("c", "test")}
+    # Megatron's sizes: train 3 x 8; valid (3 // 2 + 1) x 2 x 8; test 2 x 8
+    config = GPTDatasetConfig(
+        random_seed=1234, sequence_length=16, blend_per_split=[([a, b], [0.6, 0.4]),
+                                                               ([c], None), ([c], None)],
+        path_to_cache=None, tokenizer=_Tok(), reset_position_ids=False,   # (as above)
+        reset_attention_mask=False, eod_mask_loss=False, mmap_bin_files=True)
+    train, valid, test = builder_mod.BlendedMegatronDatasetBuilder(
+        McoreGPTDataset, [24, 32, 16], lambda: True, config).build()
+    for (name, split), ds in ((("a", "train"), train.datasets[0]),
+                              (("b", "train"), train.datasets[1]),
+                              (("c", "valid"), valid), (("c", "test"), test)):
+        _same_indices(cached[(name, split)][1], ds)

@@ -240,3 +240,13 @@ def test_account_for_split_flags_parse_and_count_in_vpp(capsys):
                           "--num-virtual-stages-per-pipeline-rank", "4", EMB, LOSS,
                           "--global-batch-size", "8", "--dry-run"]) == 0
     assert "0: embedding | 1 | 3 | 5; 1: 0 | 2 | 4 | loss" in capsys.readouterr().out
+
+
+def test_no_compat_flag_shadows_a_config_field():
+    """A Megatron flag that became a real setting is a config field only: its entry in
+    compat_flags (accepted without effect) must go, or the docs would call it pending."""
+    from megalite import compat_flags
+    from megalite.config import all_fields, field_flag
+
+    real = {s for _, f in all_fields() for s in (field_flag(f), *f.metadata.get("aliases", ()))}
+    assert not [c.flag for c in compat_flags.ALL if c.flag in real]

@@ -124,16 +124,37 @@ def test_use_checkpoint_args_needs_only_the_run_flags(imported, capsys):
     assert cfg.model.resolved_query_groups() == 2 and cfg.model.vocab_size == 96
     assert (cfg.model.swiglu, cfg.model.normalization) == (True, "RMSNorm")
     assert cfg.model.seq_length == 32                      # the command line's, not max pos
-    assert dataclasses.replace(cfg.model, seq_length=saved.seq_length) == \
-        dataclasses.replace(saved, hidden_dropout=cfg.model.hidden_dropout,
-                            attention_dropout=cfg.model.attention_dropout,
-                            init_method_std=cfg.model.init_method_std)
+    # every model and regularisation flag is the checkpoint's (dropout 0.0 from HF, not 0.1)
+    assert dataclasses.replace(cfg.model, seq_length=saved.seq_length) == saved
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.0)
     out = capsys.readouterr().out
     assert "--rotary-base 20000 replaced by the checkpoint's 500000" in out
     assert "model flags from the checkpoint" in out
     # layout flags may differ: checkpoints reshard on load
     parse_args(["--load", ckpt, "--use-checkpoint-args", "--world-size", "8",
                 "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2"] + RUN)
+
+
+def test_use_checkpoint_args_keeps_dropout_unless_the_command_line_gives_it(imported, tmp_path):
+    ckpt, _ = imported
+    cfg = parse_args(["--load", ckpt, "--use-checkpoint-args", "--hidden-dropout", "0.1"] + RUN)
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.1, 0.0)
+    (tmp_path / "ft.yaml").write_text("attention_dropout: 0.05\n")   # --config gives it too
+    cfg = parse_args(["--config", str(tmp_path / "ft.yaml"), "--load", ckpt,
+                      "--use-checkpoint-args"] + RUN)
+    assert (cfg.model.hidden_dropout, cfg.model.attention_dropout) == (0.0, 0.05)
+
+
+def test_every_model_field_has_a_checkpoint_args_rule():
+    """Each ModelConfig field is a shape flag, an architecture switch, a how-it-was-trained
+    flag or a run-time choice -- exactly one -- so a new field cannot be forgotten by
+    --use-checkpoint-args."""
+    from megalite.checkpointing import checkpoint_args as ca
+
+    rules = (ca.SHAPE_FIELDS, ca.ARCH_FIELDS, ca.TRAINED_FIELDS, ca.RUNTIME_FIELDS)
+    for f in dataclasses.fields(ModelConfig):
+        assert sum(f.name in r for r in rules) == 1, f.name
+    assert set(ca.NOT_MODEL) <= set(ca.RUNTIME_FIELDS)
 
 
 def test_use_checkpoint_args_edge_cases(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The one pipeline stage-split rule, and converter checkpoints that match the runtime's
+"""The one pipeline stage-split rule, and converted checkpoints that load into the runtime's
 stages for uneven, interleaved and embedding/loss-counting layouts (no processes: each
 rank's chunks are built with a group-less ParallelState)."""
 import dataclasses
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from megalite.checkpointing.model_io import (full_state_dict_from_checkpoint, load_model_shards,
-                                             read_metadata, shard_dir,
-                                             write_checkpoint_from_full)
+                                             read_metadata)
 from megalite.checkpointing.sharding import shard_tensor, unshard_tensors
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.models.gpt import build_model, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.split import pipeline_split, split_layers
 from megalite.models.stages import build_model_chunks
+from megalite.training.checkpoint import save_model_checkpoint
 from megalite.planner import model_spec as ms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -116,54 +116,38 @@ def rank_chunks(cfg, tp_rank, pp_rank):
     return build_model_chunks(cfg, state), state
 
 
+def _sizes(cfg):
+    p = cfg.parallel
+    return {"tp": p.tp, "pp": p.pp, "vpp": p.virtual_stages(cfg.model.num_layers)}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_converted_checkpoint_matches_runtime_stages_and_loads(tmp_path, name):
+def test_converted_checkpoint_loads_into_every_runtime_stage(tmp_path, name):
+    """The converter's writer (full tensors -> the training format, cut for this layout):
+    every (tp, pp) rank of the layout -- its chunks as the runtime builds them, tied copy on
+    the last stage included -- loads exactly its shard of every tensor it holds."""
     layers, tp, pp, flags, tied = LAYOUTS[name]
     cfg = layout_cfg(layers, tp, pp, flags, tied)
     ref = build_model(MegaliteConfig(model=cfg.model), single_rank_state())
     full = {n: unshard_tensors([p.detach()], spec) for n, p, spec in ref.param_table.named(ref)}
-    split = pipeline_split(cfg)
-    write_checkpoint_from_full(str(tmp_path), dataclasses.asdict(cfg.model), full, tp, pp,
-                               iteration=3, split=split)
+    save_model_checkpoint(str(tmp_path), dataclasses.asdict(cfg.model), full, _sizes(cfg),
+                          iteration=3)
     assert read_metadata(str(tmp_path))["pipeline_model_parallel_size"] == pp
     other = layout_cfg(layers, tp, pp, flags, tied, seed=99)   # different init, same layout
     for tp_rank in range(tp):
         for pp_rank in range(pp):
-            saved = torch.load(os.path.join(shard_dir(str(tmp_path), 3, tp_rank, pp_rank),
-                                            "model.pt"))
             chunks, state = rank_chunks(other, tp_rank, pp_rank)
-            params = {}
+            assert load_model_shards(str(tmp_path), chunks, other, state) == 3
             for c in chunks:
                 for n, p, spec in c.param_table.named(c):
-                    params.setdefault(n, (p, spec))
-            assert set(saved["model"]) == set(params), (name, tp_rank, pp_rank)
-            for n, (p, spec) in params.items():
-                assert saved["model"][n].shape == p.shape, n
-                assert saved["meta"][n] == spec.to_meta_dict(), n
-            assert load_model_shards(str(tmp_path), chunks, other, state) == 3
-            for n, (p, spec) in params.items():
-                assert torch.equal(p.detach(), shard_tensor(full[n], spec, tp_rank, tp)), n
+                    assert torch.equal(p.detach(), shard_tensor(full[n], spec, tp_rank, tp)), n
     _, back = full_state_dict_from_checkpoint(str(tmp_path))
     assert set(back) == set(full) and all(torch.equal(back[k], full[k]) for k in full)
 
 
-def test_default_split_is_the_even_runtime_split(tmp_path):
-    cfg = layout_cfg(4, 1, 2, {}, True)
-    ref = build_model(MegaliteConfig(model=cfg.model), single_rank_state())
-    full = {n: unshard_tensors([p.detach()], spec) for n, p, spec in ref.param_table.named(ref)}
-    write_checkpoint_from_full(str(tmp_path), dataclasses.asdict(cfg.model), full, 1, 2)
-    last = torch.load(os.path.join(shard_dir(str(tmp_path), 0, 0, 1), "model.pt"))["model"]
-    assert sorted({n.split(".")[2] for n in last if n.startswith("decoder.layers.")}) == ["2", "3"]
-    assert "embedding.word_embeddings.weight" in last     # tied copy on the last stage
-    with pytest.raises(ValueError, match="not divisible"):   # 5 layers do not split evenly
-        write_checkpoint_from_full(str(tmp_path / "x"), dataclasses.asdict(
-            layout_cfg(5, 1, 2, {}, True).model), full, 1, 2)
-    with pytest.raises(ValueError, match="does not match"):
-        write_checkpoint_from_full(str(tmp_path / "y"), dataclasses.asdict(cfg.model), full,
-                                   1, 2, split=split_layers(4, 4))
-
-
 def test_convert_tool_target_layout_flags(tmp_path, capsys):
+    """The converter's --target-* flags are checked by the runtime's split rule, the written
+    checkpoint (DCP) loads into every stage of that layout (and of another one)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -174,20 +158,28 @@ def test_convert_tool_target_layout_flags(tmp_path, capsys):
     cfg = layout_cfg(layers, tp, pp, flags, tied)
     ref = build_model(MegaliteConfig(model=cfg.model), single_rank_state())
     full = {n: unshard_tensors([p.detach()], spec) for n, p, spec in ref.param_table.named(ref)}
-    write_checkpoint_from_full(str(tmp_path / "src"), dataclasses.asdict(cfg.model), full, 1, 1)
+    save_model_checkpoint(str(tmp_path / "src"), dataclasses.asdict(cfg.model), full,
+                          {"tp": 1})
     argv = ["--source-format", "megalite", "--target-format", "megalite",
             "--load-dir", str(tmp_path / "src"), "--save-dir", str(tmp_path / "dst"),
-            "--target-pipeline-model-parallel-size", "2"]
+            "--target-pipeline-parallel-size", "2"]
     assert tool.main(argv + ["--target-num-virtual-stages-per-pipeline-rank", "2",
                              "--target-account-for-embedding-in-pipeline-split",
                              "--target-account-for-loss-in-pipeline-split"]) == 0
-    assert "VPP=2" in capsys.readouterr().out
-    for pp_rank in range(2):
-        saved = torch.load(os.path.join(shard_dir(str(tmp_path / "dst"), 0, 0, pp_rank),
-                                        "model.pt"))["model"]
-        chunks, _ = rank_chunks(cfg, 0, pp_rank)
-        assert set(saved) == {n for c in chunks for n, _ in c.canonical_named_parameters()}
+    out = capsys.readouterr().out
+    assert "VPP=2" in out and "--num-virtual-stages-per-pipeline-rank 2" in out
+    for layout in (cfg, layout_cfg(layers, 2, 3, {}, tied, seed=5)):
+        for tp_rank in range(layout.parallel.tp):
+            for pp_rank in range(layout.parallel.pp):
+                chunks, state = rank_chunks(layout, tp_rank, pp_rank)
+                load_model_shards(str(tmp_path / "dst"), chunks, layout, state)
+                for c in chunks:
+                    for n, p, spec in c.param_table.named(c):
+                        assert torch.equal(p.detach(),
+                                           shard_tensor(full[n], spec, tp_rank,
+                                                        layout.parallel.tp)), n
     with pytest.raises(SystemExit) as exc:        # 6 layers do not split evenly over PP 4
         tool.main(argv[:-1] + ["4"])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "target pipeline layout" in err and err.count("\n") == 1
+    assert exc.value.code == 2 and "target layout" in err and err.count("\n") == 1
+    assert "--target-pipeline-model-parallel-size" in err

@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 
 from megalite.checkpointing import hf
 from megalite.checkpointing.model_io import (full_state_dict_from_checkpoint, load_full_state_dict,
-                                             load_model_shards, save_model_shards,
-                                             write_checkpoint_from_full)
+                                             load_model_shards, save_model_shards)
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_model, single_rank_state
+from megalite.training.checkpoint import save_model_checkpoint
 
 transformers = pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -120,17 +120,15 @@ def test_shard_checkpoint_save_load_and_relayout(tmp_path):
     assert load_model_shards(str(tmp_path / "c"), [other], cfg, state) == 5
     for (n, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
         assert torch.equal(a, b), n
-    # re-layout to TP=2 / PP=3 and back to full tensors, bit-exactly
+    # the legacy files re-written in the training format (cut for TP=2), back to full
+    # tensors bit-exactly; the vocabulary is stored unpadded (50 rows, not 64)
     mcfg, full = full_state_dict_from_checkpoint(str(tmp_path / "c"))
-    write_checkpoint_from_full(str(tmp_path / "d"), mcfg, full, tp=2, pp=3, iteration=5)
+    save_model_checkpoint(str(tmp_path / "d"), mcfg, full, {"tp": 2, "pp": 3}, iteration=5)
     assert sorted(os.listdir(tmp_path / "d" / "iter_0000005")) == [
-        "metadata.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_00_002",
-        "mp_rank_01_000", "mp_rank_01_001", "mp_rank_01_002"]
-    last = torch.load(tmp_path / "d" / "iter_0000005" / "mp_rank_01_002" / "model.pt")
-    assert "embedding.word_embeddings.weight" in last["model"]  # tied copy on the last stage
-    assert last["model"]["embedding.word_embeddings.weight"].shape == (32, 32)  # 64 padded / 2
+        ".metadata", "__0_0.distcp", "manifest.json", "metadata.json"]
     _, full2 = full_state_dict_from_checkpoint(str(tmp_path / "d"))
     assert set(full2) == set(full) and all(torch.equal(full2[k], full[k]) for k in full)
+    assert full2["embedding.word_embeddings.weight"].shape == (50, 32)
     with pytest.raises(FileNotFoundError):
         full_state_dict_from_checkpoint(str(tmp_path / "nope"))
 
@@ -147,7 +145,11 @@ def test_convert_cli_roundtrip_and_errors(tmp_path):
                  "--save-dir", mg, "--target-tensor-parallel-size", "2",
                  "--target-pipeline-model-parallel-size", "2")
     assert r.returncode == 0, r.stderr
-    assert os.path.isdir(os.path.join(mg, "iter_0000000", "mp_rank_01_001"))
+    # the format training writes: DCP files, metadata, manifest, marker (no mp_rank_* dirs)
+    assert sorted(os.listdir(os.path.join(mg, "iter_0000000"))) == [
+        ".metadata", "__0_0.distcp", "manifest.json", "metadata.json"]
+    assert json.load(open(os.path.join(mg, "iter_0000000", "metadata.json")))["format"] == \
+        "megalite-dcp-v1"
     r = _convert("--source-format", "megalite", "--target-format", "megalite", "--load-dir", mg,
                  "--save-dir", mg1, "--target-tensor-parallel-size", "1")
     assert r.returncode == 0, r.stderr
@@ -185,7 +187,8 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     code, err = _convert_in_process(capsys, "--source-format", "hf", "--target-format",
                                     "megalite", "--load-dir", path, "--save-dir", out,
                                     "--target-tensor-parallel-size", "3")
-    assert code == 2 and "does not divide" in err and err.count("\n") == 1
+    assert code == 2 and err.count("\n") == 1 and \
+        "is not divisible by --target-tensor-parallel-size (3)" in err
     code, err = _convert_in_process(capsys, "--source-format", "megalite", "--target-format",
                                     "hf", "--load-dir", path, "--save-dir", out)
     assert code == 2 and "not a megalite checkpoint" in err
