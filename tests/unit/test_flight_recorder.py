@@ -178,8 +178,9 @@ def test_nccl_ops_not_completed_on_the_gpu_count_as_waiting(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--flight-recorder-size", "-1"], "--flight-recorder-size must be >= 0"),
-    (["--hang-watchdog-seconds", "0"], "--hang-watchdog-seconds must be > 0")])
+    (["--flight-recorder-size", "-1"],
+     "--flight-recorder-size must be a non-negative integer, got -1"),
+    (["--hang-watchdog-seconds", "0"], "--hang-watchdog-seconds must be a positive number")])
 def test_bad_recorder_flags_are_one_line(capsys, flags, message):
     from megalite.training.entry import main
 
