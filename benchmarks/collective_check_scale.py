@@ -9,7 +9,8 @@
 * The dense layout again with the test hook making rank 37 drop one TP all-gather: both
   modes must report the same problem (the hooked rank is a class of its own).
 * The published recipes at their GPU counts, with representatives: Llama-3 405B (TP8 CP1 PP16
-  VPP8 DP128 = 16,384 ranks), Mixtral 8x22B (128) and Qwen3-235B-A22B (256).
+  VPP8 DP128 = 16,384 ranks), Mixtral 8x22B (128), Qwen3-235B-A22B (256) and the
+  DeepSeek-V3-like layout (1,024).
 
 Each case runs in a fresh process (its own peak memory).
 
@@ -41,6 +42,7 @@ CASES = {
     "llama3-405b": ["--config", "launch/recipes/llama3-405b.yaml", "--mock-data"],
     "mixtral-8x22b": ["--config", "launch/recipes/mixtral-8x22b.yaml", "--mock-data"],
     "qwen3-235b-a22b": ["--config", "launch/recipes/qwen3-235b-a22b.yaml", "--mock-data"],
+    "deepseek-v3-like": ["--config", "launch/recipes/deepseek-v3-like.yaml", "--mock-data"],
 }
 CASES["dense64-skip"] = CASES["dense64"]      # rank 37 drops a TP all-gather (test hook)
 ENV = {"dense64-skip": {"MEGALITE_FAULT_INJECT":

@@ -282,13 +282,22 @@ class FlightRecorder:
 
     # -- dumps ------------------------------------------------------------------------------
     def snapshot(self, reason: str) -> dict:
+        """The dump: every op of the current and the previous iteration still in the ring
+        (what the diagnosis compares), the groups' counts, and who this rank is."""
         entries = list(self.entries)          # atomic under the GIL
+        # the previous iteration is whole when the ring also holds an older op or never wrapped
+        whole = bool(entries) and (entries[0].iteration < entries[-1].iteration - 1 or
+                                   self.started <= len(entries))
+        if entries:
+            first = entries[-1].iteration - 1
+            entries = [e for e in entries if e.iteration >= first]
         groups = {g.label: {"kind": g.kind, "ranks": list(g.ranks), "torch": g.torch_name,
                             "seq": g.seq, "p2p": {f"{k}:{p}": n for (k, p), n in g.p2p.items()}}
                   for g in list(self.groups.values())}
         out = {"version": DUMP_VERSION, "rank": self.rank, "reason": reason, "time": time.time(),
                "pid": os.getpid(), "host": socket.gethostname(), "capacity": self.capacity,
                "started": self.started, "completed": self.completed,
+               "previous_iteration_whole": whole,
                "last_progress": self.last_progress,   # site is per thread: the newest op's
                "iteration": entries[-1].iteration if entries else 0,
                **self.meta, "groups": groups, "entries": [e.to_json() for e in entries]}

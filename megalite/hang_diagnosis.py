@@ -282,8 +282,7 @@ class Diagnosis:
             it = max(e["it"] for e in r.entries)
             cur = [e for e in r.entries if e["it"] == it and e["phase"] in TRAIN_PHASES]
             prev = [e for e in r.entries if e["it"] == it - 1 and e["phase"] in TRAIN_PHASES]
-            if it < 2 or not prev or r.entries[0]["it"] >= it - 1 and \
-                    len(r.entries) == r.dump.get("capacity"):
+            if it < 2 or not prev or not r.dump.get("previous_iteration_whole", True):
                 continue              # the buffer no longer holds the whole previous one
             for i, e in enumerate(cur):
                 if i >= len(prev) or signature(e) != signature(prev[i]):

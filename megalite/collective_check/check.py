@@ -87,8 +87,9 @@ class Verdict:
 
 
 class Checker:
-    def __init__(self, grid, classes: Classes, programs: Dict[int, List[Op]]):
+    def __init__(self, grid, classes: Classes, programs: Dict[int, List[Op]], exempt=()):
         self.grid, self.classes, self.programs = grid, classes, programs
+        self.exempt = set(exempt)     # ranks the test hook changes on purpose
         self.world = grid.world_size
         self.problems: List[str] = []
         self.notes: List[str] = []
@@ -319,6 +320,9 @@ class Checker:
             return None
         held = True
         for members in _pipeline_members(self.grid):
+            members = [r for r in members if r not in self.exempt]
+            if not members:
+                continue
             base = relative(self.programs[members[0]], members[0], self)
             for r in members[1:]:
                 if relative(self.programs[r], r, self) != base:

@@ -38,7 +38,8 @@ def test_every_rank_and_representatives_agree_on_a_tp_pp_vpp_cp_dp_layout(monkey
     assert first.startswith("tp[4,5] op #7: rank 4 issues all_gather [4x1x32 float32] at "
                             "iteration 1, forward-backward, F mb 1, layer 0 attention; rank 5 "
                             "issues reduce_scatter"), first
-    assert full.verdict.classes_hold is False and "rank 5" in full.verdict.notes[0]
+    assert full.verdict.classes_hold is True, full.verdict.notes    # the hooked rank aside
+    assert "(rank 5 left out: the test hook changes them)" in report_text(full, 16)
 
 
 def test_moe_expert_parallel_layout_checks_out():
