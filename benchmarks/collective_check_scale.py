@@ -64,7 +64,17 @@ def one(case: str, mode: str) -> dict:
             "problems": v.problems, "traced": v.ranks_traced, "classes": len(v.ops_per_rank),
             "ops": [min(v.ops_per_rank.values()), max(v.ops_per_rank.values())],
             "groups": v.groups_checked, "classes_hold": v.classes_hold,
-            "seconds": run.seconds, "peak_mib": run.peak_rss_bytes / 2 ** 20}
+            "seconds": run.seconds, "peak_mib": run.peak_rss_bytes / 2 ** 20,
+            "cpu_seconds": _cpu_seconds()}
+
+
+def _cpu_seconds() -> float:
+    """This process's and its tracing workers' CPU time (wall time on a shared machine
+    measures the other jobs too)."""
+    import resource
+
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
 
 
 def main(argv=None) -> int:
@@ -91,7 +101,8 @@ def main(argv=None) -> int:
             print(f"{case:<16} {r['world']:>6} ranks  {r['mode']:<15} traced {r['traced']:>3} "
                   f"({r['classes']} classes, {r['ops'][0]}-{r['ops'][1]} ops/rank, "
                   f"{r['groups']} group patterns)  {'OK' if r['ok'] else 'PROBLEMS'}{hold}  "
-                  f"{r['seconds']:.1f} s, peak {r['peak_mib']:.0f} MiB", flush=True)
+                  f"{r['seconds']:.1f} s ({r.get('cpu_seconds', 0):.0f} s CPU), peak "
+                  f"{r['peak_mib']:.0f} MiB", flush=True)
             for problem in r["problems"]:
                 print(f"    {problem}")
     for case, found in verdicts.items():
