@@ -448,17 +448,22 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
 # and HSDP all-reduces are counted here, under the megalite name of the group they run on,
 # with the convention above.  Only calls from outside this module are counted (comm.py's own
 # go through the functions above and are counted there).
-_EXTERNAL_GROUPS: dict = {}        # id(ProcessGroup) -> (ProcessGroup, name, size)
+_EXTERNAL_GROUPS: dict = {}        # id(ProcessGroup) -> (ProcessGroup, name, size, Group)
 _EXTERNAL_OPS = (("all_gather_single", "all_gather", "output_tensor"),
                  ("reduce_scatter_single", "reduce_scatter", "input"),
                  ("all_reduce", "all_reduce", "tensor"))
 
 
 def count_external_group(process_group, name: str, size: int) -> None:
-    """Count collectives that others (FSDP2) issue on ``process_group`` as ``name``.  The
-    communicator must be one of its own (``parallel_state.dedicated_group``): one name each."""
+    """Count collectives that others (FSDP2) issue on ``process_group`` as ``name``, and note
+    them in the flight recorder (as issued: torch waits on them itself).  The communicator
+    must be one of its own (``parallel_state.dedicated_group``): one name each."""
     _install_external_hooks()
-    _EXTERNAL_GROUPS.setdefault(id(process_group), (process_group, name, size))
+    if id(process_group) not in _EXTERNAL_GROUPS:
+        ranks = dist.get_process_group_ranks(process_group) if size > 1 else [dist.get_rank()]
+        _EXTERNAL_GROUPS[id(process_group)] = (process_group, name, size,
+                                               Group(name, ranks, process_group,
+                                                     dist.get_rank()))
 
 
 def external_group_name(process_group) -> Optional[str]:
@@ -482,9 +487,14 @@ def _install_external_hooks() -> None:
             if _EXTERNAL_GROUPS and sys._getframe(1).f_globals.get("__name__") != __name__:
                 bound = _sig.bind(*args, **kwargs)
                 entry = _EXTERNAL_GROUPS.get(id(bound.arguments.get("group")))
-            if entry is not None and entry[2] > 1:
-                counter.add(entry[1], _op, bound.arguments[_arg])
-            return _original(*args, **kwargs)
+            if entry is None or entry[2] <= 1:
+                return _original(*args, **kwargs)
+            counter.add(entry[1], _op, bound.arguments[_arg])
+            noted = fr.recorder.begin(_op, entry[3], bound.arguments[_arg], waiting=False)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                fr.recorder.end(noted)
         setattr(dist, fn_name, hooked)
     dist._megalite_counted = True
 
