@@ -9,6 +9,12 @@ collective -- the all-reduced tensor, the gathered output, the reduce-scattered 
 the all-to-all input, the p2p message -- so that an all-reduce counts the same as the
 reduce-scatter + all-gather that implement it.  Calls on a group of size 1 are skipped
 and not counted.
+
+Every call is also noted in the flight recorder (``megalite.flight_recorder``: op, group,
+shapes, times, call site) so that a hang can say which rank is missing and where it was.
+Under the pre-launch check (``megalite.collective_check``) the recorder is a tracer
+(``recorder.fake``): calls are recorded and not sent, and outputs hold what they would if
+every member had this rank's input.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from megalite import flight_recorder as fr
 from megalite.parallel_state import Group
 
 
@@ -61,9 +68,10 @@ class CommError(RuntimeError):
 
 
 @contextmanager
-def _named_failure(op: str, group: Optional[Group], peers: Sequence[int] = ()):
+def _named_failure(op: str, group: Optional[Group], peers: Sequence[int] = (), entry=None):
     """Re-raise a backend error (timeout, peer gone) as one ``CommError`` line that says
-    which group, op and peer(s) -- gloo's own message names none of them."""
+    which group, op and peer(s) -- gloo's own message names none of them -- after the flight
+    recorder has written this rank's dump (``entry``: the op that failed)."""
     try:
         yield
     except CommError:
@@ -74,8 +82,63 @@ def _named_failure(op: str, group: Optional[Group], peers: Sequence[int] = ()):
         members = group.ranks if group is not None else "all"
         who = f"peer rank(s) {list(peers)}" if peers else f"ranks {members}"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise CommError(f"rank {me}: {op} on group '{name}' with {who} failed: {first}") \
-            from exc
+        error = CommError(f"rank {me}: {op} on group '{name}' with {who} failed: {first}")
+        fr.recorder.fail(entry, error)
+        raise error from exc
+
+
+def _world(group: Optional[Group]) -> Group:
+    """``group``, or the default group as a ``Group`` (for the recorder)."""
+    if group is not None:
+        return group
+    n, me = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    return Group("world", list(range(n)), None, me)
+
+
+def _fake_fill(op: str, out: torch.Tensor, inp: Optional[torch.Tensor], group: Group,
+               reduce: str = "sum") -> None:
+    """Under the tracer, give a real-valued ``out`` the value the op would have if every
+    member held this rank's ``inp`` (sizes derived from gathered counts stay consistent);
+    meta tensors carry no values."""
+    if out is None or out.is_meta or (inp is not None and inp.is_meta):
+        return
+    with torch.no_grad():
+        if op == "all_reduce" and reduce == "sum":
+            out.mul_(group.size)
+        elif op == "all_gather":
+            out.view(group.size, *inp.shape).copy_(inp.unsqueeze(0).expand(group.size,
+                                                                            *inp.shape))
+        elif op == "reduce_scatter":
+            out.copy_(inp.view(group.size, *out.shape)[group.rank] * group.size)
+        elif op == "all_to_all":
+            if out.shape == inp.shape:
+                out.copy_(inp)
+            else:
+                out.zero_()
+        elif op == "recv":
+            out.zero_()
+
+
+SKIP, FAKE, REAL = "skip", "fake", "real"
+
+
+def _note(op: str, group: Group, tensor: Optional[torch.Tensor] = None,
+          counted: Optional[torch.Tensor] = None, waiting: bool = True):
+    """What every call does first: the test hook, byte counting (of ``counted``) and the
+    flight recorder.  Returns (entry, SKIP | FAKE | REAL): skip the call, or only record it
+    (the pre-launch tracer), or run it."""
+    rec = fr.recorder
+    if rec.faults is not None and rec.skip(op, group):
+        return None, SKIP
+    if counted is not None:
+        counter.add(group.name, op, counted)
+    return rec.begin(op, group, tensor, waiting), FAKE if rec.fake else REAL
+
+
+def _faked(entry, op: str, out, inp, group: Group, reduce: str = "sum"):
+    _fake_fill(op, out, inp, group, reduce)
+    fr.recorder.end(entry)
+    return out
 
 
 @contextmanager
@@ -100,12 +163,17 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum") -> torch.Ten
     """In-place all-reduce; ``op`` is sum, avg or max."""
     if group.size == 1:
         return tensor
-    counter.add(group.name, "all_reduce", tensor)
+    entry, mode = _note("all_reduce", group, tensor, tensor)
+    if mode is SKIP:
+        return tensor
+    if mode is FAKE:
+        return _faked(entry, "all_reduce", tensor, None, group, op)
     work = tensor.float() if _needs_fp32(group, tensor) else tensor
     reduce_op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
                  "max": dist.ReduceOp.MAX}[op]
-    with _named_failure("all_reduce", group):
+    with _named_failure("all_reduce", group, entry=entry):
         dist.all_reduce(work, op=reduce_op, group=group.handle)
+    fr.recorder.end(entry)
     if op == "avg":
         work.div_(group.size)
     if work is not tensor:
@@ -118,14 +186,17 @@ class Pending:
     its output (after any copy back from gloo's fp32 staging buffer)."""
 
     def __init__(self, output: torch.Tensor, work=None, finish=None, op: str = "",
-                 group: Optional[Group] = None):
+                 group: Optional[Group] = None, entry=None):
         self.output, self._work, self._finish = output, work, finish
-        self._op, self._group = op, group
+        self._op, self._group, self._entry = op, group, entry
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            with _named_failure(self._op, self._group):
+            if self._entry is not None:
+                self._entry.waiting = True
+            with _named_failure(self._op, self._group, entry=self._entry):
                 self._work.wait()
+            fr.recorder.end(self._entry)
             self._work = None
         if self._finish is not None:
             self._finish()
@@ -138,10 +209,15 @@ def all_reduce_async(tensor: torch.Tensor, group: Group) -> "Pending":
     reading it (the overlapped gradient buckets, ``distributed.grad_buckets``)."""
     if group.size == 1:
         return Pending(tensor)
-    counter.add(group.name, "all_reduce", tensor)
+    entry, mode = _note("all_reduce", group, tensor, tensor, waiting=False)
+    if mode is not REAL:
+        return Pending(tensor if mode is SKIP else
+                       _faked(entry, "all_reduce", tensor, None, group))
     work = tensor.float() if _needs_fp32(group, tensor) else tensor
-    handle = dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
-    return Pending(tensor, handle, (lambda: tensor.copy_(work)) if work is not tensor else None)
+    with _named_failure("all_reduce", group, entry=entry):
+        handle = dist.all_reduce(work, op=dist.ReduceOp.SUM, group=group.handle, async_op=True)
+    return Pending(tensor, handle, (lambda: tensor.copy_(work)) if work is not tensor else None,
+                   op="all_reduce", group=group, entry=entry)
 
 
 def all_reduce_coalesced(tensors: List[torch.Tensor], group: Group,
@@ -179,11 +255,18 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Gro
     if group.size == 1:
         output.copy_(input)
         return Pending(output) if async_op else output
-    counter.add(group.name, "all_gather", output)
-    with _named_failure("all_gather", group):
+    entry, mode = _note("all_gather", group, input, output, waiting=not async_op)
+    if mode is not REAL:
+        if mode is FAKE:
+            _faked(entry, "all_gather", output, input, group)
+        return Pending(output) if async_op else output
+    with _named_failure("all_gather", group, entry=entry):
         work = dist.all_gather_into_tensor(output, input.contiguous(), group=group.handle,
                                            async_op=async_op)
-    return Pending(output, work, op="all_gather", group=group) if async_op else output
+    if async_op:
+        return Pending(output, work, op="all_gather", group=group, entry=entry)
+    fr.recorder.end(entry)
+    return output
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -194,9 +277,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
     if group.size == 1:
         output.copy_(input)
         return Pending(output) if async_op else output
-    counter.add(group.name, "reduce_scatter", input)
+    entry, mode = _note("reduce_scatter", group, input, input, waiting=not async_op)
+    if mode is not REAL:
+        if mode is FAKE:
+            _faked(entry, "reduce_scatter", output, input, group)
+        return Pending(output) if async_op else output
     finish = None
-    with _named_failure("reduce_scatter", group):
+    with _named_failure("reduce_scatter", group, entry=entry):
         if _needs_fp32(group, input):
             out32 = output.float()
             work = dist.reduce_scatter_tensor(out32, input.float().contiguous(),
@@ -208,7 +295,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
             work = dist.reduce_scatter_tensor(output, input.contiguous(), group=group.handle,
                                               async_op=async_op)
     if async_op:
-        return Pending(output, work, finish, op="reduce_scatter", group=group)
+        return Pending(output, work, finish, op="reduce_scatter", group=group, entry=entry)
+    fr.recorder.end(entry)
     if finish is not None:
         finish()
     return output
@@ -220,10 +308,13 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
     if group.size == 1:
         output.copy_(input)
         return output
-    counter.add(group.name, "all_to_all", input)
-    with _named_failure("all_to_all", group):
+    entry, mode = _note("all_to_all", group, input, input)
+    if mode is not REAL:
+        return output if mode is SKIP else _faked(entry, "all_to_all", output, input, group)
+    with _named_failure("all_to_all", group, entry=entry):
         dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
                                input_split_sizes, group=group.handle)
+    fr.recorder.end(entry)
     return output
 
 
@@ -231,9 +322,13 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group) -> torch.Tensor:
     """Broadcast from global rank ``src``."""
     if group.size == 1:
         return tensor
-    counter.add(group.name, "broadcast", tensor)
-    with _named_failure("broadcast", group, [src]):
-        dist.broadcast(tensor, src=src, group=group.handle)
+    entry, mode = _note("broadcast", group, tensor, tensor)
+    if mode is SKIP:
+        return tensor
+    if mode is REAL:
+        with _named_failure("broadcast", group, [src], entry=entry):
+            dist.broadcast(tensor, src=src, group=group.handle)
+    fr.recorder.end(entry)
     return tensor
 
 
@@ -241,62 +336,96 @@ def broadcast_object(obj, src: int, group: Group):
     """``obj`` (picklable, from trusted peers only) from global rank ``src`` to every rank."""
     if group.size == 1:
         return obj
+    entry, mode = _note("broadcast_object", group)
+    if mode is not REAL:
+        fr.recorder.end(entry)
+        return obj
     box = [obj]
-    with _named_failure("broadcast_object", group, [src]):
+    with _named_failure("broadcast_object", group, [src], entry=entry):
         dist.broadcast_object_list(box, src=src, group=group.handle)
+    fr.recorder.end(entry)
     return box[0]
 
 
 def all_gather_object(obj, group: Group) -> list:
     if group.size == 1:
         return [obj]
+    entry, mode = _note("all_gather_object", group)
+    if mode is not REAL:
+        fr.recorder.end(entry)
+        return [obj] * group.size
     out = [None] * group.size
-    with _named_failure("all_gather_object", group):
+    with _named_failure("all_gather_object", group, entry=entry):
         dist.all_gather_object(out, obj, group=group.handle)
+    fr.recorder.end(entry)
     return out
 
 
 def barrier(group: Optional[Group] = None):
+    """``group`` None: the whole world (the default process group)."""
+    rec = fr.recorder
     if group is None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            with _named_failure("barrier", None):
-                dist.barrier()
-    elif group.size > 1:
-        with _named_failure("barrier", group):
+        if rec.fake or not (dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        group = _world(None)
+    elif group.size == 1:
+        return
+    entry, mode = _note("barrier", group)
+    if mode is REAL:
+        with _named_failure("barrier", group, entry=entry):
             dist.barrier(group=group.handle)
+    rec.end(entry)
 
 
-def batch_send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group):
+def batch_send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: Group,
+                    keys: Optional[Sequence] = None):
     """Post sends ``(tensor, dst)`` and receives ``(tensor, src)`` together and wait.
 
     Posting both directions at once is what keeps two neighbouring pipeline stages from
-    deadlocking when each sends before it receives.  Ranks are global.
+    deadlocking when each sends before it receives.  Ranks are global.  ``keys``: a name
+    per message (sends first) for the flight recorder, e.g. the pipeline's ``Msg``.
     """
-    batch_send_recv_async(sends, recvs, group).wait()
+    batch_send_recv_async(sends, recvs, group, keys).wait()
 
 
 class PendingP2P:
     """Point-to-point transfers in flight: ``wait()`` blocks until every one is done."""
 
     def __init__(self, works, ops=(), desc: str = "", group: Optional[Group] = None,
-                 peers: Sequence[int] = ()):
+                 peers: Sequence[int] = (), entry=None):
         self._works = list(works)
         self._ops = ops   # keeps the (possibly copied) message buffers alive until wait()
         self._desc, self._group, self._peers = desc, group, list(peers)
+        self._entry = entry
 
     def wait(self) -> None:
         if self._works:
-            with _named_failure(self._desc, self._group, self._peers):
+            with _named_failure(self._desc, self._group, self._peers, self._entry):
                 for work in self._works:
                     work.wait()
+            fr.recorder.end(self._entry)
         self._works, self._ops = [], ()
 
 
 def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
-                          group: Group) -> PendingP2P:
+                          group: Group, keys: Optional[Sequence] = None) -> PendingP2P:
     """``batch_send_recv`` that returns at once, so the caller computes while the messages
     travel (ring attention overlaps the next K/V block with attention on the current one).
     The send tensors must stay unchanged and the receive tensors unread until ``wait()``."""
+    rec = fr.recorder
+    if rec.faults is not None:
+        sends, recvs, keys = rec.filter_p2p(group, sends, recvs, keys)
+    if not sends and not recvs:
+        return PendingP2P([], [])
+    entry = rec.begin_p2p(group, sends, recvs, keys)
+    if rec.fake:
+        for tensor, peer in sends:
+            counter.add(group.name, "send", tensor)
+        for tensor, peer in recvs:
+            counter.add(group.name, "recv", tensor)
+            _fake_fill("recv", tensor, None, group)
+        rec.end(entry)
+        return PendingP2P([], [])
     ops = []
     for tensor, peer in sends:
         counter.add(group.name, "send", tensor)
@@ -309,9 +438,9 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
     desc = " + ".join(([f"send to {[p for _, p in sends]}"] if sends else []) +
                       ([f"recv from {[p for _, p in recvs]}"] if recvs else []))
     peers = [p for _, p in (*sends, *recvs)]
-    with _named_failure(desc, group, peers):
+    with _named_failure(desc, group, peers, entry):
         works = dist.batch_isend_irecv(ops)
-    return PendingP2P(works, ops, desc, group, peers)
+    return PendingP2P(works, ops, desc, group, peers, entry)
 
 
 # -- collectives torch itself issues on our groups (FSDP2) ---------------------------------
@@ -319,17 +448,22 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
 # and HSDP all-reduces are counted here, under the megalite name of the group they run on,
 # with the convention above.  Only calls from outside this module are counted (comm.py's own
 # go through the functions above and are counted there).
-_EXTERNAL_GROUPS: dict = {}        # id(ProcessGroup) -> (ProcessGroup, name, size)
+_EXTERNAL_GROUPS: dict = {}        # id(ProcessGroup) -> (ProcessGroup, name, size, Group)
 _EXTERNAL_OPS = (("all_gather_single", "all_gather", "output_tensor"),
                  ("reduce_scatter_single", "reduce_scatter", "input"),
                  ("all_reduce", "all_reduce", "tensor"))
 
 
 def count_external_group(process_group, name: str, size: int) -> None:
-    """Count collectives that others (FSDP2) issue on ``process_group`` as ``name``.  The
-    communicator must be one of its own (``parallel_state.dedicated_group``): one name each."""
+    """Count collectives that others (FSDP2) issue on ``process_group`` as ``name``, and note
+    them in the flight recorder (as issued: torch waits on them itself).  The communicator
+    must be one of its own (``parallel_state.dedicated_group``): one name each."""
     _install_external_hooks()
-    _EXTERNAL_GROUPS.setdefault(id(process_group), (process_group, name, size))
+    if id(process_group) not in _EXTERNAL_GROUPS:
+        ranks = dist.get_process_group_ranks(process_group) if size > 1 else [dist.get_rank()]
+        _EXTERNAL_GROUPS[id(process_group)] = (process_group, name, size,
+                                               Group(name, ranks, process_group,
+                                                     dist.get_rank()))
 
 
 def external_group_name(process_group) -> Optional[str]:
@@ -353,9 +487,14 @@ def _install_external_hooks() -> None:
             if _EXTERNAL_GROUPS and sys._getframe(1).f_globals.get("__name__") != __name__:
                 bound = _sig.bind(*args, **kwargs)
                 entry = _EXTERNAL_GROUPS.get(id(bound.arguments.get("group")))
-            if entry is not None and entry[2] > 1:
-                counter.add(entry[1], _op, bound.arguments[_arg])
-            return _original(*args, **kwargs)
+            if entry is None or entry[2] <= 1:
+                return _original(*args, **kwargs)
+            counter.add(entry[1], _op, bound.arguments[_arg])
+            noted = fr.recorder.begin(_op, entry[3], bound.arguments[_arg], waiting=False)
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                fr.recorder.end(noted)
         setattr(dist, fn_name, hooked)
     dist._megalite_counted = True
 

@@ -446,3 +446,4 @@ def validate(cfg: MegaliteConfig) -> None:
     validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes
     validate_training(cfg)
     validate_logging(cfg)
+

@@ -64,6 +64,17 @@ class ParallelConfig:
                                    choices=["auto", "nccl", "gloo"])
     distributed_timeout_minutes: float = opt(
         10, "Timeout of collectives: a hung peer becomes an error after this long.", gt=0)
+    # -- hangs explained (issue 28; docs/troubleshooting.md, "Reading a hang diagnosis") --
+    flight_recorder_size: int = opt(
+        10000, "Collectives and p2p ops each rank keeps in its flight recorder, written out "
+        "on a hang; 0 switches it off.", ge=0)
+    hang_watchdog_seconds: Optional[float] = opt(
+        None, "Write every rank's flight recorder when no collective has completed for this "
+        "many seconds while one waits (training goes on; see 'megalite hangs').", gt=0)
+    hang_dump_dir: Optional[str] = opt(
+        None, "Folder of the per-rank flight-recorder dumps and the hang diagnosis; default "
+        "<--save>/hang_dumps, else hang_dumps beside --metrics-file, else a folder in /tmp.",
+        path="out-dir")
 
     @property
     def tp(self) -> int:

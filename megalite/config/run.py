@@ -97,6 +97,10 @@ class TrainingConfig:
     device: str = opt("auto", "Device: auto (cuda if present), cpu or cuda.",
                       choices=["auto", "cpu", "cuda"])
     dry_run: bool = opt(False, "Validate, print the rank layout (and the pipeline split) and exit.", action="store_true")
+    check_collectives: bool = opt(
+        False, "With --dry-run: trace one iteration of every rank (meta tensors, no process "
+        "group) and check that every group's members issue the same collectives and that "
+        "every pipeline send has its receive.", action="store_true", requires="dry_run")
 
 
 @dataclass

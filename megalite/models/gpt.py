@@ -29,6 +29,7 @@ from torch import nn
 from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
                                multi_latent_attention_spec)
 from megalite.backends.te_names import canonical_renames
+from megalite.flight_recorder import module_site
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
 from megalite.process_groups import ModelCommGroups
@@ -45,6 +46,8 @@ from megalite.transformer.rotary import RotaryEmbedding
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
+EMBEDDING_SITE = module_site("embedding")         # call sites of the flight recorder
+OUTPUT_SITE = module_site("output layer")
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -218,7 +221,8 @@ class GPTModel(nn.Module):
                 labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_process:
-            hidden = self.embedding(input_ids, position_ids)
+            with EMBEDDING_SITE:
+                hidden = self.embedding(input_ids, position_ids)
         else:
             if self.input_tensor is None:
                 raise RuntimeError("non-first pipeline chunk: call set_input_tensor() first")
@@ -234,9 +238,10 @@ class GPTModel(nn.Module):
             if (self.tied and hasattr(self, "embedding")) else None
         if labels is not None and self.mtp is not None and self.training:
             self._mtp_losses(hidden, input_ids, position_ids, labels, loss_mask, rotary, weight)
-        if labels is None:
-            return self.output_layer(hidden, weight=weight).transpose(0, 1)  # [b, s, v/tp]
-        return self._token_loss(hidden, weight, labels, loss_mask)
+        with OUTPUT_SITE:
+            if labels is None:
+                return self.output_layer(hidden, weight=weight).transpose(0, 1)  # [b, s, v/tp]
+            return self._token_loss(hidden, weight, labels, loss_mask)
 
     def _token_loss(self, hidden, weight, labels, loss_mask) -> torch.Tensor:
         """Per-token loss [b, s] of ``hidden`` [s(/tp), b, h] against ``labels`` [b, s]."""

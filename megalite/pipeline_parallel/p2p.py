@@ -45,5 +45,6 @@ class StageLink:
         buffers = {key: torch.empty(self.shape, dtype=self.dtype, device=self.device)
                    for key, _ in recvs}
         comm.batch_send_recv(out_sends, [(buffers[key], ranks[peer]) for key, peer in recvs],
-                             self.group)
+                             self.group, keys=[key for key, _, _ in sends] +
+                             [key for key, _ in recvs])
         return buffers

@@ -34,6 +34,7 @@ from typing import List
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from megalite.flight_recorder import site
 from megalite.pipeline_parallel import fsdp_sync, simulator
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape
 from megalite.pipeline_parallel.weight_grad import backward_input
@@ -47,15 +48,18 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, c
     reports = []
     for i, batch in enumerate(batches):
         t0 = time.time()
+        site.step = forward = simulator.Op("F", i)      # the flight recorder's call site
         output, loss_func = forward_step(batch, model)
         loss, report = loss_func(output)
         t1 = time.time()
         if not forward_only:
+            site.step = backward = simulator.Op("BW", i)
             loss.backward()
         if events is not None:
-            events += [(simulator.Op("F", i), t0, t1)] + (
-                [] if forward_only else [(simulator.Op("BW", i), t1, time.time())])
+            events += [(forward, t0, t1)] + (
+                [] if forward_only else [(backward, t1, time.time())])
         reports.append(report)
+    site.step = None
     return reports
 
 
@@ -95,11 +99,13 @@ class PipelineExecutor:
         reduce_after = {i: c for c, i in last_grad_op.items()}
         for i, op in enumerate(program):
             t0 = self._now()
+            site.step = op                 # the flight recorder's call site
             getattr(self, "_" + op.kind)(op)
             if i in reduce_after:
                 fsdp_sync.reduce_gradients(self.chunks[reduce_after[i]])
             self.events.append((op, t0, self._now()))
             self.max_in_flight = max(self.max_in_flight, len(self.stash) + len(self.pending_w))
+        site.step = None
         if self.forward_only:
             for chunk in fsdp:
                 fsdp_sync.reshard(chunk)

@@ -41,6 +41,9 @@ class Msg:
     mb: int
     stage: int  # global virtual stage that consumes the message
 
+    def __str__(self):         # as the flight recorder and its diagnosis print it
+        return f"{self.kind} mb {self.mb} stage {self.stage}"
+
 
 @dataclass(frozen=True)
 class Op:

@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--json", action="store_true")
     out.add_argument("--explain", action="store_true")
     out.add_argument("--plot", metavar="PNG", help="compute-vs-communication and memory picture")
+    k = p.add_argument_group("check the best layout's collectives before launch")
+    k.add_argument("--check-collectives", action="store_true",
+                   help="trace one iteration of every rank of the best layout (class "
+                   "representatives past 64 ranks) and check that every group issues the same "
+                   "collectives (pretrain_gpt.py --dry-run --check-collectives)")
     v = p.add_argument_group("check the model against a real run (pretrain_gpt.py flags)")
     v.add_argument("--validate-run", action="store_true", help="run one iteration of the given "
                    "layout on --nproc CPU gloo processes; compare predicted and measured bytes")
@@ -219,8 +224,11 @@ def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
             print("activations modelled for Transformer Engine's fused kernels (the GPU target); "
                   "megalite's local layers, what runs today, keep more: add --local-layers",
                   file=out)
+        best = res.ranked[0]
         print("\nbest layout as pretrain_gpt.py flags:", file=out)
-        print(shlex.join(report.winner_flags(res.ranked[0], m, seq, args.fp32)), file=out)
+        print(shlex.join(report.winner_flags(best, m, seq, args.fp32)), file=out)
+        if args.check_collectives:
+            check_best_layout(best, m, seq, args, out)
         if args.explain:
             print("\n" + report.explain(res, cluster, min(args.top, 5)), file=out)
     if args.plot:
@@ -239,6 +247,22 @@ def moe_routing(text: str):
         return float(text)
     except ValueError:
         return text
+
+
+def check_best_layout(best, m, seq: int, args, out) -> None:
+    """``--check-collectives``: the best layout's flags through pretrain_gpt.py's parser,
+    then the same check as its ``--dry-run --check-collectives``."""
+    if best is None:
+        raise ConfigError("--check-collectives: no layout megalite can run was found")
+    from megalite.arguments import parse_args
+    from megalite.training.dry_run import print_collective_check
+
+    flags = report.winner_flags(best, m, seq, args.fp32)
+    cfg = parse_args([*flags, "--world-size", str(args.num_gpus), "--mock-data",
+                      "--train-iters", "1", "--dry-run", "--check-collectives"])
+    print("", file=out)
+    out.flush()
+    print_collective_check(cfg)
 
 
 def global_batch(args, seq: int) -> int:

@@ -6,13 +6,15 @@ bracket a column/row-parallel pair without sequence parallelism; with sequence
 parallelism the all-reduce is split into ``gather_from_sp_region`` (all-gather along the
 sequence, dim 0) and ``reduce_scatter_to_sp_region``.  The group is always passed in;
 on a group of size 1 every function is the identity and no autograd node is added.
-All communication goes through ``megalite.comm`` so it is counted.
+All communication goes through ``megalite.comm`` so it is counted; a function that
+communicates in backward keeps the forward's module frames for the flight recorder.
 """
 from __future__ import annotations
 
 import torch
 
 from megalite import comm
+from megalite.flight_recorder import captured_where, restored_site
 from megalite.parallel_state import Group
 
 
@@ -53,12 +55,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.where = group, captured_where()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+        with restored_site(ctx.where):
+            return _all_reduce(grad, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
@@ -78,12 +81,13 @@ class _GatherFromSP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.where = group, captured_where()
         return _gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_dim0(grad, ctx.group), None
+        with restored_site(ctx.where):
+            return _reduce_scatter_dim0(grad, ctx.group), None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -91,12 +95,13 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.where = group, captured_where()
         return _reduce_scatter_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim0(grad, ctx.group), None
+        with restored_site(ctx.where):
+            return _gather_dim0(grad, ctx.group), None
 
 
 class _ScatterToSP(torch.autograd.Function):
@@ -104,12 +109,13 @@ class _ScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.where = group, captured_where()
         return _split_dim0(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim0(grad, ctx.group), None
+        with restored_site(ctx.where):
+            return _gather_dim0(grad, ctx.group), None
 
 
 class _GatherFromTP(torch.autograd.Function):
@@ -130,12 +136,13 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group = group
+        ctx.group, ctx.where = group, captured_where()
         return _split_last(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_last(grad, ctx.group), None
+        with restored_site(ctx.where):
+            return _gather_last(grad, ctx.group), None
 
 
 def _apply(fn, x, group):

@@ -122,6 +122,8 @@ def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
         print(f"warning: the planner predicts {est.memory['total'] / GiB:.1f} GiB on the most "
               f"loaded rank, over the {est.capacity / GiB:.1f} GiB usable of a "
               f"{cluster.gpu.name} (assumed; give --gpu to check against yours)")
+        if cfg.training.check_collectives:
+            print_collective_check(cfg)
         return 0
     if not est.fits:
         raise ConfigError(
@@ -129,7 +131,28 @@ def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
             f"loaded rank, over the {est.capacity / GiB:.1f} GiB usable of a {cluster.gpu.name}; "
             f"see 'megalite plan' for layouts that fit (docs/launching.md, \"Recipes\")")
     print(f"fits: {est.memory['total'] / GiB:.1f} of {est.capacity / GiB:.1f} GiB usable")
+    if cfg.training.check_collectives:
+        print_collective_check(cfg)
     return 0
+
+
+def print_collective_check(cfg: MegaliteConfig, family=None) -> None:
+    """``--check-collectives``: trace and check every rank's collectives (or one class
+    representative's each, past 64 ranks); ``ConfigError`` (exit 2) when they disagree."""
+    import sys
+
+    from megalite.collective_check import check_collectives, report_text
+
+    def progress(done, total):
+        if total > 8 and (done == total or done % max(1, total // 8) == 0):
+            print(f"> collective check: traced {done}/{total} ranks", file=sys.stderr,
+                  flush=True)
+
+    run = check_collectives(cfg, family=family, progress=progress)
+    print(report_text(run, cfg.world_size))
+    if not run.verdict.ok:
+        raise ConfigError(f"the collective check found {len(run.verdict.problems)} "
+                          f"problem(s), listed above: this layout would hang at launch")
 
 
 def _with_tokenizer_vocab(cfg: MegaliteConfig) -> MegaliteConfig:

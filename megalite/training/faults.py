@@ -83,7 +83,8 @@ def abort_all_ranks(exc: BaseException) -> None:
     """Report ``exc`` with this rank's number and leave at once, so that no peer waits out
     the collective timeout for a rank that died with an error: our sockets close, every
     peer's pending collective or p2p fails within seconds, and torchrun tears down the
-    rest."""
+    rest.  First the flight recorder is written (``hang_dumps.on_failure``)."""
+    from megalite import hang_dumps
     from megalite.boundary import exit_for_user_error, peer_user_error
 
     echo = peer_user_error()
@@ -94,4 +95,5 @@ def abort_all_ranks(exc: BaseException) -> None:
     sys.stderr.write(f"[rank {rank}] error, ending every rank: {type(exc).__name__}: {exc}\n")
     traceback.print_exception(exc, file=sys.stderr)
     sys.stderr.flush()
+    hang_dumps.on_failure(exc)     # this rank's flight recorder; the diagnosis after a CommError
     os._exit(1)

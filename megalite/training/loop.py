@@ -21,6 +21,7 @@ import time
 import torch
 
 from megalite import comm, compat_flags
+from megalite.flight_recorder import site
 from megalite.config import ConfigError
 from megalite.distributed.data_parallel import build_data_parallel
 from megalite.microbatches import BatchSizeSchedule
@@ -153,9 +154,11 @@ class Trainer:
 
     def _run_schedule(self, batches, forward_only: bool):
         """(mean loss over the global batch's tokens, {extra loss name: value} in training)."""
+        site.phase = "loss tokens"          # flight recorder call sites: the loop's phase
         ctx = self._step_context(batches)
         denom = ctx.num_loss_tokens
         events = [] if self.record_timeline and not forward_only else None
+        site.phase = "eval" if forward_only else "forward-backward"
         reports = self.forward_backward(functools.partial(self.family.forward_step, ctx=ctx),
                                         batches, self.model_chunks, self.state, self.cfg,
                                         forward_only=forward_only, events=events)
@@ -163,6 +166,7 @@ class Trainer:
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
         if reports:
             loss += sum(r["loss_sum"].double() for r in reports)
+        site.phase = "loss"
         comm.all_reduce(loss, self.state["dp-cp"])
         extra = {} if forward_only else reduce_extra_losses(ctx, self.state)
         return (loss / denom).item(), extra
@@ -170,11 +174,13 @@ class Trainer:
     def train_step(self, iterator) -> dict:
         for chunk in self.model_chunks:
             chunk.train()
+        site.iteration, site.phase = self.iteration + 1, "batch"
         gbs = self.batch_sizes.global_batch_size_at(self.consumed_samples)
         batches = self._next_batches(iterator, self.batch_sizes.num_micro_batches_at(
             self.consumed_samples))
         self.strategy.zero_grad()
         loss, extra_losses = self._run_schedule(batches, forward_only=False)
+        site.phase = "grad sync"
         self.strategy.finish_grad_sync()
         if self._timeline_events is not None:     # a collective over pp: every stage records
             sched = self.strategy.scheduler
@@ -188,8 +194,11 @@ class Trainer:
         # skipped the update (grad_norm None), as Megatron's scheduler steps on updates only.
         lr = self.scheduler.apply(self.optimizer.inner.param_groups,
                                   self.consumed_samples - self.skipped_samples)
+        site.phase = "optimizer"
         grad_norm = self.strategy.step(lr)
+        site.phase = "after step"
         metrics = self.family.after_train_step(self.model_chunks, self.cfg, self.state)
+        site.phase = "between iterations"
         self.iteration += 1
         self.consumed_samples += gbs
         if grad_norm is None:
@@ -296,6 +305,7 @@ class Trainer:
     def save(self):
         from megalite.training.checkpoint import save_training_checkpoint
 
+        site.phase = "checkpoint"
         save_training_checkpoint(self)
 
     def finish_saves(self):
@@ -419,8 +429,10 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
 
     tokenizer = build_tokenizer_from_config(cfg.data, cfg.model.vocab_size)  # files: one line
     state = initialize(cfg)
+    from megalite import hang_dumps
     from megalite.boundary import leave_for_peer_error
 
+    hang_dumps.start(cfg, state)             # flight recorder: rank, dump folder, watchdog
     comm.watch_user_errors(leave_for_peer_error)   # a peer's user error ends this rank too
     cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
         cfg, state.world_group(), device)
@@ -472,4 +484,5 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         logger.close()
         if not failed:
             comm.barrier()
+            hang_dumps.stop()
     return 0

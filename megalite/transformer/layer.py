@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.flight_recorder import module_site
 from megalite.transformer.spec import build_module
 
 
@@ -25,6 +26,8 @@ class TransformerLayer(nn.Module):
         sp = sequence_parallel and comm_groups.tp.size > 1
         kw = dict(device=device, dtype=dtype)
         self.layer_number = layer_number
+        self._sites = (module_site(f"layer {layer_number}", "attention"),   # flight recorder
+                       module_site(f"layer {layer_number}", "mlp"))
         self.hidden_dropout = model_cfg.hidden_dropout
         self.input_layernorm = build_module(submodules.input_layernorm, model_cfg, h, sp, **kw)
         self.self_attention = build_module(
@@ -42,5 +45,9 @@ class TransformerLayer(nn.Module):
         return x
 
     def forward(self, hidden: torch.Tensor, rotary=None) -> torch.Tensor:
-        hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden), rotary))
-        return hidden + self._dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+        attention, mlp = self._sites
+        with attention:
+            hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden),
+                                                                rotary))
+        with mlp:
+            return hidden + self._dropout(self.mlp(self.pre_mlp_layernorm(hidden)))

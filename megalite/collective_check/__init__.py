@@ -1,0 +1,125 @@
+"""``--check-collectives``: prove before launch that the layout's ranks issue matching
+collectives (``trace.py`` derives each rank's program from the real training step on meta
+tensors; ``check.py`` compares and simulates the programs).  docs/troubleshooting.md,
+"Checking collectives before launch", says what it covers and what it does not."""
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+EXHAUSTIVE_MAX_WORLD = 64      # up to here every rank is traced
+
+
+@dataclass
+class CheckRun:
+    verdict: object
+    seconds: float
+    peak_rss_bytes: int
+    iteration: int            # the training iteration traced
+
+
+def iteration_to_trace() -> int:
+    """Iteration 1, or the test hook's latest iteration."""
+    from megalite.flight_recorder import FAULT_ENV, parse_faults
+
+    faults = parse_faults(os.environ.get(FAULT_ENV)) or []
+    return max([1] + [f.iteration for f in faults])
+
+
+def hooked_ranks() -> set:
+    from megalite.flight_recorder import FAULT_ENV, parse_faults
+
+    return {f.rank for f in parse_faults(os.environ.get(FAULT_ENV)) or []}
+
+
+def check_collectives(cfg, mode: Optional[str] = None, family=None,
+                      progress=None) -> CheckRun:
+    """Trace and check ``cfg``'s layout.  ``mode``: "every-rank" or "representatives"
+    (default: every rank up to ``EXHAUSTIVE_MAX_WORLD`` ranks)."""
+    from megalite.collective_check.check import Checker, by_pipeline_rank, every_rank
+    from megalite.collective_check.trace import trace_rank
+    from megalite.parallel_state import RankGrid
+
+    import dataclasses
+
+    from megalite.config import ConfigError
+
+    if cfg.parallel.use_torch_fsdp2:
+        raise ConfigError("--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues "
+                          "its collectives inside torch, not through megalite's comm.py")
+    if cfg.training.compile:     # same collectives; compiling meta graphs only costs time
+        cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
+                                                                    compile=False))
+    t0 = time.perf_counter()
+    grid = RankGrid.from_config(cfg)
+    mode = mode or ("every-rank" if grid.world_size <= EXHAUSTIVE_MAX_WORLD
+                    else "representatives")
+    classes = every_rank(grid.world_size) if mode == "every-rank" else \
+        by_pipeline_rank(grid, hooked_ranks() & set(range(grid.world_size)))
+    iteration = iteration_to_trace()
+    to_trace = sorted({r for reps in classes.reps.values() for r in reps})
+    programs = dict(_trace_all(cfg, to_trace, iteration, family, progress))
+    verdict = Checker(grid, classes, programs, exempt=hooked_ranks()).run()
+    peak = max(resource.getrusage(who).ru_maxrss for who in
+               (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
+    return CheckRun(verdict, time.perf_counter() - t0, peak, iteration)
+
+
+def _trace_one(job):
+    cfg, rank, iteration, family = job
+    from megalite.collective_check.trace import trace_rank
+
+    return rank, trace_rank(cfg, rank, iteration, family)
+
+
+def _trace_all(cfg, ranks, iteration, family, progress):
+    """(rank, program) for each rank; on several cores, traced by forked workers (tracing
+    is single-threaded Python)."""
+    from megalite.training.loop import usable_cores
+
+    jobs = [(cfg, r, iteration, family) for r in ranks]
+    workers = min(usable_cores(), len(jobs))
+    if workers < 2 or len(jobs) < 4:
+        results = map(_trace_one, jobs)
+        pool = None
+    else:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("fork").Pool(workers)
+        results = pool.imap(_trace_one, jobs)
+    try:
+        for i, item in enumerate(results):
+            if progress is not None:
+                progress(i + 1, len(jobs))
+            yield item
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+
+
+def report_text(run: CheckRun, world: int) -> str:
+    v = run.verdict
+    ops = sorted(set(v.ops_per_rank.values()))
+    how = "every rank traced" if v.mode == "every-rank" else \
+        f"{v.ranks_traced} representatives traced for {len(v.ops_per_rank)} classes of ranks"
+    head = (f"collective check ({how}; iteration {run.iteration}; {ops[0]}"
+            + (f"-{ops[-1]}" if len(ops) > 1 else "") + " ops per rank; "
+            f"{v.groups_checked} group patterns): ")
+    tail = f"  ({run.seconds:.1f} s, peak memory {run.peak_rss_bytes / 2**20:.0f} MiB)"
+    if v.classes_hold is not None:
+        hooked = sorted(hooked_ranks())
+        tail = ("  every rank's program equals its pipeline-rank class's (peers as offsets): "
+                "the argument behind representatives holds for this layout"
+                + (f" (rank{'s' if len(hooked) > 1 else ''} {', '.join(map(str, hooked))} "
+                   f"left out: the test hook changes them)" if hooked else "") + "\n"
+                if v.classes_hold else "".join(f"  note: {n}\n" for n in v.notes)) + tail
+    if v.ok:
+        return head + f"OK for all {world} ranks -- every group's members issue the same " \
+            "collectives in the same order with the same shapes and dtypes, every send has " \
+            "its receive, and the programs run to the end" + "\n" + tail
+    return head + f"{len(v.problems)} problem{'s' if len(v.problems) > 1 else ''}\n" + \
+        "\n".join(f"  {p}" for p in v.problems) + "\n" + tail

@@ -1,0 +1,230 @@
+"""When a rank writes its flight recorder, where, and which rank prints the diagnosis.
+
+A rank writes ``rank00003.json`` into the run's dump folder
+* when a collective or p2p op fails or times out (``comm.CommError``, written by comm.py);
+* when the rank fails with any other error, before it ends every rank (its peers' diagnosis
+  then reads why it left);
+* on SIGUSR2 (``kill -USR2 <pid>``), even while its main thread sits in a collective: the
+  signal's byte arrives on a wakeup pipe that a monitor thread reads;
+* from the watchdog (``--hang-watchdog-seconds S``): an op has waited and none has completed
+  for S seconds.  Training is not interrupted; the dump is replaced on the next stall.
+
+The folder is ``--hang-dump-dir``, else ``<--save>/hang_dumps``, else ``hang_dumps`` beside
+``--metrics-file``, else ``/tmp/megalite-hangs/<run id>``.  After a ``CommError`` the first
+rank to claim the folder's lock waits until the dumps stop arriving and prints the diagnosis
+(also written to ``diagnosis.txt``); after a watchdog dump rank 0 does.  ``megalite hangs
+DIR`` prints it again afterwards, from any machine that sees the folder.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from typing import Optional
+
+from megalite import flight_recorder as fr
+
+QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
+MAX_WAIT_SECONDS = 30.0    # ... or this long in all
+LOCK_NAME = ".diagnosis-{run_id}.lock"
+
+
+def dump_dir_for(cfg, run_id: str) -> str:
+    p, c, lg = cfg.parallel, cfg.checkpoint, cfg.logging
+    if p.hang_dump_dir:
+        return p.hang_dump_dir
+    if c.save:
+        return os.path.join(c.save, "hang_dumps")
+    if lg.metrics_file:
+        return os.path.join(os.path.dirname(os.path.abspath(lg.metrics_file)), "hang_dumps")
+    return os.path.join(tempfile.gettempdir(), "megalite-hangs", run_id)
+
+
+def _ignore(signum, frame):
+    """SIGTERM's Python-level handler while the monitor runs: the monitor thread (woken by
+    the signal's byte even while the main thread is blocked in a collective) dumps and
+    ends the process, as the default action would have."""
+
+
+class Monitor(threading.Thread):
+    """SIGUSR2 dumps, SIGTERM dumps and the watchdog, on a thread of their own: the main
+    thread may be blocked inside a collective, where no Python signal handler runs.
+
+    SIGTERM is how torchrun ends the other workers once one has failed, so without a dump
+    on it the ranks still waiting would leave nothing.  It is handled only when nothing
+    else handles it (``--exit-signal-handler`` saves and exits instead)."""
+
+    def __init__(self, rec: fr.FlightRecorder, watchdog_seconds: Optional[float]):
+        super().__init__(name="megalite-flight-recorder", daemon=True)
+        self.rec, self.watchdog = rec, watchdog_seconds
+        self.stopped = threading.Event()
+        self.hurry = threading.Event()        # SIGTERM while the diagnosis waits for dumps
+        self.diagnosing = False
+        self.wake_r = None
+        self._previous = {}
+        self.fired_at_completed = -1          # the stall already dumped (completed count)
+        if threading.current_thread() is threading.main_thread():
+            self._install_signals()
+
+    def _install_signals(self):
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            previous = signal.set_wakeup_fd(w)
+        except ValueError:
+            previous = None
+        if previous != -1:             # someone else owns the wakeup fd: leave it to them
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(r), os.close(w)
+            return
+        self.wake_r, self._wake_w = r, w
+        self._previous[signal.SIGUSR2] = signal.signal(signal.SIGUSR2, lambda *_: None)
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _ignore)
+
+    def run(self):
+        while not self.stopped.is_set():
+            if self.wake_r is not None:
+                ready, _, _ = select.select([self.wake_r], [], [], 0.25)
+                got = os.read(self.wake_r, 512) if ready else b""
+                if signal.SIGUSR2 in got:
+                    self.report("SIGUSR2", announce=False)
+                if signal.SIGTERM in got and signal.getsignal(signal.SIGTERM) is _ignore:
+                    if self.diagnosing:
+                        self.hurry.set()
+                    else:
+                        self.rec.dump("SIGTERM (the job is being ended)")
+                        os._exit(128 + signal.SIGTERM)
+            else:
+                self.stopped.wait(0.25)
+            if self.watchdog:
+                self._check_watchdog()
+
+    def _check_watchdog(self):
+        rec = self.rec
+        done = rec.completed
+        if rec.started <= done or done == self.fired_at_completed:
+            return
+        idle = time.time() - rec.last_progress
+        if idle >= self.watchdog:
+            self.fired_at_completed = done
+            self.report(f"watchdog: no collective completed for {idle:.1f} s", announce=True)
+
+    def report(self, reason: str, announce: bool):
+        path = self.rec.dump(reason)
+        if path and announce:
+            print(f"[rank {self.rec.rank}] flight recorder: {reason}; wrote {path} "
+                  f"(diagnosis: megalite hangs {self.rec.dump_dir})", file=sys.stderr, flush=True)
+        if path and announce and self.rec.rank == 0:    # waits for the others' dumps
+            threading.Thread(target=print_diagnosis, args=(self.rec,), daemon=True).start()
+
+    def close(self):
+        self.stopped.set()
+        if self.wake_r is not None:
+            signal.set_wakeup_fd(-1)
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self.join(timeout=2)
+            os.close(self.wake_r), os.close(self._wake_w)
+            self.wake_r = None
+
+
+_monitor: Optional[Monitor] = None
+
+
+def start(cfg, state) -> fr.FlightRecorder:
+    """Set this process's recorder up for the run: size, rank, dump folder and what a dump
+    needs to name peers (grid, hosts and pids of the ranks it shares a group with); start
+    the monitor.  Collective: one small all-gather over the world."""
+    global _monitor
+    from megalite import comm
+
+    p = cfg.parallel      # flag values: checked by validation.check_hang_flags
+    rec = fr.recorder
+    if rec.capacity != p.flight_recorder_size:
+        rec = fr.FlightRecorder(p.flight_recorder_size, faults=rec.faults)
+        fr.install(rec)
+    rec.rank = state.rank
+    me = (socket.gethostname(), os.getpid(), time.time())
+    world = state.world_group()
+    everyone = comm.all_gather_object(me, world) if world.size > 1 else [me]
+    host0, pid0, t0 = everyone[0]
+    run_id = f"{host0}-{pid0}-{int(t0)}"
+    neighbours = sorted({r for g in state.groups.values() for r in g.ranks})
+    grid = state.grid
+    rec.meta = {"run_id": run_id, "world_size": grid.world_size,
+                "grid": {"tp": grid.dims["dense"]["tp"], "cp": grid.dims["dense"]["cp"],
+                         "pp": grid.dims["dense"]["pp"], "ep": grid.dims["expert"]["ep"],
+                         "etp": grid.dims["expert"]["tp"], "vpp": grid.vpp},
+                "peers": {str(r): list(everyone[r][:2]) for r in neighbours},
+                "backend": _backend(),
+                "timeout_s": 60.0 * p.distributed_timeout_minutes,
+                "watchdog_s": p.hang_watchdog_seconds}
+    rec.dump_dir = dump_dir_for(cfg, run_id)
+    stop()                                   # a monitor left by an earlier run in-process
+    if rec.enabled:
+        _monitor = Monitor(rec, p.hang_watchdog_seconds)
+        _monitor.start()
+    return rec
+
+
+def _backend() -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if dist.is_initialized() else "none"
+
+
+def stop() -> None:
+    global _monitor
+    if _monitor is not None:
+        _monitor.close()
+        _monitor = None
+
+
+def on_failure(exc: BaseException) -> None:
+    """A rank is about to end every rank because of ``exc``: make sure its dump is written,
+    and after a failed collective let one rank print the diagnosis."""
+    from megalite.comm import CommError
+
+    rec = fr.recorder
+    if not rec.enabled or not rec.dump_dir:
+        return
+    if not isinstance(exc, CommError):
+        rec.dump(f"error: {type(exc).__name__}: {str(exc).strip()[:300]}")
+        return
+    lock = os.path.join(rec.dump_dir, LOCK_NAME.format(run_id=rec.meta.get("run_id", "")))
+    try:
+        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except OSError:
+        return                       # another rank prints it (or the folder is unwritable)
+    print_diagnosis(rec)
+
+
+def print_diagnosis(rec: fr.FlightRecorder) -> None:
+    """Wait for the other ranks' dumps, then print the diagnosis and write diagnosis.txt.
+    A SIGTERM meanwhile (torchrun ending the job) cuts the wait short."""
+    from megalite.hang_diagnosis import diagnose_folder, wait_for_dumps
+
+    monitor = _monitor
+    if monitor is not None:
+        monitor.diagnosing = True
+    try:
+        wait_for_dumps(rec.dump_dir, rec.meta.get("run_id"), rec.meta.get("world_size", 1),
+                       QUIET_SECONDS, MAX_WAIT_SECONDS,
+                       hurry=monitor.hurry if monitor is not None else None)
+        text = diagnose_folder([rec.dump_dir])
+        with open(os.path.join(rec.dump_dir, "diagnosis.txt"), "w") as f:
+            f.write(text + "\n")
+    except Exception as exc:        # the diagnosis must never hide the original error
+        text = f"hang diagnosis failed: {type(exc).__name__}: {exc}"
+    finally:
+        if monitor is not None:
+            monitor.diagnosing = False
+    sys.stderr.write("".join(f"[hang diagnosis] {line}\n" for line in text.splitlines()))
+    sys.stderr.flush()
