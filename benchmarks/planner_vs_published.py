@@ -92,8 +92,12 @@ def main(argv=None) -> int:
         if c.pick is None:
             print(f"| {c.run.name} | nothing fits | - | - |")
             continue
-        rank = f"{c.rank} ({100 * c.gap:+.1f}%)" if c.rank else \
-            "not among the candidates that fit"
+        if c.rank:
+            rank = f"{c.rank} ({100 * c.gap:+.1f}%)"
+        elif c.as_run.layout.account_mtp:        # a split megalite has no flag for
+            rank = "not a megalite layout (its split counts the MTP module)"
+        else:
+            rank = "not among the candidates that fit"
         print(f"| {c.run.name} | {layout_text(c.pick.layout)} | {rank} | "
               f"{100 * c.as_run_gap:+.1f}% |")
     return 0

@@ -90,16 +90,6 @@ MODEL_PRESETS.update({
                         vocab_size=129280, rotary_base=10000, norm_epsilon=1e-6,
                         seq_length=4096),
 })
-# The stand-in from before MLA and MTP landed (DeepSeek-V3's sizes with multi-head attention
-# of 128 x 128-dim heads, no shared expert, a softmax router).  No recipe uses it any more;
-# it stays for the planner's published DeepSeek-V3 row, which adds MLA and MTP on top of it
-# (planner/mla_local.py) until that row moves to "deepseek-v3".
-MODEL_PRESETS["deepseek-v3-like"] = dict(
-    _LLAMA, num_layers=61, hidden_size=7168, num_attention_heads=128,
-    group_query_attention=False, kv_channels=128, ffn_hidden_size=18432,
-    moe_ffn_hidden_size=2048, num_experts=256, moe_router_topk=8,
-    moe_layer_freq=[0] * 3 + [1] * 58, vocab_size=129280, rotary_base=10000,
-    norm_epsilon=1e-6, seq_length=4096)
 
 
 def preset_fields(name: str) -> Dict[str, Any]:

@@ -98,9 +98,12 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     mbs, t = L.num_micro_batches, L.tp
     T = (seq // L.cp) * L.micro_batch
     h = m.hidden_size
-    n_dense, n_moe = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     first, last = pp_rank == 0, pp_rank == L.pp - 1
+    # the MTP layers (on the last stage) communicate like the model's last layer
+    n_dense, n_moe = ms.with_mtp_layers(
+        m, ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split), last)
     n_layers = n_dense + n_moe
+    depths = (m.mtp_num_layers or 0) if last else 0
     full = L.recompute == "full"
     # Tensor parallel: an entry (f) and exit (g) collective around attention and each MLP.
     # f: forward identity / SP all-gather, backward all-reduce / reduce-scatter; g: the
@@ -111,40 +114,79 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     # (Megatron's async TP) and SP's re-gather behind the input-grad GEMM, so they are
     # "tp_hidden".  Full recomputation repeats the forward's collectives except
     # each layer's last exit, whose output no saved tensor needs (non-reentrant
-    # checkpointing stops early).
+    # checkpointing stops early).  MLA's entries are its column-parallel up projections'
+    # inputs (the latents; ``model_spec.mla_projections``) and the shared rope key, which
+    # is gathered from the sequence shards (or copied into the TP region without SP).
     if t > 1:
         # MoE layers: only the shared expert is a TP MLP (experts use expert-TP)
         mlp_tp = n_dense + (n_moe if m.moe_shared_expert_intermediate_size else 0)
-        pairs = n_layers + mlp_tp                       # blocks with a TP entry/exit pair
-        rec_in, rec_out = (pairs, pairs - n_layers) if full else (0, 0)
+        exits = n_layers + mlp_tp                       # blocks with a TP entry/exit pair
+        if m.multi_latent_attention:
+            entries = [(i, n_layers) for _, i, _, how in ms.mla_projections(m)
+                       if how == "column"]
+        else:
+            entries = [(h, n_layers)]
+        entries = [(T * w, n) for w, n in entries + [(h, mlp_tp)] if n]
+        rope = T * m.qk_pos_emb_head_dim if m.multi_latent_attention else 0
+        rec = 1 if full else 0
+        rec_out = exits - n_layers if full else 0
         # (kind "tp_fwd": the forward pass's own collectives, which PyTorch's async TP
         # overlaps; recomputation's and backward's are "tp")
         if L.sp:
-            out += [Event("tp", "all_gather", T * h, mbs * pairs, a, kind="tp_fwd"),
-                    Event("tp", "all_gather", T * h, mbs * (pairs + rec_in), a),
-                    Event("tp", "reduce_scatter", T * h, mbs * pairs, a, kind="tp_fwd"),
-                    Event("tp", "reduce_scatter", T * h, mbs * rec_out, a),
-                    Event("tp", "reduce_scatter", T * h, mbs * pairs, a, kind="tp_hidden")]
-            if sp_regather:
-                out.append(Event("tp", "all_gather", T * h, mbs * pairs, a, kind="tp_hidden"))
+            for size, n in entries:
+                out += [Event("tp", "all_gather", size, mbs * n, a, kind="tp_fwd"),
+                        Event("tp", "all_gather", size, mbs * n * rec, a),
+                        Event("tp", "reduce_scatter", size, mbs * n, a, kind="tp_hidden")]
+                if sp_regather:
+                    out.append(Event("tp", "all_gather", size, mbs * n, a, kind="tp_hidden"))
+            out += [Event("tp", "reduce_scatter", T * h, mbs * exits, a, kind="tp_fwd"),
+                    Event("tp", "all_gather", T * h, mbs * exits, a),
+                    Event("tp", "reduce_scatter", T * h, mbs * rec_out, a)]
+            if rope:
+                out += [Event("tp", "all_gather", rope, mbs * n_layers, a, kind="tp_fwd"),
+                        Event("tp", "all_gather", rope, mbs * n_layers * rec, a),
+                        Event("tp", "reduce_scatter", rope, mbs * n_layers, a)]
         else:
-            out += [Event("tp", "all_reduce", T * h, mbs * pairs, a, kind="tp_fwd"),
-                    Event("tp", "all_reduce", T * h, mbs * rec_out, a),
-                    Event("tp", "all_reduce", T * h, mbs * pairs, a, kind="tp_hidden")]
-        if first:                     # vocab-parallel embedding: reduce (SP: scatter) ...
-            out.append(Event("tp", "reduce_scatter" if L.sp else "all_reduce", T * h, mbs, a))
-            if L.sp:                  # ... whose backward gathers the gradient again
-                out.append(Event("tp", "all_gather", T * h, mbs, a))
-        if last:
+            out += [Event("tp", "all_reduce", size, mbs * n, a, kind="tp_hidden")
+                    for size, n in entries]
+            out += [Event("tp", "all_reduce", T * h, mbs * exits, a, kind="tp_fwd"),
+                    Event("tp", "all_reduce", T * h, mbs * rec_out, a)]
+            if rope:
+                out.append(Event("tp", "all_reduce", rope, mbs * n_layers, a))
+        # vocab-parallel embedding: reduce (SP: scatter), whose backward (SP) gathers the
+        # gradient again -- on the first stage, and for each MTP depth's shifted tokens
+        embeds = (1 if first else 0) + depths
+        out.append(Event("tp", "reduce_scatter" if L.sp else "all_reduce", T * h,
+                         mbs * embeds, a))
+        if L.sp:
+            out.append(Event("tp", "all_gather", T * h, mbs * embeds, a))
+        if depths:
+            # MTP's eh_proj: column-parallel on [embedding ; hidden] (2h), its output
+            # gathered to the full hidden size (then split to SP's shard, whose backward
+            # gathers again)
+            if L.sp:
+                out += [Event("tp", "all_gather", 2 * T * h, mbs * depths, a, kind="tp_fwd"),
+                        Event("tp", "reduce_scatter", 2 * T * h, mbs * depths, a,
+                              kind="tp_hidden"),
+                        Event("tp", "all_gather", T * h, mbs * depths, a)]
+                if sp_regather:
+                    out.append(Event("tp", "all_gather", 2 * T * h, mbs * depths, a,
+                                     kind="tp_hidden"))
+            else:
+                out.append(Event("tp", "all_reduce", 2 * T * h, mbs * depths, a,
+                                 kind="tp_hidden"))
+            out.append(Event("tp", "all_gather", T * h, mbs * depths, a, kind="tp_fwd"))
+        if last:                      # the output layer + loss, once more per MTP depth
+            heads = mbs * (1 + depths)
             op = ("all_gather", "reduce_scatter") if L.sp else (None, "all_reduce")
             if op[0]:
-                out.append(Event("tp", op[0], T * h, mbs, a))
-            out.append(Event("tp", op[1], T * h, mbs, a))
+                out.append(Event("tp", op[0], T * h, heads, a))
+            out.append(Event("tp", op[1], T * h, heads, a))
             if L.sp and sp_regather:  # the output layer is column-parallel too: re-gather
-                out.append(Event("tp", "all_gather", T * h, mbs, a, kind="tp_hidden"))
+                out.append(Event("tp", "all_gather", T * h, heads, a, kind="tp_hidden"))
             # vocab-parallel cross entropy: the max, then (target logit, sum of exp)
-            out += [Event("tp", "all_reduce", T, mbs, dtype_bytes=4),
-                    Event("tp", "all_reduce", 2 * T, mbs, dtype_bytes=4)]
+            out += [Event("tp", "all_reduce", T, heads, dtype_bytes=4),
+                    Event("tp", "all_reduce", 2 * T, heads, dtype_bytes=4)]
     # Context parallel, per attention (context_parallel/ring.py, a2a.py).  Recomputation
     # (full, or selective: its default module is core attention) repeats the forward's up
     # to the last tensor backward needs (non-reentrant checkpointing stops there).
@@ -212,7 +254,11 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
             out += _dp_events(params.expert, "expert-dp", L, grad_bytes, w)
     if L.sp and t > 1:          # params that saw a sequence shard: norms, row-parallel
         per_norm = h * (2 if m.normalization == "LayerNorm" else 1)     # biases, positions
-        n = (2 * n_layers + (1 if last else 0)) * per_norm
+        # two norms a layer, the final norm; per MTP depth its enorm, hnorm and final norm
+        n = (2 * n_layers + (1 if last else 0) + 3 * depths) * per_norm
+        if m.multi_latent_attention:    # MLA's duplicated down projections, latent norms
+            n += n_layers * (sum(i * o for _, i, o, how in ms.mla_projections(m)
+                                 if how == "duplicated") + ms.mla_latent_norm_params(m))
         mlp_rows = n_dense + (n_moe if m.moe_shared_expert_intermediate_size else 0)
         n += (n_layers + mlp_rows) * h if m.add_bias_linear else 0     # (experts: no bias)
         n += n_moe * m.num_experts * h if m.num_experts else 0         # MoE routers
@@ -240,14 +286,19 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         experts_here = params.expert or (L.zero == 3 and m.num_experts)   # FSDP2: per class
         if experts_here and L.expert_shards > 1 and not fsdp_experts_with_dense(L):
             out.append(Event(expert, "all_reduce", 1, 1, 4, kind="misc"))
-    if m.num_experts:   # MoE: the extra-loss sums (the loop) and the per-layer statistics
-        from megalite.moe.router import extra_loss_names   # (moe/metrics.py), over dp-cp, pp
+    # The extra-loss sums (the loop: the MoE terms, one loss per MTP depth) and the MoE
+    # layers' statistics (moe/metrics.py; MTP's MoE layers among them), over dp-cp, then pp
+    extra, table = m.mtp_num_layers or 0, 0
+    if m.num_experts:
+        from megalite.moe.router import extra_loss_names
 
-        table = sum(1 for n in range(m.num_layers) if m.is_moe_layer(n)) * (m.num_experts + 3)
-        for group, size in (("dp-cp", L.dp * L.cp), ("pp", L.pp)):
-            if size > 1:
-                out += [Event(group, "all_reduce", len(extra_loss_names(m)), 1, 8, kind="misc"),
-                        Event(group, "all_reduce", table, 1, 8, kind="misc")]
+        extra += len(extra_loss_names(m))
+        table = sum(1 for n in range(m.num_transformer_layers()) if m.is_moe_layer(n)) * \
+            (m.num_experts + 3)
+    for group, size in (("dp-cp", L.dp * L.cp), ("pp", L.pp)):
+        if size > 1:
+            out += [Event(group, "all_reduce", extra, 1, 8, kind="misc"),
+                    Event(group, "all_reduce", table, 1, 8, kind="misc")]
     if L.tp * L.pp > 1:
         out.append(Event("mp", "all_reduce", 1, 1, 4, kind="misc"))
     if m.num_experts and L.etp * L.ep * L.pp > 1:     # expert squares: expert-TP x EP x PP

@@ -23,7 +23,6 @@ from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
 from megalite.planner.moe_cost import Routing, routing_imbalance
-from megalite.pipeline_parallel.split import split_layers
 
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
@@ -60,7 +59,6 @@ class ModelOptions:
     fsdp_reshard: bool = True              # ZeRO-3 frees gathered weights after forward
     fp8_param_gather: bool = False         # ZeRO-3 gathers FP8 weights (1 byte)
     pp_overlap: bool = True                # interleaved p2p behind the next chunk's compute
-    mla: Optional[object] = None           # mla_local.MlaShape: local MLA/MTP count (issue 25)
 
     @property
     def precision(self) -> mem.Precision:
@@ -154,21 +152,28 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
 def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
                           opts: ModelOptions) -> int:
     """Bytes FP8 training does not keep of what memory.py counts: the saved inputs of the
-    GEMMs (QKV and fc1 inputs, the projection and fc2 inputs, the experts' inputs) in 1
-    byte instead of 2, on the in-flight micro-batches of stage ``pp_rank``."""
+    GEMMs (QKV and fc1 inputs, the projection and fc2 inputs -- MLA: the up projections'
+    latents too --, the experts' inputs) in 1 byte instead of 2, on the in-flight
+    micro-batches of stage ``pp_rank``."""
     if L.recompute == "full" and not L.recompute_layers:
         return 0
     t, T = L.tp, (seq // L.cp) * L.micro_batch
     sp = t if L.sp else 1
-    h, ad = m.hidden_size, m.num_attention_heads * m.resolved_kv_channels()
-    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    h = m.hidden_size
+    if m.multi_latent_attention:
+        attn_in = T // sp * ((m.q_lora_rank or 0) + m.kv_lora_rank) + \
+            T * m.num_attention_heads * m.v_head_dim // t
+    else:
+        attn_in = T * m.num_attention_heads * m.resolved_kv_channels() // t
+    kinds = ms.with_mtp_layers(m, ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp,
+                                                       *L.stage_split), pp_rank == L.pp - 1)
     norm_outs = 0 if "layernorm" in opts.activations.recompute_modules and \
         L.recompute == "selective" else 2 * T * h // sp
     per = 0
     for n, moe in zip(kinds, (False, True)):
         if not n:
             continue
-        one = norm_outs + T * ad // t                       # (QKV, fc1) inputs, proj input
+        one = norm_outs + attn_in                           # (QKV, fc1) inputs, proj input
         if moe:
             copies = T * m.moe_router_topk * L.etp // t
             one += copies * h + copies * ms.moe_ffn(m) // L.etp
@@ -192,20 +197,21 @@ def _stages(m: ModelConfig, L: Layout):
     key = (m.num_layers, tuple(freq) if isinstance(freq, list) else freq)
     if key not in _MOE_PATTERNS:            # parsing --moe-layer-freq per layer is slow
         _MOE_PATTERNS[key] = tuple(m.is_moe_layer(i) for i in range(m.num_layers))
-    return [(0, 1)] + list(_middle_groups(_MOE_PATTERNS[key], L.pp, L.vpp, L.stage_split)) \
-        + [(L.pp - 1, 1)]
+    return [(0, 1)] + list(_middle_groups(_MOE_PATTERNS[key], L.pp, L.vpp, L.stage_split,
+                                          m.mtp_num_layers or 0)) + [(L.pp - 1, 1)]
 
 
 _MOE_PATTERNS: dict = {}
 
 
 @lru_cache(maxsize=1024)
-def _middle_groups(moe: tuple, pp: int, vpp: int, split: tuple) -> tuple:
+def _middle_groups(moe: tuple, pp: int, vpp: int, split: tuple, mtp_layers: int) -> tuple:
     """(lowest rank, ranks) per distinct (dense, MoE) mix of the middle stages; ``moe``:
     which layers hold experts (the search asks this for many layouts)."""
     groups: dict = {}
     for r in range(1, pp - 1):
-        ids = split_layers(len(moe), pp, vpp, split[0], split[1], *split[2]).rank_layers(r)
+        ids = ms.pipeline_split(len(moe), pp, vpp, split[0], split[1], split[2],
+                                mtp_layers).rank_layers(r)
         key = sum(moe[i] for i in ids), len(ids)
         first, n = groups.get(key, (r, 0))
         groups[key] = (first, n + 1)

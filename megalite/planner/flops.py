@@ -23,15 +23,12 @@ from megalite.config import ModelConfig
 from megalite.planner import model_spec as ms
 
 
-def mla_projection_flops(m: ModelConfig) -> float:
-    """Per-token forward FLOPs of MLA's projections: q (down + up, or one), kv down (latent +
-    shared rope key), kv up (k nope + v per head), output."""
-    h, a = m.hidden_size, m.num_attention_heads
-    qh = m.qk_head_dim + m.qk_pos_emb_head_dim
-    q = 2 * h * m.q_lora_rank + 2 * m.q_lora_rank * a * qh if m.q_lora_rank else 2 * h * a * qh
-    kv = 2 * h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + \
-        2 * m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim)
-    return float(q + kv + 2 * a * m.v_head_dim * h)
+def mla_projection_flops(m: ModelConfig, split: Optional[str] = None) -> float:
+    """Per-token forward FLOPs of MLA's projections (``model_spec.mla_projections``): q (down
+    + up, or one), kv down (latent + shared rope key), kv up (k nope + v per head), output;
+    ``split="column"``: the up projections alone (what ``mla_up_proj`` recomputes)."""
+    return float(sum(2 * i * o for _, i, o, how in ms.mla_projections(m)
+                     if split is None or how == split))
 
 
 def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
@@ -59,16 +56,17 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
 def mtp_forward_flops(m: ModelConfig, seq: int, padded_vocab: Optional[int] = None
                       ) -> Dict[str, float]:
     """Per-token forward FLOPs of the MTP modules: per depth eh_proj (2h -> h), a layer like
-    the model's last, and the shared output layer once more."""
+    the model's last, and the shared output layer once more.  Besides the totals: ``layer``
+    (the transformer layers: what full recomputation re-runs), ``proj`` (eh_proj) and
+    ``logits`` (the extra output-layer passes)."""
     if not m.mtp_num_layers:
-        return {"linear": 0.0, "core": 0.0, "layer": 0.0}
+        return {"linear": 0.0, "core": 0.0, "layer": 0.0, "proj": 0.0, "logits": 0.0}
     f = kind_forward_flops(m, ms.is_moe_layer(m, m.num_layers), seq)
-    per_depth = f["linear"] + 4.0 * m.hidden_size * m.hidden_size + \
-        logits_forward_flops(m, padded_vocab)
     D = m.mtp_num_layers
-    # "layer": what full recomputation re-runs (the transformer layer, not eh_proj or logits)
-    return {"linear": D * per_depth, "core": D * f["core"],
-            "layer": D * (f["linear"] + f["core"])}
+    proj = D * 4.0 * m.hidden_size * m.hidden_size
+    logits = D * logits_forward_flops(m, padded_vocab)
+    return {"linear": D * f["linear"] + proj + logits, "core": D * f["core"],
+            "layer": D * (f["linear"] + f["core"]), "proj": proj, "logits": logits}
 
 
 def logits_forward_flops(m: ModelConfig, padded_vocab: Optional[int] = None) -> float:
@@ -88,6 +86,12 @@ def layers_forward_flops(m: ModelConfig, seq: int) -> Tuple[float, float]:
         f = kind_forward_flops(m, moe, seq)
         lin, core = lin + n * f["linear"], core + n * f["core"]
     return lin, core
+
+
+def core_forward_flops(m: ModelConfig, seq: int) -> float:
+    """Attention-core forward FLOPs per token over the decoder's layers and the MTP layers
+    (what a causal count halves: Megatron and Bridge halve every layer's, MTP's too)."""
+    return layers_forward_flops(m, seq)[1] + mtp_forward_flops(m, seq)["core"]
 
 
 def forward_flops_per_token(m: ModelConfig, seq: int, padded_vocab: Optional[int] = None

@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Tuple
 from megalite.config import ModelConfig
 from megalite.planner import flops as fl
 from megalite.planner import memory as mem
-from megalite.planner import mla_local
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import MAMF_BF16_TFLOPS, Cluster
 from megalite.planner.layout import Layout
@@ -106,7 +105,18 @@ class Gemm:
     k: int
     n: int
     groups: int = 1            # grouped GEMM: local experts
-    expert: bool = False
+    # How TP splits it: "column" / "row" (their FLOPs apportion flops.py's count, and TP's
+    # collectives pipeline with them), "duplicated" (every TP rank runs it whole: MLA's
+    # down projections), "expert" (the grouped routed experts, rows as routed).
+    split: str = "column"
+
+    @property
+    def expert(self) -> bool:
+        return self.split == "expert"
+
+    @property
+    def tp_split(self) -> bool:
+        return self.split in ("column", "row")
 
     @property
     def flops(self) -> float:
@@ -115,34 +125,43 @@ class Gemm:
 
 def layer_gemms(m: ModelConfig, L: Layout, moe: bool, seq: int,
                 imbalance: float = 1.0) -> List[Gemm]:
-    """The forward GEMMs of one layer on one rank per micro-batch (standard attention's
-    projections; experts as one grouped GEMM over the local experts, rows scaled by the
-    routing ``imbalance`` of the most loaded EP rank)."""
+    """The forward GEMMs of one layer on one rank per micro-batch: the attention's
+    projections (standard QKV + output, or MLA's from ``model_spec.mla_projections``, its
+    duplicated down projections on SP's sequence shard), the MLP's, and the experts as one
+    grouped GEMM over the local experts, rows scaled by the routing ``imbalance`` of the
+    most loaded EP rank."""
     t, T = L.tp, (seq // L.cp) * L.micro_batch
-    h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
-        m.resolved_kv_channels()
+    h = m.hidden_size
     gate = 2 if m.swiglu else 1
-    out = [Gemm(T, h, (a + 2 * g) * d // t), Gemm(T, a * d // t, h)]
+    if m.multi_latent_attention:
+        rows = {"duplicated": T // (t if L.sp else 1), "column": T, "row": T}
+        out = [Gemm(rows[how], i // t if how == "row" else i,
+                    o // t if how == "column" else o, split=how)
+               for _, i, o, how in ms.mla_projections(m)]
+    else:
+        a, g, d = m.num_attention_heads, m.resolved_query_groups(), m.resolved_kv_channels()
+        out = [Gemm(T, h, (a + 2 * g) * d // t), Gemm(T, a * d // t, h, split="row")]
     if not moe:
         f = m.resolved_ffn_hidden_size()
-        return out + [Gemm(T, h, gate * f // t), Gemm(T, f // t, h)]
+        return out + [Gemm(T, h, gate * f // t), Gemm(T, f // t, h, split="row")]
     shared = m.moe_shared_expert_intermediate_size
     if shared:
-        out += [Gemm(T, h, gate * shared // t), Gemm(T, shared // t, h)]
+        out += [Gemm(T, h, gate * shared // t), Gemm(T, shared // t, h, split="row")]
     local = max(1, m.num_experts // L.ep)
     copies = T * m.moe_router_topk * L.etp // t         # token copies this rank's experts get
     rows = max(1, round(copies * imbalance / local))
     fe = ms.moe_ffn(m)
-    return out + [Gemm(rows, h, gate * fe // L.etp, local, True),
-                  Gemm(rows, fe // L.etp, h, local, True)]
+    return out + [Gemm(rows, h, gate * fe // L.etp, local, "expert"),
+                  Gemm(rows, fe // L.etp, h, local, "expert")]
 
 
 def _unfused_attention_gemms(m: ModelConfig, L: Layout, seq: int) -> List[Gemm]:
     """Unfused core attention as batched GEMMs, one per (sample, local head): scores
-    s_q x d x s_kv, then probabilities x V s_q x s_kv x d (bf16 operands)."""
+    s_q x d_qk x s_kv, then probabilities x V s_q x s_kv x d_v (bf16 operands)."""
     heads = L.micro_batch * m.num_attention_heads // L.tp
-    d, sq = m.resolved_kv_channels(), seq // L.cp
-    return [Gemm(sq, d, seq, heads), Gemm(sq, seq, d, heads)]
+    _, _, dqk, dv = ms.attention_head_dims(m)
+    sq = seq // L.cp
+    return [Gemm(sq, dqk, seq, heads), Gemm(sq, seq, dv, heads)]
 
 
 def _gemm_seconds(gs: List[Gemm], rate: float, hbm: float, sms: int, op_bytes: float) -> float:
@@ -157,7 +176,7 @@ def _gemm_seconds(gs: List[Gemm], rate: float, hbm: float, sms: int, op_bytes: f
 
 
 def _recomputed_gemm_share(m: ModelConfig, gs: List[Gemm], moe: bool, recompute: str,
-                           modules: tuple, opts) -> float:
+                           modules: tuple, seq: int) -> float:
     """Fraction of a layer's forward GEMM work its recomputation repeats."""
     if recompute == "full":
         return 1.0
@@ -165,18 +184,27 @@ def _recomputed_gemm_share(m: ModelConfig, gs: List[Gemm], moe: bool, recompute:
         return 0.0
     total = sum(gm.flops for gm in gs) or 1.0
     share = 0.0
+    n_attn = len(ms.mla_projections(m)) if m.multi_latent_attention else 2
     if "every_other_mm" in modules:
-        # torchtitan's op-level SAC saves every matmul output but the 2nd, 4th and 6th of a
-        # Llama layer (wq, wk, wv, wo, w1, w3, w2): wk, wo and w3 run again.  Here QKV is one
-        # GEMM (wk its g/(a+2g) share) and fc1 holds w1 and w3.
-        a, g = m.num_attention_heads, m.resolved_query_groups()
-        qkv, proj, fc1 = gs[0], gs[1], gs[2]
-        share += (qkv.flops * g / (a + 2 * g) + proj.flops + fc1.flops / 2) / total
+        # torchtitan's op-level SAC saves every matmul output but every second one of a
+        # layer (Llama: wq, wk, wv, wo, w1, w3, w2 -> wk, wo and w3 run again).  Here
+        # standard attention's QKV is one GEMM (wq, wk, wv by their widths) and an MLP's
+        # fc1 (the first of its pair) holds w1 and w3.
+        mms: List[float] = []
+        for i, gm in enumerate(gs):
+            if i == 0 and not m.multi_latent_attention:
+                a, g = m.num_attention_heads, m.resolved_query_groups()
+                mms += [gm.flops * x / (a + 2 * g) for x in (a, g, g)]
+            elif i >= n_attn and (i - n_attn) % 2 == 0 and m.swiglu:
+                mms += [gm.flops / 2, gm.flops / 2]
+            else:
+                mms.append(gm.flops)
+        share += sum(mms[1::2]) / total
     if "mlp" in modules and not moe:      # Megatron's "mlp": the dense MLP ("moe" is apart)
-        share += sum(gm.flops for gm in gs[2:]) / total
-    if "mla_up_proj" in modules and opts.mla:
-        lin = mla_local.kind_forward_flops(m, moe, 1, opts.mla)["linear"]
-        share += mla_local.up_projection_flops(m, opts.mla) / lin
+        share += sum(gm.flops for gm in gs[n_attn:]) / total
+    if "mla_up_proj" in modules and m.multi_latent_attention:
+        share += fl.mla_projection_flops(m, "column") / fl.kind_forward_flops(m, moe, seq)[
+            "linear"]
     return min(1.0, share)
 
 
@@ -213,19 +241,24 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     n_layers = sum(kinds) or 1
     rec_layers = L.recompute_layers if L.recompute == "full" and L.recompute_layers else None
     rec_frac = min(1.0, rec_layers * L.vpp / n_layers) if rec_layers else 1.0
+    last = r == L.pp - 1
+    kinds = ms.with_mtp_layers(m, kinds, last)          # + the MTP layers on the last stage
     t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0)
     tokens = seq * L.micro_batch              # the micro-batch's tokens, all CP ranks together
+    T = (seq // L.cp) * L.micro_batch         # ... on this rank's CP shard
     for n, moe in zip(kinds, (False, True)):
         if not n:
             continue
         gs = layer_gemms(m, L, moe, seq, imbalance if moe else 1.0)
-        # The model's own FLOP count (flops.py) sets the dense GEMM work; the list above
-        # only apportions it (MLA / other attention variants land in the first entry).
-        lin = mla_local.kind_forward_flops(m, moe, seq, opts.mla) if opts.mla else \
-            fl.kind_forward_flops(m, moe, seq)
-        listed = sum(gm.flops for gm in gs if not gm.expert) or 1.0
+        # The model's own FLOP count (flops.py) sets the TP-split GEMMs' work; the list
+        # above only apportions it.  Experts and duplicated GEMMs run as listed: the
+        # experts' rows are the most loaded rank's, and a duplicated GEMM without SP does
+        # every TP rank's share of the work on each.
+        lin = fl.kind_forward_flops(m, moe, seq)
+        listed = sum(gm.flops for gm in gs if gm.tp_split) or 1.0
         want = lin["linear"] * tokens / per_gpu - sum(
-            gm.flops / (imbalance if moe else 1.0) for gm in gs if gm.expert)
+            gm.flops / (imbalance if moe else 1.0) for gm in gs if gm.expert) - sum(
+            gm.flops * T / L.tp / gm.rows for gm in gs if gm.split == "duplicated")
         scale = max(want, 0.0) / listed
         # Forward: out rows x n; backward: dgrad out rows x k, wgrad out k x n (the same
         # FLOPs, different tiles).  Comm-GEMM overlap runs the GEMMs next to a TP
@@ -234,15 +267,14 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         ov = opts.tp_comm_overlap if L.tp > 1 else "none"
 
         def secs(gm: Gemm, out_rows: int, out_cols: int, inner: int, pieces: int = 1):
-            g = Gemm(max(1, out_rows // pieces), inner, out_cols, gm.groups, gm.expert)
+            g = Gemm(max(1, out_rows // pieces), inner, out_cols, gm.groups, gm.split)
             return pieces * _gemm_seconds([g], rate, hbm, gpu.sms, op_bytes) * (
-                1.0 if gm.expert else scale)
+                scale if gm.tp_split else 1.0)
 
         fwd_pieces = L.tp if ov in ("all", "forward") else 1
-        gf = sum(secs(gm, gm.rows, gm.n, gm.k, 1 if gm.expert else fwd_pieces) for gm in gs)
-        gb = sum(secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and not gm.expert and
-                      i % 2 == 1 else 1) + secs(gm, gm.k, gm.n, gm.rows)
-                 for i, gm in enumerate(gs))
+        gf = sum(secs(gm, gm.rows, gm.n, gm.k, fwd_pieces if gm.tp_split else 1) for gm in gs)
+        gb = sum(secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and gm.split == "row"
+                      else 1) + secs(gm, gm.k, gm.n, gm.rows) for gm in gs)
         core = lin["core"] * tokens / per_gpu * causal
         if kernel == "unfused":          # batched GEMMs per head: QK^T then P V (roofline)
             ab = _unfused_attention_gemms(m, L, seq)
@@ -255,7 +287,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         t["gemm_b"] += n * gb
         t["attn_f"] += n * af
         t["attn_b"] += n * ab_t
-        share = _recomputed_gemm_share(m, gs, moe, L.recompute, opts.recompute_modules, opts)
+        share = _recomputed_gemm_share(m, gs, moe, L.recompute, opts.recompute_modules, seq)
         attn_rec = af if L.recompute == "full" or (
             L.recompute == "selective" and "core_attn" in opts.recompute_modules) else 0.0
         t["rec"] += n * (share * gf + attn_rec) * (rec_frac if L.recompute == "full" else 1.0)
@@ -265,10 +297,9 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         if fp8:
             t["cast"] += n * fp8.cast_bytes * _quantized_elements(gs) / hbm
     head = 0.0
-    if r == L.pp - 1:                                       # output layer (+ MTP heads)
-        lo = fl.logits_forward_flops(m) * tokens / per_gpu
-        if opts.mla:
-            lo += mla_local.mtp_head_flops(m, opts.mla) * tokens / per_gpu
+    if last:                  # output layer; the MTP depths' eh_proj and output-layer passes
+        mtp = fl.mtp_forward_flops(m, seq)
+        lo = (fl.logits_forward_flops(m) + mtp["logits"] + mtp["proj"]) * tokens / per_gpu
         t["gemm_f"] += lo / rate
         t["gemm_b"] += 2 * lo / rate
         head = 3 * lo / rate

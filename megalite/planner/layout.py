@@ -40,6 +40,10 @@ class Layout:
     # --num-distributed-optimizer-instances (ZeRO >= 1): shards inside R instances of
     # neighbouring ranks, replicated across them (HSDP for FSDP2)
     instances: int = 1
+    # The MTP modules counted as pipeline layers too (model_spec.pipeline_split): Megatron's
+    # --pipeline-model-parallel-layout with 'm' (Bridge's DeepSeek-V3 'Et|(tt|)*30mL').
+    # megalite has no flag for it: its flags and config leave it out (advice only).
+    account_mtp: bool = False
 
     @property
     def dp(self) -> int:
@@ -67,8 +71,9 @@ class Layout:
 
     @property
     def stage_split(self) -> tuple:
-        """``model_spec``'s (first, last, accounts) arguments: how layers map to stages."""
-        return self.first_layers, self.last_layers, self.accounts
+        """``model_spec``'s (first, last, accounts) arguments: how layers map to stages
+        (accounts: embedding, loss, MTP)."""
+        return self.first_layers, self.last_layers, self.accounts + (self.account_mtp,)
 
     @property
     def num_micro_batches(self) -> int:
@@ -86,9 +91,9 @@ class Layout:
             parts.append(f"HSDP{self.instances}x{self.dense_shards}")
         if self.first_layers is not None or self.last_layers is not None:
             parts.append(f"split{self.first_layers}/../{self.last_layers}")
-        if any(self.accounts):
-            parts.append("split+" + "+".join(n for n, on in zip(("emb", "loss"), self.accounts)
-                                             if on))
+        if any(self.stage_split[2]):
+            parts.append("split+" + "+".join(n for n, on in zip(("emb", "loss", "mtp"),
+                                                                 self.stage_split[2]) if on))
         return " ".join(parts)
 
     def to_dict(self) -> dict:

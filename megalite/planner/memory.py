@@ -120,7 +120,8 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
     rep = (norm_in + masks) // sp + norm_out // sp
     # Attention: Q, K, V kept for the core; the core's output feeds the projection.
     if m.multi_latent_attention:
-        attn = mla_latent_bytes(m, T // sp, 2) + mla_core_input_bytes(m, T, t, 2)
+        attn = mla_latent_bytes(m, T // sp, 2) + mla_core_input_bytes(
+            m, T, t, 2, up_recomputed="mla_up_proj" in modules)
     else:
         attn = 2 * T * (a * d + 2 * g * d) // t + 2 * T * a * d // t
     if "core_attn" not in modules:
@@ -153,11 +154,15 @@ def mla_latent_bytes(m: ModelConfig, Tn: int, e: int) -> int:
     return e * Tn * (2 * n if m.qk_layernorm else n) + e * Tn * m.qk_pos_emb_head_dim
 
 
-def mla_core_input_bytes(m: ModelConfig, T: int, t: int, e: int) -> int:
+def mla_core_input_bytes(m: ModelConfig, T: int, t: int, e: int,
+                         up_recomputed: bool = False) -> int:
     """MLA's expanded q, k ([heads, qk + rope]) and v ([heads, v]) kept for core attention,
-    and the core output the projection keeps ([heads, v])."""
+    and the core output the projection keeps ([heads, v]).  ``up_recomputed``: Megatron's
+    selective ``mla_up_proj`` frees q, k, v after the core's forward and rebuilds them from
+    the latents in backward (``CheckpointWithoutOutput``): only the output stays."""
     a, qh, v = m.num_attention_heads, m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
-    return e * T * a * (2 * qh + v) // t + e * T * a * v // t
+    qkv = 0 if up_recomputed else e * T * a * (2 * qh + v) // t
+    return qkv + e * T * a * v // t
 
 
 def mtp_activation_bytes(m: ModelConfig, L: Layout, seq: int, opts: "ActivationOptions",

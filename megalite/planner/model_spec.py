@@ -7,6 +7,7 @@ so ``stage_params`` is what ``sum(p.numel() for p in model.parameters())`` retur
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import List, Optional
 from megalite.arguments import ConfigError
 from megalite.config import ModelConfig
 from megalite.model_presets import MODEL_PRESETS, preset_model
-from megalite.pipeline_parallel.split import split_layers
+from megalite.pipeline_parallel.split import PipelineSplit, split_layers
 
 # Model presets live in one place (megalite/model_presets.py): the planner's --recipe and the
 # launch recipes (launch/recipes/*.yaml, ``recipe: {model: NAME}``) read the same shapes.
@@ -137,11 +138,35 @@ def layers_per_stage(m: ModelConfig, pp: int, first: Optional[int] = None,
     return split_layers(m.num_layers, pp, 1, first, last).counts()
 
 
+@functools.lru_cache(maxsize=4096)
+def pipeline_split(num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None,
+                   last: Optional[int] = None, accounts: tuple = (False, False),
+                   mtp_layers: int = 0) -> PipelineSplit:
+    """megalite's split rule (pipeline_parallel/split.py) with ``accounts`` = (embedding,
+    loss[, MTP]) counted as pipeline layers.  Counting the MTP modules is planner-only (no
+    megalite flag; Megatron's ``--pipeline-model-parallel-layout`` 'm', as Bridge's
+    DeepSeek-V3 layout ``Et|(tt|)*30mL``): each of the ``mtp_layers`` depths takes a slot
+    just before the loss, so the last (virtual) stage holds as many transformer layers
+    fewer; the modules themselves stay on the last stage, as megalite places them."""
+    emb, loss, mtp = (tuple(accounts) + (False,))[:3]
+    extra = mtp_layers if mtp else 0
+    split = split_layers(num_layers + extra, pp, vpp, first, last, emb, loss)
+    if not extra:
+        return split
+    last_chunk = split.layers(*split.output_stage)
+    if any(i not in last_chunk for i in range(num_layers, num_layers + extra)):
+        raise ValueError(f"the {extra} MTP slot(s) do not fit in the last virtual stage")
+    return PipelineSplit(num_layers, tuple(tuple(tuple(i for i in c if i < num_layers)
+                                                 for c in rank) for rank in split.chunks))
+
+
 def stage_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
                     first: Optional[int] = None, last: Optional[int] = None,
                     accounts: tuple = (False, False)) -> List[int]:
-    """Global indices of the layers pipeline rank ``pp_rank`` holds."""
-    return split_layers(m.num_layers, pp, vpp, first, last, *accounts).rank_layers(pp_rank)
+    """Global indices of the layers pipeline rank ``pp_rank`` holds (``accounts``:
+    ``pipeline_split``'s)."""
+    return pipeline_split(m.num_layers, pp, vpp, first, last, tuple(accounts),
+                          m.mtp_num_layers or 0).rank_layers(pp_rank)
 
 
 @dataclass
@@ -173,6 +198,16 @@ def stage_layer_kinds(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
     return len(ids) - n_moe, n_moe
 
 
+def with_mtp_layers(m: ModelConfig, kinds: tuple, last: bool) -> tuple:
+    """(dense, MoE) transformer layers a stage runs: ``kinds`` plus, on the last stage, one
+    per MTP depth, dense or MoE like the model's last layer (transformer/mtp.py)."""
+    if not last or not m.mtp_num_layers:
+        return kinds
+    moe = is_moe_layer(m, m.num_layers)
+    return kinds[0] + (0 if moe else m.mtp_num_layers), kinds[1] + (m.mtp_num_layers if moe
+                                                                    else 0)
+
+
 def layer_params(m: ModelConfig, layer: int, tp: int = 1, etp: int = 1, ep: int = 1) -> ParamCount:
     """One transformer layer's parameters on one rank (TP shards split, the rest replicated)."""
     return kind_params(m, is_moe_layer(m, layer), tp, etp, ep)
@@ -188,20 +223,36 @@ def attention_head_dims(m: ModelConfig) -> tuple:
     return m.num_attention_heads, m.resolved_query_groups(), d, d
 
 
+def mla_projections(m: ModelConfig) -> List[tuple]:
+    """MLA's linears (transformer/mla.py) as (name, in, out, TP split): the down projections
+    are "duplicated" on every TP rank, the up projections "column"-parallel (the ones
+    Megatron's ``mla_up_proj`` recomputes), the output projection "row"-parallel.  The one
+    table of MLA's shapes: parameters, FLOPs and the GEMMs the cost model times read it."""
+    h, a = m.hidden_size, m.num_attention_heads
+    qh = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.q_lora_rank:
+        q = [("q_down", h, m.q_lora_rank, "duplicated"),
+             ("q_up", m.q_lora_rank, a * qh, "column")]
+    else:
+        q = [("q", h, a * qh, "column")]
+    return q + [("kv_down", h, m.kv_lora_rank + m.qk_pos_emb_head_dim, "duplicated"),
+                ("kv_up", m.kv_lora_rank, a * (m.qk_head_dim + m.v_head_dim), "column"),
+                ("proj", a * m.v_head_dim, h, "row")]
+
+
 def mla_attention_params(m: ModelConfig, tp: int = 1) -> int:
     """MLA's projections and latent norms on one rank (transformer/mla.py): duplicated down
     projections and latent norms, column-parallel up projections, row-parallel output."""
-    h, a = m.hidden_size, m.num_attention_heads
-    qh = m.qk_head_dim + m.qk_pos_emb_head_dim
-    latent_norm = (lambda r: _norm(m, r)) if m.qk_layernorm else (lambda r: 0)
-    if m.q_lora_rank:
-        n = h * m.q_lora_rank + latent_norm(m.q_lora_rank) + m.q_lora_rank * a * qh // tp
-    else:
-        n = h * a * qh // tp
-    n += h * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + latent_norm(m.kv_lora_rank)
-    n += m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim) // tp
-    n += h * a * m.v_head_dim // tp + (h if m.add_bias_linear else 0)
-    return n
+    n = sum(i * o // (1 if split == "duplicated" else tp)
+            for _, i, o, split in mla_projections(m))
+    return n + mla_latent_norm_params(m) + (m.hidden_size if m.add_bias_linear else 0)
+
+
+def mla_latent_norm_params(m: ModelConfig) -> int:
+    """MLA's latent norms (with --qk-layernorm), replicated over TP."""
+    if not m.qk_layernorm:
+        return 0
+    return _norm(m, m.kv_lora_rank) + (_norm(m, m.q_lora_rank) if m.q_lora_rank else 0)
 
 
 def mla_latent_cache_elements(m: ModelConfig) -> int:

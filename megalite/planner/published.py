@@ -12,7 +12,6 @@ from typing import Dict, Iterator, List, Optional
 from megalite.config import ModelConfig
 from megalite.planner import calibration
 from megalite.planner import flops as fl
-from megalite.planner import mla_local
 from megalite.planner import model_spec as ms
 from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
 from megalite.planner.hardware import GiB, Cluster, Efficiency, make_cluster
@@ -94,28 +93,23 @@ def model_for(run: PublishedRun) -> ModelConfig:
 def model_flops(m: ModelConfig, seq: int, batch: int, convention: str,
                 recompute: str = "none") -> float:
     """FLOPs per step as the source counts them: ``full`` attention (PaLM's 6N + 12LHQT,
-    Narayanan et al., Megatron before v0.12), ``causal`` (half the score work: Megatron-Core
-    from v0.12, NeMo / Megatron-Bridge); ``hw`` adds recomputation (Narayanan et al.)."""
+    Narayanan et al., Megatron before v0.12), ``causal`` (half the score work of every
+    layer, the MTP layers' too: Megatron-Core from v0.12, NeMo / Megatron-Bridge); ``hw``
+    adds recomputation (Narayanan et al.)."""
     got = fl.iteration_flops(m, seq, batch, recompute)
     if convention == "hw":
         return got["hardware"]
     if convention == "causal":
-        _, core = fl.layers_forward_flops(m, seq)
-        return got["model"] - 1.5 * float(seq) * batch * core
+        return got["model"] - 1.5 * float(seq) * batch * fl.core_forward_flops(m, seq)
     return got["model"]
 
 
-def metric_of(run: PublishedRun, m: ModelConfig, e: Estimate,
-              opts: Optional[ModelOptions] = None) -> float:
+def metric_of(run: PublishedRun, m: ModelConfig, e: Estimate) -> float:
     L = e.layout
     if run.metric == "tokens_per_gpu":
         return L.global_batch * run.seq_length / e.step / L.world
-    if opts is not None and opts.mla:
-        f = mla_local.model_flops(m, run.seq_length, L.global_batch, opts.mla,
-                                  run.flops == "causal")
-    else:
-        conv = "hw" if run.metric == "hw_tflops" else run.flops
-        f = model_flops(m, run.seq_length, L.global_batch, conv, L.recompute)
+    conv = "hw" if run.metric == "hw_tflops" else run.flops
+    f = model_flops(m, run.seq_length, L.global_batch, conv, L.recompute)
     return f / e.step / L.world / 1e12
 
 
@@ -174,7 +168,7 @@ def compare_run(run: PublishedRun, with_search: bool = True,
     const = const or constants()
     m, cluster, opts = model_for(run), cluster_for(run, const), options_for(run, const)
     e = as_run(run, m, cluster, opts)
-    c = Comparison(run, m, cluster, opts, e, metric_of(run, m, e, opts))
+    c = Comparison(run, m, cluster, opts, e, metric_of(run, m, e))
     if with_search:
         res = search(m, run.seq_length, run.global_batch, cluster, search_space(run), opts)
         c.result = res

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
-from megalite.planner.mla_local import DEEPSEEK_V3
-
 NARAYANAN = "Narayanan et al. 2021 (SC21), Table 1"
 LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4"
 BRIDGE = ("Megatron-Bridge docs/performance-summary.md, 25.11 container, DGX-H100 "
@@ -38,10 +36,6 @@ TITAN = dict(attention_kernel="fa2", eager=True)            # eager PyTorch: unf
 TITAN_COMPILED = dict(attention_kernel="fa2")                # torch.compile fuses them
 TITAN_FP8 = dict(TITAN_COMPILED, fp8="tensorwise", fp8_param_gather=True)
 SAC_OP = dict(recompute_modules=("every_other_mm",))
-# DeepSeek-V3 on the "deepseek-v3-like" stand-in: its shared expert, and the MTP layer as a
-# 62nd (MoE) layer; MLA through planner/mla_local.py.
-DEEPSEEK_V3_LAYERS = dict(num_layers=62, moe_layer_freq=[0] * 3 + [1] * 59,
-                          moe_shared_expert_intermediate_size=2048)
 
 
 @dataclass(frozen=True)
@@ -136,18 +130,17 @@ RUNS = [
                  "random router logits (Megatron's router.py), i.e. uniform routing; NCCL "
                  "all-to-all dispatcher (no flex backend on H100) with EP A2A overlap "
                  "(recipe); q/k norm not counted; 1575 tokens/s/GPU"),
-    PublishedRun("bridge-deepseek-v3", "deepseek-v3-like", BRIDGE_ARCHIVE, "h100-80gb", 1024,
+    PublishedRun("bridge-deepseek-v3", "deepseek-v3", BRIDGE_ARCHIVE, "h100-80gb", 1024,
                  4096, 8192, dict(tp=2, pp=8, vpp=4, ep=64, etp=1, sp=True, zero=1,
                                   micro_batch=1, recompute="selective", account_embedding=True,
-                                  account_loss=True),
+                                  account_loss=True, account_mtp=True),
                  "model_tflops", 338, "causal", "fp8 tensorwise",
-                 dict(BRIDGE_FP8, moe_routing="uniform", ep_overlap=True, mla=DEEPSEEK_V3,
+                 dict(BRIDGE_FP8, moe_routing="uniform", ep_overlap=True,
                       recompute_modules=("mla_up_proj", "mlp"), dp_exposed=1.0),
-                 model_overrides=DEEPSEEK_V3_LAYERS,
-                 assumed="MLA and MTP counted by planner/mla_local.py (issue 25 will "
-                 "replace it); the MTP layer as a 62nd layer, so Bridge's layout "
-                 "'Et|(tt|)*30mL' is the embedding/loss-counted split at VPP 4; shared "
-                 "expert 2048; 'force-balanced' = uniform routing; DeepEP dispatch, EP A2A "
+                 assumed="Bridge's layout 'Et|(tt|)*30mL': the embedding, the loss and the "
+                 "MTP module each counted as a pipeline layer, 61 + 3 = 32 x 2 slots at VPP 4 "
+                 "(planner-only: megalite has no flag for it); 'force-balanced' = uniform "
+                 "routing; DeepEP dispatch, EP A2A "
                  "overlap, selective recompute of mla_up_proj + mlp, no grad-reduce overlap "
                  "(run_script.py); the all-to-all counted per token copy as NCCL sends it, "
                  "not DeepEP's once-per-node (docs/planner.md: +54% with it); "

@@ -17,6 +17,9 @@ CP2 = ["--context-parallel-size", "2"]
 FSDP, HYBRID = ["--use-torch-fsdp2"], ["--num-distributed-optimizer-instances", "2"]
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "1e-2",
        "--moe-z-loss-coeff", "1e-3", "--hidden-dropout", "0", "--attention-dropout", "0"]
+MLA = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "12",
+       "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--qk-layernorm"]
+UNTIED = [f for f in LLAMA if f not in ("--group-query-attention", "--num-query-groups", "2")]
 
 CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) unless LLAMA
     "single_llama_selective": (1, LLAMA + ["--recompute-granularity", "selective"]),
@@ -40,6 +43,14 @@ CASES = {   # name: (world size, flags); GPT-2 style (dropout, LayerNorm, tied) 
     "fsdp2_pp2_llama": (4, FSDP + PP2 + LLAMA),
     "hsdp_2x2_llama_bf16": (4, FSDP + HYBRID + LLAMA + ["--bf16"]),
     "fsdp2_moe_ep2": (4, FSDP + MOE + ["--expert-model-parallel-size", "2"]),
+    # MLA's TP entries are its latents and rope key; each MTP depth adds a layer, the
+    # embedding of the shifted tokens, eh_proj and an output layer + loss on the last stage
+    "mla_mtp_tp2_sp": (2, UNTIED + MLA + TP2 + ["--sequence-parallel", "--mtp-num-layers", "1"]),
+    # ... and with PP: the MTP layer's all-to-alls, the embedding copy's all-reduce, the
+    # extra losses and expert loads summed over the pipeline
+    "mla_mtp_moe_ep2_pp2": (4, UNTIED + MLA + MOE + PP2 + [
+        "--moe-layer-freq", "[0,1]", "--moe-shared-expert-intermediate-size", "32",
+        "--expert-model-parallel-size", "2", "--mtp-num-layers", "1"]),
 }
 
 

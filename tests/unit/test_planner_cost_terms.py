@@ -2,7 +2,7 @@
 FP8 GEMM rates and casts, attention kernel rates and the causal mask, wave quantization of
 small (expert) GEMMs, routing imbalance (uniform, balanced, a metrics file), the EP overlap
 and its unpaired warm-up, comm-GEMM overlap, the interleaved schedule's p2p in the bubble,
-all-gather CP, block recomputation and the local MLA count."""
+all-gather CP, block recomputation, and MLA / MTP counted from the model's own shapes."""
 import importlib
 import json
 import math
@@ -16,7 +16,8 @@ import pytest
 
 from megalite.config import ConfigError
 from megalite.planner import comm_model as cm
-from megalite.planner import kernels, mla_local, model_spec as ms, moe_cost
+from megalite.planner import flops as fl
+from megalite.planner import kernels, model_spec as ms, moe_cost
 from megalite.planner.estimate import ModelOptions, estimate
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
 from megalite.planner.layout import Layout, layout_from_config
@@ -246,12 +247,76 @@ def test_block_recompute_sits_between_none_and_full_and_round_trips():
     assert layout_from_config(B.to_config(LLAMA8, 8192)) == B
 
 
-def test_local_mla_count_matches_the_hand_count():
-    m = ms.recipe("deepseek-v3-like")
-    mla = mla_local.DEEPSEEK_V3
+DSV3 = ms.recipe("deepseek-v3")
+
+
+def test_mla_gemms_params_and_flops_read_one_table():
+    """MLA's shapes live in model_spec.mla_projections: the parameters, the FLOPs and the
+    GEMMs kernels.py times all follow from it (DeepSeek-V3's hand count)."""
     q = 1536 * (7168 + 128 * 192)
     kv = 512 * (7168 + 128 * 256) + 7168 * 64
     out = 128 * 128 * 7168
-    assert mla_local.attention_linear_flops(m, mla) == 2 * (q + kv + out)
-    f = mla_local.kind_forward_flops(m, True, 4096, mla)
-    assert f["core"] == 2 * 128 * 4096 * (192 + 128)
+    assert fl.mla_projection_flops(DSV3) == 2 * (q + kv + out)
+    assert fl.mla_projection_flops(DSV3, "column") == 2 * 128 * (1536 * 192 + 512 * 256)
+    # TP2 + SP: the duplicated down projections run on the sequence shard, so the listed
+    # attention GEMMs are the model's attention FLOPs over TP exactly
+    L = Layout(world=2, tp=2, sp=True, global_batch=1)
+    gs = kernels.layer_gemms(DSV3, L, True, 4096)[:5]
+    assert [g.split for g in gs] == ["duplicated", "column", "duplicated", "column", "row"]
+    assert sum(g.flops for g in gs) == fl.mla_projection_flops(DSV3) * 4096 / 2
+    # without SP every TP rank runs the down projections on the whole sequence
+    dup = kernels.layer_gemms(DSV3, replace(L, sp=False), True, 4096)[0]
+    assert dup.rows == 4096 and dup.flops == 2 * 4096 * 7168 * 1536
+    weights = sum(g.k * g.n for g in gs)
+    assert ms.mla_attention_params(DSV3, tp=2) == weights + ms.mla_latent_norm_params(DSV3)
+
+
+def test_mtp_runs_on_the_last_stage_as_one_more_layer_and_head():
+    """The last stage computes the MTP depth's layer (MoE, like DeepSeek-V3's last), its
+    eh_proj and the output layer once more; the other stages are untouched."""
+    L = Layout(world=8, tp=1, pp=4, ep=8, etp=1, global_batch=64)
+    cl = make_cluster(8, 8, "h100-80gb")
+    m = replace(DSV3, num_layers=8, moe_layer_freq=[0] * 3 + [1] * 5)
+    no = replace(m, mtp_num_layers=None)
+    opts = ModelOptions()
+    with_mtp = kernels.stage_compute(m, L, 4096, 3, cl, opts)
+    without = kernels.stage_compute(no, L, 4096, 3, cl, opts)
+    assert kernels.stage_compute(m, L, 4096, 1, cl, opts) == \
+        kernels.stage_compute(no, L, 4096, 1, cl, opts)
+    assert ms.stage_layer_kinds(m, 4, 3) == (0, 2)
+    assert ms.with_mtp_layers(m, (0, 2), True) == (0, 3)
+    assert with_mtp["core"] == pytest.approx(without["core"] * 3 / 2)   # one more layer
+    mtp = fl.mtp_forward_flops(m, 4096)
+    assert mtp["proj"] == 4 * 7168 ** 2 and mtp["logits"] == fl.logits_forward_flops(m)
+    assert with_mtp["head"] / without["head"] == pytest.approx(
+        1 + (mtp["logits"] + mtp["proj"]) / fl.logits_forward_flops(m))
+
+
+def test_bridge_layout_counts_the_mtp_module_as_a_pipeline_layer():
+    """'Et|(tt|)*30mL': 61 layers + embedding + MTP + loss = 32 x 2 slots at PP8 VPP4; the
+    last chunk holds no transformer layer, the MTP module stays on the last stage."""
+    split = ms.pipeline_split(61, 8, 4, None, None, (True, True, True), 1)
+    assert split.layers(0, 0) == [0] and split.layers(7, 3) == []
+    assert all(len(split.layers(r, c)) == 2 for r in range(8) for c in range(4)
+               if (r, c) not in ((0, 0), (7, 3)))
+    assert split.counts() == [7] + [8] * 6 + [6]
+    L = Layout(world=1024, tp=2, pp=8, vpp=4, ep=64, account_embedding=True,
+               account_loss=True, account_mtp=True, global_batch=8192)
+    assert "split+emb+loss+mtp" in L.short()
+    assert ms.stage_layer_kinds(DSV3, 8, 7, 4, *L.stage_split) == (0, 6)
+    assert ms.stage_params(DSV3, 7, 2, 8, 4, 1, 64, *L.stage_split).total > \
+        ms.stage_params(DSV3, 6, 2, 8, 4, 1, 64, *L.stage_split).total   # + MTP, embedding
+    with pytest.raises(ValueError, match="MTP slot"):        # one slot a chunk: no room
+        ms.pipeline_split(60, 8, 8, None, None, (False, True, True), 3)
+
+
+def test_causal_count_halves_the_mtp_layers_scores_too():
+    """Megatron-Bridge's DeepSeek-V3 count (flop_utils.py): every layer's core attention
+    halved, the MTP layer's included; eh_proj 4h^2 and the logits once more per token."""
+    from megalite.planner.published import model_flops
+    tokens = 4096.0 * 8
+    lin, core = fl.layers_forward_flops(DSV3, 4096)
+    mtp = fl.mtp_forward_flops(DSV3, 4096)
+    want = 3 * tokens * (lin + fl.logits_forward_flops(DSV3) + mtp["linear"]) + \
+        1.5 * tokens * (core + mtp["core"])
+    assert model_flops(DSV3, 4096, 8, "causal") == pytest.approx(want, rel=1e-12)

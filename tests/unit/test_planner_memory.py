@@ -174,6 +174,18 @@ def test_activations_selective_and_full_recompute():
     assert _gpt_layer(tp=t, sp=True, recompute="full") == 2 * s * b * h / t
 
 
+def test_mla_up_proj_recompute_frees_the_expanded_heads():
+    """Megatron's selective ``mla_up_proj`` keeps MLA's latents and drops the expanded q, k
+    ([heads, qk + rope]) and v ([heads, v]) until backward rebuilds them."""
+    m = ms.recipe("deepseek-v3")
+    L = Layout(world=2, tp=2, sp=True, recompute="selective")
+    T, a = 4096, 128
+    kept = mem.layer_activation_bytes(m, L, True, T, mem.ActivationOptions())
+    freed = mem.layer_activation_bytes(
+        m, L, True, T, mem.ActivationOptions(recompute_modules=("core_attn", "mla_up_proj")))
+    assert kept - freed == 2 * T * a * (2 * 192 + 128) // 2
+
+
 def test_activations_gqa_swiglu_derivation():
     m = tiny_llama()
     s, h, hq, hkv, f = 32, 64, 64, 16, 96
