@@ -29,7 +29,9 @@ def _run(schedule: str, args: dict):
     from megalite.models.stages import build_model_chunks
 
     torch.set_num_threads(1)
-    vpp = 2 if schedule == "interleaved" else None
+    from megalite.pipeline_parallel.simulator import get_schedule
+
+    vpp = 2 if get_schedule(schedule).virtual_stages else None
     cfg = MegaliteConfig(
         model=ModelConfig(num_layers=args["layers"], hidden_size=args["hidden"],
                           num_attention_heads=8, seq_length=args["seq"], vocab_size=1000,
@@ -70,7 +72,7 @@ def compare(schedule: str, per_rank_events, m: int) -> dict:
     mean duration per (rank, chunk, kind); p2p latency = the fastest batch observed."""
     from megalite.pipeline_parallel import simulator
 
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if simulator.get_schedule(schedule).virtual_stages else 1
     cost, actual = defaultdict(list), {}
     t_start = min(e[3] for ev in per_rank_events for e in ev)
     t_end = max(e[4] for ev in per_rank_events for e in ev)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
 from megalite.microbatches import rampup_problem
+from megalite.pipeline_parallel.simulator import schedule_problem
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                    ("num_attention_heads", "--num-attention-heads"),
@@ -83,12 +84,9 @@ def check_virtual_stages(cfg: MegaliteConfig) -> None:
         raise ConfigError(
             f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
             f"({p.pp}) x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
-    if p.pipeline_schedule == "interleaved" and p.virtual_stages(m.num_layers) == 1:
-        raise ConfigError("--pipeline-schedule interleaved needs "
-                          "--num-virtual-stages-per-pipeline-rank > 1")
-    if p.pipeline_schedule == "zero-bubble" and interleaved:
-        raise ConfigError("--pipeline-schedule zero-bubble does not combine with virtual stages; "
-                          "drop --num-virtual-stages-per-pipeline-rank")
+    problem = schedule_problem(p.pipeline_schedule, p.virtual_stages(m.num_layers))
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_stage_split(cfg: MegaliteConfig) -> None:

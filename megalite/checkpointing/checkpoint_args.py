@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from megalite.checkpointing.manifest import iteration_dir, read_marker, saved_iterations
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, field_flag
+from megalite.transformer.activations import SWITCHES
 
 # Copied only where the command line left them unset (Megatron's non-forced _set_arg).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -31,7 +32,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 # Architecture switches: the checkpoint's value always wins (Megatron's force=True).
 ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "norm_epsilon",
                "position_embedding_type", "rotary_base", "rotary_percent", "apply_layernorm_1p",
-               "swiglu", "untie_embeddings_and_output_weights", "add_bias_linear",
+               *SWITCHES, "untie_embeddings_and_output_weights", "add_bias_linear",
                "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
                "moe_router_score_function", "moe_router_pre_softmax",
                "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",

@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 from megalite.config.domain_checks import moe_layer_freq_problem
 from megalite.config.fields import opt
+from megalite.transformer.activations import activation_of
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq  # noqa: F401
 
 
@@ -228,9 +229,7 @@ class ModelConfig:
     def resolved_ffn_hidden_size(self) -> int:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.swiglu:  # Llama's rule: 2/3 of 4h, rounded up to a multiple of 64.
-            return int(math.ceil(int(8 * self.hidden_size / 3) / 64) * 64)
-        return 4 * self.hidden_size
+        return activation_of(self).default_ffn(self.hidden_size)   # SwiGLU: Llama's 8h/3
 
     def uses_rotary(self) -> bool:
         """Whether attention rotates q and k (plain RoPE or YaRN-scaled)."""

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalite.config.fields import opt
+from megalite.pipeline_parallel.simulator import AUTO, SCHEDULE_NAMES
 
 
 @dataclass
@@ -28,8 +29,8 @@ class ParallelConfig:
         False, "Count the output layer and loss as one pipeline layer: the last virtual stage "
         "of the last pipeline rank holds one transformer layer fewer.", action="store_true")
     pipeline_schedule: str = opt(
-        "auto", "Pipeline schedule: auto picks 1F1B, or interleaved with virtual stages.",
-        choices=["auto", "1f1b", "interleaved", "zero-bubble"])
+        AUTO, "Pipeline schedule: auto picks 1F1B, or interleaved with virtual stages.",
+        choices=[AUTO, *SCHEDULE_NAMES])
     context_parallel_size: int = opt(1, "Context-parallel size (CP).", aliases=("--cp",), gt=0)
     cp_comm_type: str = opt("p2p", "Context-parallel communication: ring (p2p) or all-to-all.",
                             choices=["p2p", "a2a"])

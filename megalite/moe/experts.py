@@ -23,10 +23,10 @@ import functools
 from typing import List, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.param_spec import ParamSpec, Split, make_param
+from megalite.transformer.activations import activation_of
 
 Counts = Union[List[int], torch.Tensor]
 
@@ -118,10 +118,10 @@ class GroupedMLP(nn.Module):
         m = model_cfg
         E, h, ffn = m.num_experts, m.hidden_size, m.resolved_moe_ffn_hidden_size()
         ep, etp = comm_groups.ep, comm_groups.expert_tp
-        self.swiglu = m.swiglu
+        self.activation = activation_of(m)
         sizes = {"ep": ep.size, "expert-tp": etp.size}
         kw = dict(device=device, dtype=dtype)
-        blocks = 2 if m.swiglu else 1
+        blocks = self.activation.fc1_blocks
         self.linear_fc1 = nn.Module()
         make_param(self.linear_fc1, "weight", ParamSpec(
             (E, blocks * ffn, h), (Split(0, "ep"), Split(1, "expert-tp", blocks)),
@@ -134,9 +134,5 @@ class GroupedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Counts) -> torch.Tensor:
         y = grouped_linear(x, self.linear_fc1.weight, tokens_per_expert)
-        if self.swiglu:     # every expert's [gate; up] rows at once
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
+        y = self.activation.fn(y)       # gated: every expert's [gate; up] rows at once
         return grouped_linear(y, self.linear_fc2.weight, tokens_per_expert)

@@ -19,12 +19,10 @@ Pipelined schedules do not hand-code their order: ``simulator.plan`` builds the 
 program (F / BW / B / W ops and blocking p2p batches) and ``PipelineExecutor`` walks it,
 so the simulator's bubble and deadlock analysis is about exactly what runs.
 
-* 1F1B (``1f1b``): p-rank-1 warm-up forwards, then one forward one backward, then
-  cool-down; stage i keeps at most p-i micro-batches of activations.
-* interleaved 1F1B: v model chunks per rank; needs micro-batches % PP == 0 (Megatron's
-  rule, checked by ``validation``); bubble (p-1)/(v*m) instead of (p-1)/m.
-* zero bubble (ZB-H1): backward split into B (input grads, on the critical path) and W
-  (weight grads, ``weight_grad.py``) placed in what would be bubbles.
+The schedules are ``simulator.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1); a
+registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it, splitting
+backward into B (input grads) and W (weight grads, ``weight_grad.py``) when the entry says
+``split_backward``.
 """
 from __future__ import annotations
 
@@ -175,12 +173,12 @@ class PipelineExecutor:
         self.received.update(self.link.exchange(sends, list(op.recvs)))
 
 
+NO_PIPELINING = "no-pipelining"     # PP = 1: the name the timeline records
+
+
 def pipeline_schedule_name(cfg, state) -> str:
-    if state.vpp_size > 1:
-        return "interleaved"
-    if cfg.parallel.pipeline_schedule == "zero-bubble":
-        return "zero-bubble"
-    return "1f1b"
+    """The registered schedule this rank runs (``simulator.resolve_schedule``)."""
+    return simulator.resolve_schedule(cfg.parallel.pipeline_schedule, state.vpp_size).name
 
 
 def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
@@ -192,40 +190,31 @@ def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
     program = simulator.plan(schedule, state.pp.size, len(batches), len(model_chunks),
                              forward_only)[state.pp.rank]
     ex = PipelineExecutor(forward_step, batches, model_chunks, state, cfg, forward_only,
-                          split_backward=schedule == "zero-bubble")
+                          split_backward=simulator.get_schedule(schedule).split_backward)
     return ex.run(program)
 
 
-def _reports(ex: PipelineExecutor, events) -> list:
-    if events is not None:
-        events.extend(ex.events)
-    return ex.reports
+class PipelinedSchedule:
+    """The schedule contract (module docstring) for one registered pipeline schedule."""
 
+    def __init__(self, name: str):
+        self.name = simulator.get_schedule(name).name
 
-def forward_backward_pipelining_without_interleaving(forward_step, batches, model_chunks,
-                                                     state, cfg, forward_only: bool = False,
-                                                     events=None):
-    return _reports(run_schedule("1f1b", forward_step, batches, model_chunks, state, cfg,
-                                 forward_only), events)
+    def __call__(self, forward_step, batches, model_chunks, state, cfg,
+                 forward_only: bool = False, events=None):
+        ex = run_schedule(self.name, forward_step, batches, model_chunks, state, cfg,
+                          forward_only)
+        if events is not None:
+            events.extend(ex.events)
+        return ex.reports
 
-
-def forward_backward_pipelining_with_interleaving(forward_step, batches, model_chunks, state,
-                                                  cfg, forward_only: bool = False, events=None):
-    return _reports(run_schedule("interleaved", forward_step, batches, model_chunks, state,
-                                 cfg, forward_only), events)
-
-
-def forward_backward_zero_bubble(forward_step, batches, model_chunks, state, cfg,
-                                 forward_only: bool = False, events=None):
-    return _reports(run_schedule("zero-bubble", forward_step, batches, model_chunks, state,
-                                 cfg, forward_only), events)
+    def __repr__(self):
+        return f"PipelinedSchedule({self.name!r})"
 
 
 def get_forward_backward_func(cfg, state):
-    """PP=1: no pipelining; VPP>1: interleaved; --pipeline-schedule zero-bubble: ZB-H1;
-    otherwise 1F1B."""
+    """PP = 1: no pipelining; otherwise the schedule ``--pipeline-schedule`` resolves to
+    (``auto``: interleaved with virtual stages, else 1F1B)."""
     if state.pp.size == 1:
         return forward_backward_no_pipelining
-    return {"1f1b": forward_backward_pipelining_without_interleaving,
-            "interleaved": forward_backward_pipelining_with_interleaving,
-            "zero-bubble": forward_backward_zero_bubble}[pipeline_schedule_name(cfg, state)]
+    return PipelinedSchedule(pipeline_schedule_name(cfg, state))

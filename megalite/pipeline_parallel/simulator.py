@@ -27,7 +27,6 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
-SCHEDULES = ("1f1b", "interleaved", "zero-bubble")
 UNIT_COSTS = {"F": 1, "B": 1, "W": 1}
 
 
@@ -161,15 +160,8 @@ def _zb_ready(op: Op, r: int, p: int, done_at, t) -> bool:
 
 def compute_orders(schedule: str, p: int, m: int, v: int = 1,
                    forward_only: bool = False) -> List[List[Op]]:
-    if schedule == "1f1b":
-        return [order_1f1b(p, m, r, forward_only) for r in range(p)]
-    if schedule == "interleaved":
-        return [order_interleaved(p, m, v, r, forward_only) for r in range(p)]
-    if schedule == "zero-bubble":
-        if forward_only:
-            return [order_1f1b(p, m, r, True) for r in range(p)]
-        return orders_zero_bubble(p, m)
-    raise ValueError(f"unknown schedule '{schedule}'; choose from {SCHEDULES}")
+    """Every rank's compute order of ``schedule`` (a name of ``SCHEDULES``)."""
+    return get_schedule(schedule).orders(p, m, v, forward_only)
 
 
 # -- messages -------------------------------------------------------------------------------
@@ -441,13 +433,103 @@ def _name_receives(program: List[List[Op]], p: int, v: int) -> List[List[Op]]:
 @functools.lru_cache(maxsize=64)
 def plan(schedule: str, p: int, m: int, v: int = 1, forward_only: bool = False):
     """The program every rank walks for one iteration (cached; unit-cost placement)."""
-    if schedule == "interleaved":
-        return interleaved_program(p, m, v, forward_only)
-    orders = compute_orders(schedule, p, m, v, forward_only)
-    return build_program(orders, p, v)
+    spec = get_schedule(schedule)
+    if spec.program is not None:
+        return spec.program(p, m, v, forward_only)
+    return build_program(spec.orders(p, m, v, forward_only), p, v)
 
 
 def bubble(schedule: str, p: int, m: int, v: int = 1, costs: Costs = UNIT_COSTS,
            comm_cost: float = 0.0) -> float:
     """Bubble fraction of ``schedule`` simulated with ``costs``."""
     return simulate(plan(schedule, p, m, v), costs, comm_cost).bubble_fraction
+
+
+# -- the schedule registry --------------------------------------------------------------------
+# Everything the rest of megalite asks about a pipeline schedule: the flag's choices, the
+# executor (which ops, B/W split), validation (virtual stages), the feature table and the
+# planner (bubble and in-flight activations).  Adding a schedule = its compute order and one
+# entry below, plus its line in docs/pipeline.md (docs/extending.md).
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str                  # the --pipeline-schedule value
+    summary: str               # one line: --help, the feature table, docs
+    virtual_stages: bool       # True: runs v > 1 model chunks per rank; False: exactly one
+    split_backward: bool       # backward split into B (input grads) and W (weight grads)
+    orders: Callable           # (p, m, v, forward_only) -> every rank's compute order
+    # (p, v, work, hop, forward_part) -> the planner's pipeline bubble (time): ``work`` is
+    # a micro-batch's slot without its p2p, ``hop`` one forward and one backward message
+    # between neighbours (interleaving divides the work by v, not the hops),
+    # ``forward_part`` the slowest stage's forward (+ recompute) share
+    bubble_time: Callable
+    # (p, m, v, pp_rank) -> micro-batches whose activations ``pp_rank`` holds at its peak
+    in_flight: Callable
+    program: Optional[Callable] = None   # (p, m, v, forward_only) -> programs, when the
+    #                                      generic placement (``build_program``) is not used
+    searched: bool = True      # the planner's --schedules default includes it
+
+
+def _orders_1f1b(p, m, v, forward_only):
+    return [order_1f1b(p, m, r, forward_only) for r in range(p)]
+
+
+def _orders_interleaved(p, m, v, forward_only):
+    return [order_interleaved(p, m, v, r, forward_only) for r in range(p)]
+
+
+def _orders_zero_bubble(p, m, v, forward_only):
+    return _orders_1f1b(p, m, v, True) if forward_only else orders_zero_bubble(p, m)
+
+
+def _interleaved_in_flight(p, m, v, rank):
+    """Megatron's warm-up of 2(p - i - 1) + (v - 1)p + 1 chunks, in micro-batches."""
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
+
+
+SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
+    Schedule("1f1b", "1F1B: p-rank-1 warm-up forwards, one forward one backward, cool-down",
+             virtual_stages=False, split_backward=False, orders=_orders_1f1b,
+             bubble_time=lambda p, v, work, hop, fwd: (p - 1) * (work + hop),
+             in_flight=lambda p, m, v, rank: float(min(p - rank, m))),
+    Schedule("interleaved", "interleaved 1F1B over v model chunks per rank (VPP): bubble "
+             "(p-1)/(v m)", virtual_stages=True, split_backward=False,
+             orders=_orders_interleaved, program=interleaved_program,
+             bubble_time=lambda p, v, work, hop, fwd: (p - 1) * (work / v + hop),
+             in_flight=_interleaved_in_flight),
+    Schedule("zero-bubble", "ZB-H1: backward split into B and W, W placed in the bubbles",
+             virtual_stages=False, split_backward=True, orders=_orders_zero_bubble,
+             bubble_time=lambda p, v, work, hop, fwd: (p - 1) * fwd,
+             in_flight=lambda p, m, v, rank: float(min(p, m)), searched=False),
+)}
+SCHEDULE_NAMES = tuple(SCHEDULES)
+AUTO = "auto"     # --pipeline-schedule auto: interleaved with virtual stages, else 1F1B
+
+
+def get_schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule '{name}'; choose from {SCHEDULE_NAMES}")
+    return SCHEDULES[name]
+
+
+def resolve_schedule(flag: str, vpp: int) -> Schedule:
+    """What ``--pipeline-schedule flag`` runs with ``vpp`` virtual stages per rank: ``auto``
+    takes the first schedule whose virtual-stage need matches."""
+    if flag != AUTO:
+        return get_schedule(flag)
+    return next(s for s in SCHEDULES.values() if s.virtual_stages == (vpp > 1))
+
+
+def schedule_problem(flag: str, vpp: int) -> Optional[str]:
+    """One line when ``--pipeline-schedule flag`` cannot run with ``vpp`` virtual stages."""
+    if flag == AUTO:
+        return None
+    s = get_schedule(flag)
+    if s.virtual_stages and vpp == 1:
+        return (f"--pipeline-schedule {flag} needs --num-virtual-stages-per-pipeline-rank > 1 "
+                "(or --num-layers-per-virtual-pipeline-stage)")
+    if not s.virtual_stages and vpp > 1:
+        return (f"--pipeline-schedule {flag} does not combine with virtual stages; drop "
+                "--num-virtual-stages-per-pipeline-rank (or pick "
+                f"{' / '.join(n for n, x in SCHEDULES.items() if x.virtual_stages)})")
+    return None

@@ -17,8 +17,9 @@ from megalite.planner import model_spec as ms
 from megalite.planner import report
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
+from megalite.pipeline_parallel.simulator import SCHEDULE_NAMES
 from megalite.planner.kernels import ATTENTION_KERNELS, FP8_RECIPES, fp8_unavailable
-from megalite.planner.search import RECOMPUTE_ORDER, SearchSpace, search
+from megalite.planner.search import RECOMPUTE_ORDER, SEARCHED_SCHEDULES, SearchSpace, search
 
 
 def _ints(text: str) -> List[int]:
@@ -88,8 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_instances, default=[1], metavar="R[,R]",
                    help="hybrid sharding for stages >= 1: R instances (HSDP for FSDP2); "
                    "'node' = as many as keep each instance inside a node (default 1)")
-    s.add_argument("--schedules", type=_words(("1f1b", "interleaved", "zero-bubble")),
-                   default=["1f1b", "interleaved"])
+    s.add_argument("--schedules", type=_words(SCHEDULE_NAMES), default=list(SEARCHED_SCHEDULES))
     s.add_argument("--cp-min-seq-length", type=int, default=16384,
                    help="consider CP only from this sequence length (default 16384)")
     s.add_argument("--max-micro-batch-size", type=int, default=8)

@@ -14,6 +14,7 @@ from functools import lru_cache
 from typing import Dict, Optional
 
 from megalite.config import ModelConfig
+from megalite.pipeline_parallel.simulator import get_schedule
 from megalite.planner import calibration
 from megalite.planner import comm_model as cm
 from megalite.planner import flops as fl
@@ -308,11 +309,14 @@ def _bubble(L: Layout, worst: dict, mean_work: float, mean_hop: float) -> float:
     p = L.pp
     if p == 1:
         return 0.0
-    if L.schedule == "zero-bubble":        # (p-1)(F + B - W) with B = W; B carries recompute
-        comm = worst["slot"] - worst["t_f"] - worst["t_b"]
-        frac = (worst["t_f"] + worst["rec"]) / (worst["t_f"] + worst["t_b"])
-        return (p - 1) * (worst["t_f"] + worst["rec"] + comm * frac)
-    return (p - 1) * (mean_work / L.vpp + mean_hop)
+    # the forward (+ recompute) share of the slowest stage's slot, its communication
+    # shared in proportion: what ZB-H1's (p-1)(F + B - W) with B = W leaves exposed
+    comm = worst["slot"] - worst["t_f"] - worst["t_b"]
+    compute = worst["t_f"] + worst["t_b"]
+    frac = (worst["t_f"] + worst["rec"]) / compute if compute else 0.0
+    forward_part = worst["t_f"] + worst["rec"] + comm * frac
+    return get_schedule(L.schedule).bubble_time(p, L.vpp, mean_work, mean_hop,
+                                                forward_part)
 
 
 def _dp_exposed(m: ModelConfig, L: Layout, row: dict, opts: ModelOptions) -> float:

@@ -21,6 +21,7 @@ from typing import Dict, Optional, Tuple
 
 from megalite.config import ModelConfig
 from megalite.planner import model_spec as ms
+from megalite.transformer.activations import activation_of
 
 
 def mla_projection_flops(m: ModelConfig, split: Optional[str] = None) -> float:
@@ -36,7 +37,7 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     attention core (MLA: scores over q/k heads of qk + rope, values of v_head_dim)."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
-    gate = 3 if m.swiglu else 2
+    gate = activation_of(m).matmuls
     if m.multi_latent_attention:
         linear = mla_projection_flops(m)
     else:

@@ -21,6 +21,7 @@ from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import MAMF_BF16_TFLOPS, Cluster
 from megalite.planner.layout import Layout
+from megalite.transformer.activations import activation_of
 
 # Core attention, TFLOP/s on the FLOPs the kernel does (a causal mask halves the score
 # work and the count), head dim 128, bf16, H100 SXM5: Shah et al. 2024 (FlashAttention-3),
@@ -132,7 +133,7 @@ def layer_gemms(m: ModelConfig, L: Layout, moe: bool, seq: int,
     most loaded EP rank."""
     t, T = L.tp, (seq // L.cp) * L.micro_batch
     h = m.hidden_size
-    gate = 2 if m.swiglu else 1
+    gate = activation_of(m).fc1_blocks
     if m.multi_latent_attention:
         rows = {"duplicated": T // (t if L.sp else 1), "column": T, "row": T}
         out = [Gemm(rows[how], i // t if how == "row" else i,
@@ -195,7 +196,7 @@ def _recomputed_gemm_share(m: ModelConfig, gs: List[Gemm], moe: bool, recompute:
             if i == 0 and not m.multi_latent_attention:
                 a, g = m.num_attention_heads, m.resolved_query_groups()
                 mms += [gm.flops * x / (a + 2 * g) for x in (a, g, g)]
-            elif i >= n_attn and (i - n_attn) % 2 == 0 and m.swiglu:
+            elif i >= n_attn and (i - n_attn) % 2 == 0 and activation_of(m).gated:
                 mms += [gm.flops / 2, gm.flops / 2]
             else:
                 mms.append(gm.flops)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import List, Optional
 
 from megalite.config import MegaliteConfig, ModelConfig
+from megalite.pipeline_parallel.simulator import AUTO, SCHEDULE_NAMES, resolve_schedule
 
 ZERO_NAMES = {0: "DDP", 1: "ZeRO-1 (distributed optimizer)", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
 
@@ -26,7 +27,7 @@ class Layout:
     recompute: str = "none"          # none | selective | full
     zero: int = 0                    # 0 DDP, 1 distributed optimizer, 2 +grads, 3 +weights
     sp: bool = False
-    schedule: str = "1f1b"           # 1f1b | interleaved | zero-bubble
+    schedule: str = SCHEDULE_NAMES[0]    # a name of pipeline_parallel.simulator.SCHEDULES
     first_layers: Optional[int] = None
     last_layers: Optional[int] = None
     # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding / the loss
@@ -44,6 +45,12 @@ class Layout:
     # --pipeline-model-parallel-layout with 'm' (Bridge's DeepSeek-V3 'Et|(tt|)*30mL').
     # megalite has no flag for it: its flags and config leave it out (advice only).
     account_mtp: bool = False
+
+    @property
+    def schedule_flag(self) -> str:
+        """``--pipeline-schedule``: ``auto`` when that is what auto picks (no flag needed)."""
+        return AUTO if resolve_schedule(AUTO, self.vpp).name == self.schedule else \
+            self.schedule
 
     @property
     def dp(self) -> int:
@@ -116,8 +123,7 @@ class Layout:
         p.decoder_last_pipeline_num_layers = self.last_layers
         p.account_for_embedding_in_pipeline_split = self.account_embedding
         p.account_for_loss_in_pipeline_split = self.account_loss
-        p.pipeline_schedule = {"1f1b": "auto", "interleaved": "interleaved",
-                               "zero-bubble": "zero-bubble"}[self.schedule]
+        p.pipeline_schedule = self.schedule_flag
         p.sequence_parallel = self.sp
         p.use_distributed_optimizer = self.zero in (1, 2)
         p.overlap_grad_reduce = self.zero == 2       # ZeRO-2: bucketed, shard-only grads
@@ -144,8 +150,8 @@ class Layout:
             f.append("--account-for-embedding-in-pipeline-split")
         if self.account_loss:
             f.append("--account-for-loss-in-pipeline-split")
-        if self.schedule == "zero-bubble":
-            f += ["--pipeline-schedule", "zero-bubble"]
+        if self.schedule_flag != AUTO:
+            f += ["--pipeline-schedule", self.schedule]
         if self.cp > 1:
             f += ["--context-parallel-size", str(self.cp)]
             if self.cp_comm != "p2p":
@@ -190,8 +196,7 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
     """The layout a (validated) run config describes."""
     p, t, m = cfg.parallel, cfg.training, cfg.model
     vpp = p.virtual_stages(m.num_layers)
-    sched = "zero-bubble" if p.pipeline_schedule == "zero-bubble" else \
-        ("interleaved" if vpp > 1 else "1f1b")
+    sched = resolve_schedule(p.pipeline_schedule, vpp).name
     dp = cfg.world_size // (p.tp * p.cp * p.pp)
     return Layout(world=cfg.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=vpp,
                   micro_batch=t.micro_batch_size,

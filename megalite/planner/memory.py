@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from megalite.config import MegaliteConfig, ModelConfig
+from megalite.pipeline_parallel.simulator import get_schedule
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
+from megalite.transformer.activations import activation_of
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
             scores = a * T * kv_len // t
             attn += 2 * scores + ((scores + 2 * scores) if drop_a else 0)
     # MLP.
-    gate = 2 if m.swiglu else 1
+    gate = activation_of(m).fc1_blocks
     if not moe:
         f = m.resolved_ffn_hidden_size()
         mlp = 0 if "mlp" in modules else (2 * gate * T * f + 2 * T * f) // t
@@ -199,12 +201,7 @@ def in_flight(L: Layout, pp_rank: int) -> float:
     p, m, v = L.pp, L.num_micro_batches, L.vpp
     if p == 1:
         return 1.0
-    if L.schedule == "zero-bubble":
-        return float(min(p, m))
-    if v > 1:
-        chunks = min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
-        return chunks / v
-    return float(min(p - pp_rank, m))
+    return get_schedule(L.schedule).in_flight(p, m, v, pp_rank)
 
 
 def recompute_working_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
@@ -325,7 +322,7 @@ def local_layer_parts(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     elif moe:
         mlp = local_moe_bytes(m, L, Tn, e)
     else:                                          # fc1 input; fc1 output, (silu,) fc2 input
-        mlp = e * Tn * h + (4 if m.swiglu else 2) * e * T * f // t
+        mlp = e * Tn * h + activation_of(m).saved_elements * e * T * f // t
     return norm + drop + attn, proj + norm + drop + mlp
 
 
@@ -389,11 +386,12 @@ def local_moe_bytes(m: ModelConfig, L: Layout, Tn: int, e: int) -> int:
         n += 4 * Tn                                # logsumexp
     n += 8 * Tn * k + 2 * 8 * pairs + 2 * 8 * rows  # int64 choices, pair order and token,
     n += e * pairs                                 # sort permutation + inverse; pair weights
-    n += e * rows * h + (4 if m.swiglu else 2) * e * rows * fe   # expert input; fc1 out, act
+    saved = activation_of(m).saved_elements
+    n += e * rows * h + saved * e * rows * fe      # expert input; fc1 out, act
     n += e * pairs * h                             # expert output back at this rank (x prob)
     shared = m.moe_shared_expert_intermediate_size
     if shared:                                     # its fc1 input is the router's input
-        n += (4 if m.swiglu else 2) * e * (Tn * (L.tp if L.sp else 1)) * shared // L.tp
+        n += saved * e * (Tn * (L.tp if L.sp else 1)) * shared // L.tp
         if m.moe_shared_expert_gate:               # output x sigmoid gate keeps both factors
             n += e * Tn * h + e * Tn
     return n

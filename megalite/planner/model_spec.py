@@ -17,6 +17,8 @@ from megalite.arguments import ConfigError
 from megalite.config import ModelConfig
 from megalite.model_presets import MODEL_PRESETS, preset_model
 from megalite.pipeline_parallel.split import PipelineSplit, split_layers
+from megalite.transformer.activations import DEFAULT as DEFAULT_ACTIVATION
+from megalite.transformer.activations import activation_for_hf, activation_of, switches
 
 # Model presets live in one place (megalite/model_presets.py): the planner's --recipe and the
 # launch recipes (launch/recipes/*.yaml, ``recipe: {model: NAME}``) read the same shapes.
@@ -69,7 +71,7 @@ def from_hf_config(path: str) -> ModelConfig:
         normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-5),
         position_embedding_type="rope", rotary_base=int(hf.get(
             "rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000))),
-        swiglu=act in ("silu", "swish", "swiglu"),
+        **switches(activation_for_hf(act) or DEFAULT_ACTIVATION),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         add_bias_linear=bool(hf.get("attention_bias", False) and hf.get("mlp_bias", False)),
         hidden_dropout=0.0, attention_dropout=0.0,
@@ -273,7 +275,7 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
         n += qkv_rows * h // tp + (qkv_rows // tp if bias or m.add_qkv_bias else 0)   # QKV
         n += 2 * _norm(m, d) if m.qk_layernorm else 0   # q/k norms: replicated over TP
         n += h * a * d // tp + (h if bias else 0)                   # row-parallel projection
-    gate = 2 if m.swiglu else 1
+    gate = activation_of(m).fc1_blocks
     if not moe:
         f = m.resolved_ffn_hidden_size()
         n += gate * f * h // tp + (gate * f // tp if bias else 0)   # fc1
@@ -351,7 +353,7 @@ def active_params(m: ModelConfig) -> int:
     total = total_params(m)
     if not m.num_experts:
         return total
-    gate = 2 if m.swiglu else 1
+    gate = activation_of(m).fc1_blocks
     fe, bias = moe_ffn(m), m.add_bias_linear
     per_expert = gate * fe * m.hidden_size + m.hidden_size * fe + \
         ((gate * fe + m.hidden_size) if bias else 0)
@@ -372,5 +374,5 @@ def describe(m: ModelConfig) -> str:
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     return (f"{size} params: {m.num_layers} layers, hidden "
             f"{m.hidden_size}, {m.num_attention_heads}{gqa} heads, ffn "
-            f"{m.resolved_ffn_hidden_size()}{' swiglu' if m.swiglu else ''}, vocab "
+            f"{m.resolved_ffn_hidden_size()}{'' if activation_of(m).flag is None else ' ' + activation_of(m).name}, vocab "
             f"{m.vocab_size}{moe}")

@@ -18,7 +18,10 @@ from megalite.config import ConfigError, ModelConfig
 from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
+from megalite.pipeline_parallel.simulator import AUTO, SCHEDULES, resolve_schedule
 from megalite.validation import validate_layout
+
+SEARCHED_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if s.searched)
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -34,7 +37,7 @@ class SearchSpace:
     micro_batch: Optional[Sequence[int]] = None
     recompute: Sequence[str] = RECOMPUTE_ORDER
     zero: Sequence[int] = (0, 1)                  # stages megalite has flags for
-    schedules: Sequence[str] = ("1f1b", "interleaved")
+    schedules: Sequence[str] = SEARCHED_SCHEDULES
     cp_min_seq: int = 16384                       # CP only for long sequences
     max_micro_batch: int = 8
     max_vpp: int = 8
@@ -82,7 +85,7 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
         return
     if pp > L:
         return
-    interleave = "interleaved" in space.schedules
+    interleave = any(SCHEDULES[s].virtual_stages for s in space.schedules)
     if L % pp == 0:
         per = L // pp
         vpps = [v for v in divisors(per) if v <= space.max_vpp] if interleave else [1]
@@ -124,10 +127,11 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                 if global_batch % dp:
                     continue
                 for first, last, vpp, accounts in pipeline_splits(m, pp, space):
-                    scheds = ["interleaved"] if vpp > 1 else \
-                        [s for s in space.schedules if s in ("1f1b", "zero-bubble")] or ["1f1b"]
+                    scheds = [s for s in space.schedules
+                              if SCHEDULES[s].virtual_stages == (vpp > 1)] or \
+                        [resolve_schedule(AUTO, vpp).name]
                     if pp == 1:
-                        scheds = ["1f1b"]
+                        scheds = [resolve_schedule(AUTO, 1).name]
                     for sched in scheds:
                         for ep, etp in _expert_options(m, tp, pp, world, space):
                             mbs = [b for b in _pow2_upto(space.max_micro_batch)

@@ -37,10 +37,12 @@ from typing import Dict, Optional
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
+from megalite.pipeline_parallel.simulator import get_schedule
 from megalite.planner.memory import (ActivationOptions, Precision, activation_bytes,
                                      attention_kernel_of, in_flight, layout_state_bytes,
                                      local_head_bytes, local_layer_parts,
                                      unfused_backward_bytes)
+from megalite.transformer.activations import activation_of
 
 COALESCE_ELEMENTS = 40_000_000     # comm.all_reduce_coalesced's flat-buffer bound
 
@@ -55,7 +57,7 @@ def largest_param(m: ModelConfig, L: Layout) -> int:
     """Elements of the largest single parameter on a rank (its fresh gradient is one tensor)."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
-    gate = 2 if m.swiglu else 1
+    gate = activation_of(m).fc1_blocks
     cands = [m.padded_vocab_size(L.tp) * h // L.tp, (a + 2 * g) * d * h // L.tp,
              h * a * d // L.tp]
     if not m.num_experts or m.moe_layer_freq != 1:
@@ -109,7 +111,7 @@ def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision
         gathered, grads = params.total * prec.weight, params.total * 4
         sync = int(unit * 4 * (1 + (copy if d > 1 else 0) + 1 / d))
         k = in_flight(L, pp_rank)
-        if k >= L.num_micro_batches and L.schedule != "zero-bubble":
+        if k >= L.num_micro_batches and not get_schedule(L.schedule).split_backward:
             # every forward runs before the first backward: at the activation peak no
             # gradient exists yet; after the first backward one micro-batch fewer is held
             # (zero bubble keeps the activations until each W: not so)

@@ -30,7 +30,7 @@ from megalite.models.gpt_step import GPT_FAMILY
 from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
-from megalite.pipeline_parallel.schedules import pipeline_schedule_name
+from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
 from megalite.training.faults import ExitWatcher, check_finite
 from megalite.training.flops import (device_peak_flops, flops_per_iteration,
@@ -186,7 +186,7 @@ class Trainer:
             sched = self.strategy.scheduler
             record_iteration(self.cfg, self.state, self._timeline_events,
                              pipeline_schedule_name(self.cfg, self.state)
-                             if self.state.pp.size > 1 else "no-pipelining",
+                             if self.state.pp.size > 1 else NO_PIPELINING,
                              sched.trace if sched is not None else ())
             self._timeline_events = None
         # Megatron's order: the update uses the lr (and weight decay) of the samples consumed

@@ -27,6 +27,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalite.transformer.activations import activation_of
+
 SLOW_BF16_RATIO = 0.5       # warn when bf16 runs below half the fp32 rate
 PROBE_SECONDS = 0.4         # total timing budget, both dtypes, all shapes
 MAX_PROBE_FLOPS = 4e8       # per matmul: 0.2 s even at an emulated-bf16 2 GFLOP/s
@@ -51,7 +53,7 @@ def probe_shapes(model_cfg, tokens: int, tp: int = 1) -> List[Shape]:
     ``MAX_PROBE_FLOPS`` (the rate, not the whole layer, is what is measured)."""
     h = min(model_cfg.hidden_size, 4096)
     ffn = model_cfg.ffn_hidden_size or 4 * model_cfg.hidden_size
-    mlp_out = max(1, ffn * (2 if model_cfg.swiglu else 1) // tp)
+    mlp_out = max(1, ffn * activation_of(model_cfg).fc1_blocks // tp)
     vocab = max(1, (model_cfg.vocab_size or 32000) // tp)
     m = max(1, min(tokens, 512))
     cap = max(64, int(MAX_PROBE_FLOPS // (2 * m * h)))

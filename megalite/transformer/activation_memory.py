@@ -17,6 +17,7 @@ from typing import Callable, Dict
 
 import torch
 
+from megalite.transformer.activations import activation_of
 from megalite.transformer.recompute import probe_checkpoint_inputs
 
 
@@ -106,13 +107,8 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
         T["mlp input = pre-MLP-norm output (checkpoint input)"] = sn * b * h
     else:
         T["fc1 input = pre-MLP-norm output (sequence shard with SP)"] = sn * b * h
-        if m.swiglu:
-            T["fc1 output [gate; up] (silu and mul save views)"] = 2 * s * b * f // t
-            T["silu(gate)"] = s * b * f // t
-            T["fc2 input silu(gate)*up"] = s * b * f // t
-        else:
-            T["GeLU input (fc1 output)"] = s * b * f // t
-            T["fc2 input (GeLU output)"] = s * b * f // t
+        for term, multiple in activation_of(m).saved:
+            T[term] = multiple * s * b * f // t
     return T
 
 

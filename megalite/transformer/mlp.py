@@ -1,15 +1,16 @@
 """The feed-forward block: column-parallel fc1, activation, row-parallel fc2.
 
-With SwiGLU, fc1 is one fused [gate; up] matmul; its weight has ``partition_blocks=2`` so
-each TP rank holds [gate_r; up_r] and the activation needs no communication.  The two
+The activation is the registry's (``transformer/activations.py``); a gated one (SwiGLU)
+makes fc1 one fused [gate; up] matmul whose weight has ``partition_blocks=2``, so each TP
+rank holds [gate_r; up_r] and the activation needs no communication.  The two
 linears are spec slots (``MLPSubmodules``); ``linear_fc1`` may apply the pre-MLP norm.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from megalite.transformer.activations import activation_of
 from megalite.transformer.spec import build_module
 
 
@@ -22,22 +23,17 @@ class MLP(nn.Module):
         super().__init__()
         m = model_cfg
         ffn = m.resolved_ffn_hidden_size()
-        self.swiglu = m.swiglu
+        self.activation = activation_of(m)
+        blocks = self.activation.fc1_blocks
         self.layer_number = layer_number
         kw = dict(tp_group=comm_groups.tp, bias=m.add_bias_linear,
                   sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.linear_fc1 = build_module(
-            submodules.linear_fc1, m.hidden_size, 2 * ffn if m.swiglu else ffn,
-            init_std=m.init_method_std, partition_blocks=2 if m.swiglu else 1, **kw)
+            submodules.linear_fc1, m.hidden_size, blocks * ffn,
+            init_std=m.init_method_std, partition_blocks=blocks, **kw)
         self.linear_fc2 = build_module(
             submodules.linear_fc2, ffn, m.hidden_size, input_is_parallel=True,
             init_std=m.init_method_std / (2.0 * m.num_layers) ** 0.5, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
-        return self.linear_fc2(y)
+        return self.linear_fc2(self.activation.fn(self.linear_fc1(x)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from megalite.errors import DataError
+from megalite.pipeline_parallel.simulator import SCHEDULE_NAMES, get_schedule
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "BW": "#55A868", "W": "#DD8452"}
 LABELS = {"F": "F forward", "BW": "B backward", "B": "B input grad", "W": "W weight grad"}
@@ -117,7 +118,7 @@ def _main(argv=None) -> int:
     t.add_argument("-o", "--output", default="schedule.png")
     t.add_argument("--iteration", type=int, default=None, help="default: the last recorded")
     s = sub.add_parser("schedule", help="draw the simulator's schedule")
-    s.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved", "zero-bubble"])
+    s.add_argument("--schedule", default=SCHEDULE_NAMES[0], choices=SCHEDULE_NAMES)
     s.add_argument("--pp", type=int, default=4)
     s.add_argument("--micro-batches", type=int, default=8)
     s.add_argument("--vpp", type=int, default=1)
@@ -136,13 +137,14 @@ def _main(argv=None) -> int:
                 f"m={meta.get('micro_batches', '?')} (measured)"
         draw_pipeline(records, a.output, title, unit="s")
     else:
-        if a.schedule == "interleaved" and a.vpp < 2:
+        virtual = get_schedule(a.schedule).virtual_stages
+        if virtual and a.vpp < 2:
             a.vpp = 2
         costs = _costs(a.costs)
-        if a.schedule == "interleaved":  # a chunk holds 1/v of a stage's layers
+        if virtual:  # a chunk holds 1/v of a stage's layers
             costs = {k: c / a.vpp for k, c in costs.items()}
         records = simulated_records(a.schedule, a.pp, a.micro_batches, a.vpp, costs)
-        v = f" v={a.vpp}" if a.schedule == "interleaved" else ""
+        v = f" v={a.vpp}" if virtual else ""
         draw_pipeline(records, a.output, f"{a.schedule} p={a.pp}{v} m={a.micro_batches} "
                       "(simulated)", unit="one stage's forward = 1", show_comm=False)
     print(f"wrote {a.output}")

@@ -1,0 +1,90 @@
+"""The MLP activations: one registry entry each, read by every place that depends on it.
+
+The dense MLP and the grouped experts apply ``activation_of(model_cfg)``; the parameter
+counts, FLOPs, memory models, precision probe and checkpoint checks read the same entry
+(how wide fc1 is, how many matmuls a token does, what backward keeps), so adding an MLP
+variant is one entry here, its switch in ``config/model.py`` and its line in the docs
+(docs/extending.md).  Importing this module does not import torch (the planner reads it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+
+def _silu_glu(y):
+    import torch.nn.functional as F
+
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _gelu(y):
+    import torch.nn.functional as F
+
+    return F.gelu(y)
+
+
+def _llama_ffn(hidden: int) -> int:
+    """Llama's rule: 2/3 of 4h, rounded up to a multiple of 64."""
+    return int(math.ceil(int(8 * hidden / 3) / 64) * 64)
+
+
+@dataclass(frozen=True)
+class Activation:
+    name: str
+    flag: Optional[str]        # the ModelConfig switch that selects it (None: the default)
+    summary: str
+    gated: bool                # fc1 computes [gate; up] (two blocks per TP rank)
+    fn: Callable               # fc1 output -> fc2 input (torch tensors)
+    # what backward keeps per token, in multiples of the MLP width f (the activation
+    # memory models' terms; measured in tests/unit/test_pipeline_activation_memory.py)
+    saved: Tuple[Tuple[str, int], ...]
+    hf_names: Tuple[str, ...]  # Hugging Face ``hidden_act`` values that mean it
+    default_ffn: Callable[[int], int] = lambda hidden: 4 * hidden   # no --ffn-hidden-size
+
+    @property
+    def fc1_blocks(self) -> int:
+        """How many f-wide blocks fc1 produces: 2 ([gate; up]) when gated."""
+        return 2 if self.gated else 1
+
+    @property
+    def matmuls(self) -> int:
+        """h x f matmuls per token: fc1's blocks and fc2."""
+        return self.fc1_blocks + 1
+
+    @property
+    def saved_elements(self) -> int:
+        return sum(n for _, n in self.saved)
+
+
+ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in (
+    Activation("swiglu", "swiglu", "SwiGLU: silu(gate) * up (Llama)", gated=True,
+               fn=_silu_glu, hf_names=("silu", "swish", "swiglu"), default_ffn=_llama_ffn,
+               saved=(("fc1 output [gate; up] (silu and mul save views)", 2),
+                      ("silu(gate)", 1), ("fc2 input silu(gate)*up", 1))),
+    Activation("gelu", None, "GeLU (GPT-2)", gated=False, fn=_gelu,
+               hf_names=("gelu", "gelu_new", "gelu_pytorch_tanh"),
+               saved=(("GeLU input (fc1 output)", 1), ("fc2 input (GeLU output)", 1))),
+)}
+DEFAULT = next(a for a in ACTIVATIONS.values() if a.flag is None)
+SWITCHES = tuple(a.flag for a in ACTIVATIONS.values() if a.flag)   # ModelConfig fields
+
+
+def activation_of(model_cfg) -> Activation:
+    """The activation ``model_cfg`` selects: the first entry whose switch is on."""
+    for a in ACTIVATIONS.values():
+        if a.flag and getattr(model_cfg, a.flag, False):
+            return a
+    return DEFAULT
+
+
+def activation_for_hf(hidden_act: str) -> Optional[Activation]:
+    """The entry a Hugging Face ``hidden_act`` names (None: not one of ours)."""
+    return next((a for a in ACTIVATIONS.values() if hidden_act in a.hf_names), None)
+
+
+def switches(activation: Activation) -> dict:
+    """The ModelConfig switches that select ``activation`` ({field: bool})."""
+    return {f: f == activation.flag for f in SWITCHES}
