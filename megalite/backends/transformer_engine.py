@@ -45,6 +45,7 @@ from megalite.transformer.norms import (SEQUENCE_PARALLEL_GROUP, IdentityNorm, b
                                        build_qk_norm)
 from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, ModuleSpec,
                                        SelfAttentionSubmodules, TransformerLayerSubmodules)
+from megalite.tensor_parallel.random import AttachedTracker, DrawsFromTracker
 from megalite.tensor_parallel.layers import ColumnParallelLinear
 
 
@@ -55,30 +56,6 @@ def te_pytorch():
 
 def te_recipe_module():
     return importlib.import_module("transformer_engine.common.recipe")
-
-
-class TrackerProxy:
-    """What TE's ``get_rng_state_tracker()`` returns: forwards ``fork``/``get_states`` to the
-    tracker ``owner.rng_tracker`` holds when called (attached after construction by the
-    parallelize phase); without one, ``fork`` is a no-op and there are no states."""
-
-    def __init__(self, owner):
-        self.owner = owner
-
-    def fork(self, name: Optional[str] = None):
-        tracker = getattr(self.owner, "rng_tracker", None)
-        if tracker is None:
-            return contextlib.nullcontext()
-        return tracker.fork() if name is None else tracker.fork(name)
-
-    def get_states(self):
-        tracker = getattr(self.owner, "rng_tracker", None)
-        return {} if tracker is None else tracker.get_states()
-
-    def set_states(self, states):
-        tracker = getattr(self.owner, "rng_tracker", None)
-        if tracker is not None:
-            tracker.set_states(states)
 
 
 def _skip_init(_tensor) -> None:
@@ -171,7 +148,7 @@ TE_ATTENTION_ENV = {
 TE_ATTENTION_ENV["local"] = TE_ATTENTION_ENV["unfused"]
 
 
-class TECoreAttention(nn.Module):
+class TECoreAttention(DrawsFromTracker, nn.Module):
     """``te.pytorch.DotProductAttention`` in megalite's core-attention slot (``sbhd``).
 
     Takes q [s, b, np, d], k/v [s, b, ng, d] (this rank's heads; TE is given the global head
@@ -182,7 +159,7 @@ class TECoreAttention(nn.Module):
     handles_context_parallel = True     # backends.context_parallel_spec leaves it in place
 
     def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  cp_comm_type: str = "p2p", softmax_scale: Optional[float] = None,
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None):
         super().__init__()
@@ -193,9 +170,7 @@ class TECoreAttention(nn.Module):
             (k_channels, v_channels or k_channels)
         os.environ.update(TE_ATTENTION_ENV.get(getattr(model_cfg, "attention_backend", "auto"),
                                                {}))
-        self.rng_tracker = rng_tracker
         tp, cp = comm_groups.tp, comm_groups.cp
-        proxy = TrackerProxy(self)
         self.attention = te.DotProductAttention(
             num_attention_heads=model_cfg.num_attention_heads,
             kv_channels=kv_channels,
@@ -203,10 +178,16 @@ class TECoreAttention(nn.Module):
             attention_dropout=model_cfg.attention_dropout, qkv_format="sbhd",
             attn_mask_type=attn_mask_type.value, sequence_parallel=False,
             tp_size=tp.size, tp_group=tp.handle if tp.size > 1 else None,
-            get_rng_state_tracker=lambda: proxy, layer_number=layer_number + 1, **extra)
+            get_rng_state_tracker=self.attached_tracker, layer_number=layer_number + 1,
+            **extra)
         if cp.size > 1:
             self.attention.set_context_parallel_group(cp.handle, list(cp.ranks),
                                                       cp_stream(), cp_comm_type)
+
+    def attached_tracker(self) -> AttachedTracker:
+        """TE's ``get_rng_state_tracker``: TE keeps what it returns from construction on,
+        before the parallelize step attaches the rank's tracker -- so a forwarder."""
+        return AttachedTracker(self)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q/k/v are views into the grouped qkv output; TE's kernels want plain sbhd tensors

@@ -161,7 +161,7 @@ class RingAttention(nn.Module):
     qkv_format = "bhsd"
 
     def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
                  v_channels: Optional[int] = None):
         super().__init__()

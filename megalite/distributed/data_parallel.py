@@ -15,7 +15,8 @@ never reaches into optimizer internals and FSDP2 can be a third implementation:
   the strategy all-gathers the parameters.  With ``--overlap-grad-reduce``: one buffer per
   bucket, and only the reduced shard of the gradient is kept (ZeRO-2).
 * ``FSDP2Strategy`` (``--use-torch-fsdp2``): torch's ``fully_shard`` (ZeRO-3), with TP, PP,
-  CP and EP.
+  CP and EP, over chunks the parallelize step sharded; the strategy owns the step, not the
+  sharding.
 
 ``--num-distributed-optimizer-instances R`` (hybrid sharding): the distributed optimizer and
 FSDP2 shard over one instance of DP x CP / R neighbouring ranks ("dp-cp-shard") and
@@ -39,7 +40,6 @@ import torch
 
 from megalite import comm
 from megalite.distributed.distributed_optimizer import DistributedOptimizer
-from megalite.distributed.fsdp2 import apply_fsdp2
 from megalite.distributed.grad_buckets import (Bucket, OverlapScheduler, bucket_size,
                                                split_into_buckets)
 from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_parallel_grads,
@@ -513,18 +513,20 @@ class FSDP2Strategy(DataParallelStrategy):
 
 
 def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
-    """The strategy for ``cfg``: ``FSDP2Strategy`` with --use-torch-fsdp2 (the chunks are
-    fully sharded first), ``DistributedOptimizerStrategy`` with --use-distributed-optimizer,
-    else ``DDPStrategy``."""
-    if cfg.parallel.use_torch_fsdp2:
-        for chunk in model_chunks:
-            apply_fsdp2(chunk, state, cfg, next(chunk.parameters()).device.type)
+    """The strategy for ``cfg``: ``FSDP2Strategy`` with --use-torch-fsdp2 (over chunks the
+    parallelize step fully sharded), ``DistributedOptimizerStrategy`` with
+    --use-distributed-optimizer, else ``DDPStrategy``."""
     triples = named_specs(model_chunks)      # FQNs are unique over a rank's chunks
     named = [(n, p) for n, p, _ in triples]
     specs = {n: spec for n, _, spec in triples}
     if len(specs) != len(triples):
         raise ValueError("parameter names repeat across this rank's model chunks")
     if cfg.parallel.use_torch_fsdp2:
+        from torch.distributed.tensor import DTensor
+
+        if not all(isinstance(p, DTensor) for _, p in named):
+            raise ValueError("--use-torch-fsdp2: the model chunks were not fully sharded; build "
+                             "them through the model family's parallelize step")
         return FSDP2Strategy(named, cfg, state, specs)
     if cfg.parallel.use_distributed_optimizer:
         strategy = DistributedOptimizerStrategy(named, cfg, state, specs)

@@ -6,8 +6,11 @@ reduce-scatters its gradients when the unit's backward is done -- the overlap co
 own streams / background work.  We only decide the units, the meshes and the policy, as
 torchtitan's ``apply_fsdp_to_decoder`` does:
 
-* units: one per transformer layer, one for the embedding, one for the output layer (with a
-  tied embedding both stay in the root unit); the root takes what is left;
+* units: the model family's (``ModelFamily.fsdp_units``; GPT's: one per transformer layer,
+  one for the embedding, one for the output layer, a tied embedding in the root); the root
+  takes what is left.  The parallelize step (``models/parallelize.py``) calls
+  ``shard_chunk`` once the chunk is on its device in its dtype; the strategy owns the step,
+  not the sharding;
 * meshes (``fsdp_meshes``), built from ``ParallelState``'s own groups: dense parameters are
   sharded over DP x CP ("dp-cp": CP ranks saw other tokens of the same sequences, so their
   gradients are summed there anyway); routed experts over expert-DP -- a unit of their own
@@ -43,18 +46,6 @@ from megalite import comm
 from megalite.optimizer.optimizer import model_dtype
 from megalite.param_spec import param_table
 from megalite.parallel_state import shard_group_names
-
-
-def fsdp_units(chunk) -> List[torch.nn.Module]:
-    """The modules that get their own ``fully_shard``, in forward order (root excluded)."""
-    units = []
-    tied = chunk.shared_embedding_weight() is not None
-    if getattr(chunk, "embedding", None) is not None and not tied:
-        units.append(chunk.embedding)
-    units += list(chunk.decoder.layers.values())
-    if getattr(chunk, "output_layer", None) is not None and not tied:
-        units.append(chunk.output_layer)
-    return units
 
 
 def reshard_after_forward(cfg) -> bool:
@@ -121,14 +112,16 @@ def expert_submodules(unit: torch.nn.Module, expert_ids: set) -> List[torch.nn.M
     return out
 
 
-def shard_chunk(chunk, cfg, state, units=None, device: str = "cpu") -> list:
-    """Fully shard ``chunk`` in place (``units``: its FSDP units in forward order, default
-    ``fsdp_units``); returns its FSDP modules (expert units, units, then the root).  The
-    parameters become DTensors with the same names, so the ``ParamTable`` still finds
-    their specs."""
+def shard_chunk(chunk, cfg, state, units, device: Optional[str] = None) -> list:
+    """Fully shard ``chunk`` in place, each of ``units`` (the model family's
+    ``fsdp_units``, in forward order) its own FSDP unit and the chunk the root; returns its
+    FSDP modules (expert units, units, then the root).  The parameters become DTensors with
+    the same names, so the ``ParamTable`` still finds their specs.  ``device``: the meshes'
+    (default: where the chunk's parameters are)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    units = fsdp_units(chunk) if units is None else list(units)
+    units = list(units)
+    device = device or next(chunk.parameters()).device.type
     expert_ids = {id(p) for _, p, spec in param_table(chunk).named(chunk) if spec.expert}
     meshes = fsdp_meshes(state, device, experts=bool(expert_ids))
     if cfg.optimizer.bf16 or cfg.optimizer.fp16:   # fp32 shards = masters; half compute,
@@ -162,11 +155,6 @@ def shard_chunk(chunk, cfg, state, units=None, device: str = "cpu") -> list:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) "
                             r"returned a view tensor")
     return modules
-
-
-def apply_fsdp2(chunk, state, cfg, device: str = "cpu") -> list:
-    """``shard_chunk`` with the default units (the data-parallel strategy's entry)."""
-    return shard_chunk(chunk, cfg, state, None, device)
 
 
 def expected_collectives(chunks, num_micro_batches: int, pipelined: bool) -> dict:

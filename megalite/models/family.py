@@ -32,6 +32,12 @@ class ModelFamily:
     name: str
     # (cfg, state, device) -> this rank's model chunks, built and parallelized
     build_model_chunks: Callable
+    # (chunk, cfg, state, *, rng_tracker, device, dtype) -> the chunk, parallelized in place:
+    # RNG tracker -> recompute -> compile -> init -> dtype/device -> fully_shard (after the
+    # spec choices its constructor was given); ``build_model_chunks`` calls it per chunk
+    parallelize: Callable
+    # chunk -> the modules FSDP2 shards as units (the chunk itself is the root)
+    fsdp_units: Callable
     # (raw micro-batch dict, state, device) -> this rank's micro-batch dict
     get_batch: Callable
     # (batch, model chunk, StepContext) -> (output, loss_func); loss_func(output) -> (loss,

@@ -26,23 +26,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
-                               multi_latent_attention_spec)
+from megalite.backends import get_layer_spec
 from megalite.backends.te_names import canonical_renames
 from megalite.flight_recorder import module_site
+from megalite.models.parallelize import parallelize_chunk, spec_choices
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
 from megalite.process_groups import ModelCommGroups
-from megalite.models.parallelize import parallelize_model
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
-from megalite.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding
-from megalite.tensor_parallel.random import init_parameters, model_parallel_tracker
+from megalite.tensor_parallel.layers import VocabParallelEmbedding
+from megalite.tensor_parallel.random import DrawsFromTracker, init_parameters
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.extra_losses import add_extra_loss
 from megalite.transformer.mla import mla_rotary
 from megalite.transformer.mtp import MultiTokenPrediction, mtp_loss_name, roll_left
 from megalite.transformer.rotary import RotaryEmbedding
+from megalite.transformer.spec import LayerSpec
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT_WEIGHT = "output_layer.weight"
@@ -50,15 +50,15 @@ EMBEDDING_SITE = module_site("embedding")         # call sites of the flight rec
 OUTPUT_SITE = module_site("output layer")
 
 
-class LanguageModelEmbedding(nn.Module):
+class LanguageModelEmbedding(DrawsFromTracker, nn.Module):
     """Word (+ learned position) embeddings, output [s, b, h] (or [s/tp, b, h] with SP)."""
 
-    def __init__(self, model_cfg, tp_group, *, sequence_parallel: bool, rng_tracker=None,
-                 device=None, dtype=None):
+    def __init__(self, model_cfg, tp_group, *, sequence_parallel: bool, device=None,
+                 dtype=None):
         super().__init__()
         m = model_cfg
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.dropout, self.rng_tracker = m.hidden_dropout, rng_tracker
+        self.dropout = m.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
             m.vocab_size, m.hidden_size, tp_group=tp_group,
             pad_multiple=m.make_vocab_size_divisible_by, init_std=m.init_method_std,
@@ -84,27 +84,28 @@ class LanguageModelEmbedding(nn.Module):
                 pos = pos.chunk(self.tp_group.size, dim=0)[self.tp_group.rank]
             x = x + F.embedding(pos, self.position_embeddings.weight)
         if self.training and self.dropout > 0:
-            fork = self.rng_tracker.fork() if (self.sequence_parallel and self.rng_tracker) \
+            fork = self.rng_tracker.fork() if self.sequence_parallel \
                 else contextlib.nullcontext()
             with fork:
                 x = F.dropout(x, self.dropout, training=True)
         return x
 
 
-class GPTModel(nn.Module):
-    """One pipeline chunk of the model: structure only, then (``init``) parallelized.
+class GPTModel(DrawsFromTracker, nn.Module):
+    """One pipeline chunk of the model: structure only.
 
-    The constructor builds modules and (sharded) parameters; the RNG tracker, activation
-    recomputation and initialisation are the parallelize phase (``models/parallelize.py``).
-    ``init=True`` (the default, for tests and tools that build one chunk directly) applies
-    it to this chunk alone, with the stage-0 tracker; ``build_model`` / the model family's
-    ``build_model_chunks`` build with ``init=False`` and parallelize all of a rank's chunks
-    together. With ``init=False`` the chunk has no tracker, no recompute and raw values.
+    The constructor builds modules and (TP-sharded) parameters from ``spec`` (a backend's
+    ``LayerSpec``; the plain local one when None) and knows no training policy: the
+    parallelize step (``models/parallelize.py``) attaches the RNG tracker, recompute,
+    compile, initial values and FSDP2.  ``build_chunk`` / ``build_model`` below do both
+    for tools and tests; a run's chunks come from its model family.  Until parallelized,
+    parameters hold raw values and dropout forks nothing.
     """
 
     def __init__(self, cfg, state, pre_process: bool = True, post_process: bool = True,
                  layer_numbers: Optional[Sequence[int]] = None, *,
-                 device=None, params_dtype: torch.dtype = torch.float32, init: bool = True):
+                 spec: Optional[LayerSpec] = None, device=None,
+                 params_dtype: torch.dtype = torch.float32):
         super().__init__()
         m = cfg.model
         self.model_cfg = m
@@ -112,35 +113,26 @@ class GPTModel(nn.Module):
         self.parallel_coords = group_coords(state)    # {group: (rank, size)} for init
         self.pre_process, self.post_process = pre_process, post_process
         self.layer_numbers = list(range(m.num_layers) if layer_numbers is None else layer_numbers)
-        self.sequence_parallel = bool(cfg.parallel.sequence_parallel) and state.tp.size > 1
+        self.sequence_parallel = sp = cfg.parallel.sequence_parallel_active
         self.tied = not m.untie_embeddings_and_output_weights
         # the word embedding is also read on the last stage: tied output, or MTP's inputs
         self.shares_embedding = self.tied or bool(m.mtp_num_layers)
         self.vocab_size = m.vocab_size
-        impl = "local" if m.transformer_impl == "auto" else m.transformer_impl
-        spec = get_layer_spec(impl, **layer_spec_kwargs(impl, cfg, state))
-        if m.multi_latent_attention:
-            spec = multi_latent_attention_spec(spec)
-        if state.cp.size > 1:
-            spec = context_parallel_spec(spec, cfg.parallel.cp_comm_type)
-        self.rng_tracker = None                      # attached by the parallelize phase
+        spec = spec or get_layer_spec("local")
         kw = dict(device=device, dtype=params_dtype)
-        sp = self.sequence_parallel
 
         # --mtp-num-layers: the last stage embeds the shifted tokens itself; off the first
         # stage its embedding is a tied copy of the first stage's (Megatron's approach)
         self.embeds_for_mtp = post_process and bool(m.mtp_num_layers)
         if pre_process or self.embeds_for_mtp:
-            self.embedding = LanguageModelEmbedding(m, state.tp, sequence_parallel=sp,
-                                                    rng_tracker=self.rng_tracker, **kw)
+            self.embedding = LanguageModelEmbedding(m, state.tp, sequence_parallel=sp, **kw)
         self.rotary = mla_rotary(m) if m.multi_latent_attention else \
             RotaryEmbedding.from_config(m)
         groups = ModelCommGroups.from_parallel_state(state)
         self.decoder = TransformerBlock(m, groups, spec, layer_numbers=self.layer_numbers,
                                         sequence_parallel=sp, post_layer_norm=post_process,
-                                        rng_tracker=self.rng_tracker, **kw)
-        self.mtp = MultiTokenPrediction(m, groups, spec, sequence_parallel=sp,
-                                        rng_tracker=self.rng_tracker, **kw) \
+                                        **kw)
+        self.mtp = MultiTokenPrediction(m, groups, spec, sequence_parallel=sp, **kw) \
             if self.embeds_for_mtp else None
         self.fused_loss = False
         if post_process:
@@ -149,10 +141,14 @@ class GPTModel(nn.Module):
                 sequence_parallel=sp, init_std=m.init_method_std,
                 pad_multiple=m.make_vocab_size_divisible_by,
                 skip_weight_param=self.tied and hasattr(self, "embedding"), **kw)
-            # --cross-entropy-loss-fusion: only for the plain column-parallel output layer
-            # (a bias or another backend's layer keeps the unfused path).
-            self.fused_loss = m.cross_entropy_loss_fusion and isinstance(
-                self.output_layer, ColumnParallelLinear) and self.output_layer.bias is None
+            # --cross-entropy-loss-fusion: the output layer computes the loss chunk by chunk
+            # (``loss_head``); a spec whose output layer cannot is refused, never ignored
+            self.fused_loss = bool(m.cross_entropy_loss_fusion)
+            if self.fused_loss and not getattr(self.output_layer, "takes_loss_head", False):
+                raise ValueError(
+                    f"--cross-entropy-loss-fusion: the output layer "
+                    f"{type(self.output_layer).__name__} of this layer spec cannot compute the "
+                    "loss in chunks; drop the flag")
         # The tied word embedding: the first stage's is the owner; the last stage's output
         # layer holds a copy under the same canonical name (same init and checkpoint entry),
         # whose grad is summed over the 'embedding' group and which the grad norm skips.
@@ -172,9 +168,6 @@ class GPTModel(nn.Module):
             canonical[OUTPUT_WEIGHT], tied[OUTPUT_WEIGHT] = WORD_EMBEDDING, TIED_COPY
         self.param_table = ParamTable.from_module(self, canonical, tied)
         self.input_tensor: Optional[torch.Tensor] = None
-        if init:
-            parallelize_model([self], cfg, state,
-                              rng_tracker=model_parallel_tracker(cfg.training.seed, state.tp.rank))
 
     # -- parameters ------------------------------------------------------------------------
     def canonical_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
@@ -273,11 +266,19 @@ class GPTModel(nn.Module):
             add_extra_loss(mtp_loss_name(depth), loss, weight=share)
 
 
+def build_chunk(cfg, state, pre_process: bool = True, post_process: bool = True,
+                layer_numbers: Optional[Sequence[int]] = None, *, rng_tracker=None,
+                device=None, params_dtype: torch.dtype = torch.float32) -> GPTModel:
+    """One chunk built from the run's spec choices and parallelized on its own (tools and
+    tests; a run builds all of a rank's chunks through its model family)."""
+    chunk = GPTModel(cfg, state, pre_process, post_process, layer_numbers,
+                     spec=spec_choices(cfg, state), device=device, params_dtype=params_dtype)
+    return parallelize_chunk(chunk, cfg, state, rng_tracker=rng_tracker)
+
+
 def build_model(cfg, state, **kwargs) -> GPTModel:
     """The whole model on one pipeline stage (all layers, embedding and head), parallelized."""
-    model = GPTModel(cfg, state, pre_process=True, post_process=True,
-                     layer_numbers=list(range(cfg.model.num_layers)), init=False, **kwargs)
-    return parallelize_model([model], cfg, state)[0]
+    return build_chunk(cfg, state, True, True, list(range(cfg.model.num_layers)), **kwargs)
 
 
 def single_rank_state():
@@ -292,5 +293,5 @@ def parameter_specs(model_cfg) -> Dict[str, ParamSpec]:
     from megalite.config import MegaliteConfig
 
     cfg = MegaliteConfig(model=model_cfg)
-    model = GPTModel(cfg, single_rank_state(), device="meta", init=False)
+    model = GPTModel(cfg, single_rank_state(), device="meta")
     return dict(model.param_table.specs)

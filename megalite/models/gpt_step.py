@@ -14,6 +14,7 @@ import torch
 
 from megalite.context_parallel.load_balance import slice_batch
 from megalite.models.family import ModelFamily, StepContext
+from megalite.models.parallelize import fsdp_units, parallelize_chunk
 from megalite.moe.metrics import moe_step_metrics
 from megalite.moe.router import extra_loss_names as moe_extra_loss_names
 from megalite.optimizer.optimizer import model_dtype
@@ -22,15 +23,13 @@ from megalite.transformer.mtp import mtp_loss_names
 
 
 def build_model_chunks(cfg, state, device) -> list:
-    """This rank's model chunks: one per virtual pipeline stage (one without PP), built,
-    parallelized (tracker -> recompute -> init, ``models/parallelize.py``), tied embeddings
-    marked, then cast to the training dtype on ``device``."""
+    """This rank's model chunks: one per virtual pipeline stage (one without PP), built
+    from the run's spec choices and parallelized one by one (tracker -> recompute ->
+    compile -> init -> training dtype on ``device`` -> FSDP2, ``models/parallelize.py``)."""
     from megalite.models.stages import build_model_chunks as build_stages
 
     torch.manual_seed(cfg.training.seed)
-    chunks = build_stages(cfg, state)
-    dtype = model_dtype(cfg.optimizer)
-    return [c.to(device=device, dtype=dtype) for c in chunks]
+    return build_stages(cfg, state, device=device, dtype=model_dtype(cfg.optimizer))
 
 
 def get_batch(batch: dict, state, device) -> dict:
@@ -84,4 +83,5 @@ def after_train_step(chunks, cfg, state) -> dict:
 
 GPT_FAMILY = ModelFamily(name="gpt", build_model_chunks=build_model_chunks,
                          get_batch=get_batch, forward_step=forward_step,
+                         parallelize=parallelize_chunk, fsdp_units=fsdp_units,
                          extra_loss_names=extra_loss_names, after_train_step=after_train_step)

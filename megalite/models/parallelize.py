@@ -1,26 +1,55 @@
-"""The parallelize phase: what happens to a rank's model chunks after they are built.
+"""GPT's parallelize step: everything that happens to a model chunk besides its structure.
 
-``GPTModel(...)`` only builds structure (tensor-parallel layers are constructed sharded,
-Megatron style). Training policy is applied afterwards, in torchtitan's order:
+``GPTModel(...)`` only builds modules (tensor-parallel layers are constructed sharded,
+Megatron style) from the layer spec it is handed.  Training policy is applied here, one
+pipeline chunk at a time, in torchtitan's order (``parallelize_chunk``):
 
-1. TP structure: attach the rank's tensor-parallel RNG tracker to every module that draws
-   dropout in a TP region (one tracker shared by all chunks of a rank, seeded per stage);
-2. activation recomputation (``--recompute-*``), which captures that tracker;
-3. ``--compile``: each transformer layer compiled in place (``backends/compile.py``;
-   FSDP2 wraps later, in its strategy);
-4. initialisation: every parameter drawn as its full tensor from a generator seeded by
-   (seed, canonical name), then sliced -- so the order of the steps above cannot change it.
+1. spec choices (``spec_choices``): the backend's layer spec (``--transformer-impl``) with
+   MLA's attention (``--multi-latent-attention``) and context-parallel core attention when
+   CP > 1.  The one step taken *before* the
+   constructor runs, because a spec decides which modules -- and which parameters -- exist
+   (TE's fused norm+linear owns the norm weight);
+2. RNG tracker: the rank's tensor-parallel tracker attached to every module that draws
+   dropout from it (``tensor_parallel.random.DrawsFromTracker``); one tracker shared by
+   all chunks of a rank, seeded per stage;
+3. activation recomputation (``--recompute-*``; the decoder's and the MTP modules' layers),
+   which captures that tracker;
+4. ``--compile``: each transformer layer compiled in place (``backends/compile.py``);
+5. initialisation: every parameter drawn as its full tensor from a generator seeded by
+   (seed, canonical name), then sliced -- so the steps above cannot change it; the tied
+   word embedding of the last stage made equal to the first stage's;
+6. the training dtype and device, then ``fully_shard`` with ``--use-torch-fsdp2``
+   (``distributed.fsdp2.shard_chunk``) over the units ``fsdp_units`` names.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
+import torch
 from torch import nn
 
-from megalite.tensor_parallel.random import model_parallel_tracker
+from megalite import comm
+from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
+                               multi_latent_attention_spec)
+from megalite.tensor_parallel.random import attach_rng_tracker, model_parallel_tracker
 from megalite.transformer.recompute import configure_layer_recompute, configure_recompute
+from megalite.transformer.spec import LayerSpec
 
 STAGE_SEED_OFFSET = 100   # tracker seed = seed + 100 * pp rank (Megatron's per-stage offset)
+
+
+def spec_choices(cfg, state) -> LayerSpec:
+    """Step 1: the layer spec every chunk of this run is built from -- the backend's
+    (``--transformer-impl``, ``auto`` resolved by ``selection.resolve_backend_config``;
+    unresolved here it means local), MLA's attention with --multi-latent-attention, CP core
+    attention when CP > 1."""
+    impl = "local" if cfg.model.transformer_impl == "auto" else cfg.model.transformer_impl
+    spec = get_layer_spec(impl, **layer_spec_kwargs(impl, cfg, state))
+    if cfg.model.multi_latent_attention:
+        spec = multi_latent_attention_spec(spec)
+    if state.cp.size > 1:
+        spec = context_parallel_spec(spec, cfg.parallel.cp_comm_type)
+    return spec
 
 
 def stage_rng_tracker(cfg, state):
@@ -29,42 +58,72 @@ def stage_rng_tracker(cfg, state):
                                   state.tp.rank)
 
 
-def apply_rng_tracker(chunk: nn.Module, tracker) -> None:
-    """Every module that forks the TP tracker for dropout exposes ``rng_tracker``."""
-    for module in chunk.modules():
-        if hasattr(module, "rng_tracker"):
-            module.rng_tracker = tracker
+def fsdp_units(chunk) -> List[nn.Module]:
+    """The modules of a GPT chunk that get their own ``fully_shard``, in forward order (the
+    chunk itself is the root): the embedding, each transformer layer, the output layer.
+    A word embedding shared with the other end (tied output, or MTP's inputs on the last
+    stage) keeps the embedding and the output layer in the root unit."""
+    tied = chunk.shared_embedding_weight() is not None
+    units = []
+    if getattr(chunk, "embedding", None) is not None and not tied:
+        units.append(chunk.embedding)
+    units += list(chunk.decoder.layers.values())
+    if getattr(chunk, "output_layer", None) is not None and not tied:
+        units.append(chunk.output_layer)
+    return units
 
 
-def apply_recompute(chunk: nn.Module, training_cfg) -> None:
-    configure_recompute(chunk.decoder, training_cfg)
-    if getattr(chunk, "mtp", None) is not None:     # the MTP modules' transformer layers
+def apply_recompute(chunk: nn.Module, training_cfg, tracker) -> None:
+    """``--recompute-*`` on the decoder's layers and on the MTP modules' layers."""
+    configure_recompute(chunk.decoder, training_cfg, tracker)
+    if getattr(chunk, "mtp", None) is not None:
         configure_layer_recompute([layer.transformer_layer for layer in chunk.mtp.layers],
-                                  training_cfg, chunk.decoder.rng_tracker)
+                                  training_cfg, tracker)
 
 
 def is_meta(chunk: nn.Module) -> bool:
     return any(p.is_meta for p in chunk.parameters())
 
 
-def parallelize_model(chunks: Sequence[nn.Module], cfg, state, *, rng_tracker=None,
-                      init_weights: bool = True) -> list:
-    """Apply TP structure -> recompute -> init to ``chunks`` in place; returns them.
+def tie_shared_embedding(chunk, state) -> None:
+    """With PP > 1 the first stage's word embedding (the owner) and the last stage's output
+    layer copy start from the same name-seeded values; the owner's broadcast over the
+    'embedding' group makes the equality explicit."""
+    weight = chunk.shared_embedding_weight()
+    group = state.groups.get("embedding")
+    if state.pp.size > 1 and weight is not None and group is not None and \
+            group.handle is not None:
+        with torch.no_grad():
+            comm.broadcast(weight.data, group.ranks[0], group)
 
-    ``rng_tracker`` defaults to ``stage_rng_tracker``; chunks on the meta device are left
-    uninitialised (allocate them first)."""
+
+def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=None,
+                      dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """Steps 2-6 on one pipeline chunk, in place; returns it.
+
+    ``rng_tracker``: the rank's tracker (``stage_rng_tracker`` when None: one chunk alone);
+    ``device`` / ``dtype``: where and in what the chunk trains (unchanged when None); a
+    chunk on the meta device is left uninitialised (allocate it first)."""
     tracker = rng_tracker if rng_tracker is not None else stage_rng_tracker(cfg, state)
-    for chunk in chunks:
-        apply_rng_tracker(chunk, tracker)
-    for chunk in chunks:
-        apply_recompute(chunk, cfg.training)
+    attach_rng_tracker(chunk, tracker)
+    apply_recompute(chunk, cfg.training, tracker)
     if getattr(cfg.training, "compile", False):      # --compile: each layer, in place
         from megalite.backends.compile import compile_layers
 
-        for chunk in chunks:
-            compile_layers(chunk)
-    if init_weights:
-        for chunk in chunks:
-            if not is_meta(chunk):
-                chunk.initialize(cfg.training.seed)
-    return list(chunks)
+        compile_layers(chunk)
+    if not is_meta(chunk):
+        chunk.initialize(cfg.training.seed)
+        tie_shared_embedding(chunk, state)
+    if device is not None or dtype is not None:
+        chunk.to(device=device, dtype=dtype)
+    if cfg.parallel.use_torch_fsdp2:
+        from megalite.distributed.fsdp2 import shard_chunk
+
+        shard_chunk(chunk, cfg, state, fsdp_units(chunk))
+    return chunk
+
+
+def parallelize_chunks(chunks: Sequence[nn.Module], cfg, state, **kwargs) -> list:
+    """``parallelize_chunk`` on each of a rank's chunks, with the one tracker they share."""
+    tracker = kwargs.pop("rng_tracker", None) or stage_rng_tracker(cfg, state)
+    return [parallelize_chunk(c, cfg, state, rng_tracker=tracker, **kwargs) for c in chunks]

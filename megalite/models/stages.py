@@ -1,55 +1,36 @@
 """This rank's GPT model chunks: one per virtual pipeline stage, built from the stage-split
-rule (``megalite.pipeline_parallel.stages.layers_of_stage``), parallelized together, with the
-tied word embedding made equal on the first and last stage."""
+rule (``megalite.pipeline_parallel.stages.layers_of_stage``) and the run's spec choices,
+then parallelized one chunk at a time with the rank's one RNG tracker."""
 from __future__ import annotations
 
-import torch
-
-from megalite import comm
 from megalite.models.gpt import GPTModel
-from megalite.models.parallelize import parallelize_model
+from megalite.models.parallelize import parallelize_chunk, spec_choices, stage_rng_tracker
 from megalite.pipeline_parallel.stages import layers_of_stage
 
 
-def build_model_chunks(cfg, state) -> list:
-    """One ``GPTModel`` per virtual stage of this rank, with tied embeddings marked.
+def build_model_chunks(cfg, state, device=None, dtype=None) -> list:
+    """One ``GPTModel`` per virtual stage of this rank, parallelized
+    (``models/parallelize.py``), on ``device`` in ``dtype`` (unchanged when None).
 
     ``state.virtual_pipeline_rank`` is set while each chunk is built so that
     ``is_first_stage()`` / ``is_last_stage()`` give the right pre/post processing.  With
     PP > 1 the first stage's word embedding (the owner) and the last stage's output-layer
     copy are both tied in the chunks' ``param_table`` (grads summed over the 'embedding'
-    group; the copy is not counted in the grad norm).  Both are initialized from the same
-    parameter name; a broadcast from the first stage makes equality explicit.  The chunks
-    are built bare and parallelized together (``models/parallelize.py``).
+    group; the copy is not counted in the grad norm); both start from the same parameter
+    name's values, and the parallelize step broadcasts the owner's.
     """
-    v = state.vpp_size
+    spec = spec_choices(cfg, state)
+    tracker = stage_rng_tracker(cfg, state)    # one per rank, shared by its chunks
     chunks = []
     old = state.virtual_pipeline_rank
     try:
-        for vr in range(v):
+        for vr in range(state.vpp_size):
             state.virtual_pipeline_rank = vr
-            chunks.append(GPTModel(cfg, state, pre_process=state.is_first_stage(),
-                                   post_process=state.is_last_stage(),
-                                   layer_numbers=layers_of_stage(cfg, state.pp.rank, vr),
-                                   init=False))
+            chunk = GPTModel(cfg, state, pre_process=state.is_first_stage(),
+                             post_process=state.is_last_stage(),
+                             layer_numbers=layers_of_stage(cfg, state.pp.rank, vr), spec=spec)
+            chunks.append(parallelize_chunk(chunk, cfg, state, rng_tracker=tracker,
+                                            device=device, dtype=dtype))
     finally:
         state.virtual_pipeline_rank = old
-    # One RNG tracker per rank, shared by its chunks (seed offset per stage, as Megatron).
-    parallelize_model(chunks, cfg, state)
-    if state.pp.size > 1:
-        mark_shared_embeddings(chunks, state)
     return chunks
-
-
-def mark_shared_embeddings(chunks, state) -> None:
-    """Make the tied first/last-stage word embeddings start equal (the owner broadcasts);
-    which parameters are tied is already in each chunk's ``param_table``."""
-    shared = None
-    for chunk in chunks:
-        weight = chunk.shared_embedding_weight()
-        if weight is not None:
-            shared = weight
-    group = state.groups.get("embedding")
-    if shared is not None and group is not None and group.handle is not None:
-        with torch.no_grad():
-            comm.broadcast(shared.data, group.ranks[0], group)

@@ -20,7 +20,7 @@ def activation_shape(cfg, state) -> Tuple[int, int, int]:
     """[s, b, h] of the tensor crossing a stage boundary on this rank."""
     m, p = cfg.model, cfg.parallel
     seq = m.seq_length // state.cp.size
-    if p.sequence_parallel and state.tp.size > 1:
+    if p.sequence_parallel_active:
         seq //= state.tp.size
     return seq, cfg.training.micro_batch_size, m.hidden_size
 

@@ -141,10 +141,18 @@ class ColumnParallelLinear(nn.Module):
             make_param(self, "bias", ParamSpec.split(
                 (output_size,), 0, g, partition_blocks, pad_multiple, init=("zeros",)), sizes, **kw)
 
+    @property
+    def takes_loss_head(self) -> bool:
+        """Whether ``forward(loss_head=...)`` computes this layer exactly: the fused loss
+        sees the input and the weight only, so not with a bias."""
+        return self.bias is None
+
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 loss_head=None) -> torch.Tensor:
         w = self.weight if weight is None else weight
         if loss_head is not None:   # the fused output layer + loss: ``loss_head(x, w)``
+            if not self.takes_loss_head:
+                raise ValueError("a fused loss head would drop this layer's bias")
             return loss_head(x, w)  # called here so module hooks (FSDP2) see the call
         if self.sequence_parallel:          # gather, matmul; saves only the sequence shard
             y = linear_with_sp_gather(x, w, self.bias, self.tp_group)

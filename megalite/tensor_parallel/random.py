@@ -81,6 +81,59 @@ class RNGStatesTracker:
         self.states = {n: {k: v.clone() for k, v in s.items()} for n, s in states.items()}
 
 
+class NoTracker:
+    """The tracker of a module no parallelize step has attached one to (a bare chunk built
+    by a tool or a test): forking is a no-op and it holds no states."""
+
+    def fork(self, name: str = MODEL_PARALLEL_RNG):
+        return contextlib.nullcontext()
+
+    def get_states(self) -> Dict[str, dict]:
+        return {}
+
+    def set_states(self, states: Dict[str, dict]) -> None:
+        if states:
+            raise ValueError("no RNG tracker is attached to restore these states into")
+
+
+NO_TRACKER = NoTracker()
+
+
+class DrawsFromTracker:
+    """Mixin of a module whose dropout draws from the rank's tensor-parallel RNG tracker.
+
+    No constructor takes the tracker: the parallelize step attaches the rank's tracker to
+    every such module (``attach_rng_tracker``); until then ``rng_tracker`` is
+    ``NO_TRACKER``."""
+    rng_tracker = NO_TRACKER
+
+
+class AttachedTracker:
+    """For a library that keeps the tracker object it is handed at construction (TE's
+    ``DotProductAttention`` calls ``get_rng_state_tracker()`` once and binds its ``fork``):
+    forwards to whatever tracker the parallelize step attaches to ``owner`` afterwards."""
+
+    def __init__(self, owner: DrawsFromTracker):
+        self.owner = owner
+
+    def fork(self, *name):
+        return self.owner.rng_tracker.fork(*name)
+
+    def get_states(self):
+        return self.owner.rng_tracker.get_states()
+
+    def set_states(self, states):
+        self.owner.rng_tracker.set_states(states)
+
+
+def attach_rng_tracker(module: nn.Module, tracker) -> None:
+    """Point every ``DrawsFromTracker`` module under ``module`` (itself included) at
+    ``tracker`` -- the one tracker a rank's chunks share."""
+    for m in module.modules():
+        if isinstance(m, DrawsFromTracker):
+            m.rng_tracker = tracker
+
+
 def model_parallel_tracker(seed: int, tp_rank: int) -> RNGStatesTracker:
     """A tracker whose model-parallel state differs per TP rank (seed + 2718 + tp_rank)."""
     tracker = RNGStatesTracker()

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
@@ -47,7 +48,7 @@ def split_qkv(qkv: torch.Tensor, r: int, dim: int):
     return q, k.squeeze(dim), v.squeeze(dim)
 
 
-class DotProductAttention(nn.Module):
+class DotProductAttention(DrawsFromTracker, nn.Module):
     """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked.
 
     The kernel is SDPA or the unfused path, by ``--attention-backend`` and, for ``auto``,
@@ -60,7 +61,7 @@ class DotProductAttention(nn.Module):
     qkv_format = "bhsd"
 
     def __init__(self, model_cfg, comm_groups, *, layer_number: int = 0,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, rng_tracker=None,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  softmax_scale: Optional[float] = None, k_channels: Optional[int] = None,
                  v_channels: Optional[int] = None):
         super().__init__()
@@ -74,7 +75,6 @@ class DotProductAttention(nn.Module):
             raise ValueError("local core attention has no context parallelism (CP size "
                              f"{comm_groups.cp.size}); use a CP core-attention spec")
         self.dropout = model_cfg.attention_dropout
-        self.rng_tracker = rng_tracker
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
@@ -82,7 +82,7 @@ class DotProductAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         causal = self.is_causal
-        fork = self.rng_tracker.fork() if (p > 0 and self.rng_tracker) else contextlib.nullcontext()
+        fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p)
         scale = self.softmax_scale
         with fork:
@@ -123,7 +123,7 @@ class SelfAttention(nn.Module):
 
     def __init__(self, model_cfg, comm_groups, *, submodules, sequence_parallel: bool,
                  layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 rng_tracker=None, device=None, dtype=None):
+                 device=None, dtype=None):
         super().__init__()
         m = model_cfg
         tp = comm_groups.tp.size
@@ -151,8 +151,7 @@ class SelfAttention(nn.Module):
                 for slot in (submodules.q_layernorm, submodules.k_layernorm))
         self.core_attention = build_module(submodules.core_attention, m, comm_groups,
                                            layer_number=layer_number,
-                                           attn_mask_type=attn_mask_type,
-                                           rng_tracker=rng_tracker)
+                                           attn_mask_type=attn_mask_type)
         self.qkv_format = getattr(self.core_attention, "qkv_format", None)
         if self.qkv_format not in QKV_FORMATS:
             raise ValueError(f"core attention {type(self.core_attention).__name__} must declare "

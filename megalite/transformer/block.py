@@ -19,20 +19,19 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.spec import build_module
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(DrawsFromTracker, nn.Module):
     def __init__(self, model_cfg, comm_groups, spec, *, layer_numbers: Sequence[int],
-                 sequence_parallel: bool, post_layer_norm: bool, rng_tracker=None,
-                 device=None, dtype=None):
+                 sequence_parallel: bool, post_layer_norm: bool, device=None, dtype=None):
         super().__init__()
-        self.sequence_parallel = sequence_parallel and comm_groups.tp.size > 1
-        self.rng_tracker = rng_tracker
+        self.sequence_parallel = sequence_parallel   # resolved: sequence_parallel_active
         self.layers = nn.ModuleDict({
             str(n): build_module(spec.layer, model_cfg, comm_groups, layer_number=n,
                                  sequence_parallel=self.sequence_parallel,
-                                 rng_tracker=rng_tracker, device=device, dtype=dtype)
+                                 device=device, dtype=dtype)
             for n in layer_numbers})
         self.final_layernorm = spec.norm(model_cfg, model_cfg.hidden_size, self.sequence_parallel,
                                          device=device, dtype=dtype) if post_layer_norm else None
@@ -40,8 +39,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rotary=None) -> torch.Tensor:
         # Sequence shards differ per TP rank, so their dropout must too.
-        fork = self.rng_tracker.fork() if (self.sequence_parallel and self.rng_tracker
-                                           and self.training) else contextlib.nullcontext()
+        fork = self.rng_tracker.fork() if (self.sequence_parallel and self.training) \
+            else contextlib.nullcontext()
         with fork:
             if self.recompute is not None:  # [pipeline/recompute wiring] whole list: groups
                 hidden = self.recompute(list(self.layers.values()), hidden, rotary)

@@ -20,10 +20,10 @@ from megalite.transformer.spec import build_module
 
 class TransformerLayer(nn.Module):
     def __init__(self, model_cfg, comm_groups, *, submodules, layer_number: int,
-                 sequence_parallel: bool, rng_tracker=None, device=None, dtype=None):
+                 sequence_parallel: bool, device=None, dtype=None):
         super().__init__()
         h = model_cfg.hidden_size
-        sp = sequence_parallel and comm_groups.tp.size > 1
+        sp = sequence_parallel      # already resolved: ParallelConfig.sequence_parallel_active
         kw = dict(device=device, dtype=dtype)
         self.layer_number = layer_number
         self._sites = (module_site(f"layer {layer_number}", "attention"),   # flight recorder
@@ -32,7 +32,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_module(submodules.input_layernorm, model_cfg, h, sp, **kw)
         self.self_attention = build_module(
             submodules.self_attention, model_cfg, comm_groups, sequence_parallel=sp,
-            layer_number=layer_number, rng_tracker=rng_tracker, **kw)
+            layer_number=layer_number, **kw)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, model_cfg, h, sp,
                                               **kw)
         self.mlp = build_module(submodules.mlp_for_layer(model_cfg, layer_number), model_cfg,

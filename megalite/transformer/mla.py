@@ -62,7 +62,7 @@ class MLASelfAttention(nn.Module):
 
     def __init__(self, model_cfg, comm_groups, *, submodules, sequence_parallel: bool,
                  layer_number: int, attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 rng_tracker=None, device=None, dtype=None):
+                 device=None, dtype=None):
         super().__init__()
         m = model_cfg
         tp = comm_groups.tp
@@ -102,7 +102,7 @@ class MLASelfAttention(nn.Module):
                                               heads * (self.qk_dim + self.v_dim), **column)
         self.core_attention = build_module(
             submodules.core_attention, m, comm_groups, layer_number=layer_number,
-            attn_mask_type=attn_mask_type, rng_tracker=rng_tracker,
+            attn_mask_type=attn_mask_type,
             softmax_scale=mla_softmax_scale(m), k_channels=q_head, v_channels=self.v_dim)
         self.qkv_format = getattr(self.core_attention, "qkv_format", None)
         if self.qkv_format not in QKV_FORMATS:

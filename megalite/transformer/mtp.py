@@ -29,6 +29,7 @@ from torch import nn
 
 from megalite.tensor_parallel.layers import ColumnParallelLinear
 from megalite.tensor_parallel.mappings import gather_from_tp_region, scatter_to_sp_region
+from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.spec import build_module
 
 
@@ -51,7 +52,7 @@ def roll_left(t: torch.Tensor) -> torch.Tensor:
 
 class MultiTokenPredictionLayer(nn.Module):
     def __init__(self, model_cfg, comm_groups, layer_spec, norm, *, depth: int,
-                 sequence_parallel: bool, rng_tracker=None, device=None, dtype=None):
+                 sequence_parallel: bool, device=None, dtype=None):
         super().__init__()
         m, h = model_cfg, model_cfg.hidden_size
         tp = comm_groups.tp
@@ -66,7 +67,7 @@ class MultiTokenPredictionLayer(nn.Module):
                                             **kw)
         self.transformer_layer = build_module(
             layer_spec, m, comm_groups, layer_number=m.num_layers + depth - 1,
-            sequence_parallel=sp, rng_tracker=rng_tracker, **kw)
+            sequence_parallel=sp, **kw)
         self.final_layernorm = norm(m, h, sp, **kw)
 
     def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary=None):
@@ -78,18 +79,17 @@ class MultiTokenPredictionLayer(nn.Module):
         return self.final_layernorm(self.transformer_layer(x, rotary))
 
 
-class MultiTokenPrediction(nn.Module):
+class MultiTokenPrediction(DrawsFromTracker, nn.Module):
     """The D modules; ``forward`` returns h^1 .. h^D (each [s(/tp), b, h])."""
 
     def __init__(self, model_cfg, comm_groups, spec, *, sequence_parallel: bool,
-                 rng_tracker=None, device=None, dtype=None):
+                 device=None, dtype=None):
         super().__init__()
-        self.rng_tracker = rng_tracker
         self.sequence_parallel = sequence_parallel and comm_groups.tp.size > 1
         self.layers = nn.ModuleList([
             MultiTokenPredictionLayer(model_cfg, comm_groups, spec.layer, spec.norm, depth=k,
                                       sequence_parallel=sequence_parallel,
-                                      rng_tracker=rng_tracker, device=device, dtype=dtype)
+                                      device=device, dtype=dtype)
             for k in range(1, model_cfg.mtp_num_layers + 1)])
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor,
@@ -99,8 +99,8 @@ class MultiTokenPrediction(nn.Module):
         pos = position_ids if position_ids is not None else \
             torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
         # sequence shards differ per TP rank, so their dropout must too (as the block's)
-        fork = self.rng_tracker.fork() if (self.sequence_parallel and self.rng_tracker
-                                           and self.training) else contextlib.nullcontext()
+        fork = self.rng_tracker.fork() if (self.sequence_parallel and self.training) \
+            else contextlib.nullcontext()
         out = []
         with fork:
             for layer in self.layers:

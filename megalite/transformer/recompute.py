@@ -169,10 +169,10 @@ def configure_layer_recompute(layers, training_cfg, tracker=None) -> None:
                 wrap_module(module, tracker)
 
 
-def configure_recompute(block, training_cfg) -> None:
-    """Apply the ``--recompute-*`` flags of ``training_cfg`` to a TransformerBlock."""
+def configure_recompute(block, training_cfg, tracker: Optional[object] = None) -> None:
+    """Apply the ``--recompute-*`` flags of ``training_cfg`` to a TransformerBlock;
+    ``tracker`` (the rank's RNG tracker) is put back in place for each recomputation."""
     t = training_cfg
-    tracker: Optional[object] = getattr(block, "rng_tracker", None)
     if t.recompute_granularity is None:
         return
     if t.recompute_granularity == "full":

@@ -9,7 +9,7 @@ context-parallel attention and MoE become spec choices rather than constructor e
         linear_qkv         column-parallel linear  (in, out, *, tp_group, bias, ...)
         q_layernorm        norm builder over the head dim (--qk-layernorm)
         k_layernorm        norm builder over the head dim (--qk-layernorm)
-        core_attention     (model_cfg, comm_groups, *, layer_number, attn_mask_type, rng_tracker)
+        core_attention     (model_cfg, comm_groups, *, layer_number, attn_mask_type)
         linear_proj        row-parallel linear
                            or ModuleSpec(MLASelfAttention, MLASelfAttentionSubmodules):
                            q/kv down and up projections, latent norms, core attention, proj

@@ -27,8 +27,8 @@ from megalite.checkpointing.model_io import load_model_shards, save_model_shards
 from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
     model_sharded_state_dict
 from megalite.config import ConfigError
-from megalite.distributed.fsdp2 import fsdp_units
 from megalite.distributed.replicas import check_replicas
+from megalite.models.gpt_step import GPT_FAMILY
 from megalite.validation import validate
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -94,7 +94,7 @@ def _train(flags, world):
     out["planned_bytes"] = _planned_bytes(trainer.cfg, trainer.state.rank)
     if trainer.cfg.parallel.use_torch_fsdp2:
         dp, root = trainer.state["dp"].size, trainer.model_chunks[0]
-        in_units = {id(q) for u in fsdp_units(root) for q in u.parameters()}
+        in_units = {id(q) for u in GPT_FAMILY.fsdp_units(root) for q in u.parameters()}
         out["padded"] = sum(_fsdp_padded(p, dp) for p in s.params)
         out["root_padded"] = sum(_fsdp_padded(p, dp) for p in s.params if id(p) not in in_units)
     return out, trainer

@@ -7,7 +7,7 @@ import torch.distributed as torch_dist
 from megalite.checkpointing import hf
 from megalite.checkpointing.model_io import load_full_state_dict
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.models.gpt import GPTModel
+from megalite.models.gpt import build_chunk
 from megalite.parallel_state import ParallelState, RankGrid
 
 transformers = pytest.importorskip("transformers")
@@ -20,7 +20,7 @@ def _ep2_logits(path):
     cfg = MegaliteConfig(model=ModelConfig(**model_cfg), world_size=4,
                          parallel=ParallelConfig(expert_model_parallel_size=2))
     state = ParallelState.build(RankGrid.from_config(cfg), torch_dist.get_rank())
-    model = GPTModel(cfg, state).eval()
+    model = build_chunk(cfg, state).eval()
     load_full_state_dict(model, full, state)
     local_experts = model.decoder.layers["0"].mlp.experts.linear_fc1.weight.shape[0]
     with torch.no_grad():

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as torch_dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from megalite.models.gpt import GPTModel, single_rank_state
+from megalite.models.gpt import build_chunk, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel import simulator
 from megalite.pipeline_parallel.schedules import PipelineExecutor
@@ -68,7 +68,7 @@ def _tp_layer_bytes(sp, tp=2):
     cfg.model.attention_backend = "flash"     # layer_terms: no s x s probabilities kept
     state = ParallelState.build(RankGrid(WORLD, tp=2), rank) if tp > 1 else \
         single_rank_state()
-    model = GPTModel(cfg, state, pre_process=False, post_process=False, layer_numbers=[0])
+    model = build_chunk(cfg, state, pre_process=False, post_process=False, layer_numbers=[0])
     m = cfg.model
     s = m.seq_length * 4          # longer sequence: make every term visible
     m.seq_length = s

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megalite import comm
 from megalite.checkpointing.sharding import shard_tensor, unshard_tensors
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.models.gpt import WORD_EMBEDDING, GPTModel, build_model, single_rank_state
+from megalite.models.gpt import WORD_EMBEDDING, build_chunk, build_model, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel import allreduce_sequence_parallel_grads, model_parallel_tracker
 
@@ -183,7 +183,7 @@ def _rng_tracker():
     # In a model: hidden dropout (replicated region) must agree across TP, or the residual
     # stream of the two ranks would diverge; attention dropout uses the per-rank state.
     m = dict(model_cfg("gpt2"), hidden_dropout=0.3, attention_dropout=0.3)
-    model = GPTModel(make_cfg(m, 2, False, world=WORLD), state, True, False, [0, 1])
+    model = build_chunk(make_cfg(m, 2, False, world=WORLD), state, True, False, [0, 1])
     torch.manual_seed(11)
     hidden = model(batch()[0]).detach()
     with torch.no_grad():
@@ -373,7 +373,7 @@ def _checkpoint_and_hf(ckpt_dir, hf_dir):
     state = ParallelState.build(RankGrid(WORLD, tp=2, pp=2), rank)
     first, last = state.is_first_stage(), state.is_last_stage()
     layers = [0, 1] if first else [2, 3]
-    chunk = GPTModel(make_cfg(mcfg, 2, False, 2, WORLD, seed=11), state, first, last, layers)
+    chunk = build_chunk(make_cfg(mcfg, 2, False, 2, WORLD, seed=11), state, first, last, layers)
     shared = chunk.shared_embedding_weight()
     saved_shared = shared.detach().clone()
     save_model_shards(ckpt_dir, 7, [chunk], make_cfg(mcfg, 2, False, 2, WORLD), state,
@@ -384,7 +384,7 @@ def _checkpoint_and_hf(ckpt_dir, hf_dir):
     for tp, pp in ((4, 1), (1, 4)):
         st = ParallelState.build(RankGrid(WORLD, tp=tp, pp=pp), rank)
         lay = list(range(4)) if pp == 1 else [st.pp.rank]
-        model = GPTModel(make_cfg(mcfg, tp, False, pp, WORLD, seed=99), st,
+        model = build_chunk(make_cfg(mcfg, tp, False, pp, WORLD, seed=99), st,
                          st.is_first_stage(), st.is_last_stage(), lay)
         it = load_model_shards(ckpt_dir, model, make_cfg(mcfg, tp, False, pp, WORLD), st)
         out[(tp, pp)] = (it, st.tp.rank, st.pp.rank,

@@ -22,8 +22,7 @@ class SbhdAttention(nn.Module):
     """Causal attention on q [s, b, heads, d], k/v [s, b, groups, d] (this rank's heads)."""
     qkv_format = "sbhd"
 
-    def __init__(self, model_cfg, comm_groups, *, layer_number, attn_mask_type,
-                 rng_tracker=None):
+    def __init__(self, model_cfg, comm_groups, *, layer_number, attn_mask_type):
         super().__init__()
 
     def forward(self, q, k, v):
@@ -58,16 +57,16 @@ def loss_and_norm_grads(model, state=None):
 def _fused_and_sbhd_at_tp2(archs):
     state = ParallelState.build(RankGrid(WORLD, tp=2), torch_dist.get_rank())
     out = []
-    original = gpt.get_layer_spec
+    original = gpt.spec_choices
     try:
         for arch in archs:
             m = model_cfg(arch)
-            gpt.get_layer_spec = lambda impl, m=m: spec_under_test(m)
+            gpt.spec_choices = lambda cfg, state, m=m: spec_under_test(m)
             cfg = MegaliteConfig(model=m, world_size=WORLD, parallel=ParallelConfig(
                 tensor_model_parallel_size=2, sequence_parallel=True))
             out.append(loss_and_norm_grads(gpt.build_model(cfg, state), state))
     finally:
-        gpt.get_layer_spec = original
+        gpt.spec_choices = original
     return out
 
 

@@ -16,7 +16,7 @@ import torch
 
 from gpu_helpers import need_gpus, train
 from megalite.config import MegaliteConfig, ModelConfig
-from megalite.models.gpt import GPTModel, single_rank_state
+from megalite.models.gpt import build_chunk, single_rank_state
 
 GBS = ["--global-batch-size", "4"]
 
@@ -33,7 +33,7 @@ def llama(**over):
 
 def build(m, impl):
     cfg = MegaliteConfig(model=dataclasses.replace(m, transformer_impl=impl))
-    return GPTModel(cfg, single_rank_state(), device="cuda", params_dtype=torch.bfloat16)
+    return build_chunk(cfg, single_rank_state(), device="cuda", params_dtype=torch.bfloat16)
 
 
 def rel_err(a, b):

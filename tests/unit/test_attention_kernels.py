@@ -76,7 +76,7 @@ def test_auto_rule(backend, device, seq, dtype, dropout, want):
 
 
 def test_flag_reaches_the_layer_and_bad_values_are_refused(monkeypatch):
-    from megalite.models.gpt import GPTModel
+    from megalite.models.gpt import build_chunk
 
     calls = []
     real = F.scaled_dot_product_attention
@@ -91,7 +91,7 @@ def test_flag_reaches_the_layer_and_bad_values_are_refused(monkeypatch):
                           "--train-iters", "1", "--global-batch-size", "2", "--lr", "1e-3"])
         assert cfg.model.attention_backend == backend
         torch.manual_seed(0)
-        model = GPTModel(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False))
+        model = build_chunk(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False))
         ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
         n = len(calls)
         losses[backend] = model(ids, None, labels=ids).mean()

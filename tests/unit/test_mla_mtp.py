@@ -22,7 +22,7 @@ from megalite.checkpointing import hf
 from megalite.checkpointing.hf_adapters import UnsupportedModelError
 from megalite.checkpointing.model_io import load_full_state_dict
 from megalite.config import MegaliteConfig, ModelConfig
-from megalite.models.gpt import GPTModel, single_rank_state
+from megalite.models.gpt import GPTModel, build_model, single_rank_state
 from megalite.param_spec import TIED_COPY, TIED_OWNER
 from megalite.planner import flops as fl
 from megalite.planner import memory as mem
@@ -38,7 +38,7 @@ IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1
 def _megalite(path, **over):
     model_cfg, full = hf.import_hf(path)
     m = ModelConfig(**dict(model_cfg, **over))
-    model = GPTModel(MegaliteConfig(model=m), single_rank_state())
+    model = build_model(MegaliteConfig(model=m), single_rank_state())
     load_full_state_dict(model, full, single_rank_state())
     return m, model
 
@@ -137,7 +137,7 @@ def test_planner_mla_layer_bytes_are_what_the_layer_saves(dtype, backend, q_lora
                     qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12,
                     qk_layernorm=q_lora is not None, ffn_hidden_size=128,
                     attention_backend=backend)
-    model = GPTModel(MegaliteConfig(model=m), single_rank_state()).to(dtype)
+    model = build_model(MegaliteConfig(model=m), single_rank_state()).to(dtype)
     b, s = 2, 32
     x = torch.randn(s, b, 64, dtype=dtype, requires_grad=True)
     rot = model.rotary(s)
@@ -181,9 +181,9 @@ def test_mtp_last_stage_holds_a_tied_embedding_copy(tied):
                     untie_embeddings_and_output_weights=not tied)
     cfg = MegaliteConfig(model=m)
     first = GPTModel(cfg, single_rank_state(), post_process=False, layer_numbers=[0],
-                     device="meta", init=False)
+                     device="meta")
     last = GPTModel(cfg, single_rank_state(), pre_process=False, layer_numbers=[1],
-                    device="meta", init=False)
+                    device="meta")
     word = "embedding.word_embeddings.weight"
     assert first.param_table.specs[word].tied == TIED_OWNER
     assert last.param_table.specs[word].tied == TIED_COPY

@@ -1,7 +1,7 @@
 """The per-model step (models/gpt_step.py), the extra-loss channel and the parallelize phase,
 on one process: the step computes exactly the loss the loop used to compute inline, an extra
 loss term adds exactly scale * its gradient and is logged as its mean, parallelizing after
-construction gives the parameters, tracker and recompute the constructor used to give."""
+construction gives every module one tracker, captured by recompute, and the same values."""
 import dataclasses
 
 import pytest
@@ -10,13 +10,13 @@ import torch
 from megalite.arguments import parse_args
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.models.family import StepContext
-from megalite.models.gpt import GPTModel, build_model, single_rank_state
+from megalite.models.gpt import GPTModel, build_chunk, build_model, single_rank_state
 from megalite.models.gpt_step import GPT_FAMILY, forward_step, get_batch
-from megalite.models.parallelize import parallelize_model, stage_rng_tracker
+from megalite.models.parallelize import parallelize_chunk, spec_choices, stage_rng_tracker
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megalite.models.stages import build_model_chunks
-from megalite.tensor_parallel.random import model_parallel_tracker
+from megalite.tensor_parallel.random import NO_TRACKER, DrawsFromTracker, model_parallel_tracker
 from megalite.training.loop import Trainer, resolve_config
 from megalite.transformer.extra_losses import add_extra_loss, collect_extra_losses
 from megalite.transformer.recompute import FullRecompute
@@ -55,26 +55,27 @@ def equal_params(a, b):
 
 
 # -- the parallelize phase -------------------------------------------------------------------
-def test_parallelize_phase_equals_constructor_and_old_init():
+def test_constructor_builds_structure_and_parallelize_applies_policy():
     cfg, state = make_cfg(dropout=0.1, recompute="full"), single_rank_state()
-    built = build_model(cfg, state)               # GPTModel(init=False) + parallelize_model
-    direct = GPTModel(cfg, state)                 # the constructor's path for direct callers
-    bare = GPTModel(cfg, state, init=False)
-    assert bare.rng_tracker is None and bare.decoder.recompute is None
+    built = build_model(cfg, state)               # spec choices + GPTModel + parallelize_chunk
+    bare = GPTModel(cfg, state, spec=spec_choices(cfg, state))   # structure only
+    assert bare.rng_tracker is NO_TRACKER and bare.decoder.recompute is None
+    assert all(m.rng_tracker is NO_TRACKER for m in bare.modules()
+               if isinstance(m, DrawsFromTracker))
     raw = params(bare)
-    bare.initialize(cfg.training.seed)            # what the constructor used to call
-    assert equal_params(params(built), params(direct))
-    assert equal_params(params(built), params(bare))
+    by_hand = GPTModel(cfg, state, spec=spec_choices(cfg, state))
+    parallelize_chunk(by_hand, cfg, state)
+    assert equal_params(params(built), params(by_hand))
     assert not equal_params(params(built), raw)
     # one tracker on every module that forks it, captured by the recompute policy
-    holders = [m for m in built.modules() if hasattr(m, "rng_tracker")]
+    holders = [m for m in built.modules() if isinstance(m, DrawsFromTracker)]
     assert len(holders) >= 3 and all(m.rng_tracker is built.rng_tracker for m in holders)
     assert isinstance(built.decoder.recompute, FullRecompute)
     assert built.decoder.recompute.tracker is built.rng_tracker
-    # same tracker seed as before (seed, tp rank) -> same dropout masks
+    # the stage tracker's seed (seed, tp rank) -> the same dropout masks either way
     ids = batches(1)[0]
     outs = []
-    for model in (built, direct):
+    for model in (built, by_hand):
         torch.manual_seed(3)
         outs.append(model(ids["tokens"], labels=ids["labels"]))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
@@ -92,10 +93,8 @@ def test_pipeline_chunks_share_the_stage_tracker():
         assert states.keys() == want.keys()
         assert all(torch.equal(states[k]["cpu"], want[k]["cpu"]) for k in want)
     for chunk in chunks:         # each chunk equals the same chunk parallelized on its own
-        alone = GPTModel(cfg, state, pre_process=chunk.pre_process,
-                         post_process=chunk.post_process, layer_numbers=chunk.layer_numbers,
-                         init=False)
-        parallelize_model([alone], cfg, state)
+        alone = build_chunk(cfg, state, chunk.pre_process, chunk.post_process,
+                            chunk.layer_numbers)
         assert equal_params(params(chunk), params(alone))
 
 

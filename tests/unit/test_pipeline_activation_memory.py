@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megalite.config import MegaliteConfig, ModelConfig
-from megalite.models.gpt import GPTModel, single_rank_state
+from megalite.models.gpt import build_chunk, single_rank_state
 from megalite.transformer.activation_memory import korthikanti_bytes, layer_terms, measure_saved
 
 S, B, H, A = 32, 2, 64, 4
@@ -51,7 +51,7 @@ def saved_bytes(arch, rc=(), sdpa="flash", seq=S):
     ``sdpa``: flash or math (SDPA's kernels), unfused (--attention-backend unfused)."""
     cfg = _cfg(arch, rc, seq)
     cfg.model.attention_backend = "unfused" if sdpa == "unfused" else "flash"
-    model = GPTModel(cfg, single_rank_state(), pre_process=False, post_process=False,
+    model = build_chunk(cfg, single_rank_state(), pre_process=False, post_process=False,
                      layer_numbers=[0])
     x = torch.randn(seq, B, H, requires_grad=True)
     rotary = model.rotary(seq, None) if model.rotary is not None else None

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megalite.config import MegaliteConfig, ModelConfig
-from megalite.models.gpt import GPTModel, single_rank_state
+from megalite.models.gpt import build_chunk, single_rank_state
 from megalite.pipeline_parallel.weight_grad import backward_input
 
 
@@ -49,7 +49,7 @@ def _run(model, pre, x, ids, labels, split):
 def test_split_equals_full_backward(arch, pre, recompute):
     torch.manual_seed(0)
     cfg = _cfg(arch, recompute)
-    ref = GPTModel(cfg, single_rank_state(), pre_process=pre, post_process=True,
+    ref = build_chunk(cfg, single_rank_state(), pre_process=pre, post_process=True,
                    layer_numbers=[0, 1])
     split = copy.deepcopy(ref)
     x = torch.randn(8, 2, 32)

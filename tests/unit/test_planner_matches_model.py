@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.models.parallelize import spec_choices
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner import model_spec as ms
 
@@ -55,7 +56,8 @@ def real_count(m, tp, pp, pp_rank, vpp=1, first=None, last=None):
         layers = ids[c * per_chunk:(c + 1) * per_chunk]
         model = gpt.GPTModel(cfg, state, pre_process=pp_rank == 0 and c == 0,
                              post_process=pp_rank == pp - 1 and c == vpp - 1,
-                             layer_numbers=layers, device="meta", init=False)
+                             layer_numbers=layers, device="meta",
+                             spec=spec_choices(cfg, state))
         total += sum(p.numel() for p in model.parameters())
     return total
 
@@ -101,7 +103,8 @@ def test_account_for_split_stages_equal_model(pp, vpp, accounts):
         for c, layers in enumerate(chunks):
             model = gpt.GPTModel(cfg, state0, pre_process=r == 0 and c == 0,
                                  post_process=r == pp - 1 and c == vpp - 1,
-                                 layer_numbers=layers, device="meta", init=False)
+                                 layer_numbers=layers, device="meta",
+                                 spec=spec_choices(cfg, state0))
             total += sum(p.numel() for p in model.parameters())
         assert ms.stage_params(m, r, tp=2, pp=pp, vpp=vpp, accounts=accounts).total == total
 
@@ -132,6 +135,7 @@ def test_moe_stage_params_equal_model(variant, tp, ep, etp):
     for r in range(2):
         layers = ms.stage_layer_ids(m, 2, r)
         model = gpt.GPTModel(cfg, state, pre_process=r == 0, post_process=r == 1,
-                             layer_numbers=layers, device="meta", init=False)
+                             layer_numbers=layers, device="meta",
+                             spec=spec_choices(cfg, state))
         real = sum(p.numel() for p in model.parameters())
         assert ms.stage_params(m, r, tp=tp, pp=2, etp=etp, ep=ep).total == real

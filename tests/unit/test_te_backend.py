@@ -18,14 +18,15 @@ from megalite.backends import context_parallel_spec, get_layer_spec
 from megalite.backends import selection
 from megalite.backends import te_names
 from megalite.backends import transformer_engine as te_backend
-from megalite.backends.transformer_engine import (TECoreAttention, TrackerProxy,
+from megalite.backends.transformer_engine import (TECoreAttention,
                                                   delayed_scaling_recipe)
 from megalite.checkpointing.model_io import (full_state_dict_from_checkpoint,
                                              load_full_state_dict, load_model_shards,
                                              save_model_shards)
 from megalite.config import MegaliteConfig, ModelConfig
-from megalite.models.gpt import GPTModel, single_rank_state
-from megalite.tensor_parallel.random import model_parallel_tracker
+from megalite.models.gpt import GPTModel, build_chunk, single_rank_state
+from megalite.tensor_parallel.random import (AttachedTracker, attach_rng_tracker,
+                                            model_parallel_tracker)
 from megalite.transformer.spec import AttnMaskType
 
 V, S, B = 70, 8, 2
@@ -42,7 +43,7 @@ def mcfg(arch="llama", **over):
 def model(m: ModelConfig, impl: str, seed: int = 7) -> GPTModel:
     cfg = MegaliteConfig(model=dataclasses.replace(m, transformer_impl=impl))
     cfg.training.seed = seed
-    return GPTModel(cfg, single_rank_state(), device="cpu")
+    return build_chunk(cfg, single_rank_state(), device="cpu")
 
 
 def batch(seed=0):
@@ -307,15 +308,13 @@ def test_te_core_attention_forks_the_attached_tracker_and_sets_cp(fake_te, monke
     m = mcfg("llama", attention_dropout=0.5)
     te = model(m, "transformer_engine")
     core = te.decoder.layers["0"].self_attention.core_attention
-    assert isinstance(core.attention.rng_states_tracker, TrackerProxy)
+    assert isinstance(core.attention.rng_states_tracker, AttachedTracker)
     tracker = model_parallel_tracker(123, 0)
     te.train()
     ids, labels = batch()
     te(ids, labels=labels)                          # no tracker yet: dropout, no fork
     assert core.attention.forks == 1
-    for mod in te.modules():                        # what the parallelize phase does
-        if hasattr(mod, "rng_tracker"):
-            mod.rng_tracker = tracker
+    attach_rng_tracker(te, tracker)                 # what the parallelize step does
     before = tracker.get_states()["model-parallel-rng"]["cpu"].clone()
     te(ids, labels=labels)
     assert not torch.equal(tracker.get_states()["model-parallel-rng"]["cpu"], before)

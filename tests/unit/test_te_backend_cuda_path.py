@@ -12,8 +12,8 @@ from megalite.arguments import parse_args
 from megalite.backends import compile as compile_mod
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.data.device_prefetch import DevicePrefetcher, prefetch_to_device
-from megalite.models.gpt import GPTModel, single_rank_state
-from megalite.models.parallelize import parallelize_model
+from megalite.models.gpt import GPTModel, build_chunk, single_rank_state
+from megalite.models.parallelize import parallelize_chunk
 
 
 def batches(n):
@@ -68,8 +68,8 @@ def test_compile_flag_parses_and_is_off_by_default():
 def test_compile_layers_in_place_keeps_names_and_values(monkeypatch):
     cfg = small_cfg()
     state = single_rank_state()
-    ref = GPTModel(cfg, state, device="cpu")
-    chunk = GPTModel(cfg, state, device="cpu")
+    ref = build_chunk(cfg, state, device="cpu")
+    chunk = build_chunk(cfg, state, device="cpu")
     names = [n for n, _ in chunk.named_parameters()]
     assert compile_mod.compile_layers(chunk, backend="eager") == 2
     assert [n for n, _ in chunk.named_parameters()] == names
@@ -81,10 +81,10 @@ def test_compile_layers_in_place_keeps_names_and_values(monkeypatch):
     # the parallelize phase compiles when --compile is given, and only then
     calls = []
     monkeypatch.setattr(compile_mod, "compile_layers", lambda c: calls.append(c))
-    fresh = GPTModel(cfg, state, device="cpu", init=False)
-    parallelize_model([fresh], cfg, state)
+    fresh = GPTModel(cfg, state, device="cpu")
+    parallelize_chunk(fresh, cfg, state)
     assert calls == []
-    parallelize_model([fresh], dataclasses.replace(cfg, training=dataclasses.replace(
+    parallelize_chunk(fresh, dataclasses.replace(cfg, training=dataclasses.replace(
         cfg.training, compile=True)), state)
     assert calls == [fresh]
 

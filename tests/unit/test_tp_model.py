@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megalite.backends import get_layer_spec
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
-from megalite.models.gpt import GPTModel, build_model, parameter_specs, single_rank_state
+from megalite.models.gpt import build_chunk, build_model, parameter_specs, single_rank_state
 from megalite.param_spec import Split
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.tensor_parallel import vocab_parallel_cross_entropy
@@ -83,7 +83,7 @@ def test_vocab_parallel_cross_entropy_single_rank():
 def test_init_depends_on_name_and_seed_not_on_pipeline_slice():
     m = mcfg(layers=4)
     full = dict(build_model(cfg_of(m), single_rank_state()).canonical_named_parameters())
-    stage = GPTModel(cfg_of(m), single_rank_state(), False, True, [2, 3])
+    stage = build_chunk(cfg_of(m), single_rank_state(), False, True, [2, 3])
     names = [n for n, _ in stage.canonical_named_parameters()]
     assert "decoder.layers.3.self_attention.linear_qkv.weight" in names
     assert not any(n.startswith(("embedding", "decoder.layers.0")) for n in names)
@@ -107,8 +107,8 @@ def test_tied_pipeline_split_matches_full_model():
     assert full.output_layer.weight is None
     assert full.shared_embedding_weight() is full.embedding.word_embeddings.weight
 
-    s0 = GPTModel(cfg_of(m), single_rank_state(), True, False, [0, 1])
-    s1 = GPTModel(cfg_of(m), single_rank_state(), False, True, [2, 3])
+    s0 = build_chunk(cfg_of(m), single_rank_state(), True, False, [0, 1])
+    s1 = build_chunk(cfg_of(m), single_rank_state(), False, True, [2, 3])
     with pytest.raises(RuntimeError, match="set_input_tensor"):
         s1(None)
     hidden = s0(ids)
@@ -132,7 +132,7 @@ def test_tied_pipeline_split_matches_full_model():
     for n, p in s1.named_parameters():
         if n.startswith("decoder"):
             torch.testing.assert_close(p.grad, dict(full.named_parameters())[n].grad)
-    assert GPTModel(cfg_of(mcfg()), single_rank_state(), True, False, [0]).shared_embedding_weight() is None
+    assert build_chunk(cfg_of(mcfg()), single_rank_state(), True, False, [0]).shared_embedding_weight() is None
 
 
 def test_position_ids_default_and_explicit_agree():

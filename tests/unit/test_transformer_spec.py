@@ -48,13 +48,14 @@ def data(seed=0):
 
 @contextlib.contextmanager
 def layer_spec(spec):
-    """GPTModel builds its layers from ``spec`` (it asks ``get_layer_spec`` for one)."""
-    original = gpt.get_layer_spec
-    gpt.get_layer_spec = lambda impl: spec
+    """Models built meanwhile take ``spec`` as the run's spec choice (``build_model`` asks
+    ``spec_choices`` and hands the constructor what it returns)."""
+    original = gpt.spec_choices
+    gpt.spec_choices = lambda cfg, state: spec
     try:
         yield
     finally:
-        gpt.get_layer_spec = original
+        gpt.spec_choices = original
 
 
 def with_layer_slots(spec, **slots):
@@ -210,8 +211,7 @@ class SbhdAttention(nn.Module):
     hands it and computes attention itself."""
     qkv_format = "sbhd"
 
-    def __init__(self, model_cfg, comm_groups, *, layer_number, attn_mask_type,
-                 rng_tracker=None, seen):
+    def __init__(self, model_cfg, comm_groups, *, layer_number, attn_mask_type, seen):
         super().__init__()
         self.causal = attn_mask_type == AttnMaskType.causal
         self.seen = seen
