@@ -6,7 +6,8 @@ never reaches into optimizer internals and FSDP2 can be a third implementation:
     strategy.zero_grad()            before the micro-batches
     ... forward/backward ...
     strategy.finish_grad_sync()     every reduction a gradient needs
-    norm = strategy.step(lr)        global norm, clip, update, parameter sync
+    norm = strategy.step(settings)  global norm, clip, update (the schedule's lr and decay),
+                                    parameter sync
 
 * ``DDPStrategy``: a gradient tensor per parameter (fp32 ``main_grad`` under bf16, ``.grad``
   in fp32), all-reduced over data parallel; ``MixedPrecisionOptimizer`` keeps whole masters.
@@ -49,6 +50,7 @@ from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_p
 from megalite.distributed.replicas import broadcast_tied_embeddings
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
 from megalite.optimizer.grad_scaler import build_grad_scaler, unscale_and_find_inf
+from megalite.optimizer.lr_schedule import StepSettings
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, MixedPrecisionOptimizer,
                                           has_fp32_masters)
 from megalite.param_spec import ParamSpec, group_coords, named_specs
@@ -200,14 +202,15 @@ class DataParallelStrategy:
         self.grad_scaler.update(overflow)
         return overflow
 
-    def step(self, lr: float) -> Optional[float]:
-        """Clip by the global norm, update, sync parameter copies; returns the norm before
-        clipping, or None when --fp16 found an overflow and skipped the step (parameters
-        and optimizer state untouched)."""
+    def step(self, settings: StepSettings) -> Optional[float]:
+        """Clip by the global norm, update with ``settings`` (the lr schedule's lr and
+        weight decay), sync parameter copies; returns the norm before clipping, or None when
+        --fp16 found an overflow and skipped the step (parameters and optimizer state
+        untouched)."""
         if self.grad_scaler is not None and self.unscale_and_check():
             return None
         norm = self.grad_norm()
-        self.optimizer.step(lr, norm)
+        self.optimizer.step(settings, norm)
         self._sync_params()
         return norm
 

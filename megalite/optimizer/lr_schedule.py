@@ -12,10 +12,22 @@ consumed samples, so a resume needs nothing but the consumed-sample count.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 DECAY_STYLES = ["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 WSD_DECAY_STYLES = ["linear", "cosine", "exponential", "minus_sqrt"]
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What one update uses (the schedule's values; the optimizer writes them into its
+    parameter groups, ``MasterWeightOptimizer.step``): the lr, the lr of the
+    ``--decoupled-lr`` groups (None: the same lr) and the weight decay of the groups that
+    decay (None: each group keeps its configured decay)."""
+    lr: float
+    decoupled_lr: Optional[float] = None
+    weight_decay: Optional[float] = None
 
 
 class LRScheduler:
@@ -123,13 +135,8 @@ class LRScheduler:
         """lr used for the update of 1-based ``iteration`` at a constant batch size."""
         return self.lr_at((iteration - 1) * self.steps_per_iteration)
 
-    def apply(self, param_groups, num_steps: float) -> float:
-        """Set each optimizer group's lr and weight decay as Megatron's ``step`` does
-        (``decoupled_lr`` groups get the decoupled schedule; ``wd_mult`` scales the decay);
-        returns the default groups' lr (the one logged)."""
-        wd = self.wd_at(num_steps)
-        for group in param_groups:
-            group["lr"] = self.lr_at(num_steps, decoupled=group.get("decoupled_lr", False))
-            if "wd_mult" in group:      # groups of checkpoints from before the tag keep theirs
-                group["weight_decay"] = wd * group["wd_mult"]
-        return self.lr_at(num_steps)
+    def settings_at(self, num_steps: float) -> StepSettings:
+        """The lr (default and ``--decoupled-lr`` groups) and weight decay of the update made
+        after ``num_steps`` samples, as Megatron's ``step`` sets them."""
+        return StepSettings(self.lr_at(num_steps), self.lr_at(num_steps, decoupled=True),
+                            self.wd_at(num_steps))

@@ -19,6 +19,8 @@ from typing import Callable, Iterable, List
 
 import torch
 
+from megalite.optimizer.lr_schedule import StepSettings
+
 
 def has_fp32_masters(optim_config) -> bool:
     """bf16 or fp16 parameters: fp32 main grads and fp32 master weights."""
@@ -104,13 +106,22 @@ class MasterWeightOptimizer:
     def grads(self) -> List[torch.Tensor]:
         return [self.grad(p) for p in self.params]
 
-    def step(self, lr: float, grad_norm: float) -> float:
-        """Clip by ``grad_norm`` (the global norm before clipping, from the strategy),
-        update the masters and the model's copy of them; returns ``grad_norm``."""
-        coef = clip_coefficient(grad_norm, self.clip_grad)
+    def apply_settings(self, settings: StepSettings) -> None:
+        """Write the update's lr and weight decay into every parameter group: the
+        ``--decoupled-lr`` groups take the decoupled lr, ``wd_mult`` scales the decay
+        (groups of checkpoints from before the tag keep theirs).  The one writer."""
         for group in self.inner.param_groups:
-            if not group.get("decoupled_lr"):   # --decoupled-lr groups: set by the scheduler
-                group["lr"] = lr
+            decoupled = group.get("decoupled_lr") and settings.decoupled_lr is not None
+            group["lr"] = settings.decoupled_lr if decoupled else settings.lr
+            if settings.weight_decay is not None and "wd_mult" in group:
+                group["weight_decay"] = settings.weight_decay * group["wd_mult"]
+
+    def step(self, settings: StepSettings, grad_norm: float) -> float:
+        """Clip by ``grad_norm`` (the global norm before clipping, from the strategy), set
+        the update's lr and decay, update the masters and the model's copy of them;
+        returns ``grad_norm``."""
+        coef = clip_coefficient(grad_norm, self.clip_grad)
+        self.apply_settings(settings)
         self._prepare_grads(coef)
         self.inner.step()
         with torch.no_grad():

@@ -59,7 +59,6 @@ class Trainer:
         self.tokenizer = None
         self.model_chunks = []
         self.strategy = None        # data-parallel strategy: gradients, reductions, step
-        self.optimizer = None       # its optimizer (checkpointed state)
         self.scheduler = None
         self.train_ds = self.valid_ds = self.test_ds = None
         self.dataset_sizes = (0, 0, 0)      # samples each split is built for (_build_data)
@@ -73,6 +72,12 @@ class Trainer:
         self.memory_reporter = MemoryReporter(device)
 
     # -- construction ------------------------------------------------------------------
+    @property
+    def optimizer(self):
+        """The strategy's optimizer: the state checkpoints save (the loop itself only talks
+        to the strategy)."""
+        return None if self.strategy is None else self.strategy.optimizer
+
     @property
     def is_writer(self) -> bool:
         s = self.state
@@ -96,7 +101,6 @@ class Trainer:
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
-        self.optimizer = self.strategy.optimizer
         # evaluation (--skip-train) takes no optimizer flags: no --lr, no schedule
         self.scheduler = None if cfg.training.skip_train else \
             scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...
@@ -192,11 +196,11 @@ class Trainer:
         # Megatron's order: the update uses the lr (and weight decay) of the samples consumed
         # before it; then the schedule advances by this iteration's samples -- unless --fp16
         # skipped the update (grad_norm None), as Megatron's scheduler steps on updates only.
-        lr = self.scheduler.apply(self.optimizer.inner.param_groups,
-                                  self.consumed_samples - self.skipped_samples)
+        settings = self.scheduler.settings_at(self.consumed_samples - self.skipped_samples)
         site.phase = "optimizer"
-        grad_norm = self.strategy.step(lr)
+        grad_norm = self.strategy.step(settings)
         site.phase = "after step"
+        lr = settings.lr
         metrics = self.family.after_train_step(self.model_chunks, self.cfg, self.state)
         site.phase = "between iterations"
         self.iteration += 1

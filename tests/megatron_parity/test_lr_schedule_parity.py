@@ -75,16 +75,16 @@ def test_lr_and_wd_equal_optimizer_param_scheduler(extra):
     opt = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))]}], lr=0.0)
     ref = megatron_scheduler(cfg, opt)
     ours = LRScheduler.from_config(cfg, iters)
-    group = {"wd_mult": 1.0}
     resumed = None
     for it in range(1, iters + 4):          # a few steps past the end: min lr / end wd
         consumed = (it - 1) * gbs
         if it == iters // 2:                 # resume: a fresh scheduler from consumed samples
             resumed = LRScheduler.from_config(cfg, iters)
         sched = resumed or ours
-        lr = sched.apply([group], consumed)
+        settings = sched.settings_at(consumed)
+        lr = settings.lr
         assert lr == opt.param_groups[0]["lr"], (it, lr, opt.param_groups[0]["lr"])
-        assert group["weight_decay"] == opt.param_groups[0]["weight_decay"], it
+        assert settings.weight_decay == opt.param_groups[0]["weight_decay"], it
         if cfg.training.train_iters:
             assert sched.lr(it) == lr
         ref.step(increment=gbs)
@@ -104,10 +104,9 @@ def test_decoupled_lr_follows_its_own_peak_and_floor():
                            {"params": [torch.nn.Parameter(torch.zeros(1))],
                             "max_lr": 5e-3, "min_lr": 5e-4}], lr=0.0)
     ref = megatron_scheduler(cfg, opt)
-    groups = [{}, {"decoupled_lr": True}]
     for it in range(1, 13):
-        sched.apply(groups, (it - 1) * 4)
-        assert [g["lr"] for g in groups] == [g["lr"] for g in opt.param_groups]
+        settings = sched.settings_at((it - 1) * 4)
+        assert [settings.lr, settings.decoupled_lr] == [g["lr"] for g in opt.param_groups]
         ref.step(increment=4)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import megalite
+from megalite.optimizer.lr_schedule import StepSettings
 from megalite.arguments import parse_args
 from megalite.distributed.data_parallel import (DataParallelStrategy, DDPStrategy,
                                                 DistributedOptimizerStrategy,
@@ -49,7 +50,7 @@ def test_both_strategies_share_the_interface_and_norm(flags, strategy, optimizer
         s.finish_grad_sync()
         ref = torch.cat([p.grad.reshape(-1) for p in chunk.parameters()]).norm().item()
         assert s.grad_norm() == pytest.approx(ref, rel=1e-6)
-        assert s.step(1e-2) == pytest.approx(ref, rel=1e-6)
+        assert s.step(StepSettings(1e-2)) == pytest.approx(ref, rel=1e-6)
 
 
 def test_expert_params_need_num_experts():

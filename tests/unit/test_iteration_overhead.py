@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from megalite.optimizer.lr_schedule import StepSettings
 from megalite.arguments import parse_args
 from megalite.distributed.data_parallel import build_data_parallel
 from megalite.parallel_state import ParallelState, RankGrid
@@ -69,7 +70,7 @@ def test_ddp_zero_grad_sets_none_and_matches_the_accumulating_reference():
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
         s.finish_grad_sync()
         want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, foreach=False).item()
-        got = s.step(1e-2)
+        got = s.step(StepSettings(1e-2))
         assert got == pytest.approx(want, rel=1e-6) and want > 0.05     # the clip acts
         for a, b in zip(_grads(chunk), _grads(ref)):     # clipped in place, one foreach
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

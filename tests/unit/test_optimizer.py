@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from megalite.optimizer.lr_schedule import StepSettings
 from megalite.arguments import parse_args
 from megalite.distributed.data_parallel import DDPStrategy
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
@@ -66,7 +67,7 @@ def test_bf16_master_weights_accumulate_small_updates():
         ddp.zero_grad()
         (w.float().sum()).backward()
         assert w.grad is None and w.main_grad.dtype == torch.float32  # hook moved it to main_grad
-        ddp.step(1e-4)
+        ddp.step(StepSettings(1e-4))
     assert opt.masters[0].dtype == torch.float32
     assert opt.masters[0][0, 0].item() == pytest.approx(1 - 1e-3, abs=1e-6)
     assert w.dtype == torch.bfloat16
@@ -78,6 +79,6 @@ def test_clip_to_global_norm():
                                         "--weight-decay", "0"]), _state())
     ddp.optimizer.inner.param_groups[0]["momentum"] = 0.0
     w.grad = torch.tensor([3.0, 4.0])
-    norm = ddp.step(1.0)
+    norm = ddp.step(StepSettings(1.0))
     assert norm == pytest.approx(5.0)
     assert torch.allclose(w.detach(), torch.tensor([-0.6, -0.8]), atol=1e-5)
