@@ -87,6 +87,7 @@ RUNTIME_ONLY = [
 ]
 
 ALL = NO_EFFECT + RUNTIME_ONLY
+FP8_UNWIRED = tuple(c.flag for c in RUNTIME_ONLY)   # refused by backends.selection for a run
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -115,24 +116,6 @@ def pop_given(namespace: dict) -> list:
         if value not in (None, False):
             given.append((c.flag, value, c.note))
     return given
-
-
-def runtime_refusal(given: list, device: str) -> Optional[str]:
-    """One line when a given flag needs hardware this run does not have, else None."""
-    fp8 = [f for f, _, _ in given if any(f == c.flag for c in RUNTIME_ONLY)]
-    if not fp8:
-        return None
-    try:
-        import transformer_engine  # noqa: F401
-        has_te = True
-    except ImportError:
-        has_te = False
-    if device != "cuda" or not has_te:
-        return (f"{fp8[0]}: FP8 training needs Transformer Engine on a CUDA GPU with FP8 "
-                f"support; this run has device={device}, transformer_engine "
-                f"{'installed' if has_te else 'missing'}. Drop the --fp8-* flags.")
-    return (f"{fp8[0]}: only --fp8-format, --fp8-amax-history-len and --fp8-amax-compute-algo "
-            "are wired (delayed scaling); drop this flag")
 
 
 def describe(given: list) -> str:

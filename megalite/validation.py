@@ -6,6 +6,7 @@ Every message names the flag(s) at fault and the fix, on one line.  The planner 
 from __future__ import annotations
 
 
+from megalite import features
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
 from megalite.microbatches import rampup_problem
@@ -21,10 +22,32 @@ def validate_layout(cfg: MegaliteConfig) -> None:
 
     One check per topic, in this order (the first fault found is the one reported)."""
     for check in (check_world_size, check_required_model, check_rank_grids,
-                  check_virtual_stages, check_stage_split, check_attention_shape,
-                  check_latent_attention, check_multi_token_prediction,
+                  check_layout_features, check_virtual_stages, check_stage_split,
+                  check_attention_shape, check_latent_attention, check_multi_token_prediction,
                   check_batch_sizes, check_sequence, check_experts):
         check(cfg)
+
+
+def check_layout_features(cfg: MegaliteConfig) -> None:
+    """The feature table's rules between layout features (how the model is cut: TP, SP,
+    pipeline schedules and splits, CP, EP, MoE, recompute) -- what the planner may emit."""
+    problem = features.refusal(cfg, dry_run=True, layout_only=True)
+    if problem:
+        raise ConfigError(problem)
+
+
+def check_features(cfg: MegaliteConfig) -> None:
+    """Every rule of the feature table (``megalite/features.py``); a --dry-run describes a
+    layout, so rules about hardware and kernels (TE, FP8, CP's missing dropout) wait for
+    the run.  A run's ``--transformer-impl auto`` is resolved first: TE's rules hold for it."""
+    dry = cfg.training.dry_run
+    if not dry:
+        from megalite.backends.selection import resolve_backend_config
+
+        cfg = resolve_backend_config(cfg)
+    problem = features.refusal(cfg, dry_run=dry)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_world_size(cfg: MegaliteConfig) -> None:
@@ -107,9 +130,6 @@ def check_stage_split(cfg: MegaliteConfig) -> None:
 
 def _check_uneven_split(p, num_layers: int) -> None:
     """--decoder-first/last-pipeline-num-layers: the rest splits evenly over the middle."""
-    if _interleaved(p):
-        raise ConfigError("--decoder-first/last-pipeline-num-layers do not combine with "
-                          "virtual pipeline stages")
     if p.pp == 1:
         raise ConfigError("--decoder-first/last-pipeline-num-layers need "
                           "--pipeline-model-parallel-size > 1")
@@ -133,10 +153,7 @@ def _check_account_split(p, num_layers: int, vpp: int) -> None:
                           p.account_for_embedding_in_pipeline_split),
                          ("--account-for-loss-in-pipeline-split",
                           p.account_for_loss_in_pipeline_split)) if v]
-    flags, verb = " and ".join(on), ("do" if len(on) > 1 else "does")
-    if _uneven(p):
-        raise ConfigError(f"{flags} {verb} not combine with --decoder-first/last-pipeline-num-"
-                          "layers; balance the first and last stages one way or the other")
+    flags = " and ".join(on)
     if p.pp == 1:
         raise ConfigError(f"{flags} need{'' if len(on) > 1 else 's'} "
                           "--pipeline-model-parallel-size > 1")
@@ -262,10 +279,6 @@ def check_experts(cfg: MegaliteConfig) -> None:
         if m.num_experts % p.ep:
             raise ConfigError(f"--num-experts ({m.num_experts}) is not divisible by "
                               f"--expert-model-parallel-size ({p.ep})")
-        if p.tp > 1 and not p.sequence_parallel:
-            raise ConfigError("--num-experts with --tensor-model-parallel-size > 1 needs "
-                              "--sequence-parallel (each token must live on one rank for the "
-                              "expert dispatch, as in Megatron)")
         groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
         if groups is not None and (m.num_experts % groups or m.moe_router_topk % group_topk):
             raise ConfigError(f"--moe-router-num-groups ({groups}) must divide --num-experts "
@@ -279,8 +292,6 @@ def check_experts(cfg: MegaliteConfig) -> None:
         if ffn is not None and ffn % p.etp:
             raise ConfigError(f"the expert hidden size ({ffn}) is not divisible by "
                               f"--expert-tensor-parallel-size ({p.etp})")
-    elif p.ep > 1:
-        raise ConfigError("--expert-model-parallel-size > 1 needs --num-experts")
 
 
 def validate_files(cfg: MegaliteConfig) -> None:
@@ -337,14 +348,10 @@ def validate_training(cfg: MegaliteConfig) -> None:
             raise ConfigError("give only one of --train-iters and --train-samples")
         if o.lr is None:
             raise ConfigError("--lr is required")
-    if not t.dry_run:  # parts of the grid whose layers have not landed yet: refuse, never ignore
-        m, p = cfg.model, cfg.parallel
-        if p.cp > 1 and m.attention_dropout:
-            raise ConfigError("--context-parallel-size > 1 has no attention dropout: set "
-                              "--attention-dropout 0")
+    if not t.dry_run:  # what this machine cannot run: refuse, never ignore
         from megalite.backends.selection import backend_refusal
 
-        refusal = backend_refusal(cfg)   # TE missing / no CUDA / FP8 without TE (one line)
+        refusal = backend_refusal(cfg)   # TE missing / no CUDA / no FP8 on this GPU
         if refusal:
             raise ConfigError(refusal)
 
@@ -390,12 +397,10 @@ def validate_logging(cfg: MegaliteConfig) -> None:
 
 
 def check_data_parallel(cfg: MegaliteConfig) -> None:
-    """Data-parallel strategy flags (docs/data_parallel.md): combinations that do not compose
-    are refused, never ignored.  FSDP2 composes with TP, PP (every schedule), CP and EP."""
+    """Hybrid sharding (--num-distributed-optimizer-instances): a sharded strategy to split,
+    and group sizes it divides.  Which strategies combine with which features is the
+    feature table's (``megalite/features.py``)."""
     p = cfg.parallel
-    if p.use_torch_fsdp2 and p.use_distributed_optimizer:
-        raise ConfigError("--use-torch-fsdp2 and --use-distributed-optimizer both shard the "
-                          "optimizer; pick one")
     instances = p.num_distributed_optimizer_instances
     if instances > 1:
         if not (p.use_distributed_optimizer or p.use_torch_fsdp2):
@@ -439,6 +444,7 @@ def validate(cfg: MegaliteConfig) -> None:
 
         check_model_matches_checkpoint(cfg)
     validate_layout(cfg)
+    check_features(cfg)      # the feature table: what combines (megalite/features.py)
     check_resume_schedule(cfg)
     check_data_parallel(cfg)
     validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes

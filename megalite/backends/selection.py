@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from megalite import compat_flags
+
 TE_INSTALL = "pip install --no-build-isolation transformer_engine[pytorch]"
 TE_MODULE = "transformer_engine.pytorch"
 
@@ -81,11 +83,20 @@ def fp8_support_error() -> Optional[str]:
     return None if ok else (why or "this GPU has no FP8 support")
 
 
-def backend_refusal(cfg) -> Optional[str]:
-    """One line when the backend or FP8 flags cannot run as given, else None.
+def fp8_environment(cfg) -> str:
+    """What this run offers FP8, in words (the feature table's FP8 refusal quotes it)."""
+    te = "installed" if te_import_error() is None else "missing"
+    dev = "cuda" if cuda_will_run(cfg.training.device) else "cpu"
+    return f"device={dev}, transformer_engine {te}, --transformer-impl {cfg.model.transformer_impl}"
 
-    Called by validation (not for --dry-run, which only describes a layout)."""
-    m, t, p = cfg.model, cfg.training, cfg.parallel
+
+def backend_refusal(cfg) -> Optional[str]:
+    """One line when this machine cannot run the backend or FP8 flags as given, else None:
+    TE that does not import or has no GPU, FP8 on a GPU without it, Megatron FP8 flags
+    megalite does not wire.  Which features combine is the feature table's
+    (``megalite/features.py``: FP8 needs TE, TE with FSDP2 / zero bubble, FP8 with
+    recompute).  Called by validation (not for --dry-run, which only describes a layout)."""
+    m, t = cfg.model, cfg.training
     if m.transformer_impl == "transformer_engine":
         err = te_import_error()
         if err is not None:
@@ -97,25 +108,18 @@ def backend_refusal(cfg) -> Optional[str]:
             return (f"--transformer-impl transformer_engine needs a CUDA GPU ({where}); use "
                     "--transformer-impl local (or auto)")
     impl, _ = resolve_transformer_impl(m.transformer_impl, t.device)
-    if m.fp8_format is not None:
-        if impl != "transformer_engine":
-            te = "installed" if te_import_error() is None else "missing"
-            dev = "cuda" if cuda_will_run(t.device) else "cpu"
-            return (f"--fp8-format {m.fp8_format}: FP8 training needs Transformer Engine on a "
-                    f"CUDA GPU with FP8 support; this run has device={dev}, transformer_engine "
-                    f"{te}, --transformer-impl {m.transformer_impl}. Drop the --fp8-* flags")
-        why = fp8_support_error()
-        if why:
-            return f"--fp8-format {m.fp8_format}: this GPU cannot run FP8 ({why}); drop --fp8-*"
-        if t.recompute_granularity:
-            return (f"--fp8-format with --recompute-granularity {t.recompute_granularity}: a "
-                    "recomputed forward would run outside the FP8 autocast; drop one of them")
-    if impl == "transformer_engine":
-        if p.use_torch_fsdp2:
-            return ("--use-torch-fsdp2 with Transformer Engine layers is not supported here; "
-                    "use --use-distributed-optimizer or --transformer-impl local")
-        if p.pipeline_schedule == "zero-bubble":
-            return ("--pipeline-schedule zero-bubble splits each linear's backward into B and W "
-                    "passes, which TE's fused linears do not; use 1f1b/interleaved or "
-                    "--transformer-impl local")
+    unwired = [f for f, _, _ in getattr(cfg, "accepted_flags", ())
+               if f in compat_flags.FP8_UNWIRED]
+    if m.fp8_format is None and not unwired:
+        return None
+    if impl != "transformer_engine":
+        flag = f"--fp8-format {m.fp8_format}" if m.fp8_format else unwired[0]
+        return (f"{flag}: FP8 training needs Transformer Engine on a CUDA GPU with FP8 "
+                f"support; this run has {fp8_environment(cfg)}. Drop the --fp8-* flags")
+    why = fp8_support_error()
+    if why:
+        return f"--fp8-format {m.fp8_format}: this GPU cannot run FP8 ({why}); drop --fp8-*"
+    if unwired:
+        return (f"{unwired[0]}: only --fp8-format, --fp8-amax-history-len and "
+                "--fp8-amax-compute-algo are wired (delayed scaling); drop this flag")
     return None

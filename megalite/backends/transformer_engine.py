@@ -26,7 +26,6 @@ functions here, never at megalite import time.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib

@@ -180,8 +180,7 @@ class RingAttention(nn.Module):
 
 
 def check_cp_attention_args(model_cfg, attn_mask_type, what: str) -> None:
+    """The masks CP attention computes.  It draws no attention dropout: a run with
+    --attention-dropout > 0 is refused by the feature table (``features.CP_DROPOUT``)."""
     if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
         raise ValueError(f"{what} supports causal and no_mask masks, not {attn_mask_type}")
-    if model_cfg.attention_dropout:
-        raise ValueError(f"{what} has no attention dropout: set --attention-dropout 0 "
-                         "with --context-parallel-size > 1")

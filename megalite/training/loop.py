@@ -421,9 +421,6 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     from megalite.parallel_state import pick_device_and_backend
 
     device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
-    refusal = compat_flags.runtime_refusal(cfg.accepted_flags, device)
-    if refusal:    # before any process group: one line, exit status 2
-        raise ConfigError(refusal)
     threads_line = set_cpu_threads(cfg.world_size) if device == "cpu" else ""
     from megalite.backends.selection import describe_backend, resolve_backend_config
 

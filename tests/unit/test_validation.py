@@ -61,7 +61,11 @@ def layout_cfg(**parallel):
     (validation.check_attention_shape, dict(tensor_model_parallel_size=16, world=16),
      "--num-attention-heads"),
     (validation.check_sequence, dict(context_parallel_size=64, world=64), "load-balanced CP"),
-    (validation.check_experts, dict(expert_model_parallel_size=2), "needs --num-experts"),
+    (validation.check_layout_features, dict(expert_model_parallel_size=2), "needs --num-experts"),
+    (validation.check_layout_features, dict(pipeline_model_parallel_size=2,
+                                            decoder_first_pipeline_num_layers=2,
+                                            num_virtual_stages_per_pipeline_rank=2),
+     "do not combine with virtual pipeline stages"),
 ])
 def test_each_named_check_owns_its_topic(check, parallel, words):
     with pytest.raises(ConfigError, match=words):
