@@ -15,6 +15,7 @@ from megalite import compat_flags
 from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
                              all_fields, field_flag)
 from megalite.config.domains import check_domains
+from megalite.config.megatron_fsdp import apply_megatron_fsdp
 from megalite.model_presets import preset_fields
 from megalite.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
 
@@ -89,6 +90,9 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
             if meta.get("nargs"):
                 kwargs["nargs"] = meta["nargs"]
         groups[section].add_argument(*flags, **kwargs)
+        if meta.get("negation"):     # Megatron's --no-X switch of a boolean field
+            groups[section].add_argument(meta["negation"], dest=f.name, action="store_false",
+                                         help=f"Turn {flags[0]} off.")
     compat_flags.register(parser)
     return parser
 
@@ -188,6 +192,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
         data["tokenizer_type"] = "GPT2BPETokenizer"   # Megatron's GPT-2 examples omit the type
     cfg = MegaliteConfig(world_size=world, accepted_flags=accepted,
                          **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
+    cfg = apply_megatron_fsdp(cfg)     # --use-megatron-fsdp: its ZeRO stage's strategy fields
     check_domains(cfg)        # a bad --load or value fails here, before any file is read
     if cfg.checkpoint.use_checkpoint_args:     # before validation, which needs the model flags
         from megalite.checkpointing.checkpoint_args import apply_checkpoint_args

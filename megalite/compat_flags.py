@@ -2,13 +2,14 @@
 
 A Megatron script ports by changing the program name, so every flag its ``examples/``
 training scripts pass must parse.  Two kinds live here (flags with a real setting are
-dataclass fields in ``config.py``, never listed here: a test holds that):
+dataclass fields in ``megalite/config/``, never listed here: a test holds that):
 
 * ``NO_EFFECT``: distinctions megalite does not have (fusion switches, kernel backends,
-  memory housekeeping).  Accepted and listed once in the log as having no effect here.
+  memory housekeeping, Megatron-FSDP's buffer registration).  Accepted and listed once in
+  the log as having no effect here.
 * ``RUNTIME_ONLY``: features that need hardware (FP8 needs Transformer Engine on a GPU with
   FP8).  They parse and pass ``--dry-run``; a run refuses them with one line where the
-  machine cannot run them.
+  machine cannot run them (``backends.selection.backend_refusal``).
 
 Unknown flags stay errors.
 """
@@ -73,9 +74,20 @@ NO_EFFECT = [
     CompatFlag("--profile-step-end", VALUE, "no torch profiler hook yet"),
     CompatFlag("--profile-ranks", LIST, "no torch profiler hook yet"),
     CompatFlag("--use-pytorch-profiler", FLAG, "no torch profiler hook yet"),
-    CompatFlag("--moe-grouped-gemm", FLAG, "the experts always run as grouped GEMMs"),
-    CompatFlag("--ckpt-format", VALUE, "checkpoints are always torch.distributed.checkpoint "
-               "(Megatron's torch_dist)"),
+    CompatFlag("--moe-grouped-gemm", FLAG,
+               "the experts always run as one grouped loop over their tokens (GroupedMLP)"),
+    CompatFlag("--ckpt-format", VALUE,
+               "megalite writes one format, torch.distributed.checkpoint shards that reshard "
+               "on load to any layout (as Megatron's torch_dist / torch_dcp / fsdp_dtensor)"),
+    # Megatron-FSDP's own buffers (megalite's ZeRO-3 is torch FSDP2: config/megatron_fsdp.py)
+    CompatFlag("--init-model-with-meta-device", FLAG,
+               "each rank builds its TP-sharded chunks on its device; FSDP2 shards them after "
+               "the name-seeded init"),
+    CompatFlag("--use-nccl-ub", FLAG, "torch FSDP2 allocates its own communication buffers"),
+    CompatFlag("--fsdp-double-buffer", FLAG,
+               "torch FSDP2 allocates its own communication buffers"),
+    CompatFlag("--fsdp-manual-registration", FLAG,
+               "torch FSDP2 allocates its own communication buffers"),
 ]
 
 RUNTIME_ONLY = [

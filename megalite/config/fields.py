@@ -41,10 +41,12 @@ def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
         nargs: Optional[str] = None, aliases: tuple = (), type: Optional[Callable] = None,
         gt=None, ge=None, lt=None, le=None, requires: Optional[str] = None,
         path: Optional[str] = None, check: Optional[Callable] = None,
-        free: Optional[str] = None, length: Optional[int] = None):
+        free: Optional[str] = None, length: Optional[int] = None,
+        negation: Optional[str] = None):
     """A dataclass field that knows how to present itself on the command line
-    (``type``: the flag's parser when the annotation alone does not say it) and its domain
-    (module docstring)."""
+    (``type``: the flag's parser when the annotation alone does not say it; ``negation``: a
+    boolean's ``--no-...`` flag, as Megatron spells some) and its domain (module
+    docstring)."""
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"opt(path={path!r}): choose from {PATH_KINDS}")
     domain = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le),
@@ -55,7 +57,8 @@ def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
     # per element, which argparse cannot express, so they live in the domain only.
     cli_choices = choices if nargs is None else None
     meta = {"help": help, "flag": flag, "choices": cli_choices, "action": action,
-            "nargs": nargs, "aliases": aliases, "type": type, "domain": domain}
+            "nargs": nargs, "aliases": aliases, "type": type, "domain": domain,
+            "negation": negation}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: list(default) if isinstance(default, list)
                      else dict(default), metadata=meta)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalite.config.fields import opt
+from megalite.config.megatron_fsdp import SHARDING_STRATEGIES
 from megalite.pipeline_parallel.simulator import AUTO, SCHEDULE_NAMES
 
 
@@ -61,6 +62,14 @@ class ParallelConfig:
         "neighbouring ranks; the distributed optimizer / FSDP2 shard inside an instance and "
         "all-reduce the reduced shards across instances (Megatron-Core's and Megatron-FSDP's "
         "flag).", gt=0)
+    # -- Megatron-FSDP's flags, mapped onto the strategies above (config/megatron_fsdp.py) --
+    use_megatron_fsdp: bool = opt(
+        False, "Megatron-FSDP: run --data-parallel-sharding-strategy with megalite's "
+        "strategies (optim_grads_params: torch FSDP2).", action="store_true")
+    data_parallel_sharding_strategy: str = opt(
+        "optim_grads_params", "With --use-megatron-fsdp, the ZeRO stage: no_shard (DDP), optim "
+        "(distributed optimizer), optim_grads (also shards gradients), optim_grads_params "
+        "(FSDP2).", choices=list(SHARDING_STRATEGIES), requires="use_megatron_fsdp")
     distributed_backend: str = opt("auto", "Collective backend; auto = nccl on CUDA, gloo on CPU.",
                                    choices=["auto", "nccl", "gloo"])
     distributed_timeout_minutes: float = opt(

@@ -106,6 +106,9 @@ class TrainingConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = opt(100, "Log every this many iterations.", gt=0)
+    logging_level: Optional[int] = opt(
+        None, "Level of Python's logging (Megatron's: 10 debug, 20 info, 30 warning): "
+        "megalite's data-pipeline messages at or above it go to stderr.", ge=0, le=50)
     metrics_file: Optional[str] = opt(None, "Write one JSON object per iteration here.",
         path="out")
     tensorboard_dir: Optional[str] = opt(None, "TensorBoard log directory.", path="out-dir")
@@ -155,4 +158,4 @@ class CheckpointConfig:
         None, "Save and exit once training has run this many minutes.", gt=0)
     check_for_nan_in_loss_and_grad: bool = opt(
         False, "Stop with the iteration and rank when the loss or the gradient norm is NaN/Inf.",
-        action="store_true")
+        action="store_true", negation="--no-check-for-nan-in-loss-and-grad")

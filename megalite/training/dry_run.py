@@ -75,6 +75,8 @@ def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
 
 
 def estimate_text(est, cluster, opts, seq: int) -> str:
+    from megalite.planner.layout import ZERO_NAMES
+
     m, t = est.memory, est.times
     kernels = "megalite's local layers" if opts.local_layers else \
         "Transformer Engine's fused kernels"
@@ -85,7 +87,7 @@ def estimate_text(est, cluster, opts, seq: int) -> str:
                                                   "ep", "pp", "dp", "optimizer") if t.get(k))
     lines = [f"planner estimate ({cluster.gpu.name}, {kernels}, "
              f"{'fp32' if opts.fp32 else 'bf16'}, "
-             f"{'distributed optimizer' if L.zero else 'DDP'}, recompute {L.recompute}):",
+             f"{ZERO_NAMES[L.zero]}, recompute {L.recompute}):",
              f"  memory per GPU (most loaded rank, GiB): {mem}  total {m['total'] / GiB:.1f} of "
              f"{est.capacity / GiB:.1f} usable ({cluster.gpu.memory_bytes / GiB:.1f} per GPU, "
              f"headroom {opts.headroom:.2f})",

@@ -64,6 +64,10 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
 
             if cfg.accepted_flags:
                 print(compat_flags.describe(cfg.accepted_flags))
+            if cfg.parallel.use_megatron_fsdp:
+                from megalite.config.megatron_fsdp import describe
+
+                print(describe(cfg))
             for line in missing_logging_packages(cfg):
                 print(f"> note: {line} (not installed here)")
             return dry_run(cfg, argv if argv is not None else sys.argv[1:], describe_batch(cfg))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import resource
 import sys
@@ -21,8 +22,9 @@ import time
 import torch
 
 from megalite import comm, compat_flags
-from megalite.flight_recorder import site
 from megalite.config import ConfigError
+from megalite.config.megatron_fsdp import describe as describe_megatron_fsdp
+from megalite.flight_recorder import site
 from megalite.distributed.data_parallel import build_data_parallel
 from megalite.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
@@ -241,6 +243,7 @@ class Trainer:
         iterator = self.data_iterator(dataset, 0, cyclic=True)  # same batches every eval
         losses = [self._run_schedule(self._next_batches(iterator), forward_only=True)[0]
                   for _ in range(iters)]
+        self.strategy.after_forward_only(self.model_chunks)
         return sum(losses) / max(len(losses), 1)
 
     # -- the loop ----------------------------------------------------------------------
@@ -421,6 +424,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     from megalite.parallel_state import pick_device_and_backend
 
     device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
+    if cfg.logging.logging_level is not None:     # --logging-level (Megatron's)
+        logging.basicConfig(level=cfg.logging.logging_level)
     threads_line = set_cpu_threads(cfg.world_size) if device == "cpu" else ""
     from megalite.backends.selection import describe_backend, resolve_backend_config
 
@@ -452,6 +457,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         logger.info(threads_line)
     if cfg.accepted_flags:
         logger.info(compat_flags.describe(cfg.accepted_flags))
+    if cfg.parallel.use_megatron_fsdp:
+        logger.info(describe_megatron_fsdp(cfg))
     log_precision(logger, precision)
     logger.info(describe_parameters(cfg, trainer.model_chunks))
     logger.info("> datasets target sizes (minimum size): train {}, validation {}, test {}"

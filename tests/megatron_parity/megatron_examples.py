@@ -5,6 +5,8 @@ its quotes).  Captured from NVIDIA/Megatron-LM ``examples/`` (flags only, no cod
 * examples/gpt3/train_gpt3_175b_distributed.sh       (args: CKPT TB VOCAB MERGE DATA)
 * examples/llama/train_llama3_8b_h100_fp8.sh         (default MOCK data and tokenizer)
 * examples/mixtral/train_mixtral_8x7b_distributed.sh (args: CKPT TOKENIZER_MODEL DATA)
+* examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh (defaults: USE_MEGATRON_FSDP=1,
+  SHARDING_STRATEGY=optim_grads_params, DTYPE=fp8, MOCK data; args: CKPT ... TB)
 
 The GPT-3 script is the version with ``--rampup-batch-size 16 16 5859375`` (Megatron-LM
 a52112dae9, the one issue 16 measured); its successor passes ``--step-batch-size-schedule``
@@ -73,10 +75,41 @@ MIXTRAL_8X7B = """
 --save {CKPT} --load {CKPT} --tensorboard-dir {CKPT}/tensorboard --no-load-optim --no-load-rng
 """
 
+# Megatron-LM d98e8a64dd, its arrays in the order the script expands them: MODEL_ARGS,
+# TRAINING_ARGS (with the Megatron-FSDP and DDP additions), DTYPE_ARGS,
+# MODEL_PARALLEL_ARGS, DATA_ARGS_LIST (mock), EVAL_AND_LOGGING_ARGS
+LLAMA3_8B_FSDP_FP8 = """
+--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336
+--num-attention-heads 32 --group-query-attention --num-query-groups 8 --kv-channels 128
+--seq-length 8192 --max-position-embeddings 8192 --position-embedding-type rope
+--rotary-base 1000000 --rotary-percent 1.0 --attention-dropout 0.0 --hidden-dropout 0.0
+--swiglu --normalization RMSNorm --init-method-std 0.0134 --attention-backend fused
+--apply-layernorm-1p --untie-embeddings-and-output-weights --disable-bias-linear
+--micro-batch-size 1 --global-batch-size 128 --train-samples 1953125000
+--lr-decay-samples 1949218748 --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001
+--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0
+--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --cross-entropy-loss-fusion
+--no-check-for-nan-in-loss-and-grad --manual-gc --empty-unused-memory-level 1
+--exit-duration-in-mins 235
+--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+--no-gradient-accumulation-fusion --calculate-per-token-loss --init-model-with-meta-device
+--ckpt-format fsdp_dtensor --use-nccl-ub --fsdp-double-buffer --fsdp-manual-registration
+--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max --fp8-param-gather
+--tensor-model-parallel-size 1 --context-parallel-size 1 --sequence-parallel
+--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path {CACHE}
+--tiktoken-pattern v2 --split '99,1,0' --no-create-attention-mask-in-dataloader
+--no-mmap-bin-files --num-workers 1
+--log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput
+--logging-level 20 --distributed-timeout-minutes 60 --save {CKPT} --load {CKPT}
+--tensorboard-dir {TB}
+"""
+
 SCRIPTS = {
     "gpt3_175b": (GPT3_175B, 128),
     "llama3_8b_fp8": (LLAMA3_8B_FP8, 8),
     "mixtral_8x7b": (MIXTRAL_8X7B, 32),
+    "llama3_8b_fsdp_fp8": (LLAMA3_8B_FSDP_FP8, 8),
 }
 
 
