@@ -168,6 +168,18 @@ FSDP2_CP_EP = ("--use-torch-fsdp2 shards over DP only, not over DP x CP or exper
                "with CP > 1 or --num-experts; use --use-distributed-optimizer")
 CP_DROPOUT = ("--context-parallel-size > 1 has no attention dropout (ring and all-to-all "
               "attention draw none): set --attention-dropout 0")
+ZB_MOE_RECOMPUTE = ("--pipeline-schedule zero-bubble with a recomputed MoE layer "
+                    "(--recompute-granularity full, or selective with --recompute-modules mlp): "
+                    "under the B/W split its recomputation saves other tensors than its forward "
+                    "(torch.utils.checkpoint refuses); use 1f1b, or recompute core_attn only")
+
+
+def _recomputes_moe_layers(cfg) -> bool:
+    t = cfg.training
+    return _moe(cfg) and (t.recompute_granularity == "full" or (
+        t.recompute_granularity == "selective" and "mlp" in (t.recompute_modules or ())))
+
+
 FP8_RECOMPUTE = ("--fp8-format with --recompute-granularity: a recomputed forward would run "
                  "outside the FP8 autocast; drop one of them")
 
@@ -210,6 +222,8 @@ RULES = (
              "interleaved or --transformer-impl local", dry_run=False),
     Excludes("fp8", "recompute-full", FP8_RECOMPUTE, dry_run=False),
     Excludes("fp8", "recompute-selective", FP8_RECOMPUTE, dry_run=False),
+    Refuses("pp-zero-bubble", "a recomputed MoE layer", _recomputes_moe_layers,
+            ZB_MOE_RECOMPUTE),
     Refuses("cp-p2p", "--attention-dropout > 0", lambda c: c.model.attention_dropout > 0,
             CP_DROPOUT, dry_run=False),
     Refuses("cp-a2a", "--attention-dropout > 0", lambda c: c.model.attention_dropout > 0,
@@ -295,7 +309,7 @@ _CP = "tests/distributed/test_context_parallel_dist.py::test_training_loop_match
 _MOE = "tests/distributed/test_moe_dist.py::test_moe_matches_one_process"
 _DP2 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp2_world2"
 _DP4 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp2_world4"
-_PAIRS = "tests/distributed/test_feature_pairs_dist.py::test_combination_matches_single_process"
+PAIRS_TEST = "tests/distributed/test_feature_pairs_dist.py::test_combination_matches_single_process"
 COVERAGE: Dict[str, Sequence[str]] = {
     f"{_PE}[tp2-pp2-sp-full-uniform1]": ("tp", "sp", "pp-1f1b", "recompute-full"),
     f"{_PE}[tp2-pp2-sp-selective-attn]": ("tp", "sp", "pp-1f1b", "recompute-selective"),
@@ -328,6 +342,56 @@ COVERAGE: Dict[str, Sequence[str]] = {
     f"{_DP2}[do_ov_pg]": ("distopt", "overlap-grad-reduce", "overlap-param-gather"),
     f"{_DP4}[fsdp2_tp2]": ("fsdp2", "tp", "sp"),
     f"{_DP4}[do_ov_tp2_pp2]": ("distopt", "overlap-grad-reduce", "tp", "pp-1f1b"),
+    "tests/distributed/test_fused_cross_entropy_dist.py"
+    "::test_fused_tp_matches_unfused_single_process": ("fused-loss", "tp", "sp"),
+    "tests/distributed/test_te_backend_dist.py"
+    "::test_te_spec_at_tp2_matches_single_process_local": ("te", "tp", "sp"),
+    "tests/gpu/test_te_gpu.py::test_te_matches_local_training_tp2": ("te", "tp", "sp"),
+    "tests/gpu/test_te_gpu.py::test_context_parallel_through_te[p2p]": ("te", "cp-p2p"),
+    "tests/gpu/test_te_gpu.py::test_context_parallel_through_te[a2a]": ("te", "cp-a2a"),
+    "tests/distributed/test_distributed_optimizer_dist.py::test_distributed_optimizer_world4"
+    "[tp2_dp2_sp]": ("distopt", "tp", "sp"),
+    "tests/distributed/test_distributed_optimizer_dist.py::test_distributed_optimizer_world4"
+    "[pp2_dp2_gpt2]": ("distopt", "pp-1f1b"),
+    f"{PAIRS_TEST}[moe-te-fp8-tp2-cp2-ep2-distopt-fused]":
+        ("tp", "sp", "cp-p2p", "moe", "ep", "expert-tp", "moe-alltoall", "distopt",
+         "overlap-grad-reduce", "overlap-param-gather", "te", "fp8", "fused-loss"),
+    f"{PAIRS_TEST}[moe-te-cp2-a2a-pp2-account-etp2-allgather-distopt-selective-fused]":
+        ("pp-1f1b", "pp-account", "cp-a2a", "moe", "expert-tp", "moe-allgather",
+         "distopt", "overlap-grad-reduce", "overlap-param-gather", "te",
+         "recompute-selective", "fused-loss"),
+    f"{PAIRS_TEST}[moe-cp2-a2a-zb-uneven-ep2-distopt-full-fused-compile]":
+        ("pp-zero-bubble", "pp-uneven", "cp-a2a", "moe", "ep", "moe-alltoall",
+         "distopt", "overlap-grad-reduce", "overlap-param-gather", "recompute-full",
+         "compile", "fused-loss"),
+    f"{PAIRS_TEST}[moe-te-fp8-tp2-pp2-uneven-etp2-allgather-distopt-compile]":
+        ("tp", "sp", "pp-1f1b", "pp-uneven", "moe", "expert-tp", "moe-allgather",
+         "distopt", "overlap-grad-reduce", "overlap-param-gather", "te", "fp8",
+         "compile"),
+    f"{PAIRS_TEST}[moe-cp2-vpp2-etp2-allgather-distopt-full-fused-compile]":
+        ("pp-interleaved", "cp-p2p", "moe", "expert-tp", "moe-allgather", "distopt",
+         "overlap-grad-reduce", "overlap-param-gather", "recompute-full", "compile",
+         "fused-loss"),
+    f"{PAIRS_TEST}[fsdp2-overlap-selective-fused-compile]":
+        ("overlap-grad-reduce", "fsdp2", "recompute-selective", "compile", "fused-loss"),
+    f"{PAIRS_TEST}[moe-cp2-zb-account-etp2-ddp-overlap-selective-fused]":
+        ("pp-zero-bubble", "pp-account", "cp-p2p", "moe", "expert-tp", "moe-alltoall",
+         "overlap-grad-reduce", "recompute-selective", "fused-loss"),
+    f"{PAIRS_TEST}[moe-te-cp2-a2a-vpp2-ep2-ddp-overlap-full-compile]":
+        ("pp-interleaved", "cp-a2a", "moe", "ep", "moe-alltoall", "overlap-grad-reduce",
+         "te", "recompute-full", "compile"),
+    f"{PAIRS_TEST}[moe-zb-account-ep2-allgather-distopt-compile]":
+        ("pp-zero-bubble", "pp-account", "moe", "ep", "moe-allgather", "distopt",
+         "overlap-grad-reduce", "overlap-param-gather", "compile"),
+    f"{PAIRS_TEST}[moe-cp2-pp2-uneven-selective-fused]":
+        ("pp-1f1b", "pp-uneven", "cp-p2p", "moe", "moe-alltoall", "recompute-selective",
+         "fused-loss"),
+    f"{PAIRS_TEST}[te-fp8-cp2-a2a-vpp2-compile]":
+        ("pp-interleaved", "cp-a2a", "te", "fp8", "compile"),
+    f"{PAIRS_TEST}[fsdp2-tp2-overlap-full-fused]":
+        ("tp", "sp", "overlap-grad-reduce", "fsdp2", "recompute-full", "fused-loss"),
+    f"{PAIRS_TEST}[te-fp8-tp2-pp2-account-ddp-overlap-fused]":
+        ("tp", "sp", "pp-1f1b", "pp-account", "overlap-grad-reduce", "te", "fp8", "fused-loss"),
 }
 
 

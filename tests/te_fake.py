@@ -137,11 +137,37 @@ class DotProductAttention(_Base):
                                    cp_comm_type="p2p"):
         self.cp = (cp_group, list(cp_global_ranks), cp_stream, cp_comm_type)
 
+    def _context_parallel(self):
+        """TE's CP attention over the group it was given, on the load-balanced chunks TE
+        expects -- computed by megalite's own ring / all-to-all attention (local math)."""
+        import types
+
+        from megalite.context_parallel import core_attention_class
+        from megalite.parallel_state import Group
+        from megalite.transformer.spec import AttnMaskType
+
+        handle, ranks, _, comm_type = self.cp
+        import torch.distributed as dist
+
+        group = Group("cp", ranks, handle, dist.get_rank())
+        k = self.kwargs
+        heads, groups, d = k["num_attention_heads"], k["num_gqa_groups"], k["kv_channels"]
+        model_cfg = types.SimpleNamespace(
+            num_attention_heads=heads, attention_dropout=self.dropout,
+            resolved_query_groups=lambda: groups or heads, resolved_kv_channels=lambda: d)
+        comm_groups = types.SimpleNamespace(cp=group, tp=types.SimpleNamespace(size=k["tp_size"]))
+        mask = AttnMaskType.causal if self.causal else AttnMaskType.no_mask
+        return core_attention_class(comm_type)(model_cfg, comm_groups, attn_mask_type=mask)
+
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None):
         for t in (query_layer, key_layer, value_layer):
             assert t.is_contiguous()
         s, b, h, d = query_layer.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))
+        if self.cp is not None and len(self.cp[1]) > 1:
+            if not hasattr(self, "cp_attention"):
+                self.cp_attention = self._context_parallel()
+            return self.cp_attention(q, k, v).permute(2, 0, 1, 3).reshape(s, b, h * d)
         p = self.dropout if self.training else 0.0
         ctx = contextlib.nullcontext()
         if p > 0 and self.rng_states_tracker is not None:

@@ -42,13 +42,16 @@ def inductor_cache_per_cpu_capability() -> Optional[str]:
     return path
 
 
+BACKEND = "inductor"   # what --compile compiles with (tests swap in aot_eager: no codegen)
+
+
 def compile_layers(chunk: nn.Module, backend: Optional[str] = None, **options) -> int:
-    """Compile every transformer layer of ``chunk`` in place; returns how many."""
-    inductor_cache_per_cpu_capability()
+    """Compile every transformer layer of ``chunk`` in place (with ``backend``, default
+    ``BACKEND``); returns how many."""
+    backend = backend or BACKEND
+    if backend == "inductor":
+        inductor_cache_per_cpu_capability()
     layers = transformer_layers(chunk)
     for layer in layers:
-        if backend is None:
-            layer.compile(**options)
-        else:
-            layer.compile(backend=backend, **options)
+        layer.compile(backend=backend, **options)
     return len(layers)

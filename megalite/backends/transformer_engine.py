@@ -197,7 +197,10 @@ _CP_STREAMS = {}
 
 
 def cp_stream():
-    """One side stream per device for TE's CP ring, shared by every layer (as Megatron)."""
+    """One side stream per device for TE's CP ring, shared by every layer (as Megatron);
+    None without CUDA (the CPU stand-in TE of the tests)."""
+    if not torch.cuda.is_available():
+        return None
     device = torch.cuda.current_device()
     if device not in _CP_STREAMS:
         _CP_STREAMS[device] = torch.cuda.Stream()

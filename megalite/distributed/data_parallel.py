@@ -136,6 +136,10 @@ class DataParallelStrategy:
         """Finish parameter all-gathers still in flight (before reading parameters outside a
         forward: checkpoints, replica checks)."""
 
+    def after_forward_only(self, model_chunks) -> None:
+        """After forward passes with no backward (evaluation): leave parameters as a training
+        step expects them."""
+
     def finish_grad_sync(self) -> None:
         """Every reduction a gradient needs after the last micro-batch's backward: SP
         replicated params over TP, tied embeddings over 'embedding', then data parallel.
@@ -494,6 +498,17 @@ class FSDP2Strategy(DataParallelStrategy):
     def zero_grad(self):
         for p in self.params:
             p.grad = None
+
+    def after_forward_only(self, model_chunks) -> None:
+        """FSDP2 keeps the root unit gathered after its forward, for the backward; an
+        evaluation has none, so reshard every unit: the model's parameters are the sharded
+        DTensors again (the optimizer's, the checkpoint's)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for chunk in model_chunks:
+            for m in chunk.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def finish_grad_sync(self):
         for p in self.params:           # a tied copy / replicated param that saw no

@@ -73,12 +73,17 @@ def fsdp_units(chunk) -> List[nn.Module]:
     return units
 
 
-def apply_recompute(chunk: nn.Module, training_cfg, tracker) -> None:
-    """``--recompute-*`` on the decoder's layers and on the MTP modules' layers."""
-    configure_recompute(chunk.decoder, training_cfg, tracker)
+def apply_recompute(chunk: nn.Module, cfg, tracker) -> None:
+    """``--recompute-*`` on the decoder's layers and on the MTP modules' layers.  The
+    tracker's states are put back for each recomputation only when the model draws dropout:
+    without, there is no random number to reproduce, and a checkpoint without a
+    ``context_fn`` is one torch.compile can trace (``recompute.checkpointed``)."""
+    m = cfg.model
+    tracker = tracker if (m.hidden_dropout or m.attention_dropout) else None
+    configure_recompute(chunk.decoder, cfg.training, tracker)
     if getattr(chunk, "mtp", None) is not None:
         configure_layer_recompute([layer.transformer_layer for layer in chunk.mtp.layers],
-                                  training_cfg, tracker)
+                                  cfg.training, tracker)
 
 
 def is_meta(chunk: nn.Module) -> bool:
@@ -106,7 +111,7 @@ def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=
     chunk on the meta device is left uninitialised (allocate it first)."""
     tracker = rng_tracker if rng_tracker is not None else stage_rng_tracker(cfg, state)
     attach_rng_tracker(chunk, tracker)
-    apply_recompute(chunk, cfg.training, tracker)
+    apply_recompute(chunk, cfg, tracker)
     if getattr(cfg.training, "compile", False):      # --compile: each layer, in place
         from megalite.backends.compile import compile_layers
 

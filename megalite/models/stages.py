@@ -9,8 +9,8 @@ from megalite.pipeline_parallel.stages import layers_of_stage
 
 
 def build_model_chunks(cfg, state, device=None, dtype=None) -> list:
-    """One ``GPTModel`` per virtual stage of this rank, parallelized
-    (``models/parallelize.py``), on ``device`` in ``dtype`` (unchanged when None).
+    """One ``GPTModel`` per virtual stage of this rank, built on ``device`` and parallelized
+    (``models/parallelize.py``) into ``dtype`` (None: the constructor's defaults).
 
     ``state.virtual_pipeline_rank`` is set while each chunk is built so that
     ``is_first_stage()`` / ``is_last_stage()`` give the right pre/post processing.  With
@@ -28,7 +28,8 @@ def build_model_chunks(cfg, state, device=None, dtype=None) -> list:
             state.virtual_pipeline_rank = vr
             chunk = GPTModel(cfg, state, pre_process=state.is_first_stage(),
                              post_process=state.is_last_stage(),
-                             layer_numbers=layers_of_stage(cfg, state.pp.rank, vr), spec=spec)
+                             layer_numbers=layers_of_stage(cfg, state.pp.rank, vr), spec=spec,
+                             device=device)
             chunks.append(parallelize_chunk(chunk, cfg, state, rng_tracker=tracker,
                                             device=device, dtype=dtype))
     finally:

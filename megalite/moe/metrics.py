@@ -2,8 +2,9 @@
 
 Called by the loop after each optimizer step (``ModelFamily.after_train_step``).  Every
 rank fills the rows of the MoE layers it holds -- expert counts (already summed over the
-TP ranks that hold parts of the same tokens), summed aux / z terms and the number of
-micro-batches -- then the table is summed over dp-cp (other tokens of the global batch)
+TP and CP ranks that hold parts of the same tokens), summed aux / z terms and the number
+of micro-batches -- then the table is summed over dp-cp (other tokens of the global batch;
+each CP rank's counts are the same whole-sequence counts, so their sum is divided by CP)
 and pp (other layers).  So every rank ends with the global-batch statistics of every MoE
 layer, the expert bias moves identically on every rank that holds a layer, and the writer
 (last stage) can log the layers of all stages.
@@ -33,6 +34,7 @@ def moe_step_metrics(chunks, cfg, state) -> dict:
                                            float(stats["z_loss"]), stats["micro_batches"]],
                                           dtype=torch.float64)
     comm.all_reduce(table, state["dp-cp"])
+    table[:, :E] /= state.cp.size
     comm.all_reduce(table, state.pp)
     out = {}
     ratios = []

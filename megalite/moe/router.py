@@ -11,9 +11,13 @@ trained by gradients but nudged after each step toward the under-loaded experts
 
 Load-balancing terms go through the extra-loss channel (``add_extra_loss``), so any pipeline
 stage adds them.  Their statistics (expert counts, summed scores, logsumexp^2) are summed
-over the TP group with sequence parallelism -- the ranks holding other parts of the SAME
-tokens -- with a forward all-reduce whose backward is the identity: every TP rank then
-sees the same term (the channel's contract) and back-propagates it into its own tokens.
+over every rank holding other parts of the SAME tokens -- the TP group with sequence
+parallelism, the CP group with context parallelism -- so each term is the whole
+sequence's, as on one rank.  Over TP the all-reduce's backward is the identity: every TP
+rank sees the same term (the channel's contract) and back-propagates it into its own
+tokens.  CP ranks count in the channel's 1 / (micro-batches x DP x CP) scale like data
+ranks, so over CP the backward all-reduces too: each rank's tokens get the gradient of
+the whole term.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.param_spec import ParamSpec, make_param
-from megalite.tensor_parallel.mappings import reduce_from_tp_region
+from megalite.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from megalite.transformer.extra_losses import add_extra_loss
 
 AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
@@ -84,7 +88,7 @@ class TopKRouter(nn.Module):
         self.cfg = m
         self.num_experts, self.topk = m.num_experts, m.moe_router_topk
         self.layer_number = layer_number
-        self.tp_group = comm_groups.tp
+        self.tp_group, self.cp_group = comm_groups.tp, comm_groups.cp
         self.sequence_parallel = sequence_parallel and comm_groups.tp.size > 1
         sp = self.tp_group.name if self.sequence_parallel else None
         make_param(self, "weight", ParamSpec((m.num_experts, m.hidden_size),
@@ -98,11 +102,17 @@ class TopKRouter(nn.Module):
 
     # -- statistics over the ranks holding parts of the same tokens -----------------------
     def _token_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum over the TP group with SP (forward all-reduce, backward identity)."""
-        return reduce_from_tp_region(t, self.tp_group) if self.sequence_parallel else t
+        """Sum over the ranks holding parts of the same tokens (module docstring): TP with
+        SP (backward identity), CP (backward all-reduce)."""
+        if self.sequence_parallel:
+            t = reduce_from_tp_region(t, self.tp_group)
+        if self.cp_group.size > 1:
+            t = reduce_from_tp_region(copy_to_tp_region(t, self.cp_group), self.cp_group)
+        return t
 
     def _tp_tokens(self, n: int) -> int:
-        return n * (self.tp_group.size if self.sequence_parallel else 1)
+        """Tokens of the whole sequence(s) ``n`` local tokens are part of."""
+        return n * (self.tp_group.size if self.sequence_parallel else 1) * self.cp_group.size
 
     # -- routing --------------------------------------------------------------------------
     def _select(self, logits: torch.Tensor, need_aux: bool):

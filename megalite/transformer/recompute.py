@@ -83,7 +83,12 @@ def probe_checkpoint_inputs(callback: Callable):
 
 
 def checkpointed(fn: Callable, tracker=None) -> Callable:
-    """``fn`` run under non-reentrant checkpoint when grads are being recorded."""
+    """``fn`` run under non-reentrant checkpoint when grads are being recorded.
+
+    With a ``tracker`` its states are put back for the recomputation (``context_fn``), which
+    torch.compile cannot trace: the region then runs eagerly inside a compiled layer (a
+    graph break under ``--compile``).  Without dropout no tracker is needed (none is
+    passed) and compile traces the checkpoint like any other op."""
     ctx = _TrackerContexts(tracker) if tracker is not None else None
 
     def run(*args, **kwargs):
@@ -93,7 +98,7 @@ def checkpointed(fn: Callable, tracker=None) -> Callable:
             probe([a for a in args if isinstance(a, torch.Tensor)])
         extra = {"context_fn": ctx} if ctx is not None else {}
         return checkpoint(fn, *args, use_reentrant=False, **extra, **kwargs)
-    return run
+    return torch._dynamo.disable(run) if ctx is not None else run
 
 
 class FullRecompute:
@@ -171,7 +176,8 @@ def configure_layer_recompute(layers, training_cfg, tracker=None) -> None:
 
 def configure_recompute(block, training_cfg, tracker: Optional[object] = None) -> None:
     """Apply the ``--recompute-*`` flags of ``training_cfg`` to a TransformerBlock;
-    ``tracker`` (the rank's RNG tracker) is put back in place for each recomputation."""
+    ``tracker`` (the rank's RNG tracker; None when the model draws no dropout) is put back
+    in place for each recomputation."""
     t = training_cfg
     if t.recompute_granularity is None:
         return
