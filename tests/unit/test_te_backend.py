@@ -324,6 +324,7 @@ def test_te_core_attention_forks_the_attached_tracker_and_sets_cp(fake_te, monke
             self.size, self.rank, self.ranks, self.handle = size, 0, list(range(size)), "pg"
 
     groups = type("Groups", (), {"tp": G(1), "cp": G(2)})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # a CUDA machine's stream
     monkeypatch.setattr(torch.cuda, "Stream", lambda: "stream")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(te_backend, "_CP_STREAMS", {})
