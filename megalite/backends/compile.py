@@ -45,9 +45,16 @@ def inductor_cache_per_cpu_capability() -> Optional[str]:
 BACKEND = "inductor"   # what --compile compiles with (tests swap in aot_eager: no codegen)
 
 
-def compile_layers(chunk: nn.Module, backend: Optional[str] = None, **options) -> int:
+def compile_layers(chunk: nn.Module, backend: Optional[str] = None,
+                   retains_graph: bool = False, **options) -> int:
     """Compile every transformer layer of ``chunk`` in place (with ``backend``, default
-    ``BACKEND``); returns how many."""
+    ``BACKEND``); returns how many.  ``retains_graph``: the schedule runs a layer's backward
+    in two passes over one graph (zero bubble's B then W, ``retain_graph=True``), which
+    AOTAutograd's donated buffers forbid, so they are turned off."""
+    if retains_graph:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
     backend = backend or BACKEND
     if backend == "inductor":
         inductor_cache_per_cpu_capability()

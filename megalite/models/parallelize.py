@@ -86,6 +86,15 @@ def apply_recompute(chunk: nn.Module, cfg, tracker) -> None:
                                   cfg.training, tracker)
 
 
+def splits_backward(cfg) -> bool:
+    """Whether this run's pipeline schedule splits each backward into B and W passes."""
+    from megalite.pipeline_parallel.simulator import resolve_schedule
+
+    p = cfg.parallel
+    return p.pp > 1 and resolve_schedule(
+        p.pipeline_schedule, p.virtual_stages(cfg.model.num_layers)).split_backward
+
+
 def is_meta(chunk: nn.Module) -> bool:
     return any(p.is_meta for p in chunk.parameters())
 
@@ -115,7 +124,7 @@ def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=
     if getattr(cfg.training, "compile", False):      # --compile: each layer, in place
         from megalite.backends.compile import compile_layers
 
-        compile_layers(chunk)
+        compile_layers(chunk, retains_graph=splits_backward(cfg))
     if not is_meta(chunk):
         chunk.initialize(cfg.training.seed)
         tie_shared_embedding(chunk, state)
