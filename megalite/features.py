@@ -9,8 +9,8 @@ that run the combinations (tests/unit/test_feature_table.py walks every pair: ex
 or covered, never neither).
 
 Readers: validation (``check_features``: every rule, first broken one reported), the
-planner (``Layout.emittable``: a layout the table refuses is advice only; ``validate_layout``
-applies the rules between layout features), backend selection (``--transformer-impl
+planner's search (``validate_layout`` applies the rules between layout features, so the
+search enumerates only layouts the table allows), backend selection (``--transformer-impl
 auto`` is resolved before the rules are read, so TE's rules hold for it too) and
 docs/compatibility.md (``tools/compatibility_matrix.py`` writes it from this table).
 
@@ -105,6 +105,11 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in (
     Feature("fsdp2", "ZeRO-3 through torch FSDP2 (fully_shard)", "--use-torch-fsdp2 (or "
             "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params)",
             lambda c: c.parallel.use_torch_fsdp2, kind=STRATEGY),
+    Feature("hsdp", "hybrid sharding: the sharded strategy replicated over R instances of "
+            "neighbouring ranks (HSDP for FSDP2), so its all-gathers stay inside an instance",
+            "--num-distributed-optimizer-instances R (> 1) with --use-distributed-optimizer "
+            "or --use-torch-fsdp2", lambda c: c.parallel.num_distributed_optimizer_instances > 1,
+            kind=STRATEGY),
     Feature("te", "Transformer Engine layers", "--transformer-impl transformer_engine (or "
             "auto on a CUDA machine with TE)",
             lambda c: c.model.transformer_impl == "transformer_engine", kind=IMPLEMENTATION),
@@ -162,10 +167,6 @@ def _fp8_without_te(cfg) -> str:
             "--fp8-* flags")
 
 
-FSDP2_PP = ("--use-torch-fsdp2 does not compose with pipeline parallelism yet (tied embeddings "
-            "across stages, per-stage units); use --use-distributed-optimizer with PP")
-FSDP2_CP_EP = ("--use-torch-fsdp2 shards over DP only, not over DP x CP or expert-DP yet: not "
-               "with CP > 1 or --num-experts; use --use-distributed-optimizer")
 CP_DROPOUT = ("--context-parallel-size > 1 has no attention dropout (ring and all-to-all "
               "attention draw none): set --attention-dropout 0")
 ZB_MOE_RECOMPUTE = ("--pipeline-schedule zero-bubble with a recomputed MoE layer "
@@ -180,6 +181,12 @@ def _recomputes_moe_layers(cfg) -> bool:
         t.recompute_granularity == "selective" and "mlp" in (t.recompute_modules or ())))
 
 
+MOE_COMPILE = ("--compile with --num-experts: the MoE layers' routing gives every step other "
+               "token counts (data-dependent shapes, host-side all-to-all splits), and a "
+               "compiled MoE run did not finish two tiny steps in 150 s on CPU; drop --compile")
+CP_A2A_COMPILE = ("--compile with --cp-comm-type a2a: a compiled all-to-all (Ulysses) "
+                  "attention run did not finish two tiny steps in 150 s on CPU; use "
+                  "--cp-comm-type p2p or drop --compile")
 FP8_RECOMPUTE = ("--fp8-format with --recompute-granularity: a recomputed forward would run "
                  "outside the FP8 autocast; drop one of them")
 
@@ -201,25 +208,15 @@ RULES = (
              "both balance the first and last stages; use one of them"),
     Excludes("distopt", "fsdp2", "--use-torch-fsdp2 and --use-distributed-optimizer both "
              "shard the optimizer; pick one"),
-    # FSDP2 with PP, CP and EP: one line per pair (issue 26 makes them compose)
-    Excludes("fsdp2", "pp-1f1b", FSDP2_PP),
-    Excludes("fsdp2", "pp-interleaved", FSDP2_PP),
-    Excludes("fsdp2", "pp-zero-bubble", FSDP2_PP),
-    Excludes("fsdp2", "pp-uneven", FSDP2_PP),
-    Excludes("fsdp2", "pp-account", FSDP2_PP),
-    Excludes("fsdp2", "cp-p2p", FSDP2_CP_EP),
-    Excludes("fsdp2", "cp-a2a", FSDP2_CP_EP),
-    Excludes("fsdp2", "moe", FSDP2_CP_EP),
-    Excludes("fsdp2", "ep", FSDP2_CP_EP),
-    Excludes("fsdp2", "expert-tp", FSDP2_CP_EP),
-    Excludes("fsdp2", "moe-alltoall", FSDP2_CP_EP),
-    Excludes("fsdp2", "moe-allgather", FSDP2_CP_EP),
     Excludes("te", "fsdp2", "--use-torch-fsdp2 with Transformer Engine layers: TE's modules "
              "are not wrapped in FSDP2 units here (TE keeps FP8 metadata beside its weights); "
              "use --use-distributed-optimizer or --transformer-impl local", dry_run=False),
     Excludes("te", "pp-zero-bubble", "--pipeline-schedule zero-bubble splits each linear's "
              "backward into B and W passes, which TE's fused linears do not; use 1f1b / "
              "interleaved or --transformer-impl local", dry_run=False),
+    *(Excludes(moe, "compile", MOE_COMPILE, dry_run=False)
+      for moe in ("moe", "ep", "expert-tp", "moe-alltoall", "moe-allgather")),
+    Excludes("cp-a2a", "compile", CP_A2A_COMPILE, dry_run=False),
     Excludes("fp8", "recompute-full", FP8_RECOMPUTE, dry_run=False),
     Excludes("fp8", "recompute-selective", FP8_RECOMPUTE, dry_run=False),
     Refuses("pp-zero-bubble", "a recomputed MoE layer", _recomputes_moe_layers,
@@ -309,6 +306,7 @@ _CP = "tests/distributed/test_context_parallel_dist.py::test_training_loop_match
 _MOE = "tests/distributed/test_moe_dist.py::test_moe_matches_one_process"
 _DP2 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp2_world2"
 _DP4 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp2_world4"
+_FC = "tests/distributed/test_fsdp2_compose_dist.py::test_fsdp2_composes"
 PAIRS_TEST = "tests/distributed/test_feature_pairs_dist.py::test_combination_matches_single_process"
 COVERAGE: Dict[str, Sequence[str]] = {
     f"{_PE}[tp2-pp2-sp-full-uniform1]": ("tp", "sp", "pp-1f1b", "recompute-full"),
@@ -341,6 +339,14 @@ COVERAGE: Dict[str, Sequence[str]] = {
     f"{_MOE}[ep2-etp2-allgather]": ("moe", "ep", "expert-tp", "moe-allgather"),
     f"{_DP2}[do_ov_pg]": ("distopt", "overlap-grad-reduce", "overlap-param-gather"),
     f"{_DP4}[fsdp2_tp2]": ("fsdp2", "tp", "sp"),
+    f"{_FC}[fsdp2_pp2_1f1b]": ("fsdp2", "pp-1f1b"),
+    f"{_FC}[fsdp2_pp2_interleaved]": ("fsdp2", "pp-interleaved"),
+    f"{_FC}[fsdp2_pp2_zero_bubble]": ("fsdp2", "pp-zero-bubble"),
+    f"{_FC}[fsdp2_cp2]": ("fsdp2", "cp-p2p"),
+    f"{_FC}[fsdp2_ep2]": ("fsdp2", "moe", "ep", "moe-alltoall"),
+    f"{_FC}[hsdp_2x2]": ("fsdp2", "hsdp"),
+    f"{_FC}[distopt_2x2]": ("distopt", "overlap-grad-reduce", "hsdp"),
+    f"{_FC}[fsdp2_tp2_pp2]": ("fsdp2", "tp", "sp", "pp-1f1b"),
     f"{_DP4}[do_ov_tp2_pp2]": ("distopt", "overlap-grad-reduce", "tp", "pp-1f1b"),
     "tests/distributed/test_fused_cross_entropy_dist.py"
     "::test_fused_tp_matches_unfused_single_process": ("fused-loss", "tp", "sp"),
@@ -357,41 +363,61 @@ COVERAGE: Dict[str, Sequence[str]] = {
         ("tp", "sp", "cp-p2p", "moe", "ep", "expert-tp", "moe-alltoall", "distopt",
          "overlap-grad-reduce", "overlap-param-gather", "te", "fp8", "fused-loss"),
     f"{PAIRS_TEST}[moe-te-cp2-a2a-pp2-account-etp2-allgather-distopt-selective-fused]":
-        ("pp-1f1b", "pp-account", "cp-a2a", "moe", "expert-tp", "moe-allgather",
-         "distopt", "overlap-grad-reduce", "overlap-param-gather", "te",
-         "recompute-selective", "fused-loss"),
-    f"{PAIRS_TEST}[moe-cp2-a2a-zb-uneven-ep2-distopt-full-fused-compile]":
-        ("pp-zero-bubble", "pp-uneven", "cp-a2a", "moe", "ep", "moe-alltoall",
-         "distopt", "overlap-grad-reduce", "overlap-param-gather", "recompute-full",
-         "compile", "fused-loss"),
-    f"{PAIRS_TEST}[moe-te-fp8-tp2-pp2-uneven-etp2-allgather-distopt-compile]":
-        ("tp", "sp", "pp-1f1b", "pp-uneven", "moe", "expert-tp", "moe-allgather",
-         "distopt", "overlap-grad-reduce", "overlap-param-gather", "te", "fp8",
-         "compile"),
-    f"{PAIRS_TEST}[moe-cp2-vpp2-etp2-allgather-distopt-full-fused-compile]":
-        ("pp-interleaved", "cp-p2p", "moe", "expert-tp", "moe-allgather", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather", "recompute-full", "compile",
+        ("pp-1f1b", "pp-account", "cp-a2a", "moe", "expert-tp", "moe-allgather", "distopt",
+         "overlap-grad-reduce", "overlap-param-gather", "te", "recompute-selective",
          "fused-loss"),
-    f"{PAIRS_TEST}[fsdp2-overlap-selective-fused-compile]":
-        ("overlap-grad-reduce", "fsdp2", "recompute-selective", "compile", "fused-loss"),
-    f"{PAIRS_TEST}[moe-cp2-zb-account-etp2-ddp-overlap-selective-fused]":
+    f"{PAIRS_TEST}[moe-cp2-a2a-zb-uneven-ep2-distopt-attn-fused]":
+        ("pp-zero-bubble", "pp-uneven", "cp-a2a", "moe", "ep", "moe-alltoall", "distopt",
+         "overlap-grad-reduce", "overlap-param-gather", "recompute-selective", "fused-loss"),
+    f"{PAIRS_TEST}[moe-te-fp8-tp2-pp2-uneven-etp2-allgather-distopt]":
+        ("tp", "sp", "pp-1f1b", "pp-uneven", "moe", "expert-tp", "moe-allgather", "distopt",
+         "overlap-grad-reduce", "overlap-param-gather", "te", "fp8"),
+    f"{PAIRS_TEST}[moe-cp2-vpp2-etp2-allgather-distopt-full-fused]":
+        ("pp-interleaved", "cp-p2p", "moe", "expert-tp", "moe-allgather", "distopt",
+         "overlap-grad-reduce", "overlap-param-gather", "recompute-full", "fused-loss"),
+    f"{PAIRS_TEST}[moe-cp2-zb-account-etp2-ddp-overlap-attn-fused]":
         ("pp-zero-bubble", "pp-account", "cp-p2p", "moe", "expert-tp", "moe-alltoall",
          "overlap-grad-reduce", "recompute-selective", "fused-loss"),
-    f"{PAIRS_TEST}[moe-te-cp2-a2a-vpp2-ep2-ddp-overlap-full-compile]":
-        ("pp-interleaved", "cp-a2a", "moe", "ep", "moe-alltoall", "overlap-grad-reduce",
-         "te", "recompute-full", "compile"),
-    f"{PAIRS_TEST}[moe-zb-account-ep2-allgather-distopt-compile]":
+    f"{PAIRS_TEST}[moe-te-cp2-a2a-vpp2-ep2-ddp-overlap-full]":
+        ("pp-interleaved", "cp-a2a", "moe", "ep", "moe-alltoall", "overlap-grad-reduce", "te",
+         "recompute-full"),
+    f"{PAIRS_TEST}[moe-zb-account-ep2-allgather-distopt]":
         ("pp-zero-bubble", "pp-account", "moe", "ep", "moe-allgather", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather", "compile"),
+         "overlap-grad-reduce", "overlap-param-gather"),
     f"{PAIRS_TEST}[moe-cp2-pp2-uneven-selective-fused]":
         ("pp-1f1b", "pp-uneven", "cp-p2p", "moe", "moe-alltoall", "recompute-selective",
          "fused-loss"),
-    f"{PAIRS_TEST}[te-fp8-cp2-a2a-vpp2-compile]":
-        ("pp-interleaved", "cp-a2a", "te", "fp8", "compile"),
     f"{PAIRS_TEST}[fsdp2-tp2-overlap-full-fused]":
         ("tp", "sp", "overlap-grad-reduce", "fsdp2", "recompute-full", "fused-loss"),
-    f"{PAIRS_TEST}[te-fp8-tp2-pp2-account-ddp-overlap-fused]":
-        ("tp", "sp", "pp-1f1b", "pp-account", "overlap-grad-reduce", "te", "fp8", "fused-loss"),
+    f"{PAIRS_TEST}[moe-fsdp2-cp2-a2a-pp2-uneven-etp2-allgather]":
+        ("pp-1f1b", "pp-uneven", "cp-a2a", "moe", "expert-tp", "moe-allgather", "fsdp2"),
+    f"{PAIRS_TEST}[moe-fsdp2-hsdp-zb-account-attn]":
+        ("pp-zero-bubble", "pp-account", "moe", "moe-alltoall", "fsdp2", "hsdp",
+         "recompute-selective"),
+    f"{PAIRS_TEST}[hsdp-te-fp8-tp2-distopt-fused]":
+        ("tp", "sp", "distopt", "overlap-grad-reduce", "overlap-param-gather", "hsdp", "te",
+         "fp8", "fused-loss"),
+    f"{PAIRS_TEST}[moe-hsdp-cp2-a2a-ep2-allgather-distopt-full]":
+        ("cp-a2a", "moe", "ep", "moe-allgather", "distopt", "overlap-grad-reduce",
+         "overlap-param-gather", "hsdp", "recompute-full"),
+    f"{PAIRS_TEST}[moe-hsdp-cp2-etp2-distopt]":
+        ("cp-p2p", "moe", "expert-tp", "moe-alltoall", "distopt", "overlap-grad-reduce",
+         "overlap-param-gather", "hsdp"),
+    f"{PAIRS_TEST}[hsdp-fsdp2-vpp2]":
+        ("pp-interleaved", "fsdp2", "hsdp"),
+    f"{PAIRS_TEST}[hsdp-pp2-uneven-distopt-full]":
+        ("pp-1f1b", "pp-uneven", "distopt", "overlap-grad-reduce", "overlap-param-gather",
+         "hsdp", "recompute-full"),
+    f"{PAIRS_TEST}[te-fp8-tp2-pp2-account-distopt-fused-compile]":
+        ("tp", "sp", "pp-1f1b", "pp-account", "distopt", "overlap-grad-reduce",
+         "overlap-param-gather", "te", "fp8", "compile", "fused-loss"),
+    f"{PAIRS_TEST}[fsdp2-hsdp-overlap-selective-fused-compile]":
+        ("overlap-grad-reduce", "fsdp2", "hsdp", "recompute-selective", "compile", "fused-loss"),
+    f"{PAIRS_TEST}[cp2-zb-uneven-full-compile]":
+        ("pp-zero-bubble", "pp-uneven", "cp-p2p", "recompute-full", "compile"),
+    f"{PAIRS_TEST}[te-fp8-cp2-a2a-pp2-fused]":
+        ("pp-1f1b", "cp-a2a", "te", "fp8", "fused-loss"),
+    f"{PAIRS_TEST}[te-fp8-vpp2-compile]": ("pp-interleaved", "te", "fp8", "compile"),
 }
 
 

@@ -54,6 +54,8 @@ COMPILE = ["--compile"]
 ETP2, EP2 = ["--expert-tensor-parallel-size", "2"], ["--ep", "2"]
 ALLGATHER = ["--moe-token-dispatcher-type", "allgather"]
 FSDP2 = ["--use-torch-fsdp2"]
+HSDP = ["--num-distributed-optimizer-instances", "2"]
+SEL_ATTN = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
 
 # name: (model, flags, through the TE spec (te_fake), with FP8) -- a greedy cover of the
 # pairs no other equivalence test runs
@@ -61,25 +63,39 @@ CONFIGS = {
     "moe-te-fp8-tp2-cp2-ep2-distopt-fused": (MOE, TP2 + CP2 + DO + FUSED + EP2, True, True),
     "moe-te-cp2-a2a-pp2-account-etp2-allgather-distopt-selective-fused": (
         MOE, CP2 + PP2 + ACCOUNT + A2A + DO + SEL + FUSED + ETP2 + ALLGATHER, True, False),
-    "moe-cp2-a2a-zb-uneven-ep2-distopt-full-fused-compile": (
-        MOE, CP2 + PP2 + ZB + UNEVEN + A2A + DO + FULL + FUSED + COMPILE + EP2, False, False),
-    "moe-te-fp8-tp2-pp2-uneven-etp2-allgather-distopt-compile": (
-        MOE, TP2 + PP2 + UNEVEN + DO + COMPILE + ETP2 + ALLGATHER, True, True),
-    "moe-cp2-vpp2-etp2-allgather-distopt-full-fused-compile": (
-        MOE, CP2 + PP2 + VPP2 + DO + FULL + FUSED + COMPILE + ETP2 + ALLGATHER, False, False),
-    "fsdp2-overlap-selective-fused-compile": (DENSE, FSDP2 + OGR + SEL + FUSED + COMPILE, False,
-                                              False),
-    "moe-cp2-zb-account-etp2-ddp-overlap-selective-fused": (
-        MOE, CP2 + PP2 + ZB + ACCOUNT + OGR + SEL + FUSED + ETP2, False, False),
-    "moe-te-cp2-a2a-vpp2-ep2-ddp-overlap-full-compile": (
-        MOE, CP2 + PP2 + VPP2 + A2A + OGR + FULL + COMPILE + EP2, True, False),
-    "moe-zb-account-ep2-allgather-distopt-compile": (
-        MOE, PP2 + ZB + ACCOUNT + DO + COMPILE + EP2 + ALLGATHER, False, False),
+    "moe-cp2-a2a-zb-uneven-ep2-distopt-attn-fused": (   # zero bubble: no MoE recompute
+        MOE, CP2 + PP2 + ZB + UNEVEN + A2A + DO + SEL_ATTN + FUSED + EP2, False, False),
+    "moe-te-fp8-tp2-pp2-uneven-etp2-allgather-distopt": (
+        MOE, TP2 + PP2 + UNEVEN + DO + ETP2 + ALLGATHER, True, True),
+    "moe-cp2-vpp2-etp2-allgather-distopt-full-fused": (
+        MOE, CP2 + PP2 + VPP2 + DO + FULL + FUSED + ETP2 + ALLGATHER, False, False),
+    "moe-cp2-zb-account-etp2-ddp-overlap-attn-fused": (
+        MOE, CP2 + PP2 + ZB + ACCOUNT + OGR + SEL_ATTN + FUSED + ETP2, False, False),
+    "moe-te-cp2-a2a-vpp2-ep2-ddp-overlap-full": (
+        MOE, CP2 + PP2 + VPP2 + A2A + OGR + FULL + EP2, True, False),
+    "moe-zb-account-ep2-allgather-distopt": (
+        MOE, PP2 + ZB + ACCOUNT + DO + EP2 + ALLGATHER, False, False),
     "moe-cp2-pp2-uneven-selective-fused": (MOE, CP2 + PP2 + UNEVEN + SEL + FUSED, False, False),
-    "te-fp8-cp2-a2a-vpp2-compile": (DENSE, CP2 + PP2 + VPP2 + A2A + COMPILE, True, True),
     "fsdp2-tp2-overlap-full-fused": (DENSE, TP2 + FSDP2 + OGR + FULL + FUSED, False, False),
-    "te-fp8-tp2-pp2-account-ddp-overlap-fused": (DENSE, TP2 + PP2 + ACCOUNT + OGR + FUSED, True,
-                                                 True),
+    # FSDP2 (composes with PP, CP, EP: issue 26) and hybrid sharding (2 instances)
+    "moe-fsdp2-cp2-a2a-pp2-uneven-etp2-allgather": (
+        MOE, FSDP2 + CP2 + A2A + PP2 + UNEVEN + ETP2 + ALLGATHER, False, False),
+    "moe-fsdp2-hsdp-zb-account-attn": (MOE, FSDP2 + HSDP + PP2 + ZB + ACCOUNT + SEL_ATTN, False,
+                                       False),
+    "hsdp-te-fp8-tp2-distopt-fused": (DENSE, TP2 + DO + HSDP + FUSED, True, True),
+    "moe-hsdp-cp2-a2a-ep2-allgather-distopt-full": (
+        MOE, CP2 + A2A + EP2 + ALLGATHER + DO + HSDP + FULL, False, False),
+    "moe-hsdp-cp2-etp2-distopt": (MOE, CP2 + ETP2 + DO + HSDP, False, False),
+    "hsdp-fsdp2-vpp2": (DENSE, FSDP2 + HSDP + PP2 + VPP2, False, False),
+    "hsdp-pp2-uneven-distopt-full": (DENSE, DO + HSDP + PP2 + UNEVEN + FULL, False, False),
+    "te-fp8-cp2-a2a-pp2-fused": (DENSE, CP2 + A2A + PP2 + FUSED, True, True),
+    # --compile (dense: the table refuses it with MoE and with CP a2a) with every other feature
+    "te-fp8-tp2-pp2-account-distopt-fused-compile": (
+        DENSE, TP2 + PP2 + ACCOUNT + DO + FUSED + COMPILE, True, True),
+    "fsdp2-hsdp-overlap-selective-fused-compile": (
+        DENSE, FSDP2 + HSDP + OGR + SEL + FUSED + COMPILE, False, False),
+    "cp2-zb-uneven-full-compile": (DENSE, CP2 + PP2 + ZB + UNEVEN + FULL + COMPILE, False, False),
+    "te-fp8-vpp2-compile": (DENSE, PP2 + VPP2 + COMPILE, True, True),
 }
 
 

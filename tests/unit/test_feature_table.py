@@ -35,7 +35,9 @@ TURN_ON = {
     "distopt": ["--use-distributed-optimizer"], "overlap-grad-reduce": ["--overlap-grad-reduce"],
     "overlap-param-gather": ["--use-distributed-optimizer", "--overlap-grad-reduce",
                              "--overlap-param-gather"],
-    "fsdp2": ["--use-torch-fsdp2"], "te": [], "fp8": [],          # set after parsing (CPU)
+    "fsdp2": ["--use-torch-fsdp2"],
+    "hsdp": ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+    "te": [], "fp8": [],          # set after parsing (CPU)
     "recompute-full": ["--recompute-granularity", "full", "--recompute-method", "uniform"],
     "recompute-selective": ["--recompute-granularity", "selective"],
     "compile": ["--compile"], "fused-loss": ["--cross-entropy-loss-fusion"],
@@ -58,7 +60,7 @@ def test_turn_on_flags_turn_on_exactly_their_feature():
     implied = {"sp": {"tp"}, "ep": {"moe", "moe-alltoall"}, "expert-tp": {"moe", "moe-alltoall"},
                "moe": {"moe-alltoall"}, "moe-alltoall": {"moe"}, "moe-allgather": {"moe"},
                "pp-uneven": {"pp-1f1b"}, "pp-account": {"pp-1f1b"}, "fp8": {"te"},
-               "overlap-param-gather": {"distopt", "overlap-grad-reduce"}}
+               "overlap-param-gather": {"distopt", "overlap-grad-reduce"}, "hsdp": {"distopt"}}
     assert set(TURN_ON) == set(F.FEATURES)
     for name in F.FEATURES:
         got = set(F.active(config_with(name, validate=False)))
