@@ -74,7 +74,7 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
         from megalite.training.loop import pretrain
 
         rank = launch_env().rank
-        if rank >= cfg.world_size:      # --elastic: the layout trains on fewer ranks
+        if cfg.parallel.elastic and rank >= cfg.world_size:   # the layout trains on fewer
             return wait_as_spare(rank, cfg.world_size)
         try:
             status = pretrain(cfg, family or GPT_FAMILY)

@@ -175,9 +175,10 @@ def test_dead_link_does_not_hold_the_allocation(cluster, tmp_path, tmp_path_fact
         watch.wait_for(4, job=job, cluster=cluster)
         cut = time.time()
         cluster.ctl("link", "node2", "down")
+        step = (watch.first_seen[4] - watch.first_seen[2]) / 2       # s per iteration at DP2
         # the collectives' timeout, a restart as slow as the first start, the rest of the
-        # run, the script's grace for the other node, and slack for a loaded machine
-        bound = 12 + first + ITERS + 30 + 60
+        # run at DP1 (twice the work per rank), the script's grace for the other node, slack
+        bound = 12 + first + (ITERS - 2) * 2 * step + 20 + 60
         batch_state, _ = cluster.wait_job(job, timeout=bound, final=False)
         ended = time.time() - cut
     finally:
@@ -186,7 +187,7 @@ def test_dead_link_does_not_hold_the_allocation(cluster, tmp_path, tmp_path_fact
     state, code = cluster.wait_job(job, timeout=400)
     out = _out(tmp_path / f"slurm-{job}.out")
     print(f"link cut after iteration 4; the batch script ended {ended:.1f} s later "
-          f"(bound {bound:.0f} s; first start {first:.1f} s)")
+          f"(bound {bound:.0f} s; first start {first:.1f} s, {step:.1f} s per iteration)")
     assert batch_state in ("COMPLETING", "COMPLETED"), \
         f"job {job} still {batch_state} {ended:.0f} s after the link went down\n{out[-3000:]}"
     assert (state, code) == ("COMPLETED", "0:0"), out[-3000:]
