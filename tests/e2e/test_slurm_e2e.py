@@ -174,7 +174,7 @@ def test_two_node_restart_after_kill_resumes_from_checkpoint(cluster, reference,
     assert order == list(range(3, ITERS + 1)), order
     # the node ranks may swap at the re-rendezvous: rank 0 (and the logging rank) can change
     # node, so each node's lines are read and put back in time order
-    loads = sorted(int(n) for n in re.findall(r"> loaded \S+ \(iteration (\d+)\)", both))
+    loads = sorted(int(n) for n in re.findall(r"> loaded checkpoint \S+ \(iteration (\d+)\)", both))
     assert len(loads) == 2 and loads[0] == 2 and loads[1] > 3, \
         f"expected the restart to load the latest checkpoint (not the seed's 2): {loads}"
     # The logging rank's iteration lines: the first attempt from 3 to where it was killed
