@@ -87,7 +87,7 @@ def test_node_lost_for_good_job_completes_on_the_survivor(cluster, tmp_path, tmp
     assert "training exited with status 0" in out, out[-2000:]
     assert "world 4: TP2 CP1 PP1 DP2, 4 micro-batches" in node1, node1[-2000:]
     assert "elastic restart 1: world 2: TP2 CP1 PP1 DP1, 8 micro-batches" in node1, node1[-3000:]
-    loads = re.findall(r"> loaded \S+ \(iteration (\d+)\)", node1)
+    loads = re.findall(r"> loaded checkpoint \S+ \(iteration (\d+)\)", node1)
     resumed_at = int(loads[-1]) if loads else 0
     retrained = killed_after - resumed_at
     kill_to_new = new_at - kill_time
