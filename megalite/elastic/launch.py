@@ -83,10 +83,11 @@ def _agent_class():
             result = super()._monitor_workers(worker_group)
             if result.is_failed():
                 codes = sorted({exit_status(f.exitcode) for f in result.failures.values()})
-                say(f"worker group failed (status {', '.join(map(str, codes))}); "
-                    f"{self._remaining_restarts} restart(s) left")
                 if EXIT_USER_ERROR in codes:
                     self._remaining_restarts = 0  # a user error fails every attempt alike
+                say(f"worker group failed (status {', '.join(map(str, codes))}); " + (
+                    "a user error: not restarted" if EXIT_USER_ERROR in codes
+                    else f"{self._remaining_restarts} restart(s) left"))
             return result
 
         def _rendezvous(self, worker_group):
