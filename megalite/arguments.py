@@ -190,7 +190,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     data = sections["data"]
     if data["tokenizer_type"] is None and data["vocab_file"] and data["merge_file"]:
         data["tokenizer_type"] = "GPT2BPETokenizer"   # Megatron's GPT-2 examples omit the type
-    cfg = MegaliteConfig(world_size=world, accepted_flags=accepted,
+    cfg = MegaliteConfig(world_size=world, launched_world_size=world, accepted_flags=accepted,
                          **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
     cfg = apply_megatron_fsdp(cfg)     # --use-megatron-fsdp: its ZeRO stage's strategy fields
     check_domains(cfg)        # a bad --load or value fails here, before any file is read
@@ -200,7 +200,13 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
         cfg, notes = apply_checkpoint_args(cfg, set(from_file) | given_dests(parser, argv))
         if int(os.environ.get("RANK", "0")) == 0:
             print("\n".join(notes), flush=True)
-    if validate_config:
+    if validate_config and cfg.parallel.elastic and not cfg.training.dry_run:
+        from megalite.elastic.relayout import fit_world
+
+        cfg, line = fit_world(cfg)         # the re-layout rule; validates at the fitted world
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(line, flush=True)
+    elif validate_config:
         from megalite.validation import validate
         validate(cfg)
     return cfg

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from datetime import timedelta
@@ -501,8 +502,11 @@ def _install_external_hooks() -> None:
 
 # -- the run's first user error, shared through the job's store ---------------------------
 FIRST_USER_ERROR_KEY = "first_user_error"
+RUN_ENDED = "\x00run ended normally"    # the key's value when no user error ended the run
+WATCHERS_DONE_KEY = "user_error_watchers_done"
 _published_here = False
 _control = None
+_watcher: Optional[threading.Thread] = None
 
 
 def _control_store():
@@ -562,8 +566,37 @@ def watch_user_errors(on_error) -> None:
         try:
             waiter.wait([FIRST_USER_ERROR_KEY])
             value = waiter.get(FIRST_USER_ERROR_KEY)
+            line = value.decode() if isinstance(value, bytes) else value
+            if line == RUN_ENDED:
+                waiter.add(WATCHERS_DONE_KEY, 1)
+                return
         except (RuntimeError, dist.DistError, OSError):
             return                     # the store went away: the job is ending anyway
         if not _published_here:
-            on_error(value.decode() if isinstance(value, bytes) else value)
-    threading.Thread(target=_wait, daemon=True, name="megalite-user-error-watch").start()
+            on_error(line)
+    global _watcher
+    _watcher = threading.Thread(target=_wait, daemon=True, name="megalite-user-error-watch")
+    _watcher.start()
+
+
+def stop_watching_user_errors(timeout_s: float = 10.0) -> None:
+    """At the normal end of a run (after the final barrier): wake every rank's watcher with
+    ``RUN_ENDED`` and let it return; rank 0, which may host the store, leaves only when all
+    have.  A watcher still blocked in the store when its process exits would see the store
+    vanish during interpreter shutdown, and the process would abort ("terminate called
+    without an active exception", status -6): a finished run reported as a failure."""
+    global _watcher
+    store = _control_store()
+    if _watcher is None or store is None:
+        return
+    try:
+        store.compare_set(FIRST_USER_ERROR_KEY, "", RUN_ENDED)   # a user error stays first
+        _watcher.join(timeout_s)
+        if dist.get_rank() == 0:
+            deadline = time.monotonic() + timeout_s
+            while store.add(WATCHERS_DONE_KEY, 0) < dist.get_world_size() and \
+                    time.monotonic() < deadline:
+                time.sleep(0.02)
+    except (RuntimeError, dist.DistError, OSError):
+        pass
+    _watcher = None

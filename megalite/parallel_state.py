@@ -396,7 +396,8 @@ def initialize(cfg) -> ParallelState:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
             store = _restart_store(timeout)
-            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+            # cfg's world: under --elastic the ranks beyond it are spares (elastic/relayout.py)
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=cfg.world_size,
                                     timeout=timeout, **({"store": store} if store else {}))
     grid = RankGrid.from_config(cfg)
     return ParallelState.build(grid, dist.get_rank(),

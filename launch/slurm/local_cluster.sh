@@ -1,19 +1,23 @@
 #!/usr/bin/env bash
-# A real two-node SLURM cluster on one machine, for tests and CI: Debian's slurmctld, slurmd
-# and munge, each "node" a network namespace with its own address, hostname and /etc/hosts.
+# A real SLURM cluster on one machine, for tests and CI: Debian's slurmctld, slurmd and
+# munge, each "node" a network namespace with its own address, hostname and /etc/hosts.
 #
-#   launch/slurm/local_cluster.sh check          # can this machine? (prints why not; exit 1)
-#   launch/slurm/local_cluster.sh up DIR         # install if needed, start; DIR/on NODE CMD...
-#   launch/slurm/local_cluster.sh down DIR       # stop what 'up' started, remove namespaces
+#   launch/slurm/local_cluster.sh check              # can this machine? (prints why not; exit 1)
+#   launch/slurm/local_cluster.sh up DIR [NODES]     # install if needed, start NODES (default 2)
+#   launch/slurm/local_cluster.sh down DIR           # stop what 'up' started, remove namespaces
+#   launch/slurm/local_cluster.sh kill-node DIR NODE # the node dies: SIGKILL all its processes
+#   launch/slurm/local_cluster.sh start-node DIR NODE  # a (re)booted node: start its slurmd
+#   launch/slurm/local_cluster.sh link DIR NODE down|up  # cut / restore the node's network
 #
-# Nodes node1 (10.77.0.1, runs slurmctld too) and node2 (10.77.0.2) sit on a bridge inside a
-# third namespace; the addresses exist only there.  `DIR/on node1 sbatch ...` runs a command
+# Nodes node1 (10.77.0.1, runs slurmctld too), node2 (10.77.0.2), ... sit on a bridge inside
+# another namespace; the addresses exist only there.  `DIR/on node1 sbatch ...` runs a command
 # "on" a node (nsenter + unshare: `ip netns exec` would remount /sys and break slurmd).
+# Every cluster has its own namespaces (named after the 'up' process), its own munged (socket
+# in DIR) and its own files in DIR, so two clusters on one machine do not meet.
 # Needs root, apt-get (or the packages installed) and network namespaces.
 set -euo pipefail
 CMD="${1:-}"
 DIR="${2:-}"
-NODES=(node1 node2)
 
 why_not() {
   [ "$(id -u)" = 0 ] || { echo "not root"; return; }
@@ -40,31 +44,33 @@ install_packages() {
 }
 
 start_munge() {
-  # One munged for the machine (the socket is a file, shared by every namespace).
-  if [ -S /run/munge/munge.socket.2 ] && munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    return
-  fi
-  install -d -o munge -g munge -m0755 /run/munge
-  [ -f /etc/munge/munge.key ] || { mungekey -c 2>/dev/null || create-munge-key -f; }
-  runuser -u munge -- /usr/sbin/munged
-  echo started > "$DIR/munged.started"
+  # This cluster's own munged (as root, socket in DIR): stopping it never affects another.
+  local key=/etc/munge/munge.key
+  [ -f "$key" ] || { mungekey -c 2>/dev/null || create-munge-key -f; }
+  /usr/sbin/munged --force --socket="$DIR/munge.socket" --pid-file="$DIR/munged.pid" \
+    --log-file="$DIR/log/munged.log" --seed-file="$DIR/munged.seed" --key-file="$key"
 }
 
+node_names() { cat "$DIR/nodes"; }
+
 write_conf() {
-  local ncpu mem
+  local ncpu mem n i
+  n="$1"
   ncpu=$(nproc)
-  mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 4 ))
-  cat > "$DIR/hosts" <<HOSTS
-127.0.0.1 localhost
-10.77.0.1 node1
-10.77.0.2 node2
-HOSTS
+  mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / (n + 2) ))
+  : > "$DIR/nodes"
+  echo "127.0.0.1 localhost" > "$DIR/hosts"
+  for i in $(seq 1 "$n"); do
+    echo "node$i" >> "$DIR/nodes"
+    echo "10.77.0.$i node$i" >> "$DIR/hosts"
+  done
   mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
   cat > "$DIR/slurm.conf" <<CONF
 ClusterName=megalite
 SlurmctldHost=node1(10.77.0.1)
 AuthType=auth/munge
 CredType=cred/munge
+AuthInfo=socket=$DIR/munge.socket
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$DIR/state
@@ -74,7 +80,7 @@ SlurmdPidFile=$DIR/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 MpiDefault=none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
@@ -84,13 +90,15 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/log/jobcomp.txt
 MailProg=/bin/true
-SlurmdTimeout=30
+SlurmdTimeout=300
 InactiveLimit=0
 KillWait=5
-NodeName=node1 NodeAddr=10.77.0.1 CPUs=$ncpu RealMemory=$mem State=UNKNOWN
-NodeName=node2 NodeAddr=10.77.0.2 CPUs=$ncpu RealMemory=$mem State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
+  for i in $(seq 1 "$n"); do
+    echo "NodeName=node$i NodeAddr=10.77.0.$i CPUs=$ncpu RealMemory=$mem State=UNKNOWN" \
+      >> "$DIR/slurm.conf"
+  done
+  echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$DIR/slurm.conf"
   # DIR/on NODE CMD...: run CMD inside NODE's namespace with its hostname and /etc/hosts.
   cat > "$DIR/on" <<ON
 #!/usr/bin/env bash
@@ -104,13 +112,12 @@ ON
 }
 
 make_network() {
-  local prefix="megalite-$$"
+  local prefix="megalite-$$" i=1
   echo "$prefix" > "$DIR/netns-prefix"
   ip netns add "$prefix-br" || return 1
   ip -n "$prefix-br" link add br0 type bridge
   ip -n "$prefix-br" link set br0 up
-  local i=1
-  for node in "${NODES[@]}"; do
+  for node in $(node_names); do
     ip netns add "$prefix-$node"
     ip -n "$prefix-br" link add "p$i" type veth peer name eth0 netns "$prefix-$node"
     ip -n "$prefix-br" link set "p$i" master br0 up
@@ -122,8 +129,10 @@ make_network() {
 }
 
 wait_idle() {
-  for _ in $(seq 1 100); do
-    if "$DIR/on" node1 sinfo -h -o "%T %D" 2>/dev/null | grep -q "^idle 2$"; then return 0; fi
+  local n
+  n=$(node_names | wc -l)
+  for _ in $(seq 1 150); do
+    if "$DIR/on" node1 sinfo -h -o "%T %D" 2>/dev/null | grep -q "^idle $n$"; then return 0; fi
     sleep 0.2
   done
   echo "[local-cluster] nodes did not become idle:" >&2
@@ -132,39 +141,65 @@ wait_idle() {
   return 1
 }
 
+# The pids whose network namespace is NODE's: everything running "on" that node.
+node_pids() { ip netns pids "$(cat "$DIR/netns-prefix")-$1"; }
+
+node_index() { grep -n "^$1\$" "$DIR/nodes" | cut -d: -f1; }
+
 case "$CMD" in
   check)
     reason="$(why_not)"
     if [ -n "$reason" ]; then echo "$reason"; exit 1; fi
     echo "ok" ;;
   up)
-    [ -n "$DIR" ] || { echo "usage: $0 up DIR" >&2; exit 2; }
+    [ -n "$DIR" ] || { echo "usage: $0 up DIR [NODES]" >&2; exit 2; }
     reason="$(why_not)"
     if [ -n "$reason" ]; then echo "cannot run a local SLURM cluster: $reason" >&2; exit 3; fi
     start=$(date +%s.%N)
     mkdir -p "$DIR"; DIR="$(cd "$DIR" && pwd)"
     install_packages || { echo "cannot run a local SLURM cluster: installing slurm with apt-get failed" >&2; exit 4; }
-    write_conf
+    write_conf "${3:-2}"
     start_munge
     make_network || { echo "cannot run a local SLURM cluster: network namespaces failed" >&2
                       "$0" down "$DIR"; exit 3; }
     "$DIR/on" node1 slurmctld
-    for node in "${NODES[@]}"; do "$DIR/on" "$node" slurmd -N "$node"; done
+    for node in $(node_names); do "$DIR/on" "$node" slurmd -N "$node"; done
     wait_idle
-    echo "[local-cluster] up in $(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo '?') s: $DIR" ;;
+    echo "[local-cluster] $(node_names | wc -l) nodes up in $(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo '?') s: $DIR" ;;
   down)
     [ -n "$DIR" ] && [ -d "$DIR" ] || exit 0
-    for pidfile in "$DIR"/slurmd-*.pid "$DIR/slurmctld.pid"; do
-      [ -f "$pidfile" ] && kill "$(cat "$pidfile")" 2>/dev/null || true
-    done
-    sleep 0.5
-    if [ -f "$DIR/munged.started" ] && [ -f /run/munge/munged.pid ]; then
-      kill "$(cat /run/munge/munged.pid)" 2>/dev/null || true
+    if [ -f "$DIR/netns-prefix" ] && [ -f "$DIR/nodes" ]; then
+      for node in $(node_names); do          # slurmd, slurmctld, jobs: all on some node
+        [ -e "/run/netns/$(cat "$DIR/netns-prefix")-$node" ] || continue
+        pids=$(node_pids "$node")
+        [ -n "$pids" ] && kill -TERM $pids 2>/dev/null || true
+      done
+      sleep 0.5
+      for node in $(node_names); do
+        [ -e "/run/netns/$(cat "$DIR/netns-prefix")-$node" ] || continue
+        pids=$(node_pids "$node")
+        [ -n "$pids" ] && kill -KILL $pids 2>/dev/null || true
+      done
     fi
+    [ -f "$DIR/munged.pid" ] && kill "$(cat "$DIR/munged.pid")" 2>/dev/null || true
     if [ -f "$DIR/netns-prefix" ]; then
       prefix="$(cat "$DIR/netns-prefix")"
-      for ns in "${NODES[@]/#/$prefix-}" "$prefix-br"; do ip netns del "$ns" 2>/dev/null || true; done
+      for node in $(node_names 2>/dev/null); do ip netns del "$prefix-$node" 2>/dev/null || true; done
+      ip netns del "$prefix-br" 2>/dev/null || true
     fi ;;
+  kill-node)
+    node="${3:?usage: $0 kill-node DIR NODE}"
+    pids=$(node_pids "$node")
+    [ -n "$pids" ] && kill -KILL $pids 2>/dev/null || true
+    echo "[local-cluster] $node: killed $(echo $pids | wc -w) processes" ;;
+  start-node)
+    node="${3:?usage: $0 start-node DIR NODE}"
+    pid="$(cat "$DIR/slurmd-$node.pid" 2>/dev/null || true)"
+    if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then exit 0; fi   # it runs already
+    "$DIR/on" "$node" slurmd -N "$node" ;;
+  link)
+    node="${3:?usage: $0 link DIR NODE down|up}"; state="${4:?down or up}"
+    ip -n "$(cat "$DIR/netns-prefix")-br" link set "p$(node_index "$node")" "$state" ;;
   *)
-    sed -n '2,12p' "$0"; exit 2 ;;
+    sed -n '2,18p' "$0"; exit 2 ;;
 esac

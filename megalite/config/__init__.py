@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megalite.config.fields import field_domain, field_flag, has_domain, is_bool_flag, opt
 from megalite.config.model import ModelConfig
@@ -48,6 +49,8 @@ class MegaliteConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     world_size: int = 1
+    # ranks the launcher started: more than world_size when some wait as spares (--elastic)
+    launched_world_size: Optional[int] = None
     # Megatron flags given that have no setting here: [(flag, value, note)] (compat_flags)
     accepted_flags: list = field(default_factory=list)
 

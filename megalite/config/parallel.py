@@ -85,6 +85,13 @@ class ParallelConfig:
         None, "Folder of the per-rank flight-recorder dumps and the hang diagnosis; default "
         "<--save>/hang_dumps, else hang_dumps beside --metrics-file, else a folder in /tmp.",
         path="out-dir")
+    elastic: bool = opt(
+        False, "The world may change between (re)starts (torchrun --nnodes MIN:MAX; "
+        "launch/slurm/pretrain.sbatch sets it): DP follows the world while TP/PP/CP/EP and "
+        "the global batch stay (more micro-batches per rank); a world the layout does not "
+        "fit trains its largest fitting part and the other ranks wait as spares; every start "
+        "resumes from the newest checkpoint in --save (docs/fault_tolerance.md).",
+        action="store_true", requires="training.global_batch_size")
 
     @property
     def tp(self) -> int:

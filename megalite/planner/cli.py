@@ -168,6 +168,9 @@ def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
     if "--validate-run" in argv:
         from megalite.planner.validate_run import main as validate_run
         return validate_run(argv, out)
+    if "--goodput" in argv:
+        from megalite.planner.goodput import main as goodput
+        return goodput(argv, out)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.list_recipes:

@@ -71,12 +71,19 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
             for line in missing_logging_packages(cfg):
                 print(f"> note: {line} (not installed here)")
             return dry_run(cfg, argv if argv is not None else sys.argv[1:], describe_batch(cfg))
+        from megalite.elastic.relayout import release_spares, wait_as_spare
         from megalite.models.gpt_step import GPT_FAMILY
+        from megalite.parallel_state import launch_env
         from megalite.training.faults import abort_all_ranks
         from megalite.training.loop import pretrain
 
+        rank = launch_env().rank
+        if cfg.parallel.elastic and rank >= cfg.world_size:   # the layout trains on fewer
+            return wait_as_spare(rank, cfg.world_size)
         try:
-            return pretrain(cfg, family or GPT_FAMILY)
+            status = pretrain(cfg, family or GPT_FAMILY)
+            release_spares(cfg, rank)
+            return status
         except UserError:
             raise                       # the boundary: one line, and every rank ends
         except Exception as exc:

@@ -110,10 +110,11 @@ class Trainer:
             from megalite.training.checkpoint import preflight_save_dir
 
             preflight_save_dir(cfg.checkpoint.save)
-        if cfg.checkpoint.load:
-            from megalite.training.checkpoint import load_training_checkpoint
+        from megalite.elastic.resume import load_resume_state, resume_source
 
-            load_training_checkpoint(self)
+        source = resume_source(cfg)            # --load, or this run's own newest state
+        if source is not None:
+            load_resume_state(self, source)
         self._build_data()
 
     def _build_data(self):
@@ -250,6 +251,11 @@ class Trainer:
     def train(self, logger: TrainingLogger):
         cfg, t = self.cfg, self.cfg.training
         from megalite.data.device_prefetch import prefetch_to_device
+
+        if self.iteration >= self.train_iters:     # resumed from the run's final checkpoint
+            logger.info(f"> nothing to train: the checkpoint is at iteration {self.iteration} "
+                        f"of {self.train_iters}")
+            return
 
         # CUDA: pinned copies of the next micro-batches in a background thread; CPU: as is
         iterator = prefetch_to_device(self.data_iterator(self.train_ds, self.consumed_samples),
@@ -493,4 +499,5 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
         if not failed:
             comm.barrier()
             hang_dumps.stop()
+            comm.stop_watching_user_errors()
     return 0

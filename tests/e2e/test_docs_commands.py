@@ -105,6 +105,8 @@ SKIP = [
     (r"^\. \.venv/bin/activate", "activates the environment launch/setup_env.sh creates"),
     (r"(^|\s)\.\.\.(\s|$)", "elided flags ('...'): a fragment, not a command"),
     (r"^sbatch ", "SLURM; tests/e2e/test_slurm_e2e.py runs pretrain.sbatch under slurmd"),
+    (r"^srun --jobid", "SLURM: a step in a running job; tests/e2e/test_slurm_elastic_e2e.py "
+     "runs the script's steps"),
     (r"--nnodes 2", "needs two nodes"),
     (r"RECIPE\.yaml", "template: RECIPE.yaml stands for the reader's recipe"),
     (r"--input my\.jsonl|--tokenizer-model tok\.model",

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""A lost node, side by side: torchrun's default rendezvous settings vs megalite's launcher.
+
+Two agents on this machine stand for two nodes (``--nnodes 1:2``, c10d rendezvous on
+localhost, 2 workers each: the GPT-3 twin at TP2 DP2, --save-interval larger than the run).
+After iteration KILL_AT, agent B and its workers are SIGKILLed for good.  Agent A's
+workers fail at once (their peers' sockets close); A re-forms alone (DP1) and finishes.
+
+Printed per launcher: the time from the kill to the re-formed group (A's agent log: the
+rendezvous of restart 1 completes) and to the next new iteration (metrics file), the
+iterations trained twice, and whether every loss equals the uninterrupted run's (DP2 with
+no failure, run first).  Both use TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it a
+restart across nodes fails outright (docs/launching.md, "Restarts").
+
+    python benchmarks/elastic_recovery.py [--kill-at 4] [--iters 12]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+TWIN = ["--config", "launch/recipes/twins/gpt3-175b.yaml", "--pipeline-model-parallel-size",
+        "1"]
+
+
+def _losses(path):
+    out = {}
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "lm_loss" in rec and "split" not in rec:
+                out[rec["iteration"]] = rec["lm_loss"]
+    return out
+
+
+def _tree(pid):
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def run_case(name, launcher, work, iters, kill_at, port):
+    metrics = os.path.join(work, f"{name}.jsonl")
+    cmd = [*launcher, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", name, "--max-restarts", "3",
+           "pretrain_gpt.py", *TWIN, "--train-iters", str(iters), "--elastic",
+           "--metrics-file", metrics]
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    logs = {n: open(os.path.join(work, f"{name}-{n}.log"), "w") for n in "ab"}
+    agents = {}
+    for n in "ab":
+        agents[n] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[n],
+                                     stderr=subprocess.STDOUT)
+        time.sleep(0.5)
+    first_seen, kill_time, killed_after = {}, None, None
+    try:
+        while agents["a"].poll() is None:
+            now = time.time()
+            for it in _losses(metrics):
+                first_seen.setdefault(it, now)
+            if kill_time is None and max(first_seen, default=0) >= kill_at:
+                kill_time = time.time()
+                for pid in _tree(agents["b"].pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except OSError:
+                        pass
+                killed_after = max(_losses(metrics))
+            time.sleep(0.05)
+    finally:
+        for p in agents.values():
+            if p.poll() is None:
+                p.kill()
+        for f in logs.values():
+            f.close()
+    log = open(os.path.join(work, f"{name}-a.log")).read()
+    # the agent's "Rendezvous complete" line of restart 1 (torch's INFO log)
+    stamp = re.search(r"I\d{4} (\d\d):(\d\d):(\d\d\.\d+) \d+ \S+\] \[default\] Rendezvous "
+                      r"complete for workers\. Result:\n(?:.*\n){0,2}?.*restart_count=1", log)
+    reform = None
+    if stamp and kill_time:
+        h, m, s = int(stamp.group(1)), int(stamp.group(2)), float(stamp.group(3))
+        t = time.localtime(kill_time)
+        reform = (h * 3600 + m * 60 + s) - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec +
+                                            kill_time % 1)
+    new = first_seen.get(killed_after + 1) if killed_after else None
+    loads = re.findall(r"> loaded \S+ \(iteration (\d+)\)", log)
+    return dict(rc=agents["a"].returncode, reform=reform,
+                kill_to_new=(new - kill_time) if new else None, killed_after=killed_after,
+                retrained=(killed_after - (int(loads[-1]) if loads else 0)) if killed_after
+                else None, losses=_losses(metrics))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kill-at", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=12)
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="elastic-recovery-")
+    ref_metrics = os.path.join(work, "reference.jsonl")
+    subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                    "pretrain_gpt.py", *TWIN, "--train-iters", str(a.iters), "--metrics-file",
+                    ref_metrics], cwd=ROOT, check=True, capture_output=True)
+    ref = _losses(ref_metrics)
+    cases = [("torchrun defaults", [PY, "-m", "torch.distributed.run"], 29731),
+             ("megalite.elastic.launch", [PY, "-m", "megalite.elastic.launch"], 29732)]
+    print(f"two agents x 2 workers on localhost, agent B SIGKILLed after iteration {a.kill_at}"
+          f" of {a.iters}; load average {os.getloadavg()[0]:.1f}")
+    print(f"  {'launcher':<26}{'kill -> re-formed':>18}{'kill -> new iteration':>23}"
+          f"{'retrained':>11}{'losses = uninterrupted':>24}{'exit':>6}")
+    for name, launcher, port in cases:
+        r = run_case(name.split()[0], launcher, work, a.iters, a.kill_at, port)
+        same = sorted(r["losses"]) == sorted(ref) and all(
+            abs(r["losses"][i] - ref[i]) <= 1e-4 * abs(ref[i]) for i in ref)
+        fmt = lambda v: "?" if v is None else f"{v:.1f} s"    # noqa: E731
+        print(f"  {name:<26}{fmt(r['reform']):>18}{fmt(r['kill_to_new']):>23}"
+              f"{r['retrained'] if r['retrained'] is not None else '?':>11}"
+              f"{'yes' if same else 'NO':>24}{r['rc']:>6}")
+    print(f"logs: {work}")
+
+
+if __name__ == "__main__":
+    main()

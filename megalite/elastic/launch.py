@@ -1,0 +1,180 @@
+"""``python -m megalite.elastic.launch [--result-file F] TORCHRUN-ARGS``: torchrun for jobs
+that lose and regain nodes.
+
+torchrun's defaults are made for a fixed world; with them a re-formation after a lost node
+took 41 s here and a survivor could wait 300 s at the exit barrier.  This wrapper runs
+torchrun's own agent with:
+
+- rendezvous settings for seconds-scale re-formation (``RDZV_DEFAULTS``; ``--rdzv-conf``
+  overrides each): a dead node's heartbeat expires after ``keep_alive_interval`` x
+  ``keep_alive_max_attempt`` seconds, and a rendezvous that has its minimum waits only
+  ``last_call_timeout`` more for late nodes;
+- an exit barrier of ``--exit-barrier-timeout`` seconds (torchrun: 300, not settable);
+- each restart attempt with a store of its own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``):
+  otherwise restarted workers read the previous attempt's gloo/NCCL addresses;
+- no restart after a user error (exit status 2): the same flags fail the same way again;
+- the exit status of the failing worker (the first failure, as torchrun's summary names it;
+  128 + N for a signal N) instead of torchrun's 1;
+- ``--result-file``: one line when the agent ends (``write_result``), which
+  ``launch/slurm/pretrain.sbatch`` reads to end the job with the training's status without
+  waiting for a node that is gone.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+from megalite.errors import EXIT_USER_ERROR
+
+# Why each value: docs/fault_tolerance.md, "Rendezvous settings".
+RDZV_DEFAULTS: Dict[str, str] = {
+    "join_timeout": "600",          # a (re)start waits this long for --nnodes MIN nodes
+    "last_call_timeout": "2",       # after MIN nodes joined, wait this long for more
+    "close_timeout": "10",
+    "keep_alive_interval": "1",     # heartbeat period of every agent
+    "keep_alive_max_attempt": "3",  # a node silent for interval x attempts is dropped
+}
+EXIT_BARRIER_TIMEOUT_S = 15.0       # finished agents wait this long for each other
+SHUTDOWN_TIMEOUT_S = 5              # SIGTERM -> SIGKILL of workers at a restart (torchrun: 30)
+
+
+def merge_rdzv_conf(user: str) -> str:
+    """``RDZV_DEFAULTS`` overridden by the user's ``--rdzv-conf k=v,k=v``."""
+    conf = dict(RDZV_DEFAULTS)
+    for item in filter(None, (user or "").split(",")):
+        key, _, value = item.partition("=")
+        conf[key.strip()] = value.strip()
+    return ",".join(f"{k}={v}" for k, v in conf.items())
+
+
+def exit_status(exitcode: int) -> int:
+    """A worker's status as a shell reports it: 128 + N for death by signal N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def root_cause(failures) -> Tuple[int, object]:
+    """(global rank, ProcessFailure) of the failure that ended the run: the earliest, as
+    torchrun's summary names it.  Timestamps have one-second resolution; within a second a
+    specific status beats 1 (what a rank reports when a peer's failure broke its collective,
+    megalite.training.faults.abort_all_ranks), and both beat SIGTERM (the agent stopping the
+    remaining workers)."""
+    def priority(code: int) -> int:
+        return 2 if code == -15 else 1 if code == 1 else 0
+    return min(failures.items(), key=lambda kv: (kv[1].timestamp, priority(kv[1].exitcode)))
+
+
+def _agent_class():
+    """torchrun's LocalElasticAgent with a short exit barrier and no restart after a user
+    error; launch_agent builds it by this module-level name."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class MegaliteAgent(LocalElasticAgent):
+        exit_barrier_timeout = EXIT_BARRIER_TIMEOUT_S
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("exit_barrier_timeout", type(self).exit_barrier_timeout)
+            super().__init__(*args, **kwargs)
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.is_failed():
+                codes = sorted({exit_status(f.exitcode) for f in result.failures.values()})
+                if EXIT_USER_ERROR in codes:
+                    self._remaining_restarts = 0  # a user error fails every attempt alike
+                say(f"worker group failed (status {', '.join(map(str, codes))}); " + (
+                    "a user error: not restarted" if EXIT_USER_ERROR in codes
+                    else f"{self._remaining_restarts} restart(s) left"))
+            return result
+
+        def _rendezvous(self, worker_group):
+            started = time.monotonic()
+            super()._rendezvous(worker_group)
+            g = worker_group
+            say(f"rendezvous done in {time.monotonic() - started:.1f} s: node {g.group_rank} "
+                f"of {g.group_world_size}, world {g.group_world_size * g.spec.local_world_size}, "
+                f"restart {g.spec.max_restarts - self._remaining_restarts}")
+
+    return MegaliteAgent
+
+
+def say(line: str) -> None:
+    """A timestamped line of the launcher's own (the fault timeline in each node's log)."""
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+    print(f"[megalite launch {stamp}] {line}", file=sys.stderr, flush=True)
+
+
+def _install_agent(exit_barrier_timeout: float) -> None:
+    import torch.distributed.launcher.api as launcher_api
+
+    agent = _agent_class()
+    agent.exit_barrier_timeout = exit_barrier_timeout
+    launcher_api.LocalElasticAgent = agent
+
+
+def write_result(path: Optional[str], code: int, kind: str, detail: str = "") -> None:
+    """One line ``STATUS TIME HOST KIND DETAIL`` in ``path`` (``{host}`` is this host).
+    KIND: ``done`` (this node's workers finished training), ``failed`` (the run failed: a
+    user error or no restarts left; the rendezvous is closed) or ``left`` (only this agent
+    ended -- cut off, rendezvous timeout, signal -- while the others may go on)."""
+    if not path:
+        return
+    host = socket.gethostname()
+    path = path.replace("{host}", host)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write(f"{code} {time.time():.3f} {host} {kind} {detail}".rstrip() + "\n")
+
+
+def parse(argv: List[str]):
+    own = argparse.ArgumentParser(prog="python -m megalite.elastic.launch", add_help=False)
+    own.add_argument("--result-file", default=os.environ.get("MEGALITE_RESULT_FILE"))
+    own.add_argument("--exit-barrier-timeout", type=float, default=float(
+        os.environ.get("MEGALITE_EXIT_BARRIER_TIMEOUT", EXIT_BARRIER_TIMEOUT_S)))
+    ours, rest = own.parse_known_args(argv)
+    from torch.distributed import run as torchrun
+
+    args = torchrun.parse_args(rest)
+    if args.rdzv_backend == "c10d" and not args.standalone:
+        args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)
+    return ours, args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    ours, args = parse(argv)
+    _install_agent(ours.exit_barrier_timeout)
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun.run(args)
+    except ChildFailedError as exc:
+        rank, failure = root_cause(exc.failures)
+        code = exit_status(failure.exitcode)
+        print(exc.format_msg(), file=sys.stderr, flush=True)
+        write_result(ours.result_file, code, "failed", f"rank {rank} exited with status {code}")
+        return code
+    except SignalException as exc:    # SLURM's SIGTERM (cancel, time limit): workers stopped
+        code = 128 + int(exc.sigval)
+        print(f"megalite launch: agent ended by {exc.sigval.name}", file=sys.stderr, flush=True)
+        write_result(ours.result_file, code, "left", f"agent ended by {exc.sigval.name}")
+        return code
+    except Exception as exc:  # noqa: BLE001  (the agent's own failure: one line, status 1)
+        line = f"megalite launch: error: {type(exc).__name__}: {exc}"
+        print(line, file=sys.stderr, flush=True)
+        write_result(ours.result_file, 1, "left", line)
+        return 1
+    write_result(ours.result_file, 0, "done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
