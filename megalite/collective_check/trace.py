@@ -103,7 +103,6 @@ def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
             trainer = Trainer(cfg, state, "meta", family)
             trainer.model_chunks = chunks
             trainer.strategy = build_data_parallel(chunks, cfg, state)
-            trainer.optimizer = trainer.strategy.optimizer
             # torch.optim's own arithmetic communicates nothing: skip it (meta has no fused
             # kernel, and it would be a third of the trace's time)
             trainer.optimizer.inner.step = lambda *a, **k: None

@@ -292,6 +292,6 @@ def parameter_specs(model_cfg) -> Dict[str, ParamSpec]:
     """Canonical name -> ParamSpec of every parameter of the full model (no allocation)."""
     from megalite.config import MegaliteConfig
 
-    cfg = MegaliteConfig(model=model_cfg)
-    model = GPTModel(cfg, single_rank_state(), device="meta")
+    cfg, state = MegaliteConfig(model=model_cfg), single_rank_state()
+    model = GPTModel(cfg, state, spec=spec_choices(cfg, state), device="meta")
     return dict(model.param_table.specs)

@@ -1,0 +1,7 @@
+"""``python -m megalite`` is the ``megalite`` command (for environments without the console
+script on PATH)."""
+import sys
+
+from megalite.cli import main
+
+sys.exit(main())
