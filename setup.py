@@ -19,7 +19,7 @@ setup(
     extras_require={
         # megatron-core is the oracle of the Megatron parity tests (CPU: its wheel ships the
         # compiled dataset helpers; launch/setup_env.sh installs it with --no-deps first)
-        "test": ["pytest>=7", "pytest-xdist", "transformers>=4.40", "matplotlib", "tokenizers", "tiktoken",
+        "test": ["pytest>=7", "transformers>=4.40", "matplotlib", "tokenizers", "tiktoken",
                  "megatron-core", "einops"],
         # --tokenizer-type TikTokenizer / Llama3Tokenizer
         "tiktoken": ["tiktoken"],

@@ -24,14 +24,10 @@ LONG_CLUSTER_FILES = ("test_slurm_citizen_e2e.py", "test_slurm_elastic_e2e.py")
 
 
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (launch/test.sh runs two workers) the local SLURM clusters are one
-    group on one worker: they share network namespaces and node names, so two cannot run at
-    once.  The long cluster scenarios run only when asked for (LONG_CLUSTER_FILES)."""
+    """The long cluster scenarios run only when asked for (LONG_CLUSTER_FILES)."""
     long_ok = os.environ.get("MEGALITE_CLUSTER_TESTS") == "1"
     for item in items:
         name = os.path.basename(str(item.fspath))
-        if name.startswith("test_slurm"):
-            item.add_marker(pytest.mark.xdist_group("slurm_cluster"))
         if name in LONG_CLUSTER_FILES and not long_ok:
             item.add_marker(pytest.mark.skip(
                 reason="long SLURM scenario: set MEGALITE_CLUSTER_TESTS=1 to run it"))
