@@ -77,12 +77,15 @@ def _trace_one(job):
 
 def _trace_all(cfg, ranks, iteration, family, progress):
     """(rank, program) for each rank; on several cores, traced by forked workers (tracing
-    is single-threaded Python)."""
+    is single-threaded Python).  Only a single-threaded process forks: a child forked while
+    another thread holds a lock (a logging handler, a store client) waits on it forever."""
+    import threading
+
     from megalite.training.loop import usable_cores
 
     jobs = [(cfg, r, iteration, family) for r in ranks]
     workers = min(usable_cores(), len(jobs))
-    if workers < 2 or len(jobs) < 4:
+    if workers < 2 or len(jobs) < 4 or threading.active_count() > 1:
         results = map(_trace_one, jobs)
         pool = None
     else:

@@ -163,7 +163,8 @@ def resolve_model(args, extra: List[str]):
     return m
 
 
-def plan(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
+def plan(argv: Optional[List[str]] = None, out=None) -> int:
+    out = sys.stdout if out is None else out     # looked up now: a caller may have replaced it
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--validate-run" in argv:
         from megalite.planner.validate_run import main as validate_run

@@ -88,8 +88,15 @@ def test_spec_swaps_only_core_attention():
 
 
 def test_cp_core_attention_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="--attention-dropout 0"):
-        RingAttention(cfg(attention_dropout=0.1), groups())
+    from megalite.arguments import parse_args
+    from megalite.config import ConfigError
+
+    # attention dropout: the feature table's refusal (megalite/features.py), before any group
+    with pytest.raises(ConfigError, match="--attention-dropout 0"):
+        parse_args(["--world-size", "2", "--context-parallel-size", "2", "--num-layers", "2",
+                    "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+                    "--vocab-size", "64", "--attention-dropout", "0.1", "--lr", "1e-3",
+                    "--global-batch-size", "2", "--micro-batch-size", "1", "--mock-data"])
     with pytest.raises(ValueError, match="divisible by CP"):
         UlyssesAttention(cfg(num_attention_heads=4, group_query_attention=True,
                              num_query_groups=2), groups(world=4, cp=4))

@@ -215,10 +215,11 @@ def test_comm_gemm_overlap_orders():
 
 
 def test_interleaving_divides_the_bubbles_compute_not_its_hops():
-    L = Layout(world=16, pp=4, vpp=4, micro_batch=1, global_batch=16)
+    L = Layout(world=16, pp=4, vpp=4, micro_batch=1, global_batch=16, schedule="interleaved")
     worst = dict(slot=1.0, t_f=0.3, t_b=0.6, rec=0.0)
     assert est_mod._bubble(L, worst, 0.9, 0.05) == pytest.approx(3 * (0.9 / 4 + 0.05))
-    assert est_mod._bubble(replace(L, vpp=1), worst, 0.9, 0.05) == pytest.approx(3 * 0.95)
+    assert est_mod._bubble(replace(L, vpp=1, schedule="1f1b"), worst, 0.9, 0.05) == \
+        pytest.approx(3 * 0.95)
 
 
 def test_allgather_cp_is_gathered_and_exposed():

@@ -80,7 +80,7 @@ def test_compile_layers_in_place_keeps_names_and_values(monkeypatch):
                                atol=1e-6)
     # the parallelize phase compiles when --compile is given, and only then
     calls = []
-    monkeypatch.setattr(compile_mod, "compile_layers", lambda c: calls.append(c))
+    monkeypatch.setattr(compile_mod, "compile_layers", lambda c, **kw: calls.append(c))
     fresh = GPTModel(cfg, state, device="cpu")
     parallelize_chunk(fresh, cfg, state)
     assert calls == []
