@@ -30,6 +30,7 @@ from megalite.config import ConfigError
 from megalite.distributed.replicas import check_replicas
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.validation import validate
+from state_bytes import state_bytes  # noqa: E402
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "100", "--normalization", "RMSNorm",
@@ -90,7 +91,7 @@ def _train(flags, world):
         out["padded"] = sum(b.padded for b in s.sharded_buffers)
         out["full_grad_bytes"] = sum(b.grad_data.untyped_storage().nbytes()
                                      for b in s.sharded_buffers)
-    out["state_bytes"] = _state_bytes(trainer)
+    out["state_bytes"] = state_bytes(trainer)
     out["planned_bytes"] = _planned_bytes(trainer.cfg, trainer.state.rank)
     if trainer.cfg.parallel.use_torch_fsdp2:
         dp, root = trainer.state["dp"].size, trainer.model_chunks[0]
@@ -100,38 +101,17 @@ def _train(flags, world):
     return out, trainer
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (views of one buffer count once)."""
-    seen = {}
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def _state_bytes(trainer) -> dict:
-    """Weights / grads / optimizer states this rank keeps between steps, from the tensors."""
-    s, opt = trainer.strategy, trainer.optimizer
-    if s.sharded_buffers:
-        grads = [b.grad_shard if b.keep_shard_only else b.grad_data for b in s.sharded_buffers]
-    else:
-        grads = [s.grad(p) for p in s.params]
-    moments = [v for st in opt.inner.state.values() for k, v in st.items()
-               if k in ("exp_avg", "exp_avg_sq")]
-    return {"weights": _storage_bytes([p for c in trainer.model_chunks for p in c.parameters()]),
-            "grads": _storage_bytes(grads), "optimizer": _storage_bytes(moments)}
-
-
 def _planned_bytes(cfg, rank) -> dict:
     """The planner's state bytes for this layout and rank (its ZeRO stage from the flags)."""
     from megalite.planner import model_spec as ms
     from megalite.planner.layout import layout_from_config
-    from megalite.planner.memory import Precision, state_bytes
+    from megalite.planner.memory import Precision
+    from megalite.planner.memory import state_bytes as planned_state_bytes
 
     L = layout_from_config(cfg)
     pp_rank = rank // (cfg.world_size // L.pp)
     params = ms.stage_params(cfg.model, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
-    return state_bytes(params, L.dp * L.cp, L.edp, L.zero, Precision.fp32())
+    return planned_state_bytes(params, L.dp * L.cp, L.edp, L.zero, Precision.fp32())
 
 
 def _fsdp_padded(p, dp) -> int:

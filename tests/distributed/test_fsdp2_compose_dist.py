@@ -26,6 +26,7 @@ from megalite.config import ConfigError
 from megalite.distributed.fsdp2 import expected_collectives
 from megalite.distributed.replicas import check_replicas
 from megalite.validation import validate
+from state_bytes import state_bytes  # noqa: E402
 
 DENSE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--vocab-size", "100", "--normalization", "RMSNorm",
@@ -78,26 +79,6 @@ def _planned(cfg, rank):
     return layout_state_bytes(params, L, Precision.fp32()), comm_volume
 
 
-def _storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-    return sum(seen.values())
-
-
-def _state_bytes(trainer) -> dict:
-    s, opt = trainer.strategy, trainer.optimizer
-    if s.sharded_buffers:
-        grads = [b.grad_shard if b.keep_shard_only else b.grad_data for b in s.sharded_buffers]
-    else:
-        grads = [s.grad(p) for p in s.params]
-    moments = [v for st in opt.inner.state.values() for k, v in st.items()
-               if k in ("exp_avg", "exp_avg_sq")]
-    return {"weights": _storage_bytes([p for c in trainer.model_chunks for p in c.parameters()]),
-            "grads": _storage_bytes(grads), "optimizer": _storage_bytes(moments)}
-
-
 def _train(flags, world):
     trainer = _trainer(flags, world)
     it = trainer.data_iterator(trainer.train_ds, 0)
@@ -124,7 +105,7 @@ def _train(flags, world):
             "evaluated": evaluated,
             "expected": expected, "planned_comm": planned_comm,
             "sd": model_sharded_state_dict(trainer.model_chunks, trainer.state),
-            "state_bytes": _state_bytes(trainer), "planned_bytes": planned_bytes,
+            "state_bytes": state_bytes(trainer), "planned_bytes": planned_bytes,
             "last_stage": trainer.state.is_last_stage(ignore_virtual=True)}
 
 
