@@ -173,6 +173,23 @@ def _metadata(trainer, step, rng_ranks) -> dict:
             "args": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
 
 
+def capture_training_state(trainer, every_rank_meta: bool = False):
+    """(this rank's tensors as global-shape chunks, the run's JSON metadata): what a disk
+    checkpoint and an in-memory snapshot hold alike.  Collective over the world (the RNG
+    coordinates are gathered, the expert biases reduced over PP).  The metadata is rank 0's
+    alone unless ``every_rank_meta`` (a snapshot: every rank keeps it, any may survive)."""
+    sd, step = _training_state_dict(trainer)
+    rng_ranks = _gather(_rng_coords(trainer), _single(trainer))
+    bias = (expert_bias_state(trainer.model_chunks, trainer.state)       # collective over pp
+            if trainer.cfg.model.moe_router_enable_expert_bias else None)
+    meta = None
+    if every_rank_meta or trainer.state.rank == 0:
+        meta = _metadata(trainer, step, rng_ranks)
+        if bias is not None:        # a router buffer, not a parameter: JSON
+            meta["extra"]["moe_expert_bias"] = bias
+    return sd, meta
+
+
 def save_training_checkpoint(trainer) -> str:
     """Collective over the world.  The marker moves only after every rank's files, the
     metadata and the manifest are on disk; any rank's failure (ENOSPC, ...) raises on every
@@ -195,13 +212,7 @@ def save_training_checkpoint(trainer) -> str:
     single = _single(trainer)
     stale = state.rank == 0 and os.path.isdir(it_dir)   # leftovers of an interrupted save
     _agree(_os_error(shutil.rmtree, it_dir) if stale else None, f"clearing {it_dir}", single)
-    sd, step = _training_state_dict(trainer)
-    rng_ranks = _gather(_rng_coords(trainer), single)
-    bias = (expert_bias_state(trainer.model_chunks, state)       # collective over pp
-            if cfg.model.moe_router_enable_expert_bias else None)
-    meta = _metadata(trainer, step, rng_ranks) if state.rank == 0 else None
-    if meta is not None and bias is not None:   # a router buffer, not a parameter: JSON
-        meta["extra"]["moe_expert_bias"] = bias
+    sd, meta = capture_training_state(trainer)
     keep = cfg.checkpoint.keep_last_n_checkpoints
     write = functools.partial(_write_guarded, it_dir=it_dir, root=root, meta=meta,
                               rank=state.rank, single=single, keep=keep,
@@ -445,10 +456,20 @@ def _check_shapes(it_dir: str, sd: dict, saved) -> None:
 
 
 def _load_dcp(trainer, it_dir: str) -> None:
-    cfg, state = trainer.cfg, trainer.state
     with open(os.path.join(it_dir, "metadata.json")) as f:
         meta = json.load(f)
-    saved = saved_tensors(it_dir)
+    restore_training_state(trainer, meta, saved_tensors(it_dir), it_dir,
+                           lambda sd: load_chunked(sd, it_dir, _single(trainer)))
+
+
+def restore_training_state(trainer, meta: dict, saved, where: str, fill) -> None:
+    """Bring ``trainer`` to the state ``capture_training_state`` took: ``saved`` is the
+    index of what the source holds ({key: DCP tensor metadata}: global size, dtype),
+    ``where`` names the source in messages, and ``fill(sd)`` writes the source's values
+    into the target tensors of ``sd`` in place, resharded to this rank's layout (DCP for a
+    checkpoint folder, the peers' exchange for a snapshot).  Collective over the world."""
+    cfg, state = trainer.cfg, trainer.state
+    it_dir = where
     model = {k: ChunkedTensor(v.global_shape, v.chunks)
              for k, v in model_sharded_state_dict(trainer.model_chunks, state).items()}
     missing = [k for k in model if k not in saved]
@@ -471,7 +492,7 @@ def _load_dcp(trainer, it_dir: str) -> None:
         sd.update(rng_sd)
     _check_shapes(it_dir, sd, saved)
     with torch.no_grad():
-        load_chunked(sd, it_dir, _single(trainer))
+        fill(sd)
     trainer.optimizer.reload_model_params()       # masters follow the loaded weights
     load_expert_bias_state(trainer.model_chunks, meta.get("extra", {}).get("moe_expert_bias", {}))
     if cfg.checkpoint.finetune:
