@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalite.checkpointing.dcp_format import ChunkedTensor
 from megalite.param_spec import ParamSpec, group_coords, param_table, writes_chunk
 
 
@@ -96,59 +97,81 @@ def model_sharded_state_dict(model_chunks, state) -> Dict[str, ShardedTensor]:
             local, at, fsdp_groups = fsdp_piece(p, state)
             out[f"model.{name}"] = ShardedTensor(
                 spec.full_shape, _spec_chunks(spec, local, coords, at),
-                writes_chunk(spec, coords, fsdp_groups) and first_fsdp_replica(p))
+                param_writer(p, spec, coords, fsdp_groups))
     return out
 
 
+def param_writer(p: torch.Tensor, spec: ParamSpec, coords, fsdp_groups=()) -> bool:
+    """Whether this rank writes its chunks of ``p`` (or of a state tensor placed as ``p``
+    is): the first rank of every group that replicates them, and of an HSDP mesh the
+    first instance only.  The one rule for weights and the plain optimizer's state."""
+    return writes_chunk(spec, coords, fsdp_groups) and first_fsdp_replica(p)
+
+
+def param_index(model_chunks) -> Dict[int, Tuple[str, ParamSpec]]:
+    """id(parameter) -> (canonical name, spec) over this rank's chunks: how the optimizer
+    names and cuts the state it keeps per parameter."""
+    return {id(p): (name, spec) for chunk in _as_list(model_chunks)
+            for name, p, spec in param_table(chunk).named(chunk)}
+
+
+class ModelState:
+    """DCP ``Stateful``: the weights of this rank's model chunks, ``<canonical name>`` ->
+    global shape + this rank's chunks.  The chunks are views of the parameters, so a loader
+    fills them in place; ``on_load`` then runs (the strategy refreshes the fp32 masters
+    that mirror the weights, whether or not optimizer state is loaded too)."""
+
+    def __init__(self, model_chunks, state, on_load: Optional[Callable[[], None]] = None):
+        self.model_chunks, self.state, self.on_load = model_chunks, state, on_load
+
+    def state_dict(self) -> Dict[str, ChunkedTensor]:
+        return {k[len("model."):]: ChunkedTensor(v.global_shape, v.chunks, v.writer)
+                for k, v in model_sharded_state_dict(self.model_chunks, self.state).items()}
+
+    def load_targets(self, saved=None, values=None) -> Dict[str, ChunkedTensor]:
+        """The tensors a load fills: the parameters themselves (every one is required)."""
+        return self.state_dict()
+
+    def load_state_dict(self, sd: dict) -> None:
+        with torch.no_grad():
+            fill_from(self.state_dict(), sd)
+        if self.on_load is not None:
+            self.on_load()
+
+
+def fill_from(targets: Dict[str, ChunkedTensor], source: dict) -> None:
+    """Copy ``source``'s values into the chunks of ``targets`` (a part's own tensors), so a
+    ``load_state_dict`` takes either the targets a loader filled in place (nothing to copy)
+    or another state dict of the same layout (chunk for chunk) or full tensors."""
+    for key, target in targets.items():
+        if key not in source:
+            raise KeyError(f"state dict lacks '{key}'")
+        src = source[key]
+        for offsets, t in target.chunks:
+            if isinstance(src, torch.Tensor):
+                t.copy_(src[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))])
+                continue
+            piece = next((c for o, c in src.chunks if tuple(o) == tuple(offsets)
+                          and c.shape == t.shape), None)
+            if piece is None:
+                raise ValueError(f"'{key}': no chunk at {tuple(offsets)} of shape "
+                                 f"{tuple(t.shape)} (another layout: load it through DCP)")
+            if not _same_memory(piece, t):
+                t.copy_(piece)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 def optimizer_sharded_state_dict(optimizer, model_chunks, state) -> Dict[str, ShardedTensor]:
-    """This rank's chunks of every optimizer state tensor.  ``MixedPrecisionOptimizer``
-    holds whole local tensors (chunks as the model's); ``DistributedOptimizer`` holds one
-    flat range per parameter of each of its ``sharded_buffers``."""
-    names, spec_of = {}, {}
-    for chunk in _as_list(model_chunks):
-        for name, p, spec in param_table(chunk).named(chunk):
-            names[id(p)], spec_of[id(p)] = name, spec
-    coords = group_coords(state)
-    out: Dict[str, ShardedTensor] = {}
-    steps = []
-    if getattr(optimizer, "sharded_buffers", ()):
-        pieces = _pieces_by_buffer(optimizer)
-        for b, (buf, master) in enumerate(zip(optimizer.sharded_buffers, optimizer.masters)):
-            index = {id(p): i for i, p in enumerate(buf.params)}
-            for p, lo, hi in buf.shard_ranges():
-                piece_lo, piece = next((lo_, t) for lo_, t in pieces[b]
-                                       if lo_ <= lo and hi <= lo_ + t.numel())
-                flat = {k: v[lo - piece_lo:hi - piece_lo]
-                        for k, v in _tensor_state(optimizer.inner.state.get(piece, {}), piece)}
-                if optimizer.bf16:
-                    flat["master"] = master[lo:hi]
-                steps += _scalars(optimizer.inner.state.get(piece, {}))
-                spec = spec_of[id(p)]
-                p_lo = buf.start + lo - buf.offsets[index[id(p)]]
-                writer = buffer_writer(spec, coords, buf.group.name)
-                for key, t in flat.items():
-                    entry = out.setdefault(f"optimizer.{key}.{names[id(p)]}",
-                                           ShardedTensor(spec.full_shape, [], writer))
-                    entry.chunks += _flat_chunks(spec, coords, tuple(p.shape), p_lo, t)
-    else:
-        for p, master in zip(optimizer.params, optimizer.masters):
-            spec = spec_of[id(p)]
-            st = optimizer.inner.state.get(master, {})
-            tensors = dict(_tensor_state(st, master))
-            if optimizer.bf16:
-                tensors["master"] = master.detach()
-            steps += _scalars(st)
-            _, at, fsdp_groups = fsdp_piece(p, state)     # FSDP2: states sharded as p is
-            for key, t in tensors.items():
-                local = t.to_local() if at is not None else t.view(p.shape)
-                out[f"optimizer.{key}.{names[id(p)]}"] = ShardedTensor(
-                    spec.full_shape, _spec_chunks(spec, local, coords, at),
-                    writes_chunk(spec, coords, fsdp_groups) and first_fsdp_replica(p))
-    if steps:
-        if len(set(steps)) != 1:
-            raise ValueError(f"optimizer step counts differ between parameters: {set(steps)}")
-        out["optimizer.step"] = ShardedTensor((), [((), torch.tensor(steps[0]))],
-                                              state.rank == 0)
+    """``optimizer.<state>.<name>`` -> this rank's chunks of every optimizer state tensor,
+    and ``optimizer.step`` (rank 0 writes it); the layouts live with their optimizers
+    (``MasterWeightOptimizer.sharded_state``)."""
+    tensors, step = optimizer.sharded_state(param_index(model_chunks), state)
+    out: Dict[str, ShardedTensor] = {f"optimizer.{k}": v for k, v in tensors.items()}
+    if step is not None:
+        out["optimizer.step"] = ShardedTensor((), [((), torch.tensor(step))], state.rank == 0)
     return out
 
 
@@ -205,7 +228,7 @@ def flat_range_boxes(shape: Tuple[int, ...], lo: int, hi: int
     return out
 
 
-def _flat_chunks(spec: ParamSpec, coords, local_shape, p_lo: int, flat: torch.Tensor) -> list:
+def flat_chunks(spec: ParamSpec, coords, local_shape, p_lo: int, flat: torch.Tensor) -> list:
     """Chunks of the flat range ``[p_lo, p_lo + len(flat))`` of a local tensor, in global
     coordinates: each rectangle of the range intersected with each spec chunk."""
     numel = 1
@@ -225,29 +248,6 @@ def _flat_chunks(spec: ParamSpec, coords, local_shape, p_lo: int, flat: torch.Te
             glob = tuple(o + a - l for o, a, l in zip(c.offsets, lo, c.local_offsets))
             out.append((glob, flat[idx].view([b - a for a, b in zip(lo, hi)])))
     return out
-
-
-def _pieces_by_buffer(optimizer) -> List[List[Tuple[int, torch.Tensor]]]:
-    """For each buffer, ``(shard offset, piece)`` of the views of its fp32 master shard
-    that the torch optimizer steps (found by storage: they are views of ``masters[b]``)."""
-    out = []
-    for master in optimizer.masters:
-        base, ptr = master.storage_offset(), master.untyped_storage().data_ptr()
-        out.append(sorted(((t.storage_offset() - base, t) for g in optimizer.inner.param_groups
-                           for t in g["params"] if t.untyped_storage().data_ptr() == ptr),
-                          key=lambda x: x[0]))
-    return out
-
-
-def _tensor_state(st: dict, like: torch.Tensor) -> Iterable[Tuple[str, torch.Tensor]]:
-    """The per-element state tensors (shaped like the stepped tensor) of one entry."""
-    return [(k, v.detach()) for k, v in sorted(st.items())
-            if isinstance(v, torch.Tensor) and v.shape == like.shape and v.dim() > 0]
-
-
-def _scalars(st: dict) -> List[float]:
-    v = st.get("step")
-    return [float(v)] if v is not None else []
 
 
 def _as_list(model_chunks) -> list:
@@ -274,9 +274,3 @@ def layout_chunks(spec: ParamSpec, full: torch.Tensor, sizes) -> list:
         for c in spec.chunks(coords):
             seen.setdefault(c.offsets, full[c.global_slices()])
     return list(seen.items())
-
-
-def master_pieces(optimizer) -> List[List[Tuple[int, torch.Tensor]]]:
-    """Per sharded buffer, ``(offset in the master shard, piece)`` of every tensor the
-    distributed optimizer's torch optimizer steps."""
-    return _pieces_by_buffer(optimizer)

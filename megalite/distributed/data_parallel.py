@@ -236,6 +236,15 @@ class DataParallelStrategy:
         self.wait_param_gathers()
         self.optimizer.reload_model_params()
 
+    def state_part(self, model_chunks):
+        """The optimizer and its fp32 masters as a DCP ``Stateful`` at global shapes
+        (``megalite.optimizer.optimizer_state``), named by ``model_chunks``' tables."""
+        from megalite.checkpointing.sharded_state import param_index
+        from megalite.optimizer.optimizer_state import OptimizerState
+
+        return OptimizerState(self.optimizer, param_index(model_chunks), self.state,
+                              before=self.wait_param_gathers)
+
 
 class DDPStrategy(DataParallelStrategy):
     """Plain data parallelism: a whole gradient per parameter, all-reduced."""

@@ -22,7 +22,7 @@ DDP's; the saving is 12(d-1)/d bytes per parameter in bf16 (8(d-1)/d in fp32).
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -100,3 +100,65 @@ class DistributedOptimizer(MasterWeightOptimizer):
         sd = super().state_dict()
         return {"optimizer": sd["optimizer"], "shards": self._layout(),
                 **({"masters": sd["masters"]} if self.bf16 else {})}
+
+    # -- sharded state (checkpoints and snapshots at any layout) --------------------------
+    def held_params(self) -> List[torch.nn.Parameter]:
+        """Only the parameters with a range in this rank's shard of some buffer."""
+        return [p for buf in self.sharded_buffers for p, _, _ in buf.shard_ranges()]
+
+    def master_pieces(self) -> List[List[Tuple[int, torch.Tensor]]]:
+        """Per buffer, ``(offset in the master shard, piece)`` of every tensor the torch
+        optimizer steps (found by storage: they are views of ``masters[b]``)."""
+        out = []
+        for master in self.masters:
+            base, ptr = master.storage_offset(), master.untyped_storage().data_ptr()
+            out.append(sorted(((t.storage_offset() - base, t) for g in self.inner.param_groups
+                               for t in g["params"] if t.untyped_storage().data_ptr() == ptr),
+                              key=lambda x: x[0]))
+        return out
+
+    def _ranges(self):
+        """``(buffer index, param, lo, hi, piece offset, piece, lo in the param's flat
+        local tensor)`` of every parameter range of this rank's shards."""
+        pieces = self.master_pieces()
+        for b, buf in enumerate(self.sharded_buffers):
+            index = {id(p): i for i, p in enumerate(buf.params)}
+            for p, lo, hi in buf.shard_ranges():
+                piece_lo, piece = next((a, t) for a, t in pieces[b]
+                                       if a <= lo and hi <= a + t.numel())
+                yield b, p, lo, hi, piece_lo, piece, buf.start + lo - buf.offsets[index[id(p)]]
+
+    def sharded_state(self, index, state):
+        """One flat range per parameter and buffer, cut into rectangles of the global
+        tensor; written by the first instance of the buffer's shard group."""
+        from megalite.checkpointing.dcp_format import ChunkedTensor
+        from megalite.checkpointing.sharded_state import buffer_writer, flat_chunks
+        from megalite.param_spec import group_coords
+
+        coords, out, steps = group_coords(state), {}, []
+        for b, p, lo, hi, piece_lo, piece, p_lo in self._ranges():
+            st = self.inner.state.get(piece, {})
+            flat = {k: v[lo - piece_lo:hi - piece_lo] for k, v in self._tensor_state(st, piece)}
+            if self.bf16:
+                flat["master"] = self.masters[b][lo:hi]
+            if st.get("step") is not None:
+                steps.append(float(st["step"]))
+            name, spec = index[id(p)]
+            writer = buffer_writer(spec, coords, self.sharded_buffers[b].group.name)
+            for key, t in flat.items():
+                entry = out.setdefault(f"{key}.{name}", ChunkedTensor(spec.full_shape, [], writer))
+                entry.chunks += [(torch.Size(o), c) for o, c in
+                                 flat_chunks(spec, coords, tuple(p.shape), p_lo, t)]
+        return out, self._one_step(steps)
+
+    def _stepped_state(self, local, keys):
+        """Each parameter's whole local state, cut to its range of this rank's shard."""
+        out = {id(piece): {k: torch.zeros_like(piece) for k in keys}
+               for pieces in self.master_pieces() for _, piece in pieces}
+        for b, p, lo, hi, piece_lo, piece, p_lo in self._ranges():
+            flat = {k: v.reshape(-1)[p_lo:p_lo + hi - lo] for k, v in local[id(p)].items()}
+            for k in keys:
+                out[id(piece)][k][lo - piece_lo:hi - piece_lo] = flat[k]
+            if self.bf16:
+                self.masters[b][lo:hi] = flat["master"]
+        return out

@@ -123,3 +123,20 @@ def load_expert_bias_state(chunks, saved: dict) -> None:
     for n, layer in moe_layers(chunks).items():
         if layer.router.expert_bias is not None and str(n) in saved:
             layer.router.expert_bias.copy_(torch.tensor(saved[str(n)]))
+
+
+class ExpertBiasState:
+    """DCP ``Stateful``: the routers' expert biases (DeepSeek-V3's aux-loss-free balancing),
+    ``<layer number>`` -> bias list.  A router buffer, not a parameter: small, replicated on
+    every rank of a stage, so it travels as JSON (``extra.moe_expert_bias``), gathered over
+    PP so any rank of a new layout finds its layers."""
+
+    def __init__(self, chunks, state):
+        self.chunks, self.state = chunks, state
+
+    def state_dict(self) -> dict:
+        """Collective over pp."""
+        return expert_bias_state(self.chunks, self.state)
+
+    def load_state_dict(self, sd: dict) -> None:
+        load_expert_bias_state(self.chunks, sd or {})

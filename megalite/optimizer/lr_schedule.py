@@ -140,3 +140,30 @@ class LRScheduler:
         after ``num_steps`` samples, as Megatron's ``step`` sets them."""
         return StepSettings(self.lr_at(num_steps), self.lr_at(num_steps, decoupled=True),
                             self.wd_at(num_steps))
+
+
+class SchedulePosition:
+    """DCP ``Stateful``: how far the LR / WD schedule lags the consumed samples.
+
+    The schedule itself is a function of the samples it has stepped over
+    (``LRScheduler.settings_at``); Megatron steps it on updates only, so a ``--fp16`` step
+    skipped on overflow does not move it.  Its position is consumed samples minus
+    ``skipped_samples``; ``skipped_iterations`` counts those steps."""
+
+    def __init__(self):
+        self.skipped_samples = 0
+        self.skipped_iterations = 0
+
+    def skip(self, samples: int) -> None:
+        self.skipped_samples += samples
+        self.skipped_iterations += 1
+
+    def state_dict(self) -> dict:
+        return {"skipped_samples": self.skipped_samples,
+                "skipped_iterations": self.skipped_iterations}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """A checkpoint without the entries (older, converted): nothing was skipped."""
+        sd = sd or {}
+        self.skipped_samples = int(sd.get("skipped_samples", 0))
+        self.skipped_iterations = int(sd.get("skipped_iterations", 0))

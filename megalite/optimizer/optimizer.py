@@ -15,11 +15,15 @@ the norm to ``step``.  Two layouts share ``MasterWeightOptimizer``: one master p
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable, List
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from megalite.optimizer.lr_schedule import StepSettings
+
+# the per-element state tensors torch's AdamW / SGD keep (checkpoint keys
+# ``optimizer.<state>.<param>``; ``master`` is the fp32 copy of a half-precision param)
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq")
 
 
 def has_fp32_masters(optim_config) -> bool:
@@ -165,6 +169,66 @@ class MasterWeightOptimizer:
                 for m, view in zip(self.masters, self._model_views()):
                     m.copy_(view)
 
+    # -- sharded state (checkpoints and snapshots at any layout) --------------------------
+    # ``index``: id(param) -> (canonical name, ParamSpec); keys ``<state>.<canonical name>``.
+    # Each layout says how its state lies (``sharded_state``, ``_stepped_state``); loading
+    # reads every held parameter's state as its whole TP-local tensor (its FSDP2 piece), so
+    # one reader serves both and DCP reshards from whatever layout saved it.
+    def sharded_state(self, index, state) -> Tuple[Dict[str, object], Optional[float]]:
+        """({key: ChunkedTensor} of this rank's state, the step count or None if the
+        optimizer has not stepped)."""
+        raise NotImplementedError
+
+    def held_params(self) -> List[torch.nn.Parameter]:
+        """The parameters this rank keeps optimizer state for."""
+        return self.params
+
+    def sharded_load_targets(self, index, state, keys) -> Tuple[dict, dict]:
+        """(``{<key>.<name>: ChunkedTensor}`` to fill, ``{id(param): {key: tensor}}`` the
+        same storage by parameter) for ``keys`` of every held parameter."""
+        from megalite.checkpointing.dcp_format import ChunkedTensor
+        from megalite.checkpointing.sharded_state import fsdp_piece, spec_chunks
+        from megalite.param_spec import group_coords
+
+        coords, targets, local = group_coords(state), {}, {}
+        for p in self.held_params():
+            name, spec = index[id(p)]
+            piece, at, _ = fsdp_piece(p, state)        # FSDP2: this rank's piece of p
+            local[id(p)] = {k: torch.zeros(piece.shape, dtype=torch.float32,
+                                           device=piece.device) for k in keys}
+            for k, t in local[id(p)].items():
+                targets[f"{k}.{name}"] = ChunkedTensor(spec.full_shape,
+                                                       spec_chunks(spec, t, coords, at))
+        return targets, local
+
+    def load_sharded_state(self, local: dict, step: float) -> None:
+        """Install ``local`` (``sharded_load_targets``' tensors, filled) and ``step``: the
+        fp32 masters, and the torch optimizer's state of every tensor it steps."""
+        keys = sorted({k for st in local.values() for k in st if k != "master"})
+        with torch.no_grad():
+            per_tensor = self._stepped_state(local, keys)
+        inner = self.inner.state_dict()
+        stepped = [t for g in self.inner.param_groups for t in g["params"]]
+        inner["state"] = {i: {"step": torch.tensor(step, dtype=torch.float32),
+                              **per_tensor[id(t)]} for i, t in enumerate(stepped)}
+        self.inner.load_state_dict(inner)
+
+    def _stepped_state(self, local: dict, keys) -> Dict[int, dict]:
+        """{id(stepped tensor): {key: values}} from ``local``; writes the masters."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _tensor_state(st: dict, like: torch.Tensor) -> List[Tuple[str, torch.Tensor]]:
+        """The per-element state tensors (shaped like the stepped tensor) of one entry."""
+        return [(k, v.detach()) for k, v in sorted(st.items())
+                if isinstance(v, torch.Tensor) and v.shape == like.shape and v.dim() > 0]
+
+    @staticmethod
+    def _one_step(steps: List[float]) -> Optional[float]:
+        if len(set(steps)) > 1:
+            raise ValueError(f"optimizer step counts differ between parameters: {set(steps)}")
+        return steps[0] if steps else None
+
 
 class MixedPrecisionOptimizer(MasterWeightOptimizer):
     """One master per parameter (the parameter itself in fp32); ``grad_of(p)`` is where
@@ -210,3 +274,37 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
 
     def _model_views(self) -> List[torch.Tensor]:
         return self.params
+
+    def sharded_state(self, index, state):
+        """Whole local tensors, cut as the parameters are (an FSDP2 parameter's state is a
+        DTensor sharded as it is)."""
+        from megalite.checkpointing.dcp_format import ChunkedTensor
+        from megalite.checkpointing.sharded_state import fsdp_piece, param_writer, spec_chunks
+        from megalite.param_spec import group_coords
+
+        coords, out, steps = group_coords(state), {}, []
+        for p, master in zip(self.params, self.masters):
+            name, spec = index[id(p)]
+            st = self.inner.state.get(master, {})
+            tensors = dict(self._tensor_state(st, master))
+            if self.bf16:
+                tensors["master"] = master.detach()
+            if st.get("step") is not None:
+                steps.append(float(st["step"]))
+            _, at, fsdp_groups = fsdp_piece(p, state)
+            writer = param_writer(p, spec, coords, fsdp_groups)
+            for key, t in tensors.items():
+                local = t.to_local() if at is not None else t.view(p.shape)
+                out[f"{key}.{name}"] = ChunkedTensor(spec.full_shape,
+                                                     spec_chunks(spec, local, coords, at), writer)
+        return out, self._one_step(steps)
+
+    def _stepped_state(self, local, keys):
+        from megalite.distributed.fsdp2 import like_param
+
+        out = {}
+        for p, master in zip(self.params, self.masters):
+            out[id(master)] = {k: like_param(local[id(p)][k].to(master.dtype), p) for k in keys}
+            if self.bf16:
+                master.copy_(local[id(p)]["master"])
+        return out

@@ -1,4 +1,5 @@
-"""Save / resume a training run on torch.distributed.checkpoint, at any layout.
+"""Save / resume a training run on torch.distributed.checkpoint, at any layout: the I/O
+policy around the training state.
 
 Layout of ``--save DIR``::
 
@@ -7,12 +8,15 @@ Layout of ``--save DIR``::
     DIR/iter_0000100/metadata.json            iteration, consumed samples, layout, args, ...
     DIR/iter_0000100/manifest.json            size + SHA-256 of every file above
 
-Every tensor is saved as its global shape and this rank's chunks at global offsets
-(``checkpointing.sharded_state``), so DCP reshards on load: weights, fp32 masters, Adam
-moments (plain or distributed optimizer, FSDP2 pieces), at any TP/PP/VPP/DP/CP/EP.  The
-optimizer step and the iteration are JSON; RNG states are per-rank uint8 tensors restored
-where the rank's model coordinates exist in the checkpoint.  Loading verifies the manifest,
-falls back to the newest complete iteration, and checks that every rank loaded the same one.
+What is saved is the composition of Stateful parts (``training/train_state.py``: model,
+optimizer, schedule, loss scaler, data position, RNG, expert biases, each kept by its
+owner), taken once (``capture_training_state``) and restored once
+(``restore_training_state``) -- the same two calls an in-memory snapshot makes.  Tensors
+are global shapes + this rank's chunks, so DCP reshards on load at any
+TP/PP/VPP/DP/CP/EP; the parts' JSON values go to metadata.json.  This module owns the rest:
+the marker and manifest, a failure on any rank as one line on every rank, --async-save,
+keep-last-N, the fallback to the newest complete iteration, and which parts a load takes
+(--finetune, --no-load-optim, --no-load-rng).
 """
 from __future__ import annotations
 
@@ -33,18 +37,14 @@ from megalite.checkpointing import manifest as mf
 from megalite.checkpointing.dcp_format import (CheckpointIOError, ChunkedTensor, load_chunked,
                                                save_chunked, saved_tensors)
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
-from megalite.checkpointing.sharded_state import (fsdp_piece, master_pieces,
-                                                  model_sharded_state_dict,
-                                                  optimizer_sharded_state_dict, spec_chunks)
 from megalite.distributed.replicas import check_replicas
 from megalite.errors import CheckpointError
 from megalite.training import checkpoint_io_policy as policy
-from megalite.moe.moe_layer import expert_bias_state, load_expert_bias_state
 from megalite.parallel_state import Group
-from megalite.param_spec import group_coords, param_table
 from megalite.training.legacy_checkpoint import load_legacy_checkpoint
-
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "momentum_buffer", "max_exp_avg_sq")
+from megalite.training.train_state import (check_against, from_metadata, merge,
+                                           single_process, tensors_of, to_metadata,
+                                           training_state)
 
 
 def run_layout(trainer) -> dict:
@@ -56,17 +56,8 @@ def run_layout(trainer) -> dict:
     return out
 
 
-def _rng_coords(trainer) -> dict:
-    """Where this rank's generators belong: equal coordinates draw the same streams."""
-    s = trainer.state
-    return {"tp": [s.tp.rank, s.tp.size], "pp": [s.pp.rank, s.pp.size],
-            "cp": [s["cp"].rank, s["cp"].size], "dp": [s["dp"].rank, s["dp"].size],
-            "vpp": s.vpp_size, "cuda": trainer.device == "cuda"}
-
-
 def _single(trainer) -> bool:
-    """A one-rank run (tests run those inside a larger process group): no collectives."""
-    return trainer.state.grid.world_size == 1 or not dist.is_initialized()
+    return single_process(trainer.state)
 
 
 def _world(handle=None) -> Group:
@@ -130,64 +121,36 @@ def preflight_save_dir(root: str) -> None:
                            "folder this job may write") from None
 
 
-def _rng_tensors(trainer) -> Dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if trainer.device == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state()
-    for c, chunk in enumerate(trainer.model_chunks):
-        for name, st in chunk.rng_tracker.get_states().items():
-            for dev, t in st.items():
-                out[f"tracker{c}.{name}.{dev}"] = t
-    return out
-
-
-def _training_state_dict(trainer):
-    """(DCP state dict, optimizer step or None) of this rank."""
-    sd = dict(model_sharded_state_dict(trainer.model_chunks, trainer.state))
-    sd.update(optimizer_sharded_state_dict(trainer.optimizer, trainer.model_chunks,
-                                           trainer.state))
-    step = sd.pop("optimizer.step", None)
-    step = float(step.chunks[0][1]) if step is not None else None
-    out = {k: ChunkedTensor(v.global_shape, v.chunks, v.writer) for k, v in sd.items()}
-    for k, t in _rng_tensors(trainer).items():
-        out[f"rng.rank{trainer.state.rank}.{k}"] = ChunkedTensor(t.shape, [((0,), t)])
-    return out, step
-
-
-def _metadata(trainer, step, rng_ranks) -> dict:
-    """What metadata.json says (JSON only; readers of the interim format find ``model``,
-    the TP/PP sizes and ``extra`` where they always were)."""
+def _metadata(trainer) -> dict:
+    """What metadata.json says about the run (JSON only; readers of the interim format
+    find ``model``, the TP/PP sizes and ``extra`` where they always were).  The state's
+    own values are added by ``capture_training_state``."""
     cfg, d = trainer.cfg, trainer.cfg.data
     tokenizer = {"tokenizer_type": d.tokenizer_type,
                  "tokenizer_model": os.path.abspath(d.tokenizer_model)
                  if d.tokenizer_model else None, "vocab_size": cfg.model.vocab_size}
-    return {"format": FORMAT, "iteration": trainer.iteration,
-            "consumed_samples": trainer.consumed_samples, "optimizer_step": step,
-            "layout": run_layout(trainer), "rng_ranks": rng_ranks,
+    return {"format": FORMAT, "optimizer_step": None, "rng_ranks": [],
+            "layout": run_layout(trainer),
             "tensor_model_parallel_size": cfg.parallel.tp,
             "pipeline_model_parallel_size": cfg.parallel.pp,
             "model": dataclasses.asdict(cfg.model),
-            "extra": {"consumed_samples": trainer.consumed_samples,
-                      "layout": run_layout(trainer), "tokenizer": tokenizer,
-                      "loop_state": trainer.loop_state()},    # fp16 scaler, skipped steps
+            "extra": {"layout": run_layout(trainer), "tokenizer": tokenizer,
+                      "loop_state": {"grad_scaler": None}},
             "args": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
 
 
 def capture_training_state(trainer, every_rank_meta: bool = False):
     """(this rank's tensors as global-shape chunks, the run's JSON metadata): what a disk
-    checkpoint and an in-memory snapshot hold alike.  Collective over the world (the RNG
-    coordinates are gathered, the expert biases reduced over PP).  The metadata is rank 0's
-    alone unless ``every_rank_meta`` (a snapshot: every rank keeps it, any may survive)."""
-    sd, step = _training_state_dict(trainer)
-    rng_ranks = _gather(_rng_coords(trainer), _single(trainer))
-    bias = (expert_bias_state(trainer.model_chunks, trainer.state)       # collective over pp
-            if trainer.cfg.model.moe_router_enable_expert_bias else None)
+    checkpoint and an in-memory snapshot hold alike -- the composition of the parts
+    (``train_state.training_state``) taken once and split into the format's tensors and
+    metadata.  Collective over the world (the RNG coordinates are gathered, the expert
+    biases over PP).  The metadata is rank 0's alone unless ``every_rank_meta`` (a
+    snapshot: every rank keeps it, any may survive)."""
+    sd = training_state(trainer).state_dict()
     meta = None
     if every_rank_meta or trainer.state.rank == 0:
-        meta = _metadata(trainer, step, rng_ranks)
-        if bias is not None:        # a router buffer, not a parameter: JSON
-            meta["extra"]["moe_expert_bias"] = bias
-    return sd, meta
+        meta = merge(_metadata(trainer), to_metadata(sd))
+    return tensors_of(sd), meta
 
 
 def save_training_checkpoint(trainer) -> str:
@@ -447,14 +410,6 @@ def _legacy_iteration(root: str) -> Optional[int]:
     return None
 
 
-def _check_shapes(it_dir: str, sd: dict, saved) -> None:
-    for key, obj in sd.items():
-        if key in saved and tuple(saved[key].size) != tuple(obj.size()):
-            raise CheckpointError(f"{os.path.join(it_dir, '.metadata')}: '{key}' has shape "
-                             f"{tuple(saved[key].size)}, this run expects {tuple(obj.size())} "
-                             f"(a different model, which no layout change can reshard)")
-
-
 def _load_dcp(trainer, it_dir: str) -> None:
     with open(os.path.join(it_dir, "metadata.json")) as f:
         meta = json.load(f)
@@ -467,152 +422,37 @@ def restore_training_state(trainer, meta: dict, saved, where: str, fill) -> None
     index of what the source holds ({key: DCP tensor metadata}: global size, dtype),
     ``where`` names the source in messages, and ``fill(sd)`` writes the source's values
     into the target tensors of ``sd`` in place, resharded to this rank's layout (DCP for a
-    checkpoint folder, the peers' exchange for a snapshot).  Collective over the world."""
-    cfg, state = trainer.cfg, trainer.state
-    it_dir = where
-    model = {k: ChunkedTensor(v.global_shape, v.chunks)
-             for k, v in model_sharded_state_dict(trainer.model_chunks, state).items()}
-    missing = [k for k in model if k not in saved]
-    if missing:
-        raise CheckpointError(f"{os.path.join(it_dir, '.metadata')}: lacks {len(missing)} "
-                              f"model tensors, e.g. {missing[:3]} (a checkpoint of another "
-                              "model); load the checkpoint of this model")
-    sd = dict(model)
-    want_optim = not cfg.checkpoint.finetune and not cfg.checkpoint.no_load_optim
-    restore_optim = None
-    if want_optim:
-        if meta.get("optimizer_step") is None:
-            _print0(f"> {it_dir} holds no optimizer state: optimizer starts fresh")
-        else:
-            optim_sd, restore_optim = _optimizer_load_plan(trainer, saved)
-            sd.update(optim_sd)
-    rng_sd, restore_rng = {}, None
-    if not cfg.checkpoint.finetune and not cfg.checkpoint.no_load_rng:
-        rng_sd, restore_rng = _rng_load_plan(trainer, meta, saved)
-        sd.update(rng_sd)
-    _check_shapes(it_dir, sd, saved)
+    checkpoint folder, the peers' exchange for a snapshot).  Collective over the world.
+
+    The policy is the checkpointer's: which parts load (``--finetune``: the weights
+    only; ``--no-load-optim`` / ``--no-load-rng``; a source without optimizer state) and
+    what is said about the rest; the parts do the rest."""
+    c = trainer.cfg.checkpoint
+    everything = training_state(trainer)
+    values = from_metadata(meta)
+    skip = set()
+    if c.finetune:
+        skip = {n for n in everything.names() if n not in ("model", "moe_expert_bias")}
+    if c.no_load_optim or values.get("optimizer", {}).get("step") is None:
+        skip.add("optimizer")
+        if not c.finetune and not c.no_load_optim:
+            _print0(f"> {where} holds no optimizer state: optimizer starts fresh")
+    if c.no_load_rng:
+        skip.add("rng")
+    parts = everything.subset(n for n in everything.names() if n not in skip)
+    # a checkpoint of another model says so before any other part finds its tensors missing
+    check_against(everything.subset(["model"]).load_targets(saved, values), saved, where)
+    targets = parts.load_targets(saved, values)
+    check_against(targets, saved, where)
     with torch.no_grad():
-        fill(sd)
-    trainer.optimizer.reload_model_params()       # masters follow the loaded weights
-    load_expert_bias_state(trainer.model_chunks, meta.get("extra", {}).get("moe_expert_bias", {}))
-    if cfg.checkpoint.finetune:
+        fill(tensors_of(targets))
+    parts.load_state_dict({n: {**values.get(n, {}), **targets.get(n, {})}
+                           for n in parts.names()})
+    if "rng" in skip or targets.get("rng"):
         return
-    trainer.iteration = meta["iteration"]
-    trainer.consumed_samples = meta["consumed_samples"]
-    trainer.load_loop_state(meta.get("extra", {}).get("loop_state"))
-    if restore_optim is not None:
-        restore_optim(meta["optimizer_step"])
-    if restore_rng is not None:
-        restore_rng()
-    elif not cfg.checkpoint.no_load_rng and not meta.get("rng_ranks"):
-        _print0(f"> {it_dir} holds no RNG state (weights only): generators keep their "
+    if not meta.get("rng_ranks"):
+        _print0(f"> {where} holds no RNG state (weights only): generators keep their "
                 f"seeded state")
-    elif not cfg.checkpoint.no_load_rng:
-        _print0(f"> RNG state not loaded: no rank of {it_dir} had this rank's TP/PP/CP/VPP "
+    else:
+        _print0(f"> RNG state not loaded: no rank of {where} had this rank's TP/PP/CP/VPP "
                 f"coordinates ({run_layout(trainer)}); generators keep their seeded state")
-
-
-def _optimizer_load_plan(trainer, saved):
-    """(DCP entries to load, a function that installs them into the optimizer).
-
-    Each parameter's state is loaded as its whole TP-local tensor (chunks from the spec),
-    so the same code serves the plain optimizer and the distributed one (which then keeps
-    its flat range); DCP reshards from whatever layout saved it."""
-    opt, state = trainer.optimizer, trainer.state
-    coords = group_coords(state)
-    names, specs = {}, {}
-    for chunk in trainer.model_chunks:
-        for name, p, spec in param_table(chunk).named(chunk):
-            names[id(p)], specs[id(p)] = name, spec
-    keys = [k for k in STATE_KEYS if any(s.startswith(f"optimizer.{k}.") for s in saved)]
-    if opt.bf16:
-        keys.append("master")
-    local: Dict[int, Dict[str, torch.Tensor]] = {}
-    sd = {}
-    held = opt.params                    # the distributed optimizer: only its ranges' params
-    if getattr(opt, "sharded_buffers", ()):
-        held = [p for buf in opt.sharded_buffers for p, _, _ in buf.shard_ranges()]
-    for p in held:
-        local[id(p)] = {}
-        piece, at, _ = fsdp_piece(p, state)        # FSDP2: this rank's piece of p
-        for k in keys:
-            t = torch.zeros(piece.shape, dtype=torch.float32, device=piece.device)
-            local[id(p)][k] = t
-            sd[f"optimizer.{k}.{names[id(p)]}"] = ChunkedTensor(
-                specs[id(p)].full_shape, spec_chunks(specs[id(p)], t, coords, at))
-    missing = [k for k in sd if k not in saved]
-    if missing:
-        raise CheckpointError(f"--load: the checkpoint lacks optimizer tensors, e.g. "
-                              f"{missing[:3]}; add --no-load-optim to start the optimizer fresh")
-    state_keys = [k for k in keys if k != "master"]
-
-    def restore(step: float) -> None:
-        per_tensor = {}          # id(stepped tensor) -> {state key: values}
-        with torch.no_grad():
-            if getattr(opt, "sharded_buffers", ()):
-                pieces = master_pieces(opt)
-                for b, (buf, master) in enumerate(zip(opt.sharded_buffers, opt.masters)):
-                    index = {id(p): i for i, p in enumerate(buf.params)}
-                    for lo_, piece in pieces[b]:
-                        per_tensor[id(piece)] = {k: torch.zeros_like(piece) for k in state_keys}
-                    for p, lo, hi in buf.shard_ranges():
-                        p_lo = buf.start + lo - buf.offsets[index[id(p)]]
-                        flat = {k: v.reshape(-1)[p_lo:p_lo + hi - lo]
-                                for k, v in local[id(p)].items()}
-                        lo_, piece = next((a, t) for a, t in pieces[b]
-                                          if a <= lo and hi <= a + t.numel())
-                        for k in state_keys:
-                            per_tensor[id(piece)][k][lo - lo_:hi - lo_] = flat[k]
-                        if opt.bf16:
-                            master[lo:hi] = flat["master"]
-            else:
-                for p, master in zip(opt.params, opt.masters):
-                    per_tensor[id(master)] = {k: _like_param(local[id(p)][k].to(master.dtype), p)
-                                              for k in state_keys}
-                    if opt.bf16:
-                        master.copy_(local[id(p)]["master"])
-        inner = opt.inner.state_dict()
-        flat_params = [t for g in opt.inner.param_groups for t in g["params"]]
-        inner["state"] = {i: {"step": torch.tensor(step, dtype=torch.float32),
-                              **per_tensor[id(t)]} for i, t in enumerate(flat_params)}
-        opt.inner.load_state_dict(inner)
-    return sd, restore
-
-
-def _like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """An optimizer state tensor placed as ``p`` is: a DTensor over p's mesh for FSDP2."""
-    if not hasattr(p, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                              stride=p.stride())
-
-
-def _rng_load_plan(trainer, meta, saved):
-    """(entries, installer) for the generators of the saved rank at this rank's
-    coordinates (same DP rank when it exists, else DP rank 0's); ({}, None) if none."""
-    mine = _rng_coords(trainer)
-    same = lambda c: all(c.get(k) == mine[k] for k in ("tp", "pp", "cp", "vpp", "cuda"))
-    ranks = [r for r, c in enumerate(meta.get("rng_ranks") or []) if same(c)]
-    if not ranks:
-        return {}, None
-    src = next((r for r in ranks if meta["rng_ranks"][r]["dp"][0] == mine["dp"][0]), ranks[0])
-    prefix = f"rng.rank{src}."
-    bufs = {k[len(prefix):]: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-            for k, v in saved.items() if k.startswith(prefix)}
-    sd = {prefix + k: ChunkedTensor(t.shape, [((0,), t)]) for k, t in bufs.items()}
-
-    def restore() -> None:
-        torch.set_rng_state(bufs["cpu"])
-        if "cuda" in bufs and trainer.device == "cuda":
-            torch.cuda.set_rng_state(bufs["cuda"])
-        for c, chunk in enumerate(trainer.model_chunks):
-            states: Dict[str, dict] = {}
-            for k, t in bufs.items():
-                parts = k.split(".")
-                if parts[0] == f"tracker{c}":
-                    states.setdefault(".".join(parts[1:-1]), {})[parts[-1]] = t
-            if states:
-                chunk.rng_tracker.set_states(states)
-    return sd, restore

@@ -30,6 +30,8 @@ from megalite.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.checkpointing.resume_schedule import scheduler_for_run
+from megalite.data.position import DataPosition
+from megalite.optimizer.lr_schedule import SchedulePosition
 from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
@@ -48,12 +50,11 @@ class Trainer:
     def __init__(self, cfg, state: ParallelState, device: str,
                  family: ModelFamily = GPT_FAMILY):
         self.cfg, self.state, self.device, self.family = cfg, state, device, family
-        self.iteration = 0
-        self.consumed_samples = 0
-        # batches of --fp16 steps skipped on overflow: the lr schedule stands at
-        # consumed_samples - skipped_samples (Megatron steps its scheduler on updates only)
-        self.skipped_samples = 0
-        self.skipped_iterations = 0
+        # the loop's counters, each a Stateful part of the training state (train_state.py):
+        # iterations and samples read per split; how far the lr schedule lags behind them
+        # (--fp16 steps skipped on overflow: Megatron steps its scheduler on updates only)
+        self.position = DataPosition()
+        self.schedule_position = SchedulePosition()
         t = cfg.training
         self.batch_sizes = BatchSizeSchedule(t.global_batch_size or t.micro_batch_size,
                                              t.micro_batch_size, state["dp"].size,
@@ -74,6 +75,27 @@ class Trainer:
         self.memory_reporter = MemoryReporter(device)
 
     # -- construction ------------------------------------------------------------------
+    @property
+    def iteration(self) -> int:
+        return self.position.iteration
+
+    @iteration.setter
+    def iteration(self, value: int) -> None:
+        self.position.iteration = value
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples consumed (``position.consumed["train"]``)."""
+        return self.position.consumed["train"]
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self.position.consumed["train"] = value
+
+    @property
+    def skipped_samples(self) -> int:
+        return self.schedule_position.skipped_samples
+
     @property
     def optimizer(self):
         """The strategy's optimizer: the state checkpoints save (the loop itself only talks
@@ -209,8 +231,7 @@ class Trainer:
         self.iteration += 1
         self.consumed_samples += gbs
         if grad_norm is None:
-            self.skipped_samples += gbs
-            self.skipped_iterations += 1
+            self.schedule_position.skip(gbs)
         out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses, **metrics}
         if self.strategy.grad_scaler is not None:   # Megatron's "loss scale" (after update)
             out.update(loss_scale=self.strategy.loss_scale, skipped_iter=int(grad_norm is None))
@@ -218,32 +239,21 @@ class Trainer:
             out["global_batch_size"] = gbs
         return out
 
-    # -- what a checkpoint carries besides tensors ---------------------------------------
     def loop_state(self) -> dict:
-        """JSON state a resume needs beyond iteration and consumed samples: the fp16 loss
-        scaler and the lr schedule's position (behind consumed samples after skips)."""
+        """What a checkpoint's ``extra.loop_state`` says (read-only view of the parts): the
+        lr schedule's lag behind the consumed samples and the fp16 loss scaler."""
         scaler = self.strategy.grad_scaler if self.strategy else None
-        return {"skipped_samples": self.skipped_samples,
-                "skipped_iterations": self.skipped_iterations,
+        return {**self.schedule_position.state_dict(),
                 "grad_scaler": scaler.state_dict() if scaler is not None else None}
 
-    def load_loop_state(self, sd) -> None:
-        """Restore ``loop_state()`` (checkpoints without it: nothing skipped, a fresh
-        scaler)."""
-        sd = sd or {}
-        self.skipped_samples = sd.get("skipped_samples", 0)
-        self.skipped_iterations = sd.get("skipped_iterations", 0)
-        scaler = self.strategy.grad_scaler
-        if scaler is not None and sd.get("grad_scaler"):
-            scaler.load_state_dict(sd["grad_scaler"])
-
     @torch.no_grad()
-    def evaluate(self, dataset, iters: int) -> float:
+    def evaluate(self, dataset, iters: int, split: str = "valid") -> float:
         for chunk in self.model_chunks:
             chunk.eval()
         iterator = self.data_iterator(dataset, 0, cyclic=True)  # same batches every eval
         losses = [self._run_schedule(self._next_batches(iterator), forward_only=True)[0]
                   for _ in range(iters)]
+        self.position.consumed[split] += iters * self.cfg.training.global_batch_size
         self.strategy.after_forward_only(self.model_chunks)
         return sum(losses) / max(len(losses), 1)
 
