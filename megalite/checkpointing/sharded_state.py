@@ -16,7 +16,10 @@ written twice.  ``assemble`` checks exactly that: every element written exactly 
 
 Keys: ``model.<canonical name>``, ``optimizer.<state>.<canonical name>`` (``exp_avg``,
 ``exp_avg_sq``, ``momentum_buffer``, and ``master`` for the fp32 copies of bf16 params),
-``optimizer.step``.
+``optimizer.step``.  How each optimizer lays out its state is the optimizer's own
+(``MasterWeightOptimizer.sharded_state``); this module keeps the chunk geometry both use
+and ``ModelState``, the model's Stateful part of the training state
+(``training/train_state.py``).
 """
 from __future__ import annotations
 

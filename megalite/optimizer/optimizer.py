@@ -11,7 +11,10 @@ The optimizer does no communication: where gradients live, how they are reduced,
 norm and the parameter sync after the step belong to the data-parallel strategy, which hands
 the norm to ``step``.  Two layouts share ``MasterWeightOptimizer``: one master per parameter
 (``MixedPrecisionOptimizer``, plain DDP) and flat shards of a buffer
-(``megalite.distributed.distributed_optimizer.DistributedOptimizer``).
+(``megalite.distributed.distributed_optimizer.DistributedOptimizer``).  Each layout also
+says how its state lies at global shapes for checkpoints (``sharded_state``, and the reader
+``sharded_load_targets`` / ``load_sharded_state``; ``optimizer_state.OptimizerState`` is the
+Stateful part over them).
 """
 from __future__ import annotations
 

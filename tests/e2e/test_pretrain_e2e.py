@@ -65,3 +65,14 @@ def test_tokenize_preprocess_train_checkpoint_generate(tmp_path):
           "--skip-train", "--metrics-file", str(metrics2)])
     ev = [json.loads(l) for l in metrics2.read_text().splitlines()]
     assert abs(ev[-1]["lm_loss"] - valid[-1]["lm_loss"]) < 1e-4 * valid[-1]["lm_loss"]
+
+    # Resume it at TP=1 for two more iterations: the data position of every split carries on
+    # (the evaluation at iteration 10 read 2 x 8 validation samples; none ran since)
+    first = json.loads((ckpt / "iter_0000020" / "metadata.json").read_text())
+    assert first["extra"]["consumed_valid_samples"] == 16
+    _run([PY, "pretrain_gpt.py", *flags, "--train-iters", "22", "--load", str(ckpt),
+          "--save", str(ckpt), "--override-opt_param-scheduler"])
+    meta = json.loads((ckpt / "iter_0000022" / "metadata.json").read_text())
+    assert meta["consumed_samples"] == 22 * 8 and meta["iteration"] == 22
+    assert meta["extra"]["consumed_valid_samples"] == 16
+    assert meta["extra"]["consumed_test_samples"] == 0
