@@ -224,14 +224,6 @@ class DataParallelStrategy:
         broadcast_tied_embeddings(self.params, self.state, self.specs)
 
     # -- checkpoints -------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        self.wait_param_gathers()
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.wait_param_gathers()
-        self.optimizer.load_state_dict(sd)
-
     def reload_model_params(self) -> None:
         self.wait_param_gathers()
         self.optimizer.reload_model_params()
