@@ -118,10 +118,11 @@ def atomic_write(path: str, data) -> None:
 
 def _test_stall(path: str) -> None:
     """Test hook ``MEGALITE_TEST_SNAPSHOT_STALL=ITERATION:SECONDS``: the write of that
-    iteration's snapshot waits before its rename, so a test can kill a node mid-snapshot."""
+    iteration's snapshot waits before its rename, so a test can kill a node mid-snapshot
+    (in the first attempt only: a restarted worker that re-takes it does not wait)."""
     spec = os.environ.get(STALL_ENV)
-    if not spec:
-        return
+    if not spec or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0"):
+        return                                   # the first attempt only
     it, _, seconds = spec.partition(":")
     m = FILE_RE.match(os.path.basename(path))
     if m and int(m.group("it")) == int(it):
