@@ -41,7 +41,7 @@ def relaunch_reason(cfg) -> Optional[str]:
     if requeue:
         return f"SLURM requeue {requeue}"
     if cfg.parallel.elastic:
-        return "an --elastic run continues its --save folder"
+        return "an --elastic run continues its own state"
     return None
 
 
