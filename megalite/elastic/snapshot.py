@@ -156,7 +156,7 @@ class SnapshotStats:
     bytes: int = 0
 
     def report(self) -> Optional[str]:
-        if not self.stall_s:
+        if not self.stall_s or not self.background_s:   # the first still being written
             return None
         n = len(self.stall_s)
         bg = sum(self.background_s) / max(len(self.background_s), 1)
