@@ -248,13 +248,15 @@ class ParallelState:
         shard and every pipeline stage: the fp16 overflow check, the precision probe)."""
         return Group("world", list(range(self.grid.world_size)), None, self.rank)
 
-    def background_group(self) -> Group:
+    def background_group(self, purpose: str = "async-save") -> Group:
         """A gloo group over the whole world of its own, for collectives run on another
-        thread (``--async-save`` writes) that must never interleave with training's.
-        Collective on first use (every rank calls it); then cached per process."""
+        thread (``--async-save`` writes, the peer snapshots' replicas) that must never
+        interleave with training's -- nor with another purpose's thread.  Collective on
+        first use (every rank calls it); then cached per process and purpose."""
         ranks = list(range(self.grid.world_size))
-        return Group("background", ranks, _new_group(ranks, self.timeout, backend="gloo"),
-                     self.rank)
+        name = "background" if purpose == "async-save" else f"background-{purpose}"
+        return Group(name, ranks, _new_group(ranks, self.timeout, backend="gloo",
+                                             purpose=purpose), self.rank)
 
     # -- convenience queries ----------------------------------------------------------
     def size(self, name: str) -> int:
@@ -336,10 +338,10 @@ def dedicated_group(state: "ParallelState", name: str) -> Group:
     return mine
 
 
-def _new_group(ranks: List[int], timeout=None, backend=None):
+def _new_group(ranks: List[int], timeout=None, backend=None, purpose: str = ""):
     import torch.distributed as dist
 
-    key = (tuple(ranks), timeout, backend)
+    key = (tuple(ranks), timeout, backend, purpose)
     if key not in _HANDLE_CACHE:
         _HANDLE_CACHE[key] = dist.new_group(ranks, timeout=timeout, backend=backend)
     return _HANDLE_CACHE[key]

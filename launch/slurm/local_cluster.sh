@@ -6,6 +6,7 @@
 #   launch/slurm/local_cluster.sh up DIR [NODES]     # install if needed, start NODES (default 2)
 #   launch/slurm/local_cluster.sh down DIR           # stop what 'up' started, remove namespaces
 #   launch/slurm/local_cluster.sh kill-node DIR NODE # the node dies: SIGKILL all its processes
+#                                                    # (its /dev/shm goes with them)
 #   launch/slurm/local_cluster.sh start-node DIR NODE  # a (re)booted node: start its slurmd
 #   launch/slurm/local_cluster.sh link DIR NODE down|up  # cut / restore the node's network
 #
@@ -99,14 +100,18 @@ CONF
       >> "$DIR/slurm.conf"
   done
   echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP" >> "$DIR/slurm.conf"
-  # DIR/on NODE CMD...: run CMD inside NODE's namespace with its hostname and /etc/hosts.
+  # DIR/on NODE CMD...: run CMD inside NODE's namespace with its hostname and /etc/hosts,
+  # and a /dev/shm of its own (a fresh tmpfs): a node's shared memory -- where the peer
+  # snapshots live -- is seen by what runs on that node only (slurmd and its jobs), and dies
+  # with the node (kill-node); a restarted node (start-node) comes back with an empty one.
   cat > "$DIR/on" <<ON
 #!/usr/bin/env bash
 node="\$1"; shift
 ns="\$(cat "$DIR/netns-prefix")-\$node"
 export SLURM_CONF="$DIR/slurm.conf"
 exec nsenter --net="/run/netns/\$ns" unshare --uts --mount --propagation private \\
-  bash -c 'hostname "\$0"; mount --bind "$DIR/hosts" /etc/hosts; exec "\$@"' "\$node" "\$@"
+  bash -c 'hostname "\$0"; mount --bind "$DIR/hosts" /etc/hosts
+           mount -t tmpfs -o size=25%,mode=1777 "shm-\$0" /dev/shm; exec "\$@"' "\$node" "\$@"
 ON
   chmod +x "$DIR/on"
 }

@@ -156,6 +156,12 @@ class CheckpointConfig:
                                     "end of the iteration and exit cleanly.", action="store_true")
     exit_duration_in_mins: Optional[float] = opt(
         None, "Save and exit once training has run this many minutes.", gt=0)
+    # -- in-memory peer snapshots (issue 27; docs/fault_tolerance.md) --------------------
+    snapshot_interval: Optional[int] = opt(
+        None, "Every this many iterations, copy each rank's state into its node's shared "
+        "memory (MEGALITE_SNAPSHOT_DIR) and a replica onto another node, in the background; "
+        "a restart resumes from the newest one the survivors hold.  0: off.  Default: 1 "
+        "with --elastic, else off.", ge=0)
     check_for_nan_in_loss_and_grad: bool = opt(
         False, "Stop with the iteration and rank when the loss or the gradient norm is NaN/Inf.",
         action="store_true", negation="--no-check-for-nan-in-loss-and-grad")

@@ -173,8 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: checkpoint bytes / --disk-write-gbps)")
     s = p.add_argument_group("peer snapshots")
     s.add_argument("--snapshot-interval", type=int, default=1, help="iterations (default 1)")
-    s.add_argument("--snapshot-cost", type=float, help="exposed seconds per snapshot (default:"
-                   " state per GPU / --host-copy-gbps, none of it overlapped)")
+    s.add_argument("--snapshot-cost", type=float, help="exposed seconds per snapshot: a run's "
+                   "'> snapshot:' log line measures it (the stall on the training thread); "
+                   "default: state per GPU / --host-copy-gbps, none of it overlapped")
     s.add_argument("--host-copy-gbps", type=float, default=25.0,
                    help="device-to-host GB/s per GPU (default 25)")
     s.add_argument("--peer-gbps", type=float, default=50.0,

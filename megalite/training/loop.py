@@ -71,6 +71,7 @@ class Trainer:
         self._timeline_events = None       # this step's schedule events, recorded after sync
         self.exit_reason = ""       # set when a signal or the clock ended training early
         self.pending_save = None    # a checkpoint still being written (--async-save)
+        self.snapshotter = None     # in-memory peer snapshots (--snapshot-interval)
         # start-up memory report; ``pretrain`` starts it before ``setup`` (tensor meter on CPU)
         self.memory_reporter = MemoryReporter(device)
 
@@ -278,12 +279,20 @@ class Trainer:
         c = cfg.checkpoint
         watcher = ExitWatcher(c.exit_signal_handler, c.exit_duration_in_mins)
         first, start = self.iteration, time.perf_counter()
+        from megalite.elastic.snapshot import Snapshotter, snapshot_interval
+
+        every = snapshot_interval(cfg)
+        self.snapshotter = Snapshotter(self, every) if every else None
+        trained = False
         try:
             self._train_iterations(logger, iterator, flops, peak, world, watcher)
+            trained = True
         finally:
             watcher.close()
             if hasattr(iterator, "close"):
                 iterator.close()
+            if self.snapshotter is not None and trained:   # a failure: a peer may be gone
+                self.snapshotter.close(completed=self.iteration >= self.train_iters)
         logger.info(f"> training loop: {self.iteration - first} iterations in "
                     f"{time.perf_counter() - start:.3f} s")
 
@@ -294,6 +303,13 @@ class Trainer:
             with self.memory_reporter.step(self.iteration + 1):
                 out = self.train_step(iterator)
             elapsed = time.perf_counter() - t0
+            snap = self.snapshotter
+            stall = snap.maybe_take() if snap is not None else None   # after the step
+            if stall is not None:
+                out["snapshot_stall_ms"] = 1000 * stall
+                for line in snap.lines:
+                    logger.info(line)
+                snap.lines.clear()
             gbs = out.get("global_batch_size", t.global_batch_size)
             tokens = gbs * cfg.model.seq_length
             flops_now = flops * gbs / t.global_batch_size      # ramp: this batch's FLOPs
@@ -304,6 +320,11 @@ class Trainer:
                       "mfu": model_flops_utilization(flops_now / elapsed / world, peak),
                       "peak_mem_bytes": peak_memory_bytes(self.device)}
             logger.log_train(record)
+            if snap is not None and (self.iteration % cfg.logging.log_interval == 0 or
+                                     self.iteration == self.train_iters):
+                line = snap.stats.report()
+                if line:
+                    logger.info(f"> snapshot: iteration {self.iteration}: {line}")
             self.memory_reporter.after_step(logger, cfg, self.state.rank, self.iteration,
                                             self.iteration == self.train_iters,
                                             record["peak_mem_bytes"])   # planner vs measured

@@ -1,16 +1,24 @@
 """Elastic training on a real SLURM cluster (three nodes, network namespaces, this machine):
 the project's launch/slurm/pretrain.sbatch, unchanged, with the GPT-3 twin.
 
-- Two nodes x 2 processes (TP2 inside a node, DP2), --save-interval larger than the run:
-  node2 dies for good (every process on it SIGKILLed) mid-run.  The job goes on with node1
-  (DP1, twice the micro-batches), its batch script ends COMPLETED, and every iteration's
-  loss is the uninterrupted run's.  Measured: the time from the kill to the next new
-  iteration and the iterations trained twice.
+Every node's /dev/shm is its own (local_cluster.sh), so a killed node's peer snapshots
+(``--snapshot-interval``, every iteration by default with ``--elastic``) are gone with it:
+what restores its shards is the replica its buddy on the other node keeps.
+
+- Two nodes x 2 processes (TP2 inside a node, DP2, the distributed optimizer: each node
+  holds half of the optimizer state), --save-interval larger than the run: node2 dies for
+  good (every process on it SIGKILLed) mid-run.  The job goes on with node1 (DP1, twice the
+  micro-batches) from the in-memory snapshot (node1's own shards, node2's from the
+  replicas), its batch script ends COMPLETED, at most 1 iteration is trained twice, and every
+  iteration's loss is the uninterrupted run's.  Measured: the time from the kill to the next
+  new iteration.
 - Three nodes x 1 process: world 3 does not fit the global batch (8), so 2 ranks train and
-  node3 waits as a spare; node2 dies (node3 takes its place), then node3 dies (node1 goes on
-  alone), then node2 reboots into the allocation: SLURM aborts the step, the script starts
-  a new step on the nodes that answer, and DP grows back to 2.  Losses: the uninterrupted
-  run's, throughout.
+  node3 waits as a spare; node2 dies in the middle of a snapshot (a test hook holds its
+  write) and node3 takes its place, then node3 dies (node1 goes on alone), then node2
+  reboots into the allocation: SLURM aborts the step, the script starts a new step on the
+  nodes that answer, and DP grows back to 2.  Every restart resumes from a snapshot (none
+  from disk: --save-interval is larger than the run); losses: the uninterrupted run's,
+  throughout.
 
 Where the machine cannot (not root, no apt-get and no slurm, no network namespaces) the
 tests skip and say why.
@@ -23,12 +31,16 @@ from slurm_local import (ITERS, SBATCH, TWIN, TWIN_FLAGS, IterationWatch, assert
 
 cluster = cluster_fixture(nodes=3)
 
-# Iterations a restart may train a second time.  Disk checkpoints only (today): everything
-# since the last save, and with --save-interval larger than the run that is every iteration
-# before the kill.  The in-memory peer snapshots (issue 27, item 2) restore the last
-# iteration from the survivors' memory: set this True there and the bound becomes 1.
-RESTART_FROM_PEER_SNAPSHOTS = False
+# Iterations a restart may train a second time.  Disk checkpoints only: everything since the
+# last save, and with --save-interval larger than the run that is every iteration before the
+# kill.  The in-memory peer snapshots restore the last iteration from the survivors' memory:
+# the bound is 1.
+RESTART_FROM_PEER_SNAPSHOTS = True
+SNAPSHOT_RESUME = re.compile(r"> resuming \(.*\) from the in-memory snapshot of iteration "
+                             r"(\d+) held by the survivors \((\d+) of (\d+) old ranks' shards "
+                             r"from replicas\)")
 KILL_AT = 4
+STALL_AT = 2                     # the three-node job: node2 dies inside this snapshot
 KILL_TO_NEW_ITERATION_S = 30     # issue 27: a lost node costs at most half a minute
 IDLE_FIRST_START_S = 20          # sbatch -> first iteration on an idle 2-core machine
 
@@ -37,12 +49,12 @@ def max_retrained(killed_after: int) -> int:
     return 1 if RESTART_FROM_PEER_SNAPSHOTS else killed_after
 
 
-def _submit(cluster, tmp_path, nodes, nproc, flags):
+def _submit(cluster, tmp_path, nodes, nproc, flags, **env):
     metrics = tmp_path / "metrics.jsonl"
     job = cluster.sbatch("-N", str(nodes), "-o", str(tmp_path / "slurm-%j.out"), SBATCH, TWIN,
                          *TWIN_FLAGS, "--train-iters", str(ITERS), "--metrics-file", str(metrics),
                          *flags, env=job_env(MEGALITE_NPROC_PER_NODE=nproc,
-                                             MEGALITE_LOG_DIR=tmp_path / "logs"))
+                                             MEGALITE_LOG_DIR=tmp_path / "logs", **env))
     return job, metrics
 
 
@@ -65,8 +77,8 @@ def test_node_lost_for_good_job_completes_on_the_survivor(cluster, tmp_path, tmp
     ref = reference_losses(tmp_path_factory)
     start = time.time()
     job, metrics = _submit(cluster, tmp_path, 2, 2, [
-        "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ckpt"),
-        "--save-interval", "1000"])
+        "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "1000"])
     watch = IterationWatch(metrics)
     failed = True
     try:
@@ -87,8 +99,10 @@ def test_node_lost_for_good_job_completes_on_the_survivor(cluster, tmp_path, tmp
     assert "training exited with status 0" in out, out[-2000:]
     assert "world 4: TP2 CP1 PP1 DP2, 4 micro-batches" in node1, node1[-2000:]
     assert "elastic restart 1: world 2: TP2 CP1 PP1 DP1, 8 micro-batches" in node1, node1[-3000:]
-    loads = re.findall(r"> loaded checkpoint \S+ \(iteration (\d+)\)", node1)
-    resumed_at = int(loads[-1]) if loads else 0
+    resumes = SNAPSHOT_RESUME.findall(node1)
+    assert resumes, node1[-3000:]
+    resumed_at, from_replicas, old_world = map(int, resumes[-1])
+    assert (from_replicas, old_world) == (2, 4), resumes     # node2's two ranks: replicas
     retrained = killed_after - resumed_at
     kill_to_new = new_at - kill_time
     reform = re.findall(r"rendezvous done in ([\d.]+) s: node 0 of 1, world 2, restart 1", node1)
@@ -109,11 +123,11 @@ def test_three_nodes_lose_two_and_a_replacement_joins(cluster, tmp_path, tmp_pat
     ref = reference_losses(tmp_path_factory)
     job, metrics = _submit(cluster, tmp_path, 3, 1, [
         "--tensor-model-parallel-size", "1", "--save", str(tmp_path / "ckpt"),
-        "--save-interval", "2"])
+        "--save-interval", "1000"], MEGALITE_TEST_SNAPSHOT_STALL=f"{STALL_AT}:6")
     watch = IterationWatch(metrics)
     failed = True
     try:
-        watch.wait_for(2, job=job, cluster=cluster)
+        watch.wait_for(STALL_AT, job=job, cluster=cluster)   # its snapshot is being written
         cluster.ctl("kill-node", "node2")           # a trainer: node3 (the spare) steps in
         watch.wait_for(watch.poll() + 1, job=job, cluster=cluster)
         watch.wait_for(5, job=job, cluster=cluster)
@@ -134,4 +148,10 @@ def test_three_nodes_lose_two_and_a_replacement_joins(cluster, tmp_path, tmp_pat
     assert "world 1: TP1 CP1 PP1 DP1, 8 micro-batches" in node1
     assert "before the run did: starting it again on 2 node(s): node1,node2" in out, out[-3000:]
     assert "done" in _log(tmp_path, "result-node2.txt")
+    # every start after the first resumes from the survivors' memory: the first from the
+    # snapshot before the one node2 died in (its own write held, its replica never sent)
+    resumes = [tuple(map(int, r)) for r in SNAPSHOT_RESUME.findall(node1)]
+    assert len(resumes) == 3, resumes
+    assert resumes[0] == (STALL_AT - 1, 1, 2), resumes
+    assert "> loaded checkpoint" not in node1
     assert_same_losses(losses(metrics), ref, "two of three nodes lost, one rejoined")

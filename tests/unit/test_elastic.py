@@ -61,7 +61,8 @@ def test_elastic_needs_an_explicit_global_batch():
 
 
 def _ckpt(c, load=None, save=None, elastic=False):
-    return types.SimpleNamespace(checkpoint=types.SimpleNamespace(load=load, save=save),
+    return types.SimpleNamespace(checkpoint=types.SimpleNamespace(load=load, save=save,
+                                                                  snapshot_interval=0),
                                  parallel=types.SimpleNamespace(elastic=elastic))
 
 
@@ -143,3 +144,28 @@ def test_goodput_cli_defaults_to_llama3_and_rejects_bad_numbers(capsys):
         main(["plan", "--goodput", "--restart-time", "-1"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip() == "megalite: error: --restart-time must be >= 0"
+
+
+def test_snapshot_choice_is_the_newest_complete_set_newer_than_disk():
+    from megalite.elastic.snapshot import buddies, file_name, parse_name
+    from megalite.elastic.snapshot_restore import choose
+
+    def f(it, rank, kind, gen="aaaaaaaa", world=4):
+        return parse_name(file_name("0123456789", it, gen, rank, world, kind))
+
+    # node A (new ranks 0, 1 share a folder) survived; node B is gone.  Iteration 7 is
+    # incomplete (old rank 3's replica never arrived): iteration 6 is the newest complete.
+    node_a = [f(6, 0, "own"), f(6, 1, "own"), f(6, 2, "replica"), f(6, 3, "replica"),
+              f(7, 0, "own"), f(7, 1, "own"), f(7, 2, "replica"),
+              f(7, 3, "own", gen="bbbbbbbb")]      # another generation's never mixes in
+    held = [("A", node_a), ("A", node_a), ("C", [])]
+    plan = choose(held, newer_than=-1)
+    assert (plan.iteration, plan.old_world, plan.from_replicas) == (6, 4, 2)
+    assert [(old, reader) for old, reader, _ in plan.assign] == [(0, 0), (1, 1), (2, 0), (3, 1)]
+    assert choose(held, newer_than=6) is None          # the disk checkpoint is as new
+    assert "(2 of 4 old ranks' shards from replicas)" in plan.describe()
+    # buddies: the same local index on the next node; one node: none
+    ident = ["n1", "n1", "n2", "n2", "n3", "n3"]
+    assert [buddies(ident, r) for r in range(6)] == [(2, 4), (3, 5), (4, 0), (5, 1), (0, 2),
+                                                     (1, 3)]
+    assert buddies(["n1", "n1"], 0) == (None, None)
