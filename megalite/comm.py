@@ -88,12 +88,16 @@ def _named_failure(op: str, group: Optional[Group], peers: Sequence[int] = (), e
         raise error from exc
 
 
+def world_group(handle=None) -> Group:
+    """The whole world as a ``Group``: the default process group, or ``handle`` (a group
+    of its own over every rank); one rank when no process group exists."""
+    n, me = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    return Group("world", list(range(n)), handle, me)
+
+
 def _world(group: Optional[Group]) -> Group:
     """``group``, or the default group as a ``Group`` (for the recorder)."""
-    if group is not None:
-        return group
-    n, me = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
-    return Group("world", list(range(n)), None, me)
+    return group if group is not None else world_group()
 
 
 def _fake_fill(op: str, out: torch.Tensor, inp: Optional[torch.Tensor], group: Group,

@@ -41,14 +41,6 @@ class SnapshotPlan:
                 f"({self.from_replicas} of {self.old_world} old ranks' shards from replicas)")
 
 
-def _world() -> Group:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return Group("world", [0], None, 0)
-    return Group("world", list(range(dist.get_world_size())), None, dist.get_rank())
-
-
 def choose(held: List[Tuple[str, List[dict]]], newer_than: int) -> Optional[SnapshotPlan]:
     """The plan from every new rank's (holder identity, files it sees); pure, the same on
     every rank."""
@@ -82,14 +74,14 @@ def choose(held: List[Tuple[str, List[dict]]], newer_than: int) -> Optional[Snap
 def find_snapshot(cfg, newer_than: int) -> Optional[SnapshotPlan]:
     """Collective over the world (see the module docstring)."""
     mine = snap.list_snapshots(snap.snapshot_dir(), snap.run_fingerprint(cfg))
-    held = comm.all_gather_object((snap.holder_identity(), mine), _world())
+    held = comm.all_gather_object((snap.holder_identity(), mine), comm.world_group())
     return choose(held, newer_than)
 
 
 def restore_snapshot(trainer, plan: SnapshotPlan) -> None:
     from megalite.training.checkpoint import restore_training_state
 
-    world = _world()
+    world = comm.world_group()
     rank = world.rank
     folder = snap.snapshot_dir()
     payloads = {old: snap.read_snapshot(os.path.join(folder, name))

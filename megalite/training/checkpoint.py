@@ -40,7 +40,6 @@ from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
 from megalite.distributed.replicas import check_replicas
 from megalite.errors import CheckpointError
 from megalite.training import checkpoint_io_policy as policy
-from megalite.parallel_state import Group
 from megalite.training.legacy_checkpoint import load_legacy_checkpoint
 from megalite.training.train_state import (check_against, from_metadata, merge,
                                            single_process, tensors_of, to_metadata,
@@ -60,21 +59,16 @@ def _single(trainer) -> bool:
     return single_process(trainer.state)
 
 
-def _world(handle=None) -> Group:
-    """The world (or a group over all of it) as a ``comm`` group."""
-    return Group("world", list(range(dist.get_world_size())), handle, dist.get_rank())
-
-
 def _gather(obj, single: bool = False, handle=None) -> list:
     if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
-    return comm.all_gather_object(obj, _world(handle))
+    return comm.all_gather_object(obj, comm.world_group(handle))
 
 
 def _broadcast(obj, single: bool = False):
     if single or not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
-    return comm.broadcast_object(obj, 0, _world())
+    return comm.broadcast_object(obj, 0, comm.world_group())
 
 
 def _agree(error: Optional[str], what: str, single: bool, handle=None) -> None:

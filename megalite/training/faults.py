@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from megalite import comm
-from megalite.parallel_state import Group
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -53,8 +52,7 @@ class ExitWatcher:
             (time.monotonic() - self.start) / 60.0 >= self.duration_mins
         flags = torch.tensor([float(self.received is not None), float(timed_out)])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            world = Group("world", list(range(dist.get_world_size())), None, dist.get_rank())
-            comm.all_reduce(flags, world, op="max")
+            comm.all_reduce(flags, comm.world_group(), op="max")
         if flags[0] > 0:
             name = signal.Signals(self.received).name if self.received else "a signal"
             self.reason = f"received {name}" if self.received else "a peer received a signal"
