@@ -1,10 +1,14 @@
 #!/usr/bin/env python
-"""A lost node, side by side: torchrun's default rendezvous settings vs megalite's launcher.
+"""A lost node, side by side: torchrun's default rendezvous settings vs megalite's launcher,
+and a restart from the disk checkpoint vs from the survivors' in-memory snapshots.
 
 Two agents on this machine stand for two nodes (``--nnodes 1:2``, c10d rendezvous on
 localhost, 2 workers each: the GPT-3 twin at TP2 DP2, --save-interval larger than the run).
 After iteration KILL_AT, agent B and its workers are SIGKILLed for good.  Agent A's
 workers fail at once (their peers' sockets close); A re-forms alone (DP1) and finishes.
+Each agent has a snapshot folder of its own (``MEGALITE_SNAPSHOT_DIR``), and B's is removed
+with it: its shards come back from the replicas A holds.  The disk-only cases pass
+``--snapshot-interval 0``.
 
 Printed per launcher: the time from the kill to the re-formed group (A's agent log: the
 rendezvous of restart 1 completes) and to the next new iteration (metrics file), the
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,19 +68,20 @@ def _tree(pid):
     return out
 
 
-def run_case(name, launcher, work, iters, kill_at, port):
+def run_case(name, launcher, work, iters, kill_at, port, flags):
     metrics = os.path.join(work, f"{name}.jsonl")
     cmd = [*launcher, "--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
            "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", name, "--max-restarts", "3",
            "pretrain_gpt.py", *TWIN, "--train-iters", str(iters), "--elastic",
-           "--metrics-file", metrics]
+           "--metrics-file", metrics, *flags]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", LOGLEVEL="INFO",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     logs = {n: open(os.path.join(work, f"{name}-{n}.log"), "w") for n in "ab"}
     agents = {}
-    for n in "ab":
-        agents[n] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[n],
-                                     stderr=subprocess.STDOUT)
+    for n in "ab":     # each agent's own snapshot folder: a "node" of its own
+        agents[n] = subprocess.Popen(cmd, cwd=ROOT, stdout=logs[n], stderr=subprocess.STDOUT,
+                                     env=dict(env, MEGALITE_SNAPSHOT_DIR=os.path.join(
+                                         work, f"{name}-shm-{n}")))
         time.sleep(0.5)
     first_seen, kill_time, killed_after = {}, None, None
     try:
@@ -90,6 +96,7 @@ def run_case(name, launcher, work, iters, kill_at, port):
                         os.kill(pid, signal.SIGKILL)
                     except OSError:
                         pass
+                shutil.rmtree(os.path.join(work, f"{name}-shm-b"), ignore_errors=True)
                 killed_after = max(_losses(metrics))
             time.sleep(0.05)
     finally:
@@ -109,7 +116,9 @@ def run_case(name, launcher, work, iters, kill_at, port):
         reform = (h * 3600 + m * 60 + s) - (t.tm_hour * 3600 + t.tm_min * 60 + t.tm_sec +
                                             kill_time % 1)
     new = first_seen.get(killed_after + 1) if killed_after else None
-    loads = re.findall(r"> loaded \S+ \(iteration (\d+)\)", log)
+    loads = re.findall(r"> loaded \S+ \(iteration (\d+)\)|in-memory snapshot of iteration "
+                       r"(\d+)", log)
+    loads = [int(a or b) for a, b in loads]
     return dict(rc=agents["a"].returncode, reform=reform,
                 kill_to_new=(new - kill_time) if new else None, killed_after=killed_after,
                 retrained=(killed_after - (int(loads[-1]) if loads else 0)) if killed_after
@@ -127,18 +136,21 @@ def main():
                     "pretrain_gpt.py", *TWIN, "--train-iters", str(a.iters), "--metrics-file",
                     ref_metrics], cwd=ROOT, check=True, capture_output=True)
     ref = _losses(ref_metrics)
-    cases = [("torchrun defaults", [PY, "-m", "torch.distributed.run"], 29731),
-             ("megalite.elastic.launch", [PY, "-m", "megalite.elastic.launch"], 29732)]
+    torchrun, launch = [PY, "-m", "torch.distributed.run"], [PY, "-m", "megalite.elastic.launch"]
+    off = ["--snapshot-interval", "0"]
+    cases = [("torchrun defaults, disk only", "torchrun", torchrun, 29731, off),
+             ("megalite launch, disk only", "launch-disk", launch, 29732, off),
+             ("megalite launch, snapshots", "launch-snap", launch, 29733, [])]
     print(f"two agents x 2 workers on localhost, agent B SIGKILLed after iteration {a.kill_at}"
           f" of {a.iters}; load average {os.getloadavg()[0]:.1f}")
-    print(f"  {'launcher':<26}{'kill -> re-formed':>18}{'kill -> new iteration':>23}"
+    print(f"  {'launcher, restart source':<30}{'kill -> re-formed':>18}{'kill -> new iteration':>23}"
           f"{'retrained':>11}{'losses = uninterrupted':>24}{'exit':>6}")
-    for name, launcher, port in cases:
-        r = run_case(name.split()[0], launcher, work, a.iters, a.kill_at, port)
+    for name, tag, launcher, port, flags in cases:
+        r = run_case(tag, launcher, work, a.iters, a.kill_at, port, flags)
         same = sorted(r["losses"]) == sorted(ref) and all(
             abs(r["losses"][i] - ref[i]) <= 1e-4 * abs(ref[i]) for i in ref)
         fmt = lambda v: "?" if v is None else f"{v:.1f} s"    # noqa: E731
-        print(f"  {name:<26}{fmt(r['reform']):>18}{fmt(r['kill_to_new']):>23}"
+        print(f"  {name:<30}{fmt(r['reform']):>18}{fmt(r['kill_to_new']):>23}"
               f"{r['retrained'] if r['retrained'] is not None else '?':>11}"
               f"{'yes' if same else 'NO':>24}{r['rc']:>6}")
     print(f"logs: {work}")
