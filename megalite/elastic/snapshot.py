@@ -177,7 +177,7 @@ class Snapshotter:
         self.fp = run_fingerprint(trainer.cfg)
         self.group: Optional[Group] = None
         self.gen = ""
-        self.buddy = self.source = None       # whom this rank sends to / receives from
+        self.buddy, self.sources = None, []   # whom this rank sends to / keeps replicas of
         self.thread: Optional[threading.Thread] = None
         self.error: Optional[BaseException] = None
         self.taken: List[int] = []            # snapshot iterations of this generation
@@ -196,7 +196,7 @@ class Snapshotter:
             self.group = state.background_group("snapshot")
             everyone = comm.all_gather_object(holder_identity(), self.group)
             self.gen = comm.broadcast_object(uuid.uuid4().hex[:8], 0, self.group)
-            self.buddy, self.source = buddies(everyone, state.rank)
+            self.buddy, self.sources = buddies(everyone, state.rank)
         if self.buddy is None:
             self.lines.append(f"> snapshot: every {self.interval} iteration(s) into "
                               f"{self.folder}; one node only: no replica on another node "
@@ -242,11 +242,12 @@ class Snapshotter:
             atomic_write(own, blob)
             files = [own]
             if self.buddy is not None:
-                got = exchange(blob, self.buddy, self.source, self.group)
-                rep = os.path.join(self.folder, file_name(self.fp, it, self.gen, self.source,
-                                                          world, "replica"))
-                atomic_write(rep, memoryview(got.numpy()))
-                files.append(rep)
+                got = exchange(blob, self.buddy, self.sources, self.group)
+                for src, replica in zip(self.sources, got):
+                    rep = os.path.join(self.folder, file_name(self.fp, it, self.gen, src,
+                                                              world, "replica"))
+                    atomic_write(rep, memoryview(replica.numpy()))
+                    files.append(rep)
             self.written[it] = files
             self.stats.background_s.append(time.perf_counter() - started)
         except BaseException as exc:  # noqa: BLE001  (handed to the training thread)
@@ -296,36 +297,33 @@ def _remove(path: str) -> None:
         pass
 
 
-def buddies(identities: List[str], rank: int) -> Tuple[Optional[int], Optional[int]]:
-    """(rank this rank's replica goes to, rank whose replica this rank keeps): the rank
-    with the same local index on the next / previous node (nodes in order of first rank;
-    a node with fewer ranks wraps around its own).  (None, None) on a single node."""
+def buddies(identities: List[str], rank: int) -> Tuple[Optional[int], List[int]]:
+    """(rank this rank's replica goes to, ranks whose replicas this rank keeps): every rank
+    sends to the rank with the same local index on the next node (nodes in order of first
+    rank; on a node with fewer ranks the index wraps around), so each state has one copy on
+    another node.  Nodes of unequal size (a world cut to the largest fitting part) leave
+    some ranks keeping two replicas and some none.  (None, []) on a single node."""
     nodes: Dict[str, List[int]] = {}
     for r, ident in enumerate(identities):
         nodes.setdefault(ident, []).append(r)
     order = list(nodes)
     if len(order) < 2:
-        return None, None
-    me = identities[rank]
-    n = order.index(me)
-    local = nodes[me].index(rank)
-    nxt, prv = nodes[order[(n + 1) % len(order)]], nodes[order[(n - 1) % len(order)]]
-    buddy = nxt[local % len(nxt)]
-    # who sends to me: the ranks of the previous node whose local index maps onto mine
-    senders = [r for i, r in enumerate(prv) if i % len(nodes[me]) == local]
-    # exactly one sender per receiver only when node sizes agree; uneven nodes are refused
-    if len(set(len(v) for v in nodes.values())) != 1:
-        raise ValueError("peer snapshots need the same number of ranks on every node: "
-                         + ", ".join(f"{k.split(':')[0]}: {len(v)}" for k, v in nodes.items()))
-    return buddy, senders[0]
+        return None, []
+
+    def buddy_of(r: int) -> int:
+        here = identities[r]
+        nxt = nodes[order[(order.index(here) + 1) % len(order)]]
+        return nxt[nodes[here].index(r) % len(nxt)]
+
+    return buddy_of(rank), [r for r in range(len(identities)) if buddy_of(r) == rank]
 
 
-def exchange(blob: bytes, dst: int, src: int, group: Group) -> torch.Tensor:
-    """Send ``blob`` to ``dst`` and receive ``src``'s (sizes first), on ``group``."""
+def exchange(blob: bytes, dst: int, srcs: List[int], group: Group) -> List[torch.Tensor]:
+    """Send ``blob`` to ``dst`` and receive each of ``srcs``' (sizes first), on ``group``."""
     n_out = torch.tensor([len(blob)], dtype=torch.int64)
-    n_in = torch.zeros(1, dtype=torch.int64)
-    comm.batch_send_recv([(n_out, dst)], [(n_in, src)], group)
+    n_in = [torch.zeros(1, dtype=torch.int64) for _ in srcs]
+    comm.batch_send_recv([(n_out, dst)], list(zip(n_in, srcs)), group)
     out = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    got = torch.empty(int(n_in.item()), dtype=torch.uint8)
-    comm.batch_send_recv([(out, dst)], [(got, src)], group)
+    got = [torch.empty(int(n.item()), dtype=torch.uint8) for n in n_in]
+    comm.batch_send_recv([(out, dst)], list(zip(got, srcs)), group)
     return got

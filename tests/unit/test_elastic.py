@@ -166,6 +166,14 @@ def test_snapshot_choice_is_the_newest_complete_set_newer_than_disk():
     assert "(2 of 4 old ranks' shards from replicas)" in plan.describe()
     # buddies: the same local index on the next node; one node: none
     ident = ["n1", "n1", "n2", "n2", "n3", "n3"]
-    assert [buddies(ident, r) for r in range(6)] == [(2, 4), (3, 5), (4, 0), (5, 1), (0, 2),
-                                                     (1, 3)]
-    assert buddies(["n1", "n1"], 0) == (None, None)
+    assert [buddies(ident, r) for r in range(6)] == [(2, [4]), (3, [5]), (4, [0]), (5, [1]),
+                                                     (0, [2]), (1, [3])]
+    assert buddies(["n1", "n1"], 0) == (None, [])
+    # uneven nodes (a world cut to its largest fitting part): every state still has one
+    # copy on another node; some ranks keep two replicas, some none
+    uneven = ["n1", "n1", "n1", "n2", "n2", "n2", "n3", "n3"]
+    pairs = [buddies(uneven, r) for r in range(8)]
+    assert [b for b, _ in pairs] == [3, 4, 5, 6, 7, 6, 0, 1]
+    assert all(uneven[b] != uneven[r] for r, (b, _) in enumerate(pairs))
+    assert sorted(s for _, srcs in pairs for s in srcs) == list(range(8))
+    assert pairs[6][1] == [3, 5] and pairs[2][1] == []
