@@ -9,10 +9,11 @@
 * The dense layout again with the test hook making rank 37 drop one TP all-gather: both
   modes must report the same problem (the hooked rank is a class of its own).
 * The published recipes at their GPU counts, with representatives: Llama-3 405B (TP8 CP1 PP16
-  VPP8 DP128 = 16,384 ranks), Mixtral 8x22B (128), Qwen3-235B-A22B (256) and the
-  DeepSeek-V3-like layout (1,024).
+  VPP8 DP128 = 16,384 ranks), Mixtral 8x22B (128), Qwen3-235B-A22B (256) and DeepSeek-V3
+  (1,024).
 
-Each case runs in a fresh process (its own peak memory).
+Each case runs in a fresh process (its own peak memory); each line ends with the
+machine's load average before and after the case (other jobs' share of the cores).
 
     python benchmarks/collective_check_scale.py [--cases dense64,moe64,llama3-405b,...]
 """
@@ -42,7 +43,7 @@ CASES = {
     "llama3-405b": ["--config", "launch/recipes/llama3-405b.yaml", "--mock-data"],
     "mixtral-8x22b": ["--config", "launch/recipes/mixtral-8x22b.yaml", "--mock-data"],
     "qwen3-235b-a22b": ["--config", "launch/recipes/qwen3-235b-a22b.yaml", "--mock-data"],
-    "deepseek-v3-like": ["--config", "launch/recipes/deepseek-v3-like.yaml", "--mock-data"],
+    "deepseek-v3": ["--config", "launch/recipes/deepseek-v3.yaml", "--mock-data"],
 }
 CASES["dense64-skip"] = CASES["dense64"]      # rank 37 drops a TP all-gather (test hook)
 ENV = {"dense64-skip": {"MEGALITE_FAULT_INJECT":
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     verdicts = {}
     for case in a.cases.split(","):
         for mode in MODES.get(case, ("auto",)):
+            load = os.getloadavg()[0]
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", case, mode],
                                cwd=ROOT, capture_output=True, text=True,
                                env={**os.environ, "PYTHONPATH": ROOT, **ENV.get(case, {})})
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
                   f"({r['classes']} classes, {r['ops'][0]}-{r['ops'][1]} ops/rank, "
                   f"{r['groups']} group patterns)  {'OK' if r['ok'] else 'PROBLEMS'}{hold}  "
                   f"{r['seconds']:.1f} s ({r.get('cpu_seconds', 0):.0f} s CPU), peak "
-                  f"{r['peak_mib']:.0f} MiB", flush=True)
+                  f"{r['peak_mib']:.0f} MiB, load {load:.1f} -> {os.getloadavg()[0]:.1f}",
+                  flush=True)
             for problem in r["problems"]:
                 print(f"    {problem}")
     for case, found in verdicts.items():

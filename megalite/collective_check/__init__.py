@@ -75,30 +75,45 @@ def _trace_one(job):
     return rank, trace_rank(cfg, rank, iteration, family)
 
 
+def _one_thread():
+    """Tracing is Python; its few real ops are tiny.  torch's intra-op threads only spin:
+    with two forked workers on two busy cores their OpenMP barriers stalled every op (a
+    DeepSeek-V3 check ran 10x slower than tracing its ranks one after another)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _trace_all(cfg, ranks, iteration, family, progress):
     """(rank, program) for each rank; on several cores, traced by forked workers (tracing
     is single-threaded Python).  Only a single-threaded process forks: a child forked while
     another thread holds a lock (a logging handler, a store client) waits on it forever."""
     import threading
 
+    import torch
+
     from megalite.training.loop import usable_cores
 
     jobs = [(cfg, r, iteration, family) for r in ranks]
     workers = min(usable_cores(), len(jobs))
+    threads = torch.get_num_threads()
     if workers < 2 or len(jobs) < 4 or threading.active_count() > 1:
+        _one_thread()
         results = map(_trace_one, jobs)
         pool = None
     else:
         import multiprocessing
 
-        pool = multiprocessing.get_context("fork").Pool(workers)
-        results = pool.imap(_trace_one, jobs)
+        pool = multiprocessing.get_context("fork").Pool(workers, initializer=_one_thread)
+        # one job at a time: a late long job on one worker would leave the others idle
+        results = pool.imap_unordered(_trace_one, jobs, chunksize=1)
     try:
         for i, item in enumerate(results):
             if progress is not None:
                 progress(i + 1, len(jobs))
             yield item
     finally:
+        torch.set_num_threads(threads)
         if pool is not None:
             pool.close()
             pool.join()

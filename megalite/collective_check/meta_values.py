@@ -18,15 +18,17 @@ Everything else with a meta input runs on meta (CPU operands are moved there); a
 op on a CPU tensor with meta operands runs on the CPU with those operands as zeros.
 
 Speed: many meta kernels are Python (torch._refs), ~100 us an op, and a training step
-repeats the same ops on the same shapes for every micro-batch and layer.  So an op that
-returns fresh tensors (no view, no in-place) is run once per (op, input shapes, strides,
-dtypes, other arguments); later calls get new meta tensors of the remembered shapes.
+repeats the same ops on the same shapes for every micro-batch and layer.  A meta kernel is
+a function of its inputs' metadata alone, so each op is run once per (op, input shapes,
+strides, dtypes, other arguments): later calls of an op that returns fresh tensors (no
+view, no in-place) get new meta tensors of the remembered shapes; later calls of an op
+that only writes meta arguments it returns (``out=``, ``add_``) -- cached only when the
+first call left their shapes and strides as they were -- return those arguments.
 """
 from __future__ import annotations
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
@@ -52,6 +54,19 @@ def materialize(x):
     if x.dtype == torch.bool:
         return torch.ones(x.shape, dtype=torch.bool)
     return torch.zeros(x.shape, dtype=x.dtype)
+
+
+def _map(fn, x):
+    """``fn`` on every tensor of an op's arguments (lists, tuples, dicts: what aten passes;
+    torch's pytree map does the same at ten times the cost)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    t = type(x)
+    if t is list or t is tuple:
+        return t(_map(fn, v) for v in x)
+    if t is dict:
+        return {k: _map(fn, v) for k, v in x.items()}
+    return x
 
 
 def _to_meta(x):
@@ -85,14 +100,17 @@ def _index_values(func, args, kwargs, out: torch.Tensor) -> torch.Tensor:
 def _scan(args, kwargs):
     """(any meta tensor, any real tensor of dim > 0) among the arguments, one level deep."""
     meta = real = False
-    for a in (*args, *kwargs.values()):
-        for x in (a if isinstance(a, (list, tuple)) else (a,)):
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        for x in (a if type(a) in _SEQUENCES else (a,)):
             if isinstance(x, torch.Tensor):
                 if x.is_meta:
                     meta = True
                 elif x.dim() > 0:
                     real = True
     return meta, real
+
+
+_SEQUENCES = (list, tuple)
 
 
 _WRITES_SELF = {}
@@ -125,17 +143,53 @@ def _returns_fresh(func) -> bool:
     return out
 
 
+_PLAIN = {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format}
+
+
 def _key(x):
+    t = type(x)
+    if t in _PLAIN:
+        return (t, x)
     if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), x.stride(), x.dtype, x.device.type)
-    if isinstance(x, (list, tuple)):
+        return ("T", x.shape, x.stride(), x.dtype, x.device.type)
+    if t is list or t is tuple:
         return tuple(_key(v) for v in x)
-    if isinstance(x, dict):
+    if t is dict:
         return tuple((k, _key(v)) for k, v in sorted(x.items()))
-    if isinstance(x, (int, float, bool, str, type(None), torch.dtype, torch.device,
-                      torch.layout, torch.memory_format)):
-        return (type(x), x)
     raise TypeError
+
+
+_RANDOM = ("rand", "bernoulli", "normal", "uniform", "exponential", "geometric", "cauchy")
+_ONLY_WRITES = {}
+
+
+def _only_writes(func) -> bool:
+    """Every output is a written argument (``out=`` variants, ``add_``): the op makes no
+    tensor of its own."""
+    out = _ONLY_WRITES.get(func)
+    if out is None:
+        schema = func._schema
+        out = _ONLY_WRITES[func] = bool(schema.returns) and \
+            all(r.alias_info is not None and r.alias_info.is_write for r in schema.returns) \
+            and all(str(r.type) == "Tensor" for r in schema.returns) and \
+            func not in INDEX_OUTPUTS and func not in DATA_DEPENDENT and \
+            not any(w in schema.name for w in _RANDOM)
+    return out
+
+
+def _tensors(args, kwargs) -> list:
+    """The tensor arguments, one level deep, in order (what a cached write returns from)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        for x in (a if type(a) in _SEQUENCES else (a,)):
+            if isinstance(x, torch.Tensor):
+                out.append(x)
+    return out
+
+
+def _layout(x):
+    return (x.shape, x.stride(), x.storage_offset())
 
 
 _OUTPUTS_OF = {}     # (op, argument key) -> [(shape, stride, dtype)]: shared by all traces
@@ -145,6 +199,13 @@ class MetaValues(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.cache = _OUTPUTS_OF
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo-disabling frame per call
+        # (a tenth of the trace's time); nothing here is compiled (the check turns
+        # --compile off)
+        return False
 
     def _cached(self, func, args, kwargs):
         try:
@@ -160,6 +221,27 @@ class MetaValues(TorchDispatchMode):
         outs = out if isinstance(out, tuple) else (out,)
         if all(isinstance(o, torch.Tensor) and o.is_meta for o in outs):
             self.cache[key] = [(tuple(o.shape), o.stride(), o.dtype) for o in outs]
+        return out
+
+    def _cached_write(self, func, args, kwargs):
+        """An op whose outputs are meta arguments it writes: run once per argument key;
+        later calls return the same argument positions (its meta kernel only checks)."""
+        try:
+            key = (func, _key(args), _key(kwargs))
+        except TypeError:
+            return func(*args, **kwargs)
+        hit = self.cache.get(key)
+        tensors = _tensors(args, kwargs)
+        if hit is not None:
+            outs = [tensors[i] for i in hit]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+        before = [_layout(t) for t in tensors]
+        out = func(*args, **kwargs)
+        outs = out if isinstance(out, tuple) else (out,)
+        at = [next((i for i, t in enumerate(tensors) if t is o), None) for o in outs]
+        if None not in at and all(t.is_meta for t in tensors) and \
+                [_layout(t) for t in tensors] == before:
+            self.cache[key] = at
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -179,11 +261,13 @@ class MetaValues(TorchDispatchMode):
                                       torch.device(kwargs["device"]).type != "meta") or \
                 (_writes_self(func) and isinstance(args[0], torch.Tensor) and
                  not args[0].is_meta):
-            return func(*tree_map(materialize, args), **tree_map(materialize, kwargs))
+            return func(*_map(materialize, args), **_map(materialize, kwargs))
         if real:
-            args, kwargs = tree_map(_to_meta, args), tree_map(_to_meta, kwargs)
+            args, kwargs = _map(_to_meta, args), _map(_to_meta, kwargs)
         if _returns_fresh(func):
             return self._cached(func, args, kwargs)
+        if _only_writes(func):
+            return self._cached_write(func, args, kwargs)
         out = func(*args, **kwargs)
         which = INDEX_OUTPUTS.get(func)
         if which is None:

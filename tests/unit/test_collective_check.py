@@ -108,3 +108,23 @@ def test_check_collectives_needs_dry_run(capsys):
         main(["--check-collectives", *TINY, "--global-batch-size", "1"])
     assert exc.value.code == 2
     assert capsys.readouterr().err.strip() == "megalite: error: --check-collectives needs --dry-run"
+
+
+def test_meta_values_reuses_a_write_only_when_it_leaves_the_layout():
+    """An out= or in-place op on meta arguments is run once per argument key and later
+    calls return the written argument; one that changes its argument's layout (t_) runs
+    every time."""
+    import torch
+
+    from megalite.collective_check.meta_values import MetaValues
+
+    with MetaValues():
+        a, b = torch.empty(2, 3, device="meta"), torch.empty(1, 3, device="meta")
+        out = torch.empty(2, 3, device="meta")
+        for _ in range(2):
+            assert torch.mul(a, b, out=out) is out and out.add_(b) is out
+        with pytest.raises(RuntimeError):           # the cached key still checks shapes
+            torch.mul(a, torch.empty(4, 3, device="meta"), out=out)
+        x = torch.empty(2, 3, device="meta")
+        for shape in ((3, 2), (2, 3), (3, 2)):
+            assert x.t_() is x and tuple(x.shape) == shape
