@@ -191,15 +191,3 @@ def expected_collectives(chunks, num_micro_batches: int, pipelined: bool) -> dic
                 if len(names) == 2 and sizes[0] > 1:
                     add(f"{names[0]}/all_reduce", reduces * padded // size)
     return out
-
-
-def like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """An optimizer state tensor placed as ``p`` is: for an FSDP2 parameter a DTensor over
-    p's mesh built from this rank's piece (torch's optimizer steps DTensors whole); any
-    other parameter's state is the local tensor itself."""
-    if not hasattr(p, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                              stride=p.stride())

@@ -303,11 +303,21 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
         return out, self._one_step(steps)
 
     def _stepped_state(self, local, keys):
-        from megalite.distributed.fsdp2 import like_param
-
         out = {}
         for p, master in zip(self.params, self.masters):
-            out[id(master)] = {k: like_param(local[id(p)][k].to(master.dtype), p) for k in keys}
+            out[id(master)] = {k: _like_param(local[id(p)][k].to(master.dtype), p) for k in keys}
             if self.bf16:
                 master.copy_(local[id(p)]["master"])
         return out
+
+
+def _like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """An optimizer state tensor placed as ``p`` is: for an FSDP2 parameter a DTensor over
+    p's mesh built from this rank's piece (torch's optimizer steps DTensors whole); any
+    other parameter's state is the local tensor itself."""
+    if not hasattr(p, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride())

@@ -64,6 +64,9 @@ def _sigint_in_save() -> None:
 
 
 def main() -> int:
+    # Ctrl-C as at a terminal: a shell without job control (a CI script's background job)
+    # starts its children with SIGINT ignored, and Python then installs no handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     hook, argv = sys.argv[1], sys.argv[2:]
     if hook.startswith("rank") and hook.endswith("-data-error"):
         _patch_train_step(2, _data_error_on(int(hook[4:-len("-data-error")])))
