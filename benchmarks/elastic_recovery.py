@@ -32,6 +32,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from megalite.testing import process_tree  # noqa: E402
 PY = sys.executable
 TWIN = ["--config", "launch/recipes/twins/gpt3-175b.yaml", "--pipeline-model-parallel-size",
         "1"]
@@ -47,24 +49,6 @@ def _losses(path):
                 continue
             if "lm_loss" in rec and "split" not in rec:
                 out[rec["iteration"]] = rec["lm_loss"]
-    return out
-
-
-def _tree(pid):
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
     return out
 
 
@@ -91,7 +75,7 @@ def run_case(name, launcher, work, iters, kill_at, port, flags):
                 first_seen.setdefault(it, now)
             if kill_time is None and max(first_seen, default=0) >= kill_at:
                 kill_time = time.time()
-                for pid in _tree(agents["b"].pid):
+                for pid in process_tree(agents["b"].pid):
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except OSError:

@@ -131,3 +131,24 @@ class PoolManager:
         for pool in self.pools.values():
             pool.close()
         self.pools.clear()
+
+
+def process_tree(pid: int, include_self: bool = True) -> list:
+    """``pid`` and every live process under it, read from /proc: what a test or benchmark
+    kills to stand for a lost node (an agent and its workers) without touching anything
+    else on the machine."""
+    children: dict = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out if include_self else out[1:]

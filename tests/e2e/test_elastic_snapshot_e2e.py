@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+from megalite.testing import process_tree
 from slurm_local import ITERS, ROOT, TWIN, TWIN_FLAGS, assert_same_losses, losses, reference_losses
 
 PY = sys.executable
@@ -37,24 +38,6 @@ def _wait_listening(port, proc, timeout=120):
         except OSError:
             time.sleep(0.1)
     raise AssertionError(f"agent A's rendezvous store is not listening on port {port}")
-
-
-def _tree(pid):
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def test_lost_agent_resumes_from_the_survivors_snapshot(tmp_path, tmp_path_factory):
@@ -87,7 +70,7 @@ def test_lost_agent_resumes_from_the_survivors_snapshot(tmp_path, tmp_path_facto
                 first_seen.setdefault(it, now)
             if kill_time is None and max(first_seen, default=0) >= KILL_AT:
                 kill_time = time.time()
-                for pid in _tree(agents["b"].pid):
+                for pid in process_tree(agents["b"].pid):
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except OSError:

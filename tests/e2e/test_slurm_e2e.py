@@ -21,6 +21,7 @@ import sys
 import time
 
 import pytest
+from megalite.testing import process_tree
 from slurm_local import cluster_fixture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -96,26 +97,6 @@ def test_sbatch_two_nodes_equals_torchrun_one_node(cluster, reference, tmp_path)
     _assert_same_losses(_losses(metrics), reference, "sbatch 2 nodes x 2")
 
 
-def _descendants(pid):
-    """Every live process under ``pid`` (read from /proc: the test's own processes only)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for c in children.get(p, []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _cmdline(pid):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -143,7 +124,7 @@ def test_two_node_restart_after_kill_resumes_from_checkpoint(cluster, reference,
         killed, deadline = None, time.time() + 300
         while killed is None and time.time() < deadline:
             if metrics.exists() and max(_losses(metrics) or [0]) >= 5:
-                workers = [p for p in _descendants(procs["node2"].pid)
+                workers = [p for p in process_tree(procs["node2"].pid, include_self=False)
                            if "pretrain_gpt.py" in _cmdline(p)
                            and "torch.distributed.run" not in _cmdline(p)]
                 if workers:
