@@ -28,5 +28,5 @@ setup(
         "plot": ["matplotlib"],
         "tensorboard": ["tensorboard"],
     },
-    entry_points={"console_scripts": ["megalite=megalite.cli:main"]},
+    entry_points={"console_scripts": ["megalite=megalite.cli.main:main"]},
 )

@@ -68,7 +68,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
 
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.training.loop import Trainer
     from megalite.training.precision import format_precision, resolve_precision

@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     a = ap.parse_args()
 
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.training.loop import Trainer
 

@@ -55,8 +55,8 @@ MODES = {"dense64": BOTH, "moe64": BOTH, "dense64-skip": BOTH}
 def one(case: str, mode: str) -> dict:
     """Run the check in this process; what the parent prints."""
     sys.path.insert(0, ROOT)
-    from megalite.arguments import parse_args
-    from megalite.collective_check import check_collectives
+    from megalite.cli.arguments import parse_args
+    from megalite.diagnostics.collective_check import check_collectives
 
     cfg = parse_args([*CASES[case], "--dry-run", "--check-collectives"])
     run = check_collectives(cfg, mode=mode)

@@ -28,7 +28,7 @@ def measure(argv, iters: int) -> dict:
     import torch
     import torch.distributed as torch_dist
 
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.planner.validate_run import LiveSaved
     from megalite.training.loop import Trainer

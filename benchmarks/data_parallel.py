@@ -49,7 +49,7 @@ ZERO = {"DDP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "FSDP2": 3}
 def _trainer(flags, world):
     import torch.distributed as torch_dist
 
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.training.loop import Trainer
 

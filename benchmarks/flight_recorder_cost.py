@@ -41,7 +41,7 @@ def per_op_seconds(n: int = 20000) -> float:
     """begin + end of one all-reduce entry and one module_site, as comm.py and a layer do."""
     import torch
 
-    from megalite import flight_recorder as fr
+    from megalite.diagnostics import flight_recorder as fr
     from megalite.parallel_state import Group
 
     rec = fr.FlightRecorder()
@@ -61,8 +61,8 @@ def per_op_seconds(n: int = 20000) -> float:
 
 def ops_per_iteration(a) -> dict:
     """Collectives and p2p batches each rank of the TP=2 run issues in one iteration."""
-    from megalite.arguments import parse_args
-    from megalite.collective_check.trace import trace_rank
+    from megalite.cli.arguments import parse_args
+    from megalite.diagnostics.collective_check.trace import trace_rank
 
     cfg = parse_args(["--world-size", "2", *model_flags(a), "--tensor-model-parallel-size",
                       "2"])

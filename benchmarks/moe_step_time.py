@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megalite.arguments import parse_args  # noqa: E402
+from megalite.cli.arguments import parse_args  # noqa: E402
 from megalite.parallel_state import ParallelState, RankGrid  # noqa: E402
 from megalite.training.loop import Trainer  # noqa: E402
 

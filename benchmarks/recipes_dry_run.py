@@ -11,8 +11,8 @@ import os
 import sys
 import time
 
-from megalite.arguments import parse_args
-from megalite.recipes import read_recipe_info, recipe_files
+from megalite.cli.arguments import parse_args
+from megalite.cli.recipes import read_recipe_info, recipe_files
 from megalite.training.dry_run import planner_estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -78,7 +78,7 @@ def megalite_flags(args, bf16: bool, fused: bool, compiled: bool = False) -> lis
 
 
 def build_megalite(args, bf16: bool, fused: bool, compiled: bool = False):
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.training.loop import Trainer
 

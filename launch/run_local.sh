@@ -13,7 +13,7 @@ cd "$ROOT"
 if [ -z "${NPROC:-}" ]; then
   GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
   if [ "$GPUS" -gt 0 ]; then NPROC=$GPUS
-  else NPROC=$("$PYTHON" -m megalite.recipes min-world "$RECIPE"); fi
+  else NPROC=$("$PYTHON" -m megalite.cli.recipes min-world "$RECIPE"); fi
 fi
 echo "[run_local] $NPROC process(es): $RECIPE $*"
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \

@@ -2,6 +2,6 @@
 script on PATH)."""
 import sys
 
-from megalite.cli import main
+from megalite.cli.main import main
 
 sys.exit(main())

@@ -10,9 +10,9 @@ the all-to-all input, the p2p message -- so that an all-reduce counts the same a
 reduce-scatter + all-gather that implement it.  Calls on a group of size 1 are skipped
 and not counted.
 
-Every call is also noted in the flight recorder (``megalite.flight_recorder``: op, group,
+Every call is also noted in the flight recorder (``megalite.diagnostics.flight_recorder``: op, group,
 shapes, times, call site) so that a hang can say which rank is missing and where it was.
-Under the pre-launch check (``megalite.collective_check``) the recorder is a tracer
+Under the pre-launch check (``megalite.diagnostics.collective_check``) the recorder is a tracer
 (``recorder.fake``): calls are recorded and not sent, and outputs hold what they would if
 every member had this rank's input.
 """
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megalite import flight_recorder as fr
+from megalite.diagnostics import flight_recorder as fr
 from megalite.parallel_state import Group
 
 

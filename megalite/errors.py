@@ -2,7 +2,7 @@
 
 Anything the user gave us can be wrong: flags, config files, data, checkpoints, the filesystem
 under ``--save``, a signal.  Those raise a ``UserError`` subclass whose message names the flag
-or file and the fix; every entry point's boundary (``megalite.boundary``) prints it once and
+or file and the fix; every entry point's boundary (``megalite.cli.boundary``) prints it once and
 exits 2.  Every other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.distributed as torch_dist
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer
 

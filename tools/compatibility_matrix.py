@@ -1,4 +1,4 @@
-"""Write docs/compatibility.md from the feature table (megalite/features.py).
+"""Write docs/compatibility.md from the feature table (megalite/cli/features.py).
 
     python tools/compatibility_matrix.py           # (re)write the page
     python tools/compatibility_matrix.py --check   # exit 1 when the page is stale
@@ -12,7 +12,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megalite.compatibility_doc import PAGE, counts, render  # noqa: E402
+from megalite.cli.compatibility_doc import PAGE, counts, render  # noqa: E402
 
 
 def main(argv=None) -> int:

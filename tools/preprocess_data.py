@@ -52,7 +52,7 @@ class InputError(DataError):
 
 
 def get_args(argv=None):
-    from megalite.arguments import OneLineErrorParser   # a bad flag: one line, exit 2
+    from megalite.cli.arguments import OneLineErrorParser   # a bad flag: one line, exit 2
 
     p = OneLineErrorParser(prog=PROG, help_hint=f"{PROG} --help",
                            description="Tokenize a corpus into Megatron .bin/.idx files.")
@@ -398,7 +398,7 @@ def run(args) -> list[str]:
 def main(argv=None) -> int:
     """Behind megalite's boundary: a bad input is one line and exit status 2; Ctrl-C says
     that no half-written dataset was left."""
-    from megalite.boundary import run_cli
+    from megalite.cli.boundary import run_cli
 
     return run_cli(_main, argv, prog=PROG)
 

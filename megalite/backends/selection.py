@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from megalite import compat_flags
+from megalite.cli import compat_flags
 
 TE_INSTALL = "pip install --no-build-isolation transformer_engine[pytorch]"
 TE_MODULE = "transformer_engine.pytorch"
@@ -94,7 +94,7 @@ def backend_refusal(cfg) -> Optional[str]:
     """One line when this machine cannot run the backend or FP8 flags as given, else None:
     TE that does not import or has no GPU, FP8 on a GPU without it, Megatron FP8 flags
     megalite does not wire.  Which features combine is the feature table's
-    (``megalite/features.py``: FP8 needs TE, TE with FSDP2 / zero bubble, FP8 with
+    (``megalite/cli/features.py``: FP8 needs TE, TE with FSDP2 / zero bubble, FP8 with
     recompute).  Called by validation (not for --dry-run, which only describes a layout)."""
     m, t = cfg.model, cfg.training
     if m.transformer_impl == "transformer_engine":

@@ -15,7 +15,7 @@ import os
 from typing import Optional
 
 from megalite.config import SECTIONS, ConfigError, MegaliteConfig
-from megalite.microbatches import BatchSizeSchedule
+from megalite.config.microbatches import BatchSizeSchedule
 from megalite.optimizer.lr_schedule import LRScheduler
 
 # derived schedule value -> the flags it is computed from (named in the refusal)

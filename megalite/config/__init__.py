@@ -1,7 +1,7 @@
 """Configuration dataclasses: the single source of truth for every setting.
 
 Each field carries its Megatron-LM flag name, help text and valid domain in ``metadata``
-(``opt`` in fields.py), so ``megalite.arguments`` generates the command line from these classes
+(``opt`` in fields.py), so ``megalite.cli.arguments`` generates the command line from these classes
 and ``megalite.config.domains`` checks every value against its declaration, instead of keeping
 second lists in sync by hand.  Fields whose names already match Megatron's flag
 (underscores -> dashes) need no explicit ``flag``.  One module per section.

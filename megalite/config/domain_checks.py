@@ -88,7 +88,7 @@ def split_problem(value, cfg) -> Optional[str]:
 @domain_check(["8", "x", "100"], ["0", "8", "100"])
 def rampup_problem(value, cfg) -> Optional[str]:
     """START >= 1, INCREMENT >= 1, SAMPLES >= 0"""
-    from megalite.microbatches import rampup_values_problem
+    from megalite.config.microbatches import rampup_values_problem
 
     return rampup_values_problem(value)
 

@@ -53,7 +53,7 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(
         False, "Distributed optimizer: wait for a bucket's parameter all-gather just before "
         "its first forward use in the next iteration (needs --overlap-grad-reduce).",
-        action="store_true")     # needs: the feature table (megalite/features.py)
+        action="store_true")     # needs: the feature table (megalite/cli/features.py)
     use_torch_fsdp2: bool = opt(
         False, "ZeRO-3 through torch FSDP2 (fully_shard) over DP: one unit per transformer "
         "layer, the embedding and the output layer.", action="store_true")

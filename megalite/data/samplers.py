@@ -36,7 +36,7 @@ class PretrainingSampler:
         batch_size_at: Optional[Callable[[int], int]] = None,
     ) -> None:
         """``batch_size_at(consumed_samples)``: the global batch starting there (a batch-size
-        ramp, ``megalite/microbatches.py``); default ``global_batch_size`` throughout."""
+        ramp, ``megalite/config/microbatches.py``); default ``global_batch_size`` throughout."""
         if micro_batch_size < 1 or dp_size < 1:
             raise ValueError(f"micro_batch_size ({micro_batch_size}) and dp_size ({dp_size}) must be >= 1")
         if not 0 <= dp_rank < dp_size:

@@ -8,7 +8,7 @@ groups follow from the same grid.
 When the world does not fit the layout (not a multiple of TP x CP x PP, a DP that does not
 divide the global batch, an interleaved schedule short of micro-batches), the largest world
 below it that fits trains and the remaining ranks wait as spares; one line says so.  What
-"fits" means is validation's business (``megalite.validation``): this module only asks it
+"fits" means is validation's business (``megalite.cli.validation``): this module only asks it
 about smaller worlds, so the rule is not written twice.
 
 A spare does not join the process group.  It waits on the trainers' store until rank 0
@@ -35,7 +35,7 @@ def _attempt() -> str:
 
 def fits(cfg, world: int) -> Optional[str]:
     """None when ``cfg`` validates at ``world`` ranks, else validation's one-line reason."""
-    from megalite.validation import validate
+    from megalite.cli.validation import validate
 
     probe = copy.deepcopy(cfg)
     probe.world_size = world

@@ -28,11 +28,11 @@ from torch import nn
 
 from megalite.backends import get_layer_spec
 from megalite.backends.te_names import canonical_renames
-from megalite.flight_recorder import module_site
+from megalite.diagnostics.flight_recorder import module_site
 from megalite.models.parallelize import parallelize_chunk, spec_choices
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
-from megalite.process_groups import ModelCommGroups
+from megalite.parallel_state import ModelCommGroups
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding

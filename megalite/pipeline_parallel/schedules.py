@@ -32,7 +32,7 @@ from typing import List
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from megalite.flight_recorder import site
+from megalite.diagnostics.flight_recorder import site
 from megalite.pipeline_parallel import fsdp_sync, simulator
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape
 from megalite.pipeline_parallel.weight_grad import backward_input

@@ -89,7 +89,7 @@ def split_layers(num_layers: int, pp: int = 1, vpp: int = 1, first: Optional[int
     """The split of ``num_layers`` layers over ``pp`` ranks x ``vpp`` virtual stages.
 
     Raises ``ValueError`` for a layout the rule cannot split (the user-facing checks with
-    flag names are in ``megalite.validation``)."""
+    flag names are in ``megalite.cli.validation``)."""
     if pp < 1 or vpp < 1:
         raise ValueError(f"pipeline sizes must be positive (PP={pp}, VPP={vpp})")
     uneven = first is not None or last is not None

@@ -1,6 +1,6 @@
 """``megalite plan``: size a model on a cluster and print the best layouts and their flags.
 
-Bad input is a one-line error and exit status 2 (megalite.boundary.run_cli).
+Bad input is a one-line error and exit status 2 (megalite.cli.boundary.run_cli).
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import shlex
 import sys
 from typing import List, Optional
 
-from megalite.arguments import OneLineErrorParser
-from megalite.boundary import run_cli
+from megalite.cli.arguments import OneLineErrorParser
+from megalite.cli.boundary import run_cli
 from megalite.config import ConfigError
 from megalite.planner import model_spec as ms
 from megalite.planner import report
@@ -146,7 +146,7 @@ def resolve_model(args, extra: List[str]):
         raise ConfigError("give exactly one model: --recipe NAME, --hf-config PATH, or "
                           "pretrain_gpt.py model flags (--num-layers ...)")
     if args.recipe and args.recipe.endswith((".yaml", ".yml")):
-        from megalite.arguments import parse_args     # the recipe's preset + its overrides
+        from megalite.cli.arguments import parse_args     # the recipe's preset + its overrides
         m = parse_args(["--config", args.recipe, "--dry-run"], validate_config=False).model
     elif args.recipe:
         m = ms.recipe(args.recipe)
@@ -258,7 +258,7 @@ def check_best_layout(best, m, seq: int, args, out) -> None:
     then the same check as its ``--dry-run --check-collectives``."""
     if best is None:
         raise ConfigError("--check-collectives: no layout megalite can run was found")
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.training.dry_run import print_collective_check
 
     flags = report.winner_flags(best, m, seq, args.fp32)

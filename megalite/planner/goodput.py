@@ -145,7 +145,7 @@ def report(inp: Inputs, step_source: str, failure_source: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megalite.arguments import OneLineErrorParser
+    from megalite.cli.arguments import OneLineErrorParser
 
     p = OneLineErrorParser(prog="megalite plan --goodput", allow_abbrev=False,
                            help_hint="megalite plan --goodput --help",
@@ -238,8 +238,8 @@ def inputs_from_args(argv: List[str]):
 
 def _planner(args):
     """The planner's estimate for the recipe at the requested size."""
-    from megalite.arguments import parse_args
-    from megalite.recipes import read_recipe_info
+    from megalite.cli.arguments import parse_args
+    from megalite.cli.recipes import read_recipe_info
     from megalite.training.dry_run import planner_estimate
 
     info = read_recipe_info(args.recipe)

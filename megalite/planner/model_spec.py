@@ -13,14 +13,14 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
-from megalite.arguments import ConfigError
+from megalite.cli.arguments import ConfigError
 from megalite.config import ModelConfig
-from megalite.model_presets import MODEL_PRESETS, preset_model
+from megalite.cli.presets import MODEL_PRESETS, preset_model
 from megalite.pipeline_parallel.split import PipelineSplit, split_layers
 from megalite.transformer.activations import DEFAULT as DEFAULT_ACTIVATION
 from megalite.transformer.activations import activation_for_hf, activation_of, switches
 
-# Model presets live in one place (megalite/model_presets.py): the planner's --recipe and the
+# Model presets live in one place (megalite/cli/presets.py): the planner's --recipe and the
 # launch recipes (launch/recipes/*.yaml, ``recipe: {model: NAME}``) read the same shapes.
 RECIPES = MODEL_PRESETS
 
@@ -103,7 +103,7 @@ def _from_adapter(hf: dict, path: str) -> Optional[ModelConfig]:
 
 def from_flags(argv: List[str]) -> ModelConfig:
     """pretrain_gpt.py model flags (--num-layers ...) -> ModelConfig, via megalite's parser."""
-    from megalite.arguments import build_parser
+    from megalite.cli.arguments import build_parser
 
     parser = build_parser("megalite plan")
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}

@@ -1,7 +1,7 @@
 """Enumerate legal layouts, drop those that do not fit, rank the rest by step time.
 
 Legality is megalite's own: every candidate becomes a ``MegaliteConfig`` and goes through
-``megalite.validation.validate_layout``.  Pruning keeps 16k-GPU searches to about a second:
+``megalite.cli.validation.validate_layout``.  Pruning keeps 16k-GPU searches to about a second:
 TP is a power of two within a node, PP divides the rank count left by TP x CP, a layout's
 micro-batch / recomputation variants are skipped once its model states alone do not fit,
 and a recomputation level is tried only when the cheaper one does not fit.
@@ -19,7 +19,7 @@ from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_o
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
 from megalite.pipeline_parallel.simulator import AUTO, SCHEDULES, resolve_schedule
-from megalite.validation import validate_layout
+from megalite.cli.validation import validate_layout
 
 SEARCHED_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if s.searched)
 

@@ -21,7 +21,7 @@ import warnings
 import weakref
 from typing import Dict, List, Optional
 
-from megalite.arguments import OneLineErrorParser, parse_args
+from megalite.cli.arguments import OneLineErrorParser, parse_args
 from megalite.config import ConfigError
 
 MEMORY_ROWS = ("weights", "grads", "optimizer", "activations")

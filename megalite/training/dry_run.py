@@ -12,7 +12,7 @@ from typing import List, Sequence
 
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.parallel_state import ORDER, RankGrid
-from megalite.recipes import RecipeInfo, flag_value, read_recipe_info
+from megalite.cli.recipes import RecipeInfo, flag_value, read_recipe_info
 
 GiB = 1024 ** 3
 FULL_LISTING_MAX_WORLD = 64      # up to here every group of every kind is listed too
@@ -143,7 +143,7 @@ def print_collective_check(cfg: MegaliteConfig, family=None) -> None:
     representative's each, past 64 ranks); ``ConfigError`` (exit 2) when they disagree."""
     import sys
 
-    from megalite.collective_check import check_collectives, report_text
+    from megalite.diagnostics.collective_check import check_collectives, report_text
 
     def progress(done, total):
         if total > 8 and (done == total or done % max(1, total // 8) == 0):

@@ -1,15 +1,15 @@
 """What pretrain_gpt.py / pretrain_moe.py call: flags -> validated config -> loop.
 
-Validation (megalite.validation) runs before any process group exists; a bad flag is one
-line on stderr and exit status 2 (megalite/boundary.py), printed once however many ranks.
+Validation (megalite.cli.validation) runs before any process group exists; a bad flag is one
+line on stderr and exit status 2 (megalite/cli/boundary.py), printed once however many ranks.
 """
 from __future__ import annotations
 
 import sys
 
-from megalite import compat_flags
-from megalite.arguments import parse_args
-from megalite.boundary import run_cli
+from megalite.cli import compat_flags
+from megalite.cli.arguments import parse_args
+from megalite.cli.boundary import run_cli
 from megalite.errors import UserError
 from megalite.parallel_state import RankGrid
 
@@ -60,7 +60,7 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
         cfg = parse_args(argv, prog=prog, defaults=defaults)
         if cfg.training.dry_run:
             from megalite.training.dry_run import dry_run
-            from megalite.validation import missing_logging_packages
+            from megalite.cli.validation import missing_logging_packages
 
             if cfg.accepted_flags:
                 print(compat_flags.describe(cfg.accepted_flags))

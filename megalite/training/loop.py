@@ -21,12 +21,13 @@ import time
 
 import torch
 
-from megalite import comm, compat_flags
+from megalite import comm
+from megalite.cli import compat_flags
 from megalite.config import ConfigError
 from megalite.config.megatron_fsdp import describe as describe_megatron_fsdp
-from megalite.flight_recorder import site
+from megalite.diagnostics.flight_recorder import site
 from megalite.distributed.data_parallel import build_data_parallel
-from megalite.microbatches import BatchSizeSchedule
+from megalite.config.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.checkpointing.resume_schedule import scheduler_for_run
@@ -472,8 +473,8 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
 
     tokenizer = build_tokenizer_from_config(cfg.data, cfg.model.vocab_size)  # files: one line
     state = initialize(cfg)
-    from megalite import hang_dumps
-    from megalite.boundary import leave_for_peer_error
+    from megalite.diagnostics import hang_dumps
+    from megalite.cli.boundary import leave_for_peer_error
 
     hang_dumps.start(cfg, state)             # flight recorder: rank, dump folder, watchdog
     comm.watch_user_errors(leave_for_peer_error)   # a peer's user error ends this rank too

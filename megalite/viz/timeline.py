@@ -103,13 +103,13 @@ def _costs(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from megalite.boundary import run_cli
+    from megalite.cli.boundary import run_cli
 
     return run_cli(_main, argv, prog="megalite viz")
 
 
 def _main(argv=None) -> int:
-    from megalite.arguments import OneLineErrorParser
+    from megalite.cli.arguments import OneLineErrorParser
 
     ap = OneLineErrorParser(prog="megalite viz", description="Pipeline pictures.")
     sub = ap.add_subparsers(dest="what", required=True)

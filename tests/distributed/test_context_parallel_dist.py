@@ -20,7 +20,7 @@ from megalite.context_parallel.a2a import UlyssesAttention
 from megalite.context_parallel.load_balance import causal_pairs, token_indices
 from megalite.context_parallel.ring import RingAttention, work
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.process_groups import ModelCommGroups
+from megalite.parallel_state import ModelCommGroups
 from megalite.transformer.spec import AttnMaskType
 
 WORLD = 4
@@ -264,7 +264,7 @@ LOOP_CASES = {
 
 
 def _train(cases, iters=10):
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.training.loop import Trainer
 
     rank = torch_dist.get_rank()
@@ -345,7 +345,7 @@ def _straight_and_resumed(argv, path):
     from test_training_dist import resumed_losses
 
     def make(extra):
-        from megalite.arguments import parse_args
+        from megalite.cli.arguments import parse_args
         from megalite.training.loop import Trainer
 
         cfg = parse_args(["--world-size", str(WORLD), *LOOP, *argv, *extra])

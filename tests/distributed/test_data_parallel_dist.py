@@ -17,7 +17,7 @@ import torch
 import torch.distributed as torch_dist
 
 from megalite import comm
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.distributed.grad_sync import param_class
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.parallel_state import MESH_DIMS, ParallelState, RankGrid

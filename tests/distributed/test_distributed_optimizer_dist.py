@@ -11,7 +11,7 @@ import torch
 
 from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite import comm
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.distributed.replicas import check_replicas
 from megalite.planner.validate_run import _storages_bytes, compare, measure_rank, predict, \
     run_argv

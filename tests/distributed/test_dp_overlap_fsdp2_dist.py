@@ -22,14 +22,14 @@ import torch
 
 from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite import comm
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.checkpointing.model_io import load_model_shards, save_model_shards
 from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
     model_sharded_state_dict
 from megalite.config import ConfigError
 from megalite.distributed.replicas import check_replicas
 from megalite.models.gpt_step import GPT_FAMILY
-from megalite.validation import validate
+from megalite.cli.validation import validate
 from state_bytes import state_bytes  # noqa: E402
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

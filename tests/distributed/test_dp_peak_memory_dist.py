@@ -8,7 +8,7 @@ DDP > ZeRO-1 > ZeRO-2 > FSDP2, and each saving is within 25% of the predicted sa
 by bucket, FSDP2 shards the weights).  One ``dist.run``."""
 import torch.distributed as torch_dist
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.step_peak import predict_step_peak
 from megalite.training.loop import Trainer

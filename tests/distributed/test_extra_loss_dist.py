@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch.distributed as torch_dist
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer

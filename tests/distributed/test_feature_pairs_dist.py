@@ -1,6 +1,6 @@
 """The feature pairs no other equivalence test runs, run together: each configuration turns
 on many features at once (every two of them are a covered pair of the feature table,
-``megalite.features.COVERAGE``) and its losses and gradient norms over 3 iterations equal
+``megalite.cli.features.COVERAGE``) and its losses and gradient norms over 3 iterations equal
 the single-process run's (fp32: rel 1e-5 at step 1, 1e-4 after).
 
 * the features a configuration turns on are read from its parsed flags by the table itself
@@ -22,8 +22,8 @@ import pytest
 import torch.distributed as torch_dist
 
 import te_fake
-from megalite import features
-from megalite.arguments import parse_args
+from megalite.cli import features
+from megalite.cli.arguments import parse_args
 from megalite.backends import compile as compile_mod
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as torch_dist
 
 from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.optimizer import LRScheduler
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 

@@ -19,13 +19,13 @@ from torch.distributed.tensor import DTensor
 
 from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite import comm
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
     model_sharded_state_dict
 from megalite.config import ConfigError
 from megalite.distributed.fsdp2 import expected_collectives
 from megalite.distributed.replicas import check_replicas
-from megalite.validation import validate
+from megalite.cli.validation import validate
 from state_bytes import state_bytes  # noqa: E402
 
 DENSE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as torch_dist
 
 from megalite import comm
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.moe.experts import GroupedMLP
 from megalite.moe.moe_layer import MoELayer

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch.distributed as torch_dist
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer
 
@@ -86,7 +86,7 @@ def test_bf16_pipeline_close_to_bf16_pp1(runs):
 
 
 def test_timeline_trace_and_drawing(runs):
-    from megalite.cli import main as cli
+    from megalite.cli.main import main as cli
 
     _, tmp = runs
     path = os.path.join(tmp, "trace.json")

@@ -3,7 +3,7 @@ loss as DP=1 (same global batch); micro-batch 1 x 4 accumulation equals micro-ba
 and SP don't change the loss; the same seed twice gives identical curves."""
 import torch.distributed as torch_dist
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.distributed.replicas import check_replicas
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megalite import comm
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.parallel_state import initialize
 
 LAYOUT = sys.argv[1]          # "tp" or "pp"

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from megalite.microbatches import BatchSizeSchedule
+from megalite.config.microbatches import BatchSizeSchedule
 from megalite.optimizer.grad_scaler import DynamicGradScaler
 
 

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.optimizer import LRScheduler
 
 with warnings.catch_warnings():

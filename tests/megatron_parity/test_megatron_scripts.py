@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.data.indexed_dataset import write_documents
 from megalite.training.entry import main

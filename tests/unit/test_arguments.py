@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from megalite.arguments import ConfigError, build_parser, parse_args
+from megalite.cli.arguments import ConfigError, build_parser, parse_args
 from megalite.training import main as pretrain_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -178,7 +178,7 @@ def test_dry_run_prints_layout(capsys):
 
 
 def test_import_needs_no_cuda_or_te():
-    code = ("import sys, megalite, megalite.config, megalite.arguments, megalite.parallel_state, "
+    code = ("import sys, megalite, megalite.config, megalite.cli.arguments, megalite.parallel_state, "
             "megalite.training; assert 'transformer_engine' not in sys.modules; "
             "assert 'apex' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -245,7 +245,7 @@ def test_account_for_split_flags_parse_and_count_in_vpp(capsys):
 def test_no_compat_flag_shadows_a_config_field():
     """A Megatron flag that became a real setting is a config field only: its entry in
     compat_flags (accepted without effect) must go, or the docs would call it pending."""
-    from megalite import compat_flags
+    from megalite.cli import compat_flags
     from megalite.config import all_fields, field_flag
 
     real = {s for _, f in all_fields() for s in (field_flag(f), *f.metadata.get("aliases", ()))}

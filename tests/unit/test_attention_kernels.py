@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.step_peak import predict_step_peak

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.checkpointing.checkpoint_args import (check_model_matches_checkpoint,
                                                     model_flags, read_checkpoint_meta)
 from megalite.config import ConfigError, ModelConfig

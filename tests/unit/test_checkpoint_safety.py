@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cpu_trainer import build_cpu_trainer, train_steps  # noqa: E402  (tests/ is on sys.path)
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.checkpointing import manifest as mf
 from megalite.config import ConfigError
 from megalite.errors import CheckpointError, StorageError

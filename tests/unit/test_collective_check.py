@@ -3,10 +3,10 @@ on meta tensors; the check compares groups, pairs pipeline messages and simulate
 Small worlds here (the 64-rank and 16,384-rank checks are benchmarks/collective_check_scale.py)."""
 import pytest
 
-from megalite.arguments import parse_args
-from megalite.collective_check import check_collectives, report_text
-from megalite.collective_check.check import Checker, by_pipeline_rank, every_rank
-from megalite.collective_check.trace import Op, trace_rank
+from megalite.cli.arguments import parse_args
+from megalite.diagnostics.collective_check import check_collectives, report_text
+from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
+from megalite.diagnostics.collective_check.trace import Op, trace_rank
 from megalite.parallel_state import RankGrid
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -116,7 +116,7 @@ def test_meta_values_reuses_a_write_only_when_it_leaves_the_layout():
     every time."""
     import torch
 
-    from megalite.collective_check.meta_values import MetaValues
+    from megalite.diagnostics.collective_check.meta_values import MetaValues
 
     with MetaValues():
         a, b = torch.empty(2, 3, device="meta"), torch.empty(1, 3, device="meta")

@@ -13,7 +13,7 @@ from megalite.context_parallel.load_balance import gathered_order, slice_batch, 
 from megalite.context_parallel.ring import RingAttention
 from megalite.models.gpt_step import get_batch
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.process_groups import ModelCommGroups
+from megalite.parallel_state import ModelCommGroups
 from megalite.transformer.attention import DotProductAttention
 
 
@@ -88,10 +88,10 @@ def test_spec_swaps_only_core_attention():
 
 
 def test_cp_core_attention_refuses_what_it_cannot_do():
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     from megalite.config import ConfigError
 
-    # attention dropout: the feature table's refusal (megalite/features.py), before any group
+    # attention dropout: the feature table's refusal (megalite/cli/features.py), before any group
     with pytest.raises(ConfigError, match="--attention-dropout 0"):
         parse_args(["--world-size", "2", "--context-parallel-size", "2", "--num-layers", "2",
                     "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",

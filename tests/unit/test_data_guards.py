@@ -5,7 +5,7 @@ validation."""
 import numpy as np
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.data.gpt_dataset import build_train_valid_test_datasets
 from megalite.data.indexed_dataset import write_documents

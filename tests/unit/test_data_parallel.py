@@ -8,7 +8,7 @@ import torch
 
 import megalite
 from megalite.optimizer.lr_schedule import StepSettings
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.distributed.data_parallel import (DataParallelStrategy, DDPStrategy,
                                                 DistributedOptimizerStrategy,
                                                 build_data_parallel)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.layout import layout_from_config
 from megalite.planner.step_peak import predict_step_peak

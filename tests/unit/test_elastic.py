@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.elastic import launch, relayout, resume
 from megalite.planner import goodput
@@ -132,7 +132,7 @@ def test_goodput_snapshots_lose_half_an_iteration_per_failure():
 
 
 def test_goodput_cli_defaults_to_llama3_and_rejects_bad_numbers(capsys):
-    from megalite.cli import main
+    from megalite.cli.main import main
 
     assert main(["plan", "--goodput", "--step-time", "8", "--save-interval", "500"]) == 0
     out = capsys.readouterr().out

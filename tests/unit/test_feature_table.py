@@ -1,4 +1,4 @@
-"""The feature table (megalite/features.py): every pair of features is either excluded with a
+"""The feature table (megalite/cli/features.py): every pair of features is either excluded with a
 reason or run together by a named equivalence test that exists; every exclusion is what
 validation refuses, with that reason; docs/compatibility.md is the table's current
 rendering; "not supported with" appears nowhere else in megalite/."""
@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from megalite import features as F
-from megalite.arguments import parse_args
-from megalite.compatibility_doc import PAGE, counts, render
+from megalite.cli import features as F
+from megalite.cli.arguments import parse_args
+from megalite.cli.compatibility_doc import PAGE, counts, render
 from megalite.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -11,7 +11,7 @@ import os
 import pytest
 import yaml
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError, all_fields, field_flag, has_domain
 from megalite.config.domains import invalid_examples
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megalite import comm
-from megalite import flight_recorder as fr
-from megalite.hang_diagnosis import diagnose_folder, load_dumps
+from megalite.diagnostics import flight_recorder as fr
+from megalite.diagnostics.hang_diagnosis import diagnose_folder, load_dumps
 from megalite.parallel_state import Group
 from megalite.tensor_parallel.mappings import copy_to_tp_region
 

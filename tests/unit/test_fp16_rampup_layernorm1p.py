@@ -6,11 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.checkpointing import hf
 from megalite.config import ConfigError
 from megalite.data.samplers import PretrainingSampler
-from megalite.microbatches import BatchSizeSchedule
+from megalite.config.microbatches import BatchSizeSchedule
 from megalite.models.gpt import build_model, single_rank_state
 from megalite.optimizer.grad_scaler import (ConstantGradScaler, DynamicGradScaler,
                                             build_grad_scaler, unscale_and_find_inf)

@@ -168,7 +168,7 @@ def test_model_with_fusion_matches_model_without(tied):
 
 
 def test_fusion_flag_parses():
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
 
     cfg = parse_args(["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2",
                       "--seq-length", "8", "--vocab-size", "16", "--mock-data",

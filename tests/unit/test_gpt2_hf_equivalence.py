@@ -3,7 +3,7 @@ the same logits and loss as transformers' GPT2LMHeadModel with the same weights.
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.models.gpt import build_model, single_rank_state
 
 transformers = pytest.importorskip("transformers")

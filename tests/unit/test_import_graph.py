@@ -216,9 +216,9 @@ def describe(cycles: List[List[str]], edges: List[Edge], private: List[PrivateUs
 
 def test_scanner_sees_both_import_levels():
     """The checker itself finds module- and function-level edges (so an empty result means
-    something): ``megalite.validation`` imports ``config`` at module level."""
+    something): ``megalite.cli.validation`` imports ``config`` at module level."""
     edges, _ = scan()
-    assert any(e.source == "megalite.validation" and e.target == "megalite.config"
+    assert any(e.source == "megalite.cli.validation" and e.target == "megalite.config"
                and not e.function_level for e in edges)
     assert any(e.function_level for e in edges)
     assert len({e.source for e in edges}) > 30

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megalite.optimizer.lr_schedule import StepSettings
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.distributed.data_parallel import build_data_parallel
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training import loop

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from deepseek_v3_fixture import LAYERS, VOCAB, hf_config, hf_deepseek_v3, hf_mtp_logits, rel
-from megalite.arguments import ConfigError, parse_args
+from megalite.cli.arguments import ConfigError, parse_args
 from megalite.checkpointing import hf
 from megalite.checkpointing.hf_adapters import UnsupportedModelError
 from megalite.checkpointing.model_io import load_full_state_dict

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.models.family import StepContext
 from megalite.models.gpt import GPTModel, build_chunk, build_model, single_rank_state

@@ -13,7 +13,7 @@ from megalite.moe.moe_layer import MoELayer
 from megalite.moe.router import AUX_LOSS, Z_LOSS, TopKRouter, capacity
 from megalite.moe.token_dispatcher import (AllGatherDispatcher, AllToAllDispatcher,
                                            inverse_permutation, sort_chunks)
-from megalite.process_groups import ModelCommGroups
+from megalite.parallel_state import ModelCommGroups
 from megalite.tensor_parallel.random import init_parameters
 from megalite.param_spec import ParamTable, group_coords
 from megalite.transformer.extra_losses import collect_extra_losses

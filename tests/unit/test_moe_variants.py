@@ -26,7 +26,7 @@ from megalite.models.gpt import single_rank_state
 from megalite.moe.moe_layer import MoELayer
 from megalite.moe.router import TopKRouter
 from megalite.param_spec import ParamTable
-from megalite.process_groups import ModelCommGroups
+from megalite.parallel_state import ModelCommGroups
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalite.optimizer.lr_schedule import StepSettings
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.distributed.data_parallel import DDPStrategy
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.parallel_state import ParallelState, RankGrid

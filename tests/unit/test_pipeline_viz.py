@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from megalite.cli import main as cli
+from megalite.cli.main import main as cli
 from megalite.pipeline_parallel import simulator
 from megalite.pipeline_parallel.timeline import (chrome_trace, load_records, records_from_sim,
                                                  write_chrome_trace)

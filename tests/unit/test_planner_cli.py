@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -207,7 +207,7 @@ def test_in_flight_micro_batches():
 
 
 def test_predict_rank_memory_exact_states():
-    from megalite.arguments import parse_args
+    from megalite.cli.arguments import parse_args
     cfg = parse_args(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
                       "--seq-length", "32", "--vocab-size", "1000",
                       "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--world-size", "8", "--bf16",

@@ -1,16 +1,16 @@
-"""Layout search: legality comes from megalite.validation, memory filters, ranking rules."""
+"""Layout search: legality comes from megalite.cli.validation, memory filters, ranking rules."""
 import time
 
 import pytest
 
-from megalite.arguments import ConfigError
+from megalite.cli.arguments import ConfigError
 from megalite.planner import model_spec as ms
 from megalite.planner import report
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import make_cluster
 from megalite.planner.layout import Layout
 from megalite.planner.search import SearchSpace, evaluate, search
-from megalite.validation import validate_layout
+from megalite.cli.validation import validate_layout
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_fsdp2_with_pp_cp_ep_and_hsdp_layouts_are_searched_and_emitted():
     is searched ("node": instances that keep each shard group inside a node); the layouts
     pass validation (also the data-parallel rules) and round-trip through their config."""
     from megalite.planner.layout import layout_from_config
-    from megalite.validation import check_data_parallel
+    from megalite.cli.validation import check_data_parallel
 
     m = ms.recipe("llama3-70b")
     res = search(m, 8192, 512, make_cluster(256), SearchSpace(

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.training.precision import (MAX_PROBE_FLOPS, SLOW_BF16_RATIO, MatmulRates,
                                          choose_precision, format_precision, log_precision,

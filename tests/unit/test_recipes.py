@@ -8,13 +8,13 @@ import os
 import pytest
 import yaml
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
-from megalite.model_presets import preset_fields
+from megalite.cli.presets import preset_fields
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout
 from megalite.planner.published_runs import BY_NAME
-from megalite.recipes import min_world, read_recipe_info, recipe_files
+from megalite.cli.recipes import min_world, read_recipe_info, recipe_files
 from megalite.training.dry_run import planner_estimate
 from megalite.training.entry import main
 

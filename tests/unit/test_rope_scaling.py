@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError, ModelConfig
 from megalite.transformer import rotary
 from megalite.config import MegaliteConfig

@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import step_time  # noqa: E402
 
-from megalite.arguments import parse_args  # noqa: E402
+from megalite.cli.arguments import parse_args  # noqa: E402
 from megalite.training.flops import flops_per_iteration  # noqa: E402
 
 REFERENCE = dict(hidden=256, ffn=688, layers=4, heads=8, kv_heads=4, vocab=32000, seq=256,

@@ -1,7 +1,7 @@
 """planner.step_peak: the phases' terms for each ZeRO stage (states live at the peak plus
 the largest phase), gloo's collective copies charged only on gloo, and its bucket size equal
 to the one megalite's buckets use."""
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.distributed.grad_buckets import bucket_size
 from megalite.planner.step_peak import ddp_bucket_elements, predict_step_peak
 

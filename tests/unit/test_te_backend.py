@@ -13,7 +13,7 @@ import torch
 
 import te_fake
 from tiny_model import tiny_model_cfg  # noqa: E402  (tests/ is on sys.path)
-from megalite.arguments import ConfigError, parse_args
+from megalite.cli.arguments import ConfigError, parse_args
 from megalite.backends import context_parallel_spec, get_layer_spec
 from megalite.backends import selection
 from megalite.backends import te_names

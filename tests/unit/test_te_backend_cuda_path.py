@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.backends import compile as compile_mod
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.data.device_prefetch import DevicePrefetcher, prefetch_to_device

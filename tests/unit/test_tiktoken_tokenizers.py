@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("tiktoken")
 regex = pytest.importorskip("regex")
 
-from megalite.arguments import parse_args  # noqa: E402
+from megalite.cli.arguments import parse_args  # noqa: E402
 from megalite.config import ConfigError  # noqa: E402
 from megalite.data.tiktoken_models import (LLAMA3_PATTERN, TIKTOKEN_PATTERNS,  # noqa: E402
                                            write_megatron_ranks)

@@ -3,7 +3,7 @@ a plain PyTorch loop on transformers' GPT-2 with the same weights and batches, s
 import pytest
 import torch
 
-from megalite.arguments import parse_args
+from megalite.cli.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.training.loop import Trainer
 

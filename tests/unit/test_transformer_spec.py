@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import megalite.models.gpt as gpt
-from megalite.arguments import ConfigError, parse_args
+from megalite.cli.arguments import ConfigError, parse_args
 from megalite.backends import get_layer_spec
 from megalite.backends.local import NormColumnParallelLinear, fuse_norms
 from megalite.config import MegaliteConfig, ModelConfig, parse_moe_layer_freq
 from megalite.models.gpt import build_model, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner import model_spec
-from megalite.process_groups import ModelCommGroups
+from megalite.parallel_state import ModelCommGroups
 from megalite.training.flops import flops_per_token
 from megalite.transformer.attention import DotProductAttention
 from megalite.transformer.mlp import MLP

@@ -3,8 +3,8 @@ import copy
 
 import pytest
 
-from megalite import validation
-from megalite.arguments import parse_args
+from megalite.cli import validation
+from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig
 from megalite.planner.layout import layout_from_config
 

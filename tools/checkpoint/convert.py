@@ -80,9 +80,9 @@ _FLAG_RE = re.compile("|".join(map(re.escape, _TARGET_FLAGS)) + r"\b")
 
 def target_config(model_cfg: dict, args):
     """The target layout as a ``MegaliteConfig``, checked by the runtime's own layout rules
-    (``megalite.validation``), so a checkpoint is refused here exactly when a run at that
+    (``megalite.cli.validation``), so a checkpoint is refused here exactly when a run at that
     layout would refuse it; messages name this tool's ``--target-*`` flags."""
-    from megalite import validation
+    from megalite.cli import validation
     from megalite.config import (ConfigError, MegaliteConfig, ModelConfig, ParallelConfig,
                                  all_fields)
     from megalite.config.domains import field_problem

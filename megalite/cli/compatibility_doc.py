@@ -1,4 +1,4 @@
-"""docs/compatibility.md, written from the feature table (``megalite/features.py``).
+"""docs/compatibility.md, written from the feature table (``megalite/cli/features.py``).
 
 ``render()`` returns the page; ``tools/compatibility_matrix.py`` writes it (``--check``:
 exit 1 when the page is stale) and tests/unit/test_feature_table.py checks it is current.
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from megalite import features as F
+from megalite.cli import features as F
 
 PAGE = "docs/compatibility.md"
 
@@ -55,10 +55,10 @@ def render() -> str:
     lines = [
         "# Which features combine",
         "",
-        "<!-- generated from megalite/features.py by `python tools/compatibility_matrix.py`;"
+        "<!-- generated from megalite/cli/features.py by `python tools/compatibility_matrix.py`;"
         " do not edit by hand -->",
         "",
-        "Every feature below is declared once, in `megalite/features.py`, with the flags that "
+        "Every feature below is declared once, in `megalite/cli/features.py`, with the flags that "
         "turn it on and its rules; validation, the planner and backend selection read that "
         "table, and this page is written from it. Two features either combine -- and then an "
         "equivalence test runs them together against the single-process run -- or are "

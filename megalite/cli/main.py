@@ -13,7 +13,7 @@ from typing import Dict, List, Optional
 SUBCOMMANDS: Dict[str, str] = {
     "plan": "megalite.planner.cli:main",
     "viz": "megalite.viz.timeline:main",
-    "hangs": "megalite.hang_diagnosis:main",
+    "hangs": "megalite.diagnostics.hang_diagnosis:main",
 }
 HELP = {"plan": "choose a parallel layout for a model on a cluster",
         "hangs": "say which rank a hung run waits on, from its flight-recorder dumps",

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Optional
 
-from megalite import flight_recorder as fr
+from megalite.diagnostics import flight_recorder as fr
 
 QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
 MAX_WAIT_SECONDS = 30.0    # ... or this long in all
@@ -209,7 +209,7 @@ def on_failure(exc: BaseException) -> None:
 def print_diagnosis(rec: fr.FlightRecorder) -> None:
     """Wait for the other ranks' dumps, then print the diagnosis and write diagnosis.txt.
     A SIGTERM meanwhile (torchrun ending the job) cuts the wait short."""
-    from megalite.hang_diagnosis import diagnose_folder, wait_for_dumps
+    from megalite.diagnostics.hang_diagnosis import diagnose_folder, wait_for_dumps
 
     monitor = _monitor
     if monitor is not None:

@@ -17,7 +17,7 @@ from typing import List, Optional
 
 import torch
 
-from megalite import flight_recorder as fr
+from megalite.diagnostics import flight_recorder as fr
 
 
 class TraceRecorder(fr.FlightRecorder):
@@ -81,7 +81,7 @@ def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
     is run, from the position it starts at; a batch-size ramp changes the program from one
     iteration to the next, so with ``--rampup-batch-size`` iterations 1 .. ``iteration``
     are run."""
-    from megalite.collective_check.meta_values import MetaValues
+    from megalite.diagnostics.collective_check.meta_values import MetaValues
     from megalite.data.gpt_dataset import MockGPTDataset
     from megalite.distributed.data_parallel import build_data_parallel
     from megalite.models.gpt_step import GPT_FAMILY

@@ -6,10 +6,10 @@ Every message names the flag(s) at fault and the fix, on one line.  The planner 
 from __future__ import annotations
 
 
-from megalite import features
+from megalite.cli import features
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
-from megalite.microbatches import rampup_problem
+from megalite.config.microbatches import rampup_problem
 from megalite.pipeline_parallel.simulator import schedule_problem
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
@@ -37,7 +37,7 @@ def check_layout_features(cfg: MegaliteConfig) -> None:
 
 
 def check_features(cfg: MegaliteConfig) -> None:
-    """Every rule of the feature table (``megalite/features.py``); a --dry-run describes a
+    """Every rule of the feature table (``megalite/cli/features.py``); a --dry-run describes a
     layout, so rules about hardware and kernels (TE, FP8, CP's missing dropout) wait for
     the run.  A run's ``--transformer-impl auto`` is resolved first: TE's rules hold for it."""
     dry = cfg.training.dry_run
@@ -399,7 +399,7 @@ def validate_logging(cfg: MegaliteConfig) -> None:
 def check_data_parallel(cfg: MegaliteConfig) -> None:
     """Hybrid sharding (--num-distributed-optimizer-instances): a sharded strategy to split,
     and group sizes it divides.  Which strategies combine with which features is the
-    feature table's (``megalite/features.py``)."""
+    feature table's (``megalite/cli/features.py``)."""
     p = cfg.parallel
     instances = p.num_distributed_optimizer_instances
     if instances > 1:
@@ -444,7 +444,7 @@ def validate(cfg: MegaliteConfig) -> None:
 
         check_model_matches_checkpoint(cfg)
     validate_layout(cfg)
-    check_features(cfg)      # the feature table: what combines (megalite/features.py)
+    check_features(cfg)      # the feature table: what combines (megalite/cli/features.py)
     check_resume_schedule(cfg)
     check_data_parallel(cfg)
     validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes

@@ -21,7 +21,7 @@ RECIPE_SECTION = "recipe"
 @dataclass(frozen=True)
 class RecipeInfo:
     path: Optional[str] = None
-    model: Optional[str] = None          # model preset (megalite/model_presets.py)
+    model: Optional[str] = None          # model preset (megalite/cli/presets.py)
     source: str = ""                     # where the layout was published
     num_gpus: Optional[int] = None       # the published world size
     gpus_per_node: int = 8
@@ -105,12 +105,12 @@ def min_world(path: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m megalite.recipes min-world FILE`` (used by launch/run_local.sh)."""
+    """``python -m megalite.cli.recipes min-world FILE`` (used by launch/run_local.sh)."""
     import sys
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2 or args[0] != "min-world":
-        print("usage: python -m megalite.recipes min-world RECIPE.yaml", file=sys.stderr)
+        print("usage: python -m megalite.cli.recipes min-world RECIPE.yaml", file=sys.stderr)
         return 2
     print(min_world(args[1]))
     return 0

@@ -14,7 +14,7 @@ communicate in backward capture ``site.where`` in forward and restore it (``rest
 
 A rank writes its buffer (``dump``) as ``rank00003.json`` in the dump folder on a failed or
 timed-out collective, on SIGUSR2 and when the watchdog sees no op complete for
-``--hang-watchdog-seconds``; ``megalite.hang_diagnosis`` reads the folder.
+``--hang-watchdog-seconds``; ``megalite.diagnostics.hang_diagnosis`` reads the folder.
 """
 from __future__ import annotations
 

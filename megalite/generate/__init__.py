@@ -70,13 +70,13 @@ def generate(model, prompt_ids, max_new_tokens: int, seq_length: int, temperatur
 
 def main(argv=None):
     """Behind megalite's boundary: a bad flag or checkpoint is one line, exit status 2."""
-    from megalite.boundary import run_cli
+    from megalite.cli.boundary import run_cli
 
     return run_cli(_main, argv, prog="megalite")
 
 
 def _main(argv=None):
-    from megalite.arguments import OneLineErrorParser
+    from megalite.cli.arguments import OneLineErrorParser
     from megalite.errors import CheckpointError
 
     ap = OneLineErrorParser(prog="python -m megalite.generate",
@@ -114,6 +114,3 @@ def _main(argv=None):
     print(tokenizer.detokenize(out))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,13 +11,13 @@ import sys
 from dataclasses import MISSING
 from typing import Optional, Sequence
 
-from megalite import compat_flags
+from megalite.cli import compat_flags
 from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
                              all_fields, field_flag)
 from megalite.config.domains import check_domains
 from megalite.config.megatron_fsdp import apply_megatron_fsdp
-from megalite.model_presets import preset_fields
-from megalite.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
+from megalite.cli.presets import preset_fields
+from megalite.cli.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -110,7 +110,7 @@ def _field_type(f):
 def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
     """Map a YAML file (flat or sectioned; dashes or underscores) onto parser dests."""
     raw = load_yaml(path)
-    raw.pop(RECIPE_SECTION, None)       # what the file reproduces, not flags (megalite/recipes.py)
+    raw.pop(RECIPE_SECTION, None)       # what the file reproduces, not flags (megalite/cli/recipes.py)
     flat = {}
     for key, value in raw.items():
         if key in SECTIONS and isinstance(value, dict):
@@ -207,6 +207,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
         if int(os.environ.get("RANK", "0")) == 0:
             print(line, flush=True)
     elif validate_config:
-        from megalite.validation import validate
+        from megalite.cli.validation import validate
         validate(cfg)
     return cfg

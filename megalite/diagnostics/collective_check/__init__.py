@@ -23,14 +23,14 @@ class CheckRun:
 
 def iteration_to_trace() -> int:
     """Iteration 1, or the test hook's latest iteration."""
-    from megalite.flight_recorder import FAULT_ENV, parse_faults
+    from megalite.diagnostics.flight_recorder import FAULT_ENV, parse_faults
 
     faults = parse_faults(os.environ.get(FAULT_ENV)) or []
     return max([1] + [f.iteration for f in faults])
 
 
 def hooked_ranks() -> set:
-    from megalite.flight_recorder import FAULT_ENV, parse_faults
+    from megalite.diagnostics.flight_recorder import FAULT_ENV, parse_faults
 
     return {f.rank for f in parse_faults(os.environ.get(FAULT_ENV)) or []}
 
@@ -39,8 +39,8 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
                       progress=None) -> CheckRun:
     """Trace and check ``cfg``'s layout.  ``mode``: "every-rank" or "representatives"
     (default: every rank up to ``EXHAUSTIVE_MAX_WORLD`` ranks)."""
-    from megalite.collective_check.check import Checker, by_pipeline_rank, every_rank
-    from megalite.collective_check.trace import trace_rank
+    from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
+    from megalite.diagnostics.collective_check.trace import trace_rank
     from megalite.parallel_state import RankGrid
 
     import dataclasses
@@ -70,7 +70,7 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
 
 def _trace_one(job):
     cfg, rank, iteration, family = job
-    from megalite.collective_check.trace import trace_rank
+    from megalite.diagnostics.collective_check.trace import trace_rank
 
     return rank, trace_rank(cfg, rank, iteration, family)
 

@@ -29,7 +29,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from megalite.collective_check.trace import Op
+from megalite.diagnostics.collective_check.trace import Op
 
 MAX_PROBLEMS = 10
 
@@ -380,6 +380,6 @@ def _describe(ops: List[Op], i: int) -> str:
 
 
 def _ranks(members) -> str:
-    from megalite.flight_recorder import ranks_text
+    from megalite.diagnostics.flight_recorder import ranks_text
 
     return ranks_text(members) if len(members) <= 16 else f"{members[0]},...,{members[-1]}"
