@@ -28,8 +28,9 @@ torchtitan's ``apply_fsdp_to_decoder`` does:
 * ``--bf16``: fp32 sharded parameters (they are the optimizer's masters), bf16 compute copies
   and fp32 gradient reduction (``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``);
 * megalite's loss is already divided by the global token count, so the DP reduction is a
-  SUM: gradient divide factor 1, and ``set_force_sum_reduction_for_comms`` (gloo has no
-  PREMUL_SUM, which a divide factor alone would pick).
+  SUM (``transformer/loss_reduction.py``): the policy's gradient divide factor (1), and
+  ``set_force_sum_reduction_for_comms`` (gloo has no PREMUL_SUM, which a divide factor
+  alone would pick).
 
 FSDP2 calls ``torch.distributed`` itself, not ``comm.py``; ``comm.count_external_group``
 registers its groups under our names so the counters see its collectives.
@@ -46,6 +47,7 @@ from megalite import comm
 from megalite.optimizer.optimizer import model_dtype
 from megalite.param_spec import param_table
 from megalite.parallel_state import shard_group_names
+from megalite.transformer.loss_reduction import GRAD_DIVIDE_FACTOR
 
 
 def reshard_after_forward(cfg) -> bool:
@@ -148,7 +150,7 @@ def shard_chunk(chunk, cfg, state, units, device: Optional[str] = None) -> list:
             unit.set_modules_to_backward_prefetch([units[i - 1]])
     modules.append(chunk)
     for m in modules:
-        m.set_gradient_divide_factor(1.0)
+        m.set_gradient_divide_factor(GRAD_DIVIDE_FACTOR)
         m.set_force_sum_reduction_for_comms(True)
     # the last chunk returns its per-token loss transposed (a view); only the loss function
     # reads it, never in place, so FSDP2's warning about views is a false alarm here

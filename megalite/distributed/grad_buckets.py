@@ -5,7 +5,9 @@ only start after the last gradient exists.  Parameters are grouped, in reverse o
 construction (roughly the order backward produces their gradients), into buckets of about
 ``--ddp-bucket-size`` elements per (DP group, dtype); each bucket's gradients live in one
 contiguous buffer, so its reduction is a single all-reduce (DDP) or reduce-scatter
-(distributed optimizer).
+(distributed optimizer) -- a plain sum over the bucket's DP group, as the loss-reduction
+policy says (``transformer/loss_reduction.py``: the loss is already over the global token
+count, so nothing divides by the DP size).
 
 When to launch: a bucket is ready once every parameter in it has received its *last*
 gradient accumulation of the step.  How many accumulations a parameter receives per step

@@ -2,8 +2,10 @@
 every gradient needs before the data-parallel one.
 
 Each micro-batch loss is already divided by the number of tokens of the *global* batch,
-so the data-parallel reduction is a plain sum: the result equals the single-process
-gradient whatever the DP size.  Reductions are coalesced (``comm.all_reduce_coalesced``).
+so the data-parallel reduction is a plain sum over the policy's group of each parameter
+class (``transformer/loss_reduction.py``: ``GRAD_SUM_GROUPS``): the
+result equals the single-process gradient whatever the DP size.  Reductions are coalesced
+(``comm.all_reduce_coalesced``).
 
 The per-parameter lookups (``param_class``, ``dp_group_name``, ``counts_toward_norm``,
 ``is_tied_embedding``) are the only places here that read how a parameter is sharded; they
@@ -18,6 +20,7 @@ from typing import NamedTuple
 from megalite import comm
 from megalite.param_spec import ParamSpec, is_first_replica
 from megalite.tensor_parallel import allreduce_sequence_parallel_grads
+from megalite.transformer.loss_reduction import GRAD_SUM_GROUPS
 
 
 class ClassGroups(NamedTuple):
@@ -31,8 +34,8 @@ class ClassGroups(NamedTuple):
 
 # dense: TP x PP hold the distinct parts ("mp"); experts: expert-TP x EP x PP ("expert-mp")
 PARAM_CLASS_GROUPS = {
-    "dense": ClassGroups(dp="dp-cp", norm="mp", tp="tp"),
-    "expert": ClassGroups(dp="expert-dp", norm="expert-mp", tp="expert-tp"),
+    "dense": ClassGroups(dp=GRAD_SUM_GROUPS["dense"], norm="mp", tp="tp"),
+    "expert": ClassGroups(dp=GRAD_SUM_GROUPS["expert"], norm="expert-mp", tp="expert-tp"),
 }
 
 
@@ -74,7 +77,7 @@ def reduce_model_parallel_grads(params, grad_of, state, specs) -> None:
 def allreduce_data_parallel_grads(params, grad_of, state, specs) -> None:
     """Sum every gradient over its data-parallel group (``dp_group_name``), coalesced."""
     pairs = list(zip(params, specs))
-    for name in ("dp-cp", "expert-dp"):
+    for name in GRAD_SUM_GROUPS.values():
         comm.all_reduce_coalesced([grad_of(p) for p, spec in pairs
                                    if dp_group_name(spec) == name], state[name])
 

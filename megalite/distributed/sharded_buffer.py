@@ -108,8 +108,9 @@ class ShardedBuffer:
         return out
 
     def reduce_scatter_grads(self) -> None:
-        """Sum the grad buffer over the DP group; this rank keeps its (summed) shard.  The
-        rest of the buffer keeps this rank's local, unreduced values: nothing reads them."""
+        """Sum the grad buffer over the DP group (a plain sum: the loss-reduction policy,
+        ``transformer/loss_reduction.py``); this rank keeps its (summed) shard.  The rest of
+        the buffer keeps this rank's local, unreduced values: nothing reads them."""
         if self._own_shard is not None:
             self.start_reduce_scatter().wait()
             return

@@ -8,7 +8,8 @@ Order inside one iteration (the loop's side):
 1. ``get_batch`` turns each raw micro-batch into this rank's micro-batch (on the device;
    context parallelism slices the sequence here);
 2. the loop counts the loss tokens of *those* batches and all-reduces over dp-cp --
-   the denominator of every micro-batch loss (DESIGN.md section 3);
+   the denominator of every micro-batch loss (``transformer/loss_reduction.py``;
+   docs/architecture.md#numerical-contract);
 3. the schedule calls ``forward_step(batch, model, ctx)`` -> ``(output, loss_func)``.
 """
 from __future__ import annotations

@@ -39,6 +39,7 @@ from megalite.tensor_parallel.layers import VocabParallelEmbedding
 from megalite.tensor_parallel.random import DrawsFromTracker, init_parameters
 from megalite.transformer.block import TransformerBlock
 from megalite.transformer.extra_losses import add_extra_loss
+from megalite.transformer.loss_reduction import mtp_depth_weight
 from megalite.transformer.mla import mla_rotary
 from megalite.transformer.mtp import MultiTokenPrediction, mtp_loss_name, roll_left
 from megalite.transformer.rotary import RotaryEmbedding
@@ -257,7 +258,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
         m = self.model_cfg
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None \
             else loss_mask.float()
-        share = m.mtp_loss_scaling_factor / m.mtp_num_layers
+        share = mtp_depth_weight(m.mtp_loss_scaling_factor, m.mtp_num_layers)
         for depth, h in enumerate(self.mtp(hidden, input_ids, position_ids, self.embedding,
                                            rotary), start=1):
             labels, mask = roll_left(labels), roll_left(mask)

@@ -19,6 +19,7 @@ from megalite.moe.metrics import moe_step_metrics
 from megalite.moe.router import extra_loss_names as moe_extra_loss_names
 from megalite.optimizer.optimizer import model_dtype
 from megalite.transformer.extra_losses import collect_extra_losses
+from megalite.transformer.loss_reduction import extra_term_backward_scale, micro_batch_loss
 from megalite.transformer.mtp import mtp_loss_names
 
 
@@ -48,14 +49,12 @@ def get_batch(batch: dict, state, device) -> dict:
 
 def loss_func(loss_mask: torch.Tensor, num_loss_tokens: torch.Tensor,
               per_token_loss: torch.Tensor, grad_scale: float = 1.0):
-    """Masked loss sum divided by the global token count (times the fp16 loss scale: what
-    backward starts from); reports the detached, unscaled sum."""
+    """The masked loss sum as the loss-reduction policy divides it (global token count,
+    times the fp16 loss scale: ``transformer/loss_reduction.micro_batch_loss``); reports
+    the detached, unscaled sum."""
     mask = loss_mask.to(per_token_loss.dtype)
     total = (per_token_loss.float() * mask).sum()
-    loss = total / num_loss_tokens.to(total.dtype)
-    if grad_scale != 1.0:      # --fp16: backward starts from the scaled loss
-        loss = loss * grad_scale
-    return loss, {"loss_sum": total.detach()}
+    return micro_batch_loss(total, num_loss_tokens, grad_scale), {"loss_sum": total.detach()}
 
 
 def forward_step(batch: dict, model, ctx: StepContext):
@@ -65,7 +64,8 @@ def forward_step(batch: dict, model, ctx: StepContext):
                        loss_mask=batch["loss_mask"])   # the fused loss's token weights
     if extra.terms:
         extra.accumulate(ctx.extra_loss_sums)
-        output = extra.attach(output, ctx.extra_loss_scale * ctx.grad_scale)
+        output = extra.attach(output, extra_term_backward_scale(ctx.extra_loss_scale,
+                                                                ctx.grad_scale))
     return output, functools.partial(loss_func, batch["loss_mask"], ctx.num_loss_tokens,
                                      grad_scale=ctx.grad_scale)
 

@@ -5,7 +5,7 @@ rank fills the rows of the MoE layers it holds -- expert counts (already summed 
 TP and CP ranks that hold parts of the same tokens), summed aux / z terms and the number
 of micro-batches -- then the table is summed over dp-cp (other tokens of the global batch;
 each CP rank's counts are the same whole-sequence counts, so their sum is divided by CP)
-and pp (other layers).  So every rank ends with the global-batch statistics of every MoE
+and pp (other layers): ``transformer/loss_reduction.reduce_moe_step_table``.  So every rank ends with the global-batch statistics of every MoE
 layer, the expert bias moves identically on every rank that holds a layer, and the writer
 (last stage) can log the layers of all stages.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from megalite import comm
 from megalite.moe.moe_layer import moe_layers
+from megalite.transformer.loss_reduction import reduce_moe_step_table
 
 
 def moe_step_metrics(chunks, cfg, state) -> dict:
@@ -33,9 +33,7 @@ def moe_step_metrics(chunks, cfg, state) -> dict:
             table[row, E:] = torch.tensor([float(stats["aux_loss"]),
                                            float(stats["z_loss"]), stats["micro_batches"]],
                                           dtype=torch.float64)
-    comm.all_reduce(table, state["dp-cp"])
-    table[:, :E] /= state.cp.size
-    comm.all_reduce(table, state.pp)
+    reduce_moe_step_table(table, E, state)
     out = {}
     ratios = []
     for row, n in enumerate(ids):

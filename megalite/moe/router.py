@@ -16,7 +16,7 @@ parallelism, the CP group with context parallelism -- so each term is the whole
 sequence's, as on one rank.  Over TP the all-reduce's backward is the identity: every TP
 rank sees the same term (the channel's contract) and back-propagates it into its own
 tokens.  CP ranks count in the channel's 1 / (micro-batches x DP x CP) scale like data
-ranks, so over CP the backward all-reduces too: each rank's tokens get the gradient of
+ranks (``transformer/loss_reduction.extra_term_scale``), so over CP the backward all-reduces too: each rank's tokens get the gradient of
 the whole term.
 """
 from __future__ import annotations

@@ -26,6 +26,8 @@ from __future__ import annotations
 import types
 from typing import Iterable, List
 
+from megalite.transformer.loss_reduction import GRAD_DIVIDE_FACTOR
+
 
 def fsdp_chunks(chunks: Iterable) -> List:
     """The chunks fully sharded by FSDP2 (their root is an ``FSDPModule``)."""
@@ -41,10 +43,13 @@ def defer_gradient_sync(chunk) -> None:
 
 
 def reduce_gradients(chunk) -> None:
-    """Reduce the chunk's accumulated gradients now (and reshard): torch's REDUCE_GRAD."""
+    """Reduce the chunk's accumulated gradients now (and reshard): torch's REDUCE_GRAD,
+    with the loss-reduction policy's divide factor (a plain sum: the loss is already over
+    the global token count)."""
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
-    _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=chunk), 1)
+    _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=chunk),
+                                           GRAD_DIVIDE_FACTOR)
 
 
 def reshard(chunk) -> None:

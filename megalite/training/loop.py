@@ -1,8 +1,9 @@
 """The pretraining loop: data -> schedule (forward/backward) -> gradient sync -> AdamW.
 
-Numerical contract (DESIGN.md §3): each micro-batch loss is divided by the number of loss
-tokens in the whole *global* batch, gradients are then summed over data parallel, so the
-update is the same whatever DP size, micro-batch size or pipeline schedule.
+Numerical contract (docs/architecture.md#numerical-contract): each micro-batch loss is divided
+by the number of loss tokens in the whole *global* batch, gradients are then summed over data
+parallel, so the update is the same whatever DP size, micro-batch size or pipeline schedule;
+the one loss-reduction policy that says so is ``transformer/loss_reduction.py``.
 
 The loop is model-agnostic: a ``ModelFamily`` (``models/family.py``; GPT's is
 ``models/gpt_step.py``) builds the chunks and supplies ``get_batch`` and ``forward_step``.
@@ -38,6 +39,8 @@ from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
 from megalite.training.faults import ExitWatcher, check_finite
+from megalite.transformer.loss_reduction import (extra_term_scale, global_loss_tokens,
+                                                 reduce_extra_terms, reduce_lm_loss)
 from megalite.training.flops import (device_peak_flops, flops_per_iteration,
                                      model_flops_utilization)
 from megalite.training.memory_report import MemoryReporter
@@ -177,10 +180,9 @@ class Trainer:
 
     def _step_context(self, batches) -> StepContext:
         names = tuple(self.family.extra_loss_names(self.cfg))
-        dp_cp = self.state["dp-cp"].size
         return StepContext(num_loss_tokens=global_loss_tokens(batches, self.state, self.device),
                            extra_loss_names=names,
-                           extra_loss_scale=1.0 / (len(batches) * dp_cp),
+                           extra_loss_scale=extra_term_scale(len(batches), self.state),
                            grad_scale=self.strategy.loss_scale if self.strategy else 1.0)
 
     def _run_schedule(self, batches, forward_only: bool):
@@ -194,13 +196,12 @@ class Trainer:
                                         batches, self.model_chunks, self.state, self.cfg,
                                         forward_only=forward_only, events=events)
         self._timeline_events = events      # recorded after finish_grad_sync (buckets)
-        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if reports:
-            loss += sum(r["loss_sum"].double() for r in reports)
         site.phase = "loss"
-        comm.all_reduce(loss, self.state["dp-cp"])
-        extra = {} if forward_only else reduce_extra_losses(ctx, self.state)
-        return (loss / denom).item(), extra
+        loss = reduce_lm_loss([r["loss_sum"] for r in reports or ()], denom, self.state,
+                              self.device)
+        extra = {} if forward_only else reduce_extra_terms(
+            ctx.extra_loss_sums, ctx.extra_loss_names, ctx.extra_loss_scale, self.state)
+        return loss, extra
 
     def train_step(self, iterator) -> dict:
         for chunk in self.model_chunks:
@@ -400,30 +401,6 @@ def set_cpu_threads(world_size: int) -> str:
     torch.set_num_threads(threads)
     return (f"> torch threads per process: {threads} ({cores} usable cores / {local} "
             f"local process{'es' if local > 1 else ''})")
-
-
-def global_loss_tokens(batches, state, device) -> torch.Tensor:
-    """Loss tokens of the global batch: this rank's ``get_batch`` output, summed over dp-cp
-    (each CP rank counts only its slice of the sequence, so every token counts once)."""
-    n = torch.zeros(1, dtype=torch.float64, device=device)
-    for b in batches:
-        n += b["loss_mask"].sum()
-    comm.all_reduce(n, state["dp-cp"])
-    return n
-
-
-def reduce_extra_losses(ctx: StepContext, state) -> dict:
-    """Each extra loss as it entered the objective: its terms summed over micro-batches,
-    pipeline stages (each holds different layers) and dp-cp ranks, times the step's scale
-    (1 / (micro-batches x dp-cp)) -- the mean over every micro-batch of the global batch.
-    TP ranks compute the same terms, so TP is not summed."""
-    if not ctx.extra_loss_names:
-        return {}
-    sums = ctx.extra_loss_sums.clone()
-    comm.all_reduce(sums, state["dp-cp"])
-    comm.all_reduce(sums, state.pp)
-    return {name: float(v) * ctx.extra_loss_scale
-            for name, v in zip(ctx.extra_loss_names, sums.tolist())}
 
 
 def describe_parameters(cfg, model_chunks) -> str:

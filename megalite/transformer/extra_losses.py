@@ -10,7 +10,8 @@ not the last can still add one (Megatron's ``MoEAuxLossAutoScaler`` does the sam
 
 A term must have the same value on every TP rank (compute it from statistics reduced over
 the ranks that hold parts of the same tokens): the loop sums terms over pipeline stages and
-dp-cp, not TP.  Outside a collection (inference, or recomputation during backward)
+dp-cp, not TP, and ``scale`` is the term's share of the objective -- both the loss-reduction
+policy's (``transformer/loss_reduction.py``).  Outside a collection (inference, or recomputation during backward)
 ``add_extra_loss`` does nothing, so a recomputed region never counts its term twice.  A
 name the family did not declare is an error: the loop reduces a fixed list of names.
 """

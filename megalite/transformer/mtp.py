@@ -15,7 +15,8 @@ statistics and expert bias are those of one more MoE layer.
 
 Each depth's loss -- the mean cross entropy over the micro-batch's tokens whose target is
 k + 1 ahead (the last k positions have none) -- goes through the extra-loss channel as
-``mtp_{k}_loss`` with weight ``--mtp-loss-scaling-factor / D``: logged as the cross entropy,
+``mtp_{k}_loss`` with weight ``--mtp-loss-scaling-factor / D``
+(``transformer/loss_reduction.mtp_depth_weight``): logged as the cross entropy,
 entering the objective scaled (Megatron's ``MTPLossAutoScaler``).  Parameter names follow
 Megatron: ``mtp.layers.{k-1}.{enorm, hnorm, eh_proj, transformer_layer, final_layernorm}``.
 """

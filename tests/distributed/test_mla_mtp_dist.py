@@ -3,7 +3,7 @@
 One 4-process launch trains each layout 10 iterations of a tiny MLA model (q and kv latents
 with their norms, YaRN-scaled rope part) and compares every iteration's loss -- and the MTP
 and MoE losses where the model has them -- with the single-process run of the same flags
-(docs/architecture.md, numerical contract: rel <= 1e-5 at step 1, <= 1e-4 over 10 steps):
+(docs/architecture.md#numerical-contract: rel <= 1e-5 at step 1, <= 1e-4 over 10 steps):
 
   * MLA at TP2 + SP, CP2 with the ring (p2p) and the all-to-all (a2a), PP2 with selective
     and TP2 with full recomputation;

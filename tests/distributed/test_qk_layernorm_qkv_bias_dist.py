@@ -1,7 +1,7 @@
 """Qwen-style attention on real gloo ranks equals the single-process run: --qk-layernorm
 (q/k norm weights replicated over TP, their grads summed over it), --add-qkv-bias (split
 with the heads), a head dim independent of hidden / heads and YaRN RoPE, under TP2, TP2+SP,
-CP2 (p2p and a2a) and PP2 -- step 1 within 1e-5, 10 steps within 1e-4 (docs/architecture.md, numerical contract)."""
+CP2 (p2p and a2a) and PP2 -- step 1 within 1e-5, 10 steps within 1e-4 (docs/architecture.md#numerical-contract)."""
 import torch.distributed as torch_dist
 
 from megalite.distributed.replicas import check_replicas

@@ -24,7 +24,7 @@ LOCK = "/tmp/megalite-slurm-tests.lock"
 TWIN = "launch/recipes/twins/gpt3-175b.yaml"
 TWIN_FLAGS = ["--pipeline-model-parallel-size", "1"]
 ITERS = 12
-REL_TOL = 1e-4           # docs/architecture.md, numerical contract: across layouts, after 10 steps
+REL_TOL = 1e-4           # docs/architecture.md#numerical-contract: across layouts, after 10 steps
 
 
 def run(cmd, timeout=600, check=True, **kw):

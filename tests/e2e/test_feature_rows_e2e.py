@@ -3,7 +3,7 @@ the dry-run layout print, and pretrain_gpt.py under torchrun with sequence paral
 CPU speed flags, an interleaved pipeline with recomputation and its timeline (drawn by
 ``megalite viz``), context parallelism, the distributed optimizer with overlapped reductions
 and async, pruned checkpoints, FSDP2, and blended random training windows.  Each parallel run
-gives the single-process losses (docs/architecture.md, numerical contract: 1e-5 at step 1, 1e-4 after)."""
+gives the single-process losses (docs/architecture.md#numerical-contract: 1e-5 at step 1, 1e-4 after)."""
 import json
 import os
 import subprocess
