@@ -2,7 +2,7 @@
 sum the loss, its extra terms and the gradients.  Written once here; the model's step
 (``models/gpt_step.py``), the MTP weight (``models/gpt.py``), the MoE statistics
 (``moe/metrics.py``), the loop, the data-parallel strategies (``distributed/``) and FSDP2
-read it.  Why these rules: docs/loss_reduction.md (docs/architecture.md#numerical-contract).
+read it.  Why these rules: docs/architecture.md#loss-reduction.
 
 The objective is the single-process one, whatever the layout:
 

@@ -1,4 +1,4 @@
-"""The loss-reduction policy (``transformer/loss_reduction.py``, docs/loss_reduction.md)
+"""The loss-reduction policy (``transformer/loss_reduction.py``, docs/architecture.md#loss-reduction)
 against closed forms, at sizes where the formula is not trivial, on one process:
 
 * several micro-batches with uneven masks: the micro-batch losses add up to the global
