@@ -47,10 +47,11 @@ from megalite.training.train_state import (check_against, from_metadata, merge,
 
 
 def run_layout(trainer) -> dict:
-    p = trainer.cfg.parallel
-    out = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "world_size": trainer.cfg.world_size,
-           "vpp": trainer.state.vpp_size, "bf16": trainer.cfg.optimizer.bf16}
-    if p.use_distributed_optimizer:
+    """metadata.json's ``layout``: the run's ``ParallelDims`` sizes (expert-TP included;
+    ``ParallelDims.normalize_metadata`` reads older entries without it) and precision."""
+    cfg = trainer.cfg
+    out = {**trainer.state.grid.parallel_dims.to_metadata(), "bf16": cfg.optimizer.bf16}
+    if cfg.parallel.use_distributed_optimizer:
         out["distributed_optimizer"] = True
     return out
 

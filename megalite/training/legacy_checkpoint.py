@@ -11,6 +11,7 @@ import os
 import torch
 
 from megalite.checkpointing.model_io import iteration_dir, load_model_shards, read_metadata
+from megalite.config.parallel_dims import ParallelDims
 
 
 def load_legacy_checkpoint(trainer, root: str, iteration: int, layout: dict) -> None:
@@ -30,7 +31,9 @@ def load_legacy_checkpoint(trainer, root: str, iteration: int, layout: dict) -> 
     if cfg.checkpoint.no_load_optim and cfg.checkpoint.no_load_rng:
         return
     path = os.path.join(iteration_dir(root, iteration), "optim", f"rank_{state.rank:05d}.pt")
-    if extra.get("layout") != layout or not os.path.isfile(path):
+    same = ParallelDims.normalize_metadata(extra.get("layout")) == \
+        ParallelDims.normalize_metadata(layout)
+    if not same or not os.path.isfile(path):
         if state.rank == 0:
             print(f"> optimizer and RNG state of the legacy checkpoint not loaded: its layout "
                   f"{extra.get('layout')} differs from this run's {layout}",
