@@ -244,7 +244,7 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         out += [Event("pp", "send", msg, sends, a, kind="pp"),
                 Event("pp", "recv", msg, sends, a, kind="pp")]
     # Data parallel: gradients (and parameters for ZeRO >= 1).
-    params = ms.stage_params(m, pp_rank, t, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
+    params = L.stage_params(m, pp_rank, tp=t)
     w = param_gather_bytes or a
     if L.zero == 3:
         out += fsdp_events(m, L, params, pp_rank, grad_bytes, w, fsdp_reshard)

@@ -431,15 +431,14 @@ def local_head_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOption
 
 def rank_memory(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision,
                 opts: ActivationOptions = ActivationOptions()) -> Dict[str, int]:
-    params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep,
-                             *L.stage_split)
+    params = L.stage_params(m, pp_rank)
     out = layout_state_bytes(params, L, prec)
     if L.zero >= 3 and L.pp > 1:    # PP keeps the stage gathered, its gradients unsharded
         out["weights"] += params.total * prec.weight
         out["grads"] = params.total * prec.grad
     elif L.zero >= 3:               # two all-gathered layers in flight (prefetch)
         kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
-        biggest = max((ms.kind_params(m, moe, L.tp, L.etp, L.ep).total
+        biggest = max((L.kind_params(m, moe).total
                        for n, moe in zip(kinds, (False, True)) if n), default=0)
         out["weights"] += 2 * biggest * prec.weight
     out["activations"] = activation_bytes(m, L, seq, pp_rank, opts)

@@ -71,7 +71,7 @@ def largest_fsdp_unit(m: ModelConfig, L: Layout, pp_rank: int) -> int:
     """Elements of the biggest FSDP2 unit: a transformer layer, the embedding or the output
     layer (``distributed.fsdp2``: one unit each)."""
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
-    units = [ms.kind_params(m, moe, L.tp, L.etp, L.ep).total
+    units = [L.kind_params(m, moe).total
              for n, moe in zip(kinds, (False, True)) if n]
     units += [ms.embedding_params(m, L.tp), ms.head_params(m, L.tp, L.pp)]
     return max(units)
@@ -80,7 +80,7 @@ def largest_fsdp_unit(m: ModelConfig, L: Layout, pp_rank: int) -> int:
 def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision,
               opts: ActivationOptions, gloo: bool, overlap: bool,
               bucket_elements: int) -> Dict[str, object]:
-    params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
+    params = L.stage_params(m, pp_rank)
     d = L.dense_shards
     st = layout_state_bytes(params, L, prec)
     act = activation_bytes(m, L, seq, pp_rank, opts)
