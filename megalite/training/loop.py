@@ -348,16 +348,24 @@ class Trainer:
                 break
 
     def save(self):
-        from megalite.training.checkpoint import save_training_checkpoint
+        from megalite.training import checkpoint, train_state
 
         site.phase = "checkpoint"
-        save_training_checkpoint(self)
+        self.finish_saves()                 # the previous --async-save first
+        _, self.pending_save = checkpoint.save(train_state.training_state(self),
+                                               self.cfg.checkpoint, self.iteration)
 
     def finish_saves(self):
         """Wait until a background (--async-save) checkpoint is complete on disk."""
-        from megalite.training.checkpoint import finish_pending_save
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.wait()
 
-        finish_pending_save(self)
+    def load_checkpoint(self):
+        """Resume from ``--load`` (``checkpoint.load``: the newest complete checkpoint)."""
+        from megalite.training import checkpoint, train_state
+
+        checkpoint.load(train_state.training_state(self), self.cfg.checkpoint)
 
 
 def peak_memory_bytes(device: str) -> int:
