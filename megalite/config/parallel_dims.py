@@ -86,6 +86,10 @@ class ParallelDims:
         """The smallest world change both grids tile (elastic re-layout steps by it)."""
         return math.lcm(self.dense_model_ranks, self.expert_model_ranks)
 
+    def pp_rank_of(self, rank: int) -> int:
+        """The pipeline stage of global ``rank`` (PP has the largest stride in the grid)."""
+        return rank // (self.world // self.pp)
+
     def grid_sizes(self, grid: str) -> Dict[str, int]:
         """Sizes per token of the order string ``tp-cp-ep-dp-pp`` for the ``dense`` grid
         (EP = 1) or the ``expert`` grid (CP = 1, TP = expert-TP)."""

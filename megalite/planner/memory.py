@@ -499,7 +499,7 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     L = layout_from_config(cfg, zero)
     half = cfg.optimizer.bf16 or cfg.optimizer.fp16        # fp16: the same bytes as bf16
     prec = Precision.bf16(grad_bytes) if half else Precision.fp32()
-    pp_rank = rank // (cfg.world_size // L.pp)
+    pp_rank = L.pp_rank_of(rank)
     opts = ActivationOptions(flash_attention, tuple(cfg.training.recompute_modules or ()),
                              1 if half else 2, local_layers, attention_kernel == "unfused")
     return rank_memory(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts)

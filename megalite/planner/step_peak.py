@@ -165,7 +165,7 @@ def predict_step_peak(cfg: MegaliteConfig, rank: int, *, gloo: Optional[bool] = 
     local = cfg.model.transformer_impl != "transformer_engine"
     L = layout_from_config(cfg)
     prec = Precision.bf16(grad_bytes) if cfg.optimizer.bf16 else Precision.fp32()
-    pp_rank = rank // (cfg.world_size // L.pp)
+    pp_rank = L.pp_rank_of(rank)
     opts = ActivationOptions(kernel == "flash", tuple(cfg.training.recompute_modules or ()),
                              1 if cfg.optimizer.bf16 else 2, local, kernel == "unfused")
     return step_peak(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts, gloo,

@@ -194,7 +194,7 @@ def kept_state_bytes(cfg, rank: int) -> dict:
 
     L = layout_from_config(cfg)
     half = cfg.optimizer.bf16 or cfg.optimizer.fp16
-    params = L.stage_params(cfg.model, rank // (cfg.world_size // L.pp))
+    params = L.stage_params(cfg.model, L.pp_rank_of(rank))
     return layout_state_bytes(params, L, Precision.bf16() if half else Precision.fp32())
 
 
