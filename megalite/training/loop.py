@@ -37,6 +37,7 @@ from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
+from megalite.training import checkpoint, train_state
 from megalite.training.faults import ExitWatcher, check_finite
 from megalite.training.flops import (device_peak_flops, flops_per_iteration,
                                      model_flops_utilization)
@@ -131,9 +132,7 @@ class Trainer:
         self.scheduler = None if cfg.training.skip_train else \
             scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...
         if cfg.checkpoint.save:             # a bad --save fails now, not at the first save
-            from megalite.training.checkpoint import preflight_save_dir
-
-            preflight_save_dir(cfg.checkpoint.save)
+            checkpoint.preflight_save_dir(cfg.checkpoint.save)
         from megalite.elastic.resume import load_resume_state, resume_source
 
         source = resume_source(cfg)            # --load, or this run's own newest state
@@ -348,8 +347,6 @@ class Trainer:
                 break
 
     def save(self):
-        from megalite.training import checkpoint, train_state
-
         site.phase = "checkpoint"
         self.finish_saves()                 # the previous --async-save first
         _, self.pending_save = checkpoint.save(train_state.training_state(self),
@@ -363,8 +360,6 @@ class Trainer:
 
     def load_checkpoint(self):
         """Resume from ``--load`` (``checkpoint.load``: the newest complete checkpoint)."""
-        from megalite.training import checkpoint, train_state
-
         checkpoint.load(train_state.training_state(self), self.cfg.checkpoint)
 
 

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from megalite import comm
 from megalite.checkpointing.dcp_format import ChunkedTensor
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
+from megalite.distributed.replicas import check_replicas
 from megalite.errors import CheckpointError
 
 # (part, key or None for the part's whole state) -> its places in metadata.json; a save
@@ -213,7 +214,6 @@ def training_state(trainer) -> TrainState:
     weights first (the masters follow them), the optimizer after (its masters win); with
     the run's description and the save preparation the checkpointer takes along."""
     from megalite.checkpointing.sharded_state import ModelState
-    from megalite.distributed.replicas import check_replicas
     from megalite.moe.moe_layer import ExpertBiasState
     from megalite.tensor_parallel.rng_state import RNGState
 

@@ -132,6 +132,7 @@ def test_a_save_writes_the_composition_and_a_load_reads_it(tmp_path):
     assert meta["extra"]["loop_state"] == {"skipped_samples": 0, "skipped_iterations": 0,
                                            "grad_scaler": None}
     assert meta["iteration"] == 2 and meta["optimizer_step"] == 2.0 and meta["rng_ranks"]
+    assert meta["layout"] == {**source.cfg.parallel_dims.to_metadata(), "bf16": False}
 
     resumed = build_cpu_trainer(TINY, 1)
     ckpt.load(with_probe(resumed), dataclasses.replace(resumed.cfg.checkpoint,
