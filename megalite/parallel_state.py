@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Dict, List, Optional
 
+from megalite.config.parallel_dims import ParallelDims
+
 ORDER = "tp-cp-ep-dp-pp"
 
 # group name -> (grid, token of the dimensions it spans)
@@ -108,22 +110,18 @@ def orthogonal_groups(sizes: List[int], mask: List[bool]) -> List[List[int]]:
 
 
 class RankGrid:
-    """Pure-Python rank arithmetic for the dense and the expert grid."""
+    """Pure-Python rank arithmetic for the dense and the expert grid of one ``ParallelDims``
+    (``RankGrid(dims)``; ``RankGrid(world_size, tp=2, ...)`` builds the dims from sizes)."""
 
-    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 etp: Optional[int] = None, vpp: int = 1, dp_instances: int = 1):
-        etp = etp or tp
-        if world_size % (tp * pp * cp) or world_size % (etp * ep * pp):
-            raise ValueError(f"world size {world_size} does not fit tp={tp} cp={cp} pp={pp} "
-                             f"(expert: etp={etp} ep={ep})")
-        self.world_size, self.vpp, self.dp_instances = world_size, vpp, dp_instances
-        self.dims = {"dense": dict(tp=tp, cp=cp, ep=1, dp=world_size // (tp * cp * pp), pp=pp),
-                     "expert": dict(tp=etp, cp=1, ep=ep, dp=world_size // (etp * ep * pp), pp=pp)}
-        for grid in ("dense", "expert"):
-            d = self.dims[grid]
-            if dp_instances > 1 and (d["dp"] * d["cp"]) % dp_instances:
-                raise ValueError(f"{dp_instances} instances do not divide the {grid} "
-                                 f"data-parallel size {d['dp'] * d['cp']}")
+    def __init__(self, world_size, **sizes):
+        dims = world_size if isinstance(world_size, ParallelDims) else \
+            ParallelDims(world=world_size, **sizes)
+        problem = dims.problem()
+        if problem:
+            raise ValueError(problem)
+        self.parallel_dims = dims
+        self.world_size, self.vpp, self.dp_instances = dims.world, dims.vpp, dims.dp_instances
+        self.dims = {grid: dims.grid_sizes(grid) for grid in ("dense", "expert")}
         self._cache: Dict[str, List[List[int]]] = {}
 
     def size(self, name: str) -> int:
@@ -186,10 +184,7 @@ class RankGrid:
 
     @classmethod
     def from_config(cls, cfg) -> "RankGrid":
-        p = cfg.parallel
-        return cls(cfg.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp,
-                   vpp=p.virtual_stages(cfg.model.num_layers),
-                   dp_instances=p.num_distributed_optimizer_instances)
+        return cls(ParallelDims.from_config(cfg))
 
 
 @dataclass

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
 
-from megalite.config import ConfigError
+from megalite.config import ConfigError, ParallelDims
 
 RECIPE_SECTION = "recipe"
 
@@ -89,19 +89,17 @@ def recipe_files(root: str) -> List[str]:
 
 def min_world(path: str) -> int:
     """The smallest world a recipe's layout runs on: both grids' model-parallel sizes (DP 1)."""
-    import math
-
     flat = {}
     for key, value in load_yaml(path).items():
         if key != RECIPE_SECTION:
             flat.update(value if isinstance(value, dict) else {key: value})
     get = {str(k).replace("_", "-"): v for k, v in flat.items()}.get
-    tp = int(get("tensor-model-parallel-size") or 1)
-    pp = int(get("pipeline-model-parallel-size") or 1)
-    cp = int(get("context-parallel-size") or 1)
-    ep = int(get("expert-model-parallel-size") or 1)
-    etp = int(get("expert-tensor-parallel-size") or tp)
-    return math.lcm(tp * cp * pp, etp * ep * pp)
+    dims = ParallelDims(world=1, tp=int(get("tensor-model-parallel-size") or 1),
+                        pp=int(get("pipeline-model-parallel-size") or 1),
+                        cp=int(get("context-parallel-size") or 1),
+                        ep=int(get("expert-model-parallel-size") or 1),
+                        etp=int(get("expert-tensor-parallel-size") or 0) or None)
+    return dims.world_step
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

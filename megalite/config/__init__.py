@@ -17,13 +17,14 @@ from megalite.config.model import ModelConfig
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
 from megalite.config.optimizer import OptimizerConfig
 from megalite.config.parallel import ParallelConfig
+from megalite.config.parallel_dims import ParallelDims
 from megalite.config.run import (RECOMPUTE_MODULES, CheckpointConfig, DataConfig,
                                  LoggingConfig, TrainingConfig)
 from megalite.errors import ConfigError
 
 __all__ = ["ConfigError", "opt", "field_flag", "field_domain", "has_domain", "is_bool_flag",
            "ModelConfig", "MoeLayerFreqError", "parse_moe_layer_freq", "ParallelConfig",
-           "OptimizerConfig", "DataConfig", "TrainingConfig", "LoggingConfig",
+           "ParallelDims", "OptimizerConfig", "DataConfig", "TrainingConfig", "LoggingConfig",
            "CheckpointConfig", "RECOMPUTE_MODULES", "SECTIONS", "MegaliteConfig",
            "all_fields", "find_field"]
 
@@ -55,8 +56,13 @@ class MegaliteConfig:
     accepted_flags: list = field(default_factory=list)
 
     @property
+    def parallel_dims(self) -> ParallelDims:
+        """The run's layout (config/parallel_dims.py): every size derived from it."""
+        return ParallelDims.from_config(self)
+
+    @property
     def data_parallel_size(self) -> int:
-        return self.parallel.data_parallel_size(self.world_size)
+        return self.parallel_dims.dp
 
     @property
     def num_micro_batches(self) -> int:

@@ -6,6 +6,7 @@ from typing import Optional
 
 from megalite.config.fields import opt
 from megalite.config.megatron_fsdp import SHARDING_STRATEGIES
+from megalite.config.parallel_dims import ParallelDims
 from megalite.pipeline_parallel.simulator import AUTO, SCHEDULE_NAMES
 
 
@@ -120,8 +121,24 @@ class ParallelConfig:
         given; every reader that means "are we sharding the sequence" asks this."""
         return bool(self.sequence_parallel) and self.tp > 1
 
+    def dims(self, world_size: int, num_layers: Optional[int] = None) -> ParallelDims:
+        """The layout these sizes give ``world_size`` ranks (config/parallel_dims.py)."""
+        return ParallelDims(world=world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                            etp=self.expert_tensor_parallel_size,
+                            vpp=self.virtual_stages(num_layers),
+                            dp_instances=self.num_distributed_optimizer_instances)
+
+    def apply_dims(self, dims: ParallelDims) -> None:
+        """Set the size flags to ``dims`` (the planner turns a candidate into a config);
+        the inverse of ``dims``, kept beside it."""
+        self.tensor_model_parallel_size, self.pipeline_model_parallel_size = dims.tp, dims.pp
+        self.context_parallel_size, self.expert_model_parallel_size = dims.cp, dims.ep
+        self.expert_tensor_parallel_size = dims.etp if dims.etp != dims.tp else None
+        self.num_virtual_stages_per_pipeline_rank = dims.vpp if dims.vpp > 1 else None
+        self.num_distributed_optimizer_instances = dims.dp_instances
+
     def data_parallel_size(self, world_size: int) -> int:
-        return world_size // (self.tp * self.pp * self.cp)
+        return self.dims(world_size).dp
 
     def pipeline_slots(self, num_layers: int) -> int:
         """Layers the pipeline split counts: transformer layers plus the embedding and/or

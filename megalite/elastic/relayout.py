@@ -1,6 +1,7 @@
 """The re-layout rule of an elastic run (``--elastic``), applied at every (re)start.
 
-DP is recomputed from the world; TP, PP, CP, EP (and expert-TP) and the global batch stay,
+DP is recomputed from the world; the other sizes of the run's ``ParallelDims``
+(config/parallel_dims.py: TP, PP, CP, EP, expert-TP) and the global batch stay,
 so each DP rank runs more micro-batches when the world shrinks and fewer when it grows back:
 the loss curve is the uninterrupted one (DESIGN.md section 3).  Expert-DP and the FSDP/HSDP
 groups follow from the same grid.
@@ -18,7 +19,6 @@ them, and at the next re-formation it is an ordinary rank again.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import time
 from datetime import timedelta
@@ -54,8 +54,7 @@ def fit_world(cfg) -> Tuple[object, str]:
     problem = fits(cfg, world)
     if problem is None:
         return cfg, layout_line(cfg, world)
-    p = cfg.parallel
-    step = math.lcm(p.tp * p.cp * p.pp, p.etp * p.ep * p.pp)   # both grids tile the world
+    step = cfg.parallel_dims.world_step       # both grids tile the world
     for smaller in range(world - world % step, 0, -step):
         if smaller < world and fits(cfg, smaller) is None:
             fitted = copy.deepcopy(cfg)
@@ -70,10 +69,9 @@ def fit_world(cfg) -> Tuple[object, str]:
 
 
 def describe(cfg) -> str:
-    p, t = cfg.parallel, cfg.training
-    dp = cfg.data_parallel_size
-    return (f"TP{p.tp} CP{p.cp} PP{p.pp} DP{dp}" + (f" EP{p.ep}" if p.ep > 1 else "") +
-            f", {t.global_batch_size // (t.micro_batch_size * dp)} micro-batches of "
+    dims, t = cfg.parallel_dims, cfg.training
+    return (f"{dims.describe()}, {t.global_batch_size // (t.micro_batch_size * dims.dp)} "
+            f"micro-batches of "
             f"{t.micro_batch_size} per DP rank, global batch {t.global_batch_size}")
 
 

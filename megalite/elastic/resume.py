@@ -91,12 +91,10 @@ def resume_source(cfg) -> Optional[ResumeSource]:
 
 def load_resume_state(trainer, source: ResumeSource) -> None:
     """Bring ``trainer`` to ``source``'s state (called from ``Trainer.setup``)."""
-    from megalite.training.checkpoint import load_training_checkpoint
-
     if source.kind not in ("disk", "snapshot"):
         raise ValueError(f"unknown resume source kind {source.kind!r}")
     if not source.own_run:
-        load_training_checkpoint(trainer)
+        trainer.load_checkpoint()
         return
     given = trainer.cfg
     c = dataclasses.replace(given.checkpoint, load=source.path, finetune=False,
@@ -112,6 +110,6 @@ def load_resume_state(trainer, source: ResumeSource) -> None:
 
             restore_snapshot(trainer, source.snapshot)
         else:
-            load_training_checkpoint(trainer)
+            trainer.load_checkpoint()
     finally:
         trainer.cfg = given

@@ -217,9 +217,10 @@ class Snapshotter:
         if self.group is None and not self.gen:
             self._setup()
         self._prune()
-        from megalite.training.checkpoint import capture_training_state
+        from megalite.training import checkpoint, train_state
 
-        sd, meta = capture_training_state(self.trainer, every_rank_meta=True)
+        sd, meta = checkpoint.capture_training_state(train_state.training_state(self.trainer),
+                                                     every_rank_meta=True)
         staged = {k: type(v)(v.global_shape, [(o, t.detach().clone()) for o, t in v.chunks],
                              v.writer) for k, v in sd.items()}
         rank, world = self.trainer.state.rank, self.trainer.state.grid.world_size

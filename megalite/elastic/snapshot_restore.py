@@ -79,7 +79,7 @@ def find_snapshot(cfg, newer_than: int) -> Optional[SnapshotPlan]:
 
 
 def restore_snapshot(trainer, plan: SnapshotPlan) -> None:
-    from megalite.training.checkpoint import restore_training_state
+    from megalite.training import checkpoint, train_state
 
     world = comm.world_group()
     rank = world.rank
@@ -121,7 +121,8 @@ def restore_snapshot(trainer, plan: SnapshotPlan) -> None:
             if writer:
                 writers.add(box)
     fill = lambda sd: peer_fill(sd, tensors, holders, dtypes, writers, world)  # noqa: E731
-    restore_training_state(trainer, meta, saved, plan.describe(), fill)
+    checkpoint.restore_training_state(train_state.training_state(trainer),
+                                      trainer.cfg.checkpoint, meta, saved, plan.describe(), fill)
 
 
 def intersect(a_off, a_shape, b_off, b_shape):

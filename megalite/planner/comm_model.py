@@ -244,7 +244,7 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
         out += [Event("pp", "send", msg, sends, a, kind="pp"),
                 Event("pp", "recv", msg, sends, a, kind="pp")]
     # Data parallel: gradients (and parameters for ZeRO >= 1).
-    params = ms.stage_params(m, pp_rank, t, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
+    params = L.stage_params(m, pp_rank, tp=t)
     w = param_gather_bytes or a
     if L.zero == 3:
         out += fsdp_events(m, L, params, pp_rank, grad_bytes, w, fsdp_reshard)
@@ -416,7 +416,7 @@ def predict_comm_volume(cfg: MegaliteConfig, rank: int = 0, *, grad_bytes: int =
     everything is fp32.
     """
     L = layout_from_config(cfg, zero)
-    pp_rank = rank // (cfg.world_size // L.pp)
+    pp_rank = L.pp_rank_of(rank)
     bf16 = cfg.optimizer.bf16 or cfg.optimizer.fp16     # fp16: the same bytes as bf16
     return volume(events(cfg.model, L, cfg.model.seq_length, pp_rank,
                          grad_bytes if bf16 else 4, sp_regather, 2 if bf16 else 4))

@@ -338,7 +338,7 @@ def _dp_exposed(m: ModelConfig, L: Layout, row: dict, opts: ModelOptions) -> flo
     per_step = L.zero == 1 or (L.zero == 3 and L.pp > 1)
     window = {0: row["t_b"]}.get(L.zero, row["t_b"] + row["t_f"] if per_step
                                  else mbs * (row["t_b"] + row["t_f"])) + idle
-    params = ms.stage_params(m, row["r"], L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split).total
+    params = L.stage_params(m, row["r"]).total
     bucket = total * min(1.0, opts.bucket_elements / max(1, params)) / (2 if L.zero else 1)
     exposed = max(bucket, total - window)
     if L.zero >= 2 and not per_step:

@@ -210,7 +210,7 @@ def inputs_from_args(argv: List[str]):
     layout = est.layout
     weights, optim = est.memory["weights"], est.memory["optimizer"]
     per_gpu = weights + optim
-    ckpt = weights * layout.tp * layout.pp * layout.cp + optim * gpus   # one model replica
+    ckpt = weights * layout.dense_model_ranks + optim * gpus   # one model replica
     if args.mtbf_hours:
         rate = 1.0 / (args.mtbf_hours * gpus)
         failure_source = f"MTBF {args.mtbf_hours:g} h given"

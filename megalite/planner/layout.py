@@ -1,27 +1,30 @@
-"""One candidate layout: every knob the search turns, and its two faces -- a
-``MegaliteConfig`` (so ``validate_layout`` judges legality) and pretrain_gpt.py flags.
+"""One candidate layout: its ``ParallelDims`` and every other knob the search turns, and
+its two faces -- a ``MegaliteConfig`` (so ``validate_layout`` judges legality) and
+pretrain_gpt.py flags.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from typing import List, Optional
 
-from megalite.config import MegaliteConfig, ModelConfig
+from megalite.config import MegaliteConfig, ModelConfig, ParallelDims
+from megalite.planner import model_spec as ms
 from megalite.pipeline_parallel.simulator import AUTO, SCHEDULE_NAMES, resolve_schedule
 
 ZERO_NAMES = {0: "DDP", 1: "ZeRO-1 (distributed optimizer)", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
 
 
-@dataclass(frozen=True)
+# The planner's name for ``ParallelDims.dp_instances`` (its JSON output and callers keep it).
+DIM_ALIASES = {"instances": "dp_instances"}
+
+
+@dataclass(frozen=True, init=False)
 class Layout:
-    world: int
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    vpp: int = 1
+    """A ``ParallelDims`` (every dimension size; read as ``layout.tp``, ``layout.dp``, ...)
+    plus the knobs that are not dimensions: batch, recompute, ZeRO stage, schedule, split.
+    ``Layout(world=8, tp=2, micro_batch=2)`` or ``Layout(dims=..., micro_batch=2)``."""
+    dims: ParallelDims
     micro_batch: int = 1
     global_batch: int = 1            # samples
     recompute: str = "none"          # none | selective | full
@@ -38,38 +41,37 @@ class Layout:
     # Full recomputation of only this many layers per model chunk (Megatron's
     # --recompute-method block --recompute-num-layers N); None: every layer (uniform).
     recompute_layers: Optional[int] = None
-    # --num-distributed-optimizer-instances (ZeRO >= 1): shards inside R instances of
-    # neighbouring ranks, replicated across them (HSDP for FSDP2)
-    instances: int = 1
     # The MTP modules counted as pipeline layers too (model_spec.pipeline_split): Megatron's
     # --pipeline-model-parallel-layout with 'm' (Bridge's DeepSeek-V3 'Et|(tt|)*30mL').
     # megalite has no flag for it: its flags and config leave it out (advice only).
     account_mtp: bool = False
+
+    def __init__(self, dims: Optional[ParallelDims] = None, **knobs):
+        sizes = {DIM_ALIASES.get(k, k): knobs.pop(k) for k in list(knobs)
+                 if DIM_ALIASES.get(k, k) in ParallelDims.names()}
+        if dims is None:
+            # a candidate names its expert-TP (the search tries 1 and TP); unnamed, it is 1
+            dims = ParallelDims(**{"etp": 1, **sizes})
+        elif sizes:
+            dims = replace(dims, **sizes)
+        object.__setattr__(self, "dims", dims)
+        for f in fields(self)[1:]:
+            object.__setattr__(self, f.name, knobs.pop(f.name, f.default))
+        if knobs:
+            raise TypeError(f"Layout has no field {sorted(knobs)}")
+
+    def __getattr__(self, name: str):
+        """The dimension sizes and derived sizes are the ``ParallelDims``' (one place)."""
+        dims = self.__dict__.get("dims")
+        if dims is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(dims, DIM_ALIASES.get(name, name))
 
     @property
     def schedule_flag(self) -> str:
         """``--pipeline-schedule``: ``auto`` when that is what auto picks (no flag needed)."""
         return AUTO if resolve_schedule(AUTO, self.vpp).name == self.schedule else \
             self.schedule
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.cp * self.pp)
-
-    @property
-    def edp(self) -> int:
-        """Expert data-parallel size (world / (expert-TP x EP x PP))."""
-        return self.world // (self.etp * self.ep * self.pp)
-
-    @property
-    def dense_shards(self) -> int:
-        """Ranks one dense parameter is sharded over with ZeRO >= 1: DP x CP, or an
-        instance of it (``instances``)."""
-        return self.dp * self.cp // self.instances
-
-    @property
-    def expert_shards(self) -> int:
-        return self.edp // self.instances
 
     @property
     def accounts(self) -> tuple:
@@ -81,6 +83,16 @@ class Layout:
         """``model_spec``'s (first, last, accounts) arguments: how layers map to stages
         (accounts: embedding, loss, MTP)."""
         return self.first_layers, self.last_layers, self.accounts + (self.account_mtp,)
+
+    def stage_params(self, m: ModelConfig, pp_rank: int, tp: Optional[int] = None):
+        """``model_spec.stage_params`` on a rank of pipeline stage ``pp_rank`` at this
+        layout (``tp``: count at another TP, e.g. the all-gathered SP view)."""
+        return ms.stage_params(m, pp_rank, self.tp if tp is None else tp, self.pp, self.vpp,
+                               self.etp, self.ep, *self.stage_split)
+
+    def kind_params(self, m: ModelConfig, moe: bool):
+        """``model_spec.kind_params`` of one dense (or MoE) layer at this layout."""
+        return ms.kind_params(m, moe, self.tp, self.etp, self.ep)
 
     @property
     def num_micro_batches(self) -> int:
@@ -104,7 +116,9 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        planner_name = {v: k for k, v in DIM_ALIASES.items()}
+        d = {planner_name.get(k, k): v for k, v in asdict(self.dims).items()}
+        d.update({f.name: getattr(self, f.name) for f in fields(self)[1:]})
         d.update(dp=self.dp, num_micro_batches=self.num_micro_batches)
         return d
 
@@ -114,11 +128,8 @@ class Layout:
         cfg.model = copy.copy(model)
         cfg.model.seq_length = seq_length
         p, t = cfg.parallel, cfg.training
-        p.tensor_model_parallel_size, p.pipeline_model_parallel_size = self.tp, self.pp
-        p.context_parallel_size, p.expert_model_parallel_size = self.cp, self.ep
+        p.apply_dims(self.dims)
         p.cp_comm_type = self.cp_comm
-        p.expert_tensor_parallel_size = self.etp if self.etp != self.tp else None
-        p.num_virtual_stages_per_pipeline_rank = self.vpp if self.vpp > 1 else None
         p.decoder_first_pipeline_num_layers = self.first_layers
         p.decoder_last_pipeline_num_layers = self.last_layers
         p.account_for_embedding_in_pipeline_split = self.account_embedding
@@ -128,7 +139,6 @@ class Layout:
         p.use_distributed_optimizer = self.zero in (1, 2)
         p.overlap_grad_reduce = self.zero == 2       # ZeRO-2: bucketed, shard-only grads
         p.use_torch_fsdp2 = self.zero == 3
-        p.num_distributed_optimizer_instances = self.instances
         t.micro_batch_size, t.global_batch_size = self.micro_batch, self.global_batch
         t.recompute_granularity = None if self.recompute == "none" else self.recompute
         if self.recompute == "full":
@@ -194,13 +204,10 @@ def zero_stage(p) -> int:
 
 def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layout:
     """The layout a (validated) run config describes."""
-    p, t, m = cfg.parallel, cfg.training, cfg.model
-    vpp = p.virtual_stages(m.num_layers)
-    sched = resolve_schedule(p.pipeline_schedule, vpp).name
-    dp = cfg.world_size // (p.tp * p.cp * p.pp)
-    return Layout(world=cfg.world_size, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.etp, vpp=vpp,
-                  micro_batch=t.micro_batch_size,
-                  global_batch=t.global_batch_size or t.micro_batch_size * dp,
+    p, t, dims = cfg.parallel, cfg.training, cfg.parallel_dims
+    sched = resolve_schedule(p.pipeline_schedule, dims.vpp).name
+    return Layout(dims=dims, micro_batch=t.micro_batch_size,
+                  global_batch=t.global_batch_size or t.micro_batch_size * dims.dp,
                   recompute=t.recompute_granularity or "none",
                   zero=zero_stage(p) if zero is None else zero,
                   sp=p.sequence_parallel_active, schedule=sched,
@@ -210,5 +217,4 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   account_loss=p.account_for_loss_in_pipeline_split,
                   cp_comm=p.cp_comm_type,
                   recompute_layers=t.recompute_num_layers if t.recompute_granularity == "full"
-                  and t.recompute_method == "block" else None,
-                  instances=p.num_distributed_optimizer_instances)
+                  and t.recompute_method == "block" else None)

@@ -431,15 +431,14 @@ def local_head_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOption
 
 def rank_memory(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision,
                 opts: ActivationOptions = ActivationOptions()) -> Dict[str, int]:
-    params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep,
-                             *L.stage_split)
+    params = L.stage_params(m, pp_rank)
     out = layout_state_bytes(params, L, prec)
     if L.zero >= 3 and L.pp > 1:    # PP keeps the stage gathered, its gradients unsharded
         out["weights"] += params.total * prec.weight
         out["grads"] = params.total * prec.grad
     elif L.zero >= 3:               # two all-gathered layers in flight (prefetch)
         kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
-        biggest = max((ms.kind_params(m, moe, L.tp, L.etp, L.ep).total
+        biggest = max((L.kind_params(m, moe).total
                        for n, moe in zip(kinds, (False, True)) if n), default=0)
         out["weights"] += 2 * biggest * prec.weight
     out["activations"] = activation_bytes(m, L, seq, pp_rank, opts)
@@ -500,7 +499,7 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     L = layout_from_config(cfg, zero)
     half = cfg.optimizer.bf16 or cfg.optimizer.fp16        # fp16: the same bytes as bf16
     prec = Precision.bf16(grad_bytes) if half else Precision.fp32()
-    pp_rank = rank // (cfg.world_size // L.pp)
+    pp_rank = L.pp_rank_of(rank)
     opts = ActivationOptions(flash_attention, tuple(cfg.training.recompute_modules or ()),
                              1 if half else 2, local_layers, attention_kernel == "unfused")
     return rank_memory(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts)

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Iterator, List, Optional, Sequence
 
-from megalite.config import ConfigError, ModelConfig
+from megalite.config import ConfigError, ModelConfig, ParallelDims
 from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
@@ -123,7 +123,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
             if world % (tp * cp):
                 continue
             for pp in _pick(divisors(world // (tp * cp)), space.pp):
-                dp = world // (tp * cp * pp)
+                dp = ParallelDims(world, tp=tp, pp=pp, cp=cp).dp
                 if global_batch % dp:
                     continue
                 for first, last, vpp, accounts in pipeline_splits(m, pp, space):
@@ -140,28 +140,29 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                                 if space.sequence_parallel is not None and tp > 1 and \
                                         sp != space.sequence_parallel:
                                     continue
-                                yield [Layout(world, tp, pp, cp, ep, etp, vpp, mb, global_batch,
-                                              rc, z, sp, sched, first, last, *accounts,
-                                              instances=r)
+                                dims = ParallelDims(world, tp, pp, cp, ep, etp, vpp)
+                                yield [Layout(replace(dims, dp_instances=r), micro_batch=mb,
+                                              global_batch=global_batch, recompute=rc, zero=z,
+                                              sp=sp, schedule=sched, first_layers=first,
+                                              last_layers=last, account_embedding=accounts[0],
+                                              account_loss=accounts[1])
                                        for z in space.zero
-                                       for r in instance_options(space, z, tp, cp, dp, ep,
-                                                                 etp, pp, world, gpn)
+                                       for r in instance_options(space, z, dims, gpn)
                                        for mb in _pick(mbs, space.micro_batch)
                                        for rc in space.recompute]
 
 
-def instance_options(space: SearchSpace, zero: int, tp: int, cp: int, dp: int, ep: int,
-                     etp: int, pp: int, world: int, gpus_per_node: int) -> List[int]:
+def instance_options(space: SearchSpace, zero: int, dims: ParallelDims,
+                     gpus_per_node: int) -> List[int]:
     """The instance counts R to try: those asked for that split both data-parallel groups
     (DP x CP and expert-DP) evenly; only R = 1 without sharding (DDP)."""
     if zero == 0:
         return [1]
-    edp = world // (etp * ep * pp)
     out = []
     for r in space.instances:
         if r == "node":          # one instance = tp x (dp x cp / R) ranks = a node
-            r = max(1, tp * dp * cp // gpus_per_node)
-        if (dp * cp) % r == 0 and edp % r == 0 and r not in out:
+            r = max(1, dims.tp * dims.dp * dims.cp // gpus_per_node)
+        if (dims.dp * dims.cp) % r == 0 and dims.edp % r == 0 and r not in out:
             out.append(r)
     return out
 

@@ -71,7 +71,7 @@ def largest_fsdp_unit(m: ModelConfig, L: Layout, pp_rank: int) -> int:
     """Elements of the biggest FSDP2 unit: a transformer layer, the embedding or the output
     layer (``distributed.fsdp2``: one unit each)."""
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
-    units = [ms.kind_params(m, moe, L.tp, L.etp, L.ep).total
+    units = [L.kind_params(m, moe).total
              for n, moe in zip(kinds, (False, True)) if n]
     units += [ms.embedding_params(m, L.tp), ms.head_params(m, L.tp, L.pp)]
     return max(units)
@@ -80,7 +80,7 @@ def largest_fsdp_unit(m: ModelConfig, L: Layout, pp_rank: int) -> int:
 def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision,
               opts: ActivationOptions, gloo: bool, overlap: bool,
               bucket_elements: int) -> Dict[str, object]:
-    params = ms.stage_params(m, pp_rank, L.tp, L.pp, L.vpp, L.etp, L.ep, *L.stage_split)
+    params = L.stage_params(m, pp_rank)
     d = L.dense_shards
     st = layout_state_bytes(params, L, prec)
     act = activation_bytes(m, L, seq, pp_rank, opts)
@@ -165,7 +165,7 @@ def predict_step_peak(cfg: MegaliteConfig, rank: int, *, gloo: Optional[bool] = 
     local = cfg.model.transformer_impl != "transformer_engine"
     L = layout_from_config(cfg)
     prec = Precision.bf16(grad_bytes) if cfg.optimizer.bf16 else Precision.fp32()
-    pp_rank = rank // (cfg.world_size // L.pp)
+    pp_rank = L.pp_rank_of(rank)
     opts = ActivationOptions(kernel == "flash", tuple(cfg.training.recompute_modules or ()),
                              1 if cfg.optimizer.bf16 else 2, local, kernel == "unfused")
     return step_peak(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts, gloo,

@@ -189,14 +189,12 @@ def predict(cfg, rank: int) -> dict:
 
 def kept_state_bytes(cfg, rank: int) -> dict:
     """Weights / grads / optimizer bytes rank ``rank`` keeps between steps."""
-    from megalite.planner import model_spec as ms
     from megalite.planner.layout import layout_from_config
     from megalite.planner.memory import Precision, layout_state_bytes
 
     L = layout_from_config(cfg)
     half = cfg.optimizer.bf16 or cfg.optimizer.fp16
-    params = ms.stage_params(cfg.model, rank // (cfg.world_size // L.pp), L.tp, L.pp, L.vpp,
-                             L.etp, L.ep, *L.stage_split)
+    params = L.stage_params(cfg.model, L.pp_rank_of(rank))
     return layout_state_bytes(params, L, Precision.bf16() if half else Precision.fp32())
 
 

@@ -17,17 +17,21 @@ TP/PP/VPP/DP/CP/EP; the parts' JSON values go to metadata.json.  This module own
 the marker and manifest, a failure on any rank as one line on every rank, --async-save,
 keep-last-N, the fallback to the newest complete iteration, and which parts a load takes
 (--finetune, --no-load-optim, --no-load-rng).
+
+Its two entry points take what they save, never the training loop:
+``save(TrainState, CheckpointConfig, iteration)`` and ``load(TrainState, CheckpointConfig)``;
+a ``TrainState`` carries its parallel state, the run's description and the save preparation.
 """
 from __future__ import annotations
 
-import dataclasses
+import copy
 import functools
 import json
 import os
 import shutil
 import threading
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,26 +41,16 @@ from megalite.checkpointing import manifest as mf
 from megalite.checkpointing.dcp_format import (CheckpointIOError, ChunkedTensor, load_chunked,
                                                save_chunked, saved_tensors)
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
-from megalite.distributed.replicas import check_replicas
+from megalite.config import CheckpointConfig
 from megalite.errors import CheckpointError
 from megalite.training import checkpoint_io_policy as policy
 from megalite.training.legacy_checkpoint import load_legacy_checkpoint
-from megalite.training.train_state import (check_against, from_metadata, merge,
-                                           single_process, tensors_of, to_metadata,
-                                           training_state)
+from megalite.training.train_state import (TrainState, check_against, from_metadata, merge,
+                                           single_process, tensors_of, to_metadata)
 
 
-def run_layout(trainer) -> dict:
-    p = trainer.cfg.parallel
-    out = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep, "world_size": trainer.cfg.world_size,
-           "vpp": trainer.state.vpp_size, "bf16": trainer.cfg.optimizer.bf16}
-    if p.use_distributed_optimizer:
-        out["distributed_optimizer"] = True
-    return out
-
-
-def _single(trainer) -> bool:
-    return single_process(trainer.state)
+def _single(ts: TrainState) -> bool:
+    return single_process(ts.parallel)
 
 
 def _gather(obj, single: bool = False, handle=None) -> list:
@@ -115,74 +109,55 @@ def preflight_save_dir(root: str) -> None:
                            "folder this job may write") from None
 
 
-def _metadata(trainer) -> dict:
-    """What metadata.json says about the run (JSON only; readers of the interim format
-    find ``model``, the TP/PP sizes and ``extra`` where they always were).  The state's
-    own values are added by ``capture_training_state``."""
-    cfg, d = trainer.cfg, trainer.cfg.data
-    tokenizer = {"tokenizer_type": d.tokenizer_type,
-                 "tokenizer_model": os.path.abspath(d.tokenizer_model)
-                 if d.tokenizer_model else None, "vocab_size": cfg.model.vocab_size}
-    return {"format": FORMAT, "optimizer_step": None, "rng_ranks": [],
-            "layout": run_layout(trainer),
-            "tensor_model_parallel_size": cfg.parallel.tp,
-            "pipeline_model_parallel_size": cfg.parallel.pp,
-            "model": dataclasses.asdict(cfg.model),
-            "extra": {"layout": run_layout(trainer), "tokenizer": tokenizer,
-                      "loop_state": {"grad_scaler": None}},
-            "args": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
-
-
-def capture_training_state(trainer, every_rank_meta: bool = False):
+def capture_training_state(ts: TrainState, every_rank_meta: bool = False):
     """(this rank's tensors as global-shape chunks, the run's JSON metadata): what a disk
     checkpoint and an in-memory snapshot hold alike -- the composition of the parts
     (``train_state.training_state``) taken once and split into the format's tensors and
     metadata.  Collective over the world (the RNG coordinates are gathered, the expert
     biases over PP).  The metadata is rank 0's alone unless ``every_rank_meta`` (a
     snapshot: every rank keeps it, any may survive)."""
-    sd = training_state(trainer).state_dict()
+    sd = ts.state_dict()
     meta = None
-    if every_rank_meta or trainer.state.rank == 0:
-        meta = merge(_metadata(trainer), to_metadata(sd))
+    if every_rank_meta or ts.parallel.rank == 0:
+        meta = merge(copy.deepcopy(ts.description), to_metadata(sd))
     return tensors_of(sd), meta
 
 
-def save_training_checkpoint(trainer) -> str:
-    """Collective over the world.  The marker moves only after every rank's files, the
-    metadata and the manifest are on disk; any rank's failure (ENOSPC, ...) raises on every
-    rank and leaves the previous checkpoint the latest.
+def save(ts: TrainState, ckpt: CheckpointConfig, iteration: int
+         ) -> Tuple[str, Optional["AsyncSave"]]:
+    """Save ``ts`` at ``iteration`` to ``ckpt.save``: (the iteration folder, the background
+    write of ``--async-save`` or None).  Collective over the world.  The marker moves only
+    after every rank's files, the metadata and the manifest are on disk; any rank's failure
+    (ENOSPC, ...) raises on every rank and leaves the previous checkpoint the latest.
 
-    With ``--async-save`` the loop stalls only while this rank's chunks are copied; the
+    With ``--async-save`` the caller stalls only while this rank's chunks are copied; the
     files, the manifest and the marker are written by a background thread over a process
-    group of its own (so its collectives never interleave with training's), and the next
-    save -- or the end of training -- waits for it first."""
-    cfg, state = trainer.cfg, trainer.state
-    finish_pending_save(trainer)
-    root = cfg.checkpoint.save
-    it_dir = mf.iteration_dir(root, trainer.iteration)
-    if mf.read_marker(root)[0] == trainer.iteration and mf.verify_iteration(it_dir) is None:
-        return it_dir                      # already saved (interval save at the last step)
+    group of its own (so its collectives never interleave with training's).  The caller
+    waits for it (``AsyncSave.wait``) before the next save and at the end of training."""
+    state = ts.parallel
+    root = ckpt.save
+    it_dir = mf.iteration_dir(root, iteration)
+    if mf.read_marker(root)[0] == iteration and mf.verify_iteration(it_dir) is None:
+        return it_dir, None                # already saved (interval save at the last step)
     started = time.perf_counter()
-    _print0(f"> saving checkpoint at iteration {trainer.iteration} to {root}")
-    trainer.strategy.wait_param_gathers()         # --overlap-param-gather: gathers in flight
-    check_replicas(trainer.model_chunks, state)   # never write drifted copies to disk
-    single = _single(trainer)
+    _print0(f"> saving checkpoint at iteration {iteration} to {root}")
+    ts.before_save()
+    single = _single(ts)
     stale = state.rank == 0 and os.path.isdir(it_dir)   # leftovers of an interrupted save
     _agree(_os_error(shutil.rmtree, it_dir) if stale else None, f"clearing {it_dir}", single)
-    sd, meta = capture_training_state(trainer)
-    keep = cfg.checkpoint.keep_last_n_checkpoints
+    sd, meta = capture_training_state(ts)
     write = functools.partial(_write_guarded, it_dir=it_dir, root=root, meta=meta,
-                              rank=state.rank, single=single, keep=keep,
-                              iteration=trainer.iteration, started=started)
-    if not cfg.checkpoint.async_save:
+                              rank=state.rank, single=single,
+                              keep=ckpt.keep_last_n_checkpoints, iteration=iteration,
+                              started=started)
+    if not ckpt.async_save:
         with policy.interruptible_save():
             write(sd, group=None)
-        return it_dir
+        return it_dir, None
     staged = {k: ChunkedTensor(v.global_shape, [(o, t.clone()) for o, t in v.chunks]
                                if v.writer else [], v.writer) for k, v in sd.items()}
     group = None if single else state.background_group().handle
-    trainer.pending_save = AsyncSave(functools.partial(write, staged, group=group))
-    return it_dir
+    return it_dir, AsyncSave(functools.partial(write, staged, group=group))
 
 
 def _write_guarded(sd, group, *, it_dir, root, meta, rank, single, keep, iteration,
@@ -254,20 +229,12 @@ class AsyncSave:
             raise self.error
 
 
-def finish_pending_save(trainer) -> None:
-    """Wait for the background save, if any (before the next save and at exit)."""
-    pending = getattr(trainer, "pending_save", None)
-    if pending is not None:
-        trainer.pending_save = None
-        pending.wait()
-
-
 def save_model_checkpoint(root: str, model_cfg: dict, full_sd: Dict[str, torch.Tensor],
                           sizes: Dict[str, int], iteration: int = 0,
                           info: Optional[dict] = None) -> str:
     """Write full (logical) model tensors as a training checkpoint -- the same DCP files,
-    metadata.json, manifest and marker ``save_training_checkpoint`` writes, weights only --
-    from one process (what ``tools/checkpoint/convert.py`` writes).
+    metadata.json, manifest and marker ``save`` writes, weights only -- from one process
+    (what ``tools/checkpoint/convert.py`` writes).
 
     Each tensor is cut into the chunks the ranks of the layout ``sizes`` ({"tp", "ep",
     "expert-tp": size}) hold, so a run at that layout reads exactly its own pieces; DCP
@@ -361,32 +328,34 @@ def select_checkpoint(root: str, single: bool = False, wanted: Optional[int] = N
     return it
 
 
-def load_training_checkpoint(trainer) -> None:
-    cfg = trainer.cfg
-    root = cfg.checkpoint.load
+def load(ts: TrainState, ckpt: CheckpointConfig) -> None:
+    """Bring ``ts`` to the checkpoint ``ckpt.load`` names (the newest complete one, or
+    ``--ckpt-step``), DCP or pre-DCP, at any layout.  Collective over the world."""
+    root = ckpt.load
     started = time.perf_counter()
-    if not os.path.isdir(root) and root == cfg.checkpoint.save:
+    if not os.path.isdir(root) and root == ckpt.save:
         _print0(f"> no checkpoint in {root} yet: starting from scratch")
         return
     if not os.path.isdir(root):
         raise CheckpointError(f"--load: '{root}' does not exist; give the folder a run saved "
                               "with --save")
     if not os.path.isfile(os.path.join(root, mf.MARKER)) and not mf.saved_iterations(root):
-        if root == cfg.checkpoint.save:
+        if root == ckpt.save:
             _print0(f"> no checkpoint in {root} yet: starting from scratch")
             return
         raise CheckpointError(f"--load: '{root}' holds no checkpoint (no {mf.MARKER}, no "
                               "iter_* folder); give the folder a run saved with --save")
     iteration = _legacy_iteration(root)
     if iteration is not None:
-        load_legacy_checkpoint(trainer, root, iteration, run_layout(trainer))
+        load_legacy_checkpoint(ts, ckpt, root, iteration)
     else:
-        iteration = select_checkpoint(root, _single(trainer), cfg.checkpoint.ckpt_step)
+        iteration = select_checkpoint(root, _single(ts), ckpt.ckpt_step)
         if iteration is None:
             raise CheckpointError(f"--load: no checkpoint found in '{root}'")
-        _load_dcp(trainer, mf.iteration_dir(root, iteration))
-    seen = set(map(tuple, _gather([iteration, trainer.iteration, trainer.consumed_samples],
-                                  _single(trainer))))
+        _load_dcp(ts, ckpt, mf.iteration_dir(root, iteration))
+    position = ts.part("data")
+    seen = set(map(tuple, _gather([iteration, position.iteration, position.consumed["train"]],
+                                  _single(ts))))
     if len(seen) != 1:
         raise RuntimeError(f"ranks loaded different checkpoints from {root}: {sorted(seen)}")
     _print0(policy.loaded_line(iteration, mf.iteration_dir(root, iteration), started))
@@ -404,15 +373,16 @@ def _legacy_iteration(root: str) -> Optional[int]:
     return None
 
 
-def _load_dcp(trainer, it_dir: str) -> None:
+def _load_dcp(ts: TrainState, ckpt: CheckpointConfig, it_dir: str) -> None:
     with open(os.path.join(it_dir, "metadata.json")) as f:
         meta = json.load(f)
-    restore_training_state(trainer, meta, saved_tensors(it_dir), it_dir,
-                           lambda sd: load_chunked(sd, it_dir, _single(trainer)))
+    restore_training_state(ts, ckpt, meta, saved_tensors(it_dir), it_dir,
+                           lambda sd: load_chunked(sd, it_dir, _single(ts)))
 
 
-def restore_training_state(trainer, meta: dict, saved, where: str, fill) -> None:
-    """Bring ``trainer`` to the state ``capture_training_state`` took: ``saved`` is the
+def restore_training_state(ts: TrainState, ckpt: CheckpointConfig, meta: dict, saved,
+                           where: str, fill) -> None:
+    """Bring ``ts`` to the state ``capture_training_state`` took: ``saved`` is the
     index of what the source holds ({key: DCP tensor metadata}: global size, dtype),
     ``where`` names the source in messages, and ``fill(sd)`` writes the source's values
     into the target tensors of ``sd`` in place, resharded to this rank's layout (DCP for a
@@ -421,8 +391,7 @@ def restore_training_state(trainer, meta: dict, saved, where: str, fill) -> None
     The policy is the checkpointer's: which parts load (``--finetune``: the weights
     only; ``--no-load-optim`` / ``--no-load-rng``; a source without optimizer state) and
     what is said about the rest; the parts do the rest."""
-    c = trainer.cfg.checkpoint
-    everything = training_state(trainer)
+    c, everything = ckpt, ts
     values = from_metadata(meta)
     skip = set()
     if c.finetune:
@@ -449,4 +418,5 @@ def restore_training_state(trainer, meta: dict, saved, where: str, fill) -> None
                 f"seeded state")
     else:
         _print0(f"> RNG state not loaded: no rank of {where} had this rank's TP/PP/CP/VPP "
-                f"coordinates ({run_layout(trainer)}); generators keep their seeded state")
+                f"coordinates ({ts.description.get('layout')}); generators keep their "
+                f"seeded state")

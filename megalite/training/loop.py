@@ -38,6 +38,7 @@ from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
+from megalite.training import checkpoint, train_state
 from megalite.training.faults import ExitWatcher, check_finite
 from megalite.transformer.loss_reduction import (extra_term_scale, global_loss_tokens,
                                                  reduce_extra_terms, reduce_lm_loss)
@@ -134,9 +135,7 @@ class Trainer:
         self.scheduler = None if cfg.training.skip_train else \
             scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...
         if cfg.checkpoint.save:             # a bad --save fails now, not at the first save
-            from megalite.training.checkpoint import preflight_save_dir
-
-            preflight_save_dir(cfg.checkpoint.save)
+            checkpoint.preflight_save_dir(cfg.checkpoint.save)
         from megalite.elastic.resume import load_resume_state, resume_source
 
         source = resume_source(cfg)            # --load, or this run's own newest state
@@ -349,16 +348,20 @@ class Trainer:
                 break
 
     def save(self):
-        from megalite.training.checkpoint import save_training_checkpoint
-
         site.phase = "checkpoint"
-        save_training_checkpoint(self)
+        self.finish_saves()                 # the previous --async-save first
+        _, self.pending_save = checkpoint.save(train_state.training_state(self),
+                                               self.cfg.checkpoint, self.iteration)
 
     def finish_saves(self):
         """Wait until a background (--async-save) checkpoint is complete on disk."""
-        from megalite.training.checkpoint import finish_pending_save
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            pending.wait()
 
-        finish_pending_save(self)
+    def load_checkpoint(self):
+        """Resume from ``--load`` (``checkpoint.load``: the newest complete checkpoint)."""
+        checkpoint.load(train_state.training_state(self), self.cfg.checkpoint)
 
 
 def peak_memory_bytes(device: str) -> int:

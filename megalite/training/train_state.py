@@ -26,13 +26,18 @@ earlier version and ``tools/checkpoint/convert.py`` outputs keep loading.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import dataclasses
+import json
+import os
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megalite import comm
 from megalite.checkpointing.dcp_format import ChunkedTensor
+from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
+from megalite.distributed.replicas import check_replicas
 from megalite.errors import CheckpointError
 
 # (part, key or None for the part's whole state) -> its places in metadata.json; a save
@@ -53,20 +58,34 @@ METADATA_PLACES: Dict[Tuple[str, Optional[str]], Tuple[Tuple[str, ...], ...]] = 
 
 class TrainState:
     """``parts``: (name, Stateful) in load order.  ``state_dict()`` is {name: the part's
-    state}, as DCP nests Statefuls; ``tensors`` / ``values`` split it for the format."""
+    state}, as DCP nests Statefuls; ``tensors`` / ``values`` split it for the format.
 
-    def __init__(self, parts: Sequence[Tuple[str, Stateful]]):
+    What a checkpointer needs beside the parts comes with them, so it never reaches into
+    the loop: ``parallel`` (the ``ParallelState``: rank, world, background group),
+    ``description`` (metadata.json's record of the run: ``run_description``) and
+    ``before_save`` (run before the state is read: parameter gathers in flight finish,
+    replicated copies are checked)."""
+
+    def __init__(self, parts: Sequence[Tuple[str, Stateful]], parallel=None,
+                 description: Optional[dict] = None,
+                 before_save: Optional[Callable[[], None]] = None):
         self.parts: List[Tuple[str, Stateful]] = list(parts)
         for name, part in self.parts:
             if not isinstance(part, Stateful):
                 raise TypeError(f"training-state part '{name}' is not a DCP Stateful")
+        self.parallel, self.description = parallel, description or {}
+        self.before_save = before_save or (lambda: None)
 
     def names(self) -> List[str]:
         return [n for n, _ in self.parts]
 
+    def part(self, name: str) -> Optional[Stateful]:
+        return dict(self.parts).get(name)
+
     def subset(self, names: Iterable[str]) -> "TrainState":
         keep = set(names)
-        return TrainState([(n, p) for n, p in self.parts if n in keep])
+        return TrainState([(n, p) for n, p in self.parts if n in keep], self.parallel,
+                          self.description, self.before_save)
 
     def state_dict(self) -> Dict[str, dict]:
         return {name: part.state_dict() for name, part in self.parts}
@@ -140,8 +159,6 @@ def merge(meta: dict, more: dict) -> dict:
 
 def check_against(targets: Dict[str, dict], saved: dict, where: str) -> None:
     """Every target the source must hold is there, in its global shape."""
-    import os
-
     for key, obj in tensors_of(targets).items():
         if key in saved and tuple(saved[key].size) != tuple(obj.size()):
             raise CheckpointError(f"{os.path.join(where, '.metadata')}: '{key}' has shape "
@@ -165,14 +182,46 @@ def world_gather(obj, state) -> list:
     return [obj] if single_process(state) else comm.all_gather_object(obj, state.world_group())
 
 
+def run_layout(cfg) -> dict:
+    """metadata.json's ``layout``: the run's ``ParallelDims`` sizes (expert-TP included;
+    ``ParallelDims.normalize_metadata`` reads older entries without it) and precision."""
+    out = {**cfg.parallel_dims.to_metadata(), "bf16": cfg.optimizer.bf16}
+    if cfg.parallel.use_distributed_optimizer:
+        out["distributed_optimizer"] = True
+    return out
+
+
+def run_description(cfg) -> dict:
+    """What metadata.json says about the run (JSON only; readers of the interim format
+    find ``model``, the TP/PP sizes and ``extra`` where they always were).  The parts' own
+    values are added by the checkpointer's capture."""
+    d = cfg.data
+    tokenizer = {"tokenizer_type": d.tokenizer_type,
+                 "tokenizer_model": os.path.abspath(d.tokenizer_model)
+                 if d.tokenizer_model else None, "vocab_size": cfg.model.vocab_size}
+    return {"format": FORMAT, "optimizer_step": None, "rng_ranks": [],
+            "layout": run_layout(cfg),
+            "tensor_model_parallel_size": cfg.parallel.tp,
+            "pipeline_model_parallel_size": cfg.parallel.pp,
+            "model": dataclasses.asdict(cfg.model),
+            "extra": {"layout": run_layout(cfg), "tokenizer": tokenizer,
+                      "loop_state": {"grad_scaler": None}},
+            "args": json.loads(json.dumps(dataclasses.asdict(cfg), default=str))}
+
+
 def training_state(trainer) -> TrainState:
     """The composition of ``trainer``'s parts (module docstring), in load order: the
-    weights first (the masters follow them), the optimizer after (its masters win)."""
+    weights first (the masters follow them), the optimizer after (its masters win); with
+    the run's description and the save preparation the checkpointer takes along."""
     from megalite.checkpointing.sharded_state import ModelState
     from megalite.moe.moe_layer import ExpertBiasState
     from megalite.tensor_parallel.rng_state import RNGState
 
     chunks, state, strategy = trainer.model_chunks, trainer.state, trainer.strategy
+
+    def before_save():
+        strategy.wait_param_gathers()         # --overlap-param-gather: gathers in flight
+        check_replicas(chunks, state)         # never write drifted copies to disk
     parts: List[Tuple[str, Stateful]] = [
         ("model", ModelState(chunks, state, on_load=strategy.reload_model_params))]
     if trainer.cfg.model.moe_router_enable_expert_bias:
@@ -183,4 +232,4 @@ def training_state(trainer) -> TrainState:
     parts += [("optimizer", strategy.state_part(chunks)),
               ("rng", RNGState(chunks, state, trainer.device,
                                lambda obj: world_gather(obj, state)))]
-    return TrainState(parts)
+    return TrainState(parts, state, run_description(trainer.cfg), before_save)

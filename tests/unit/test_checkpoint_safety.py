@@ -69,9 +69,9 @@ def test_malicious_pickle_never_runs(two_saves, tmp_path, monkeypatch):
     legacy = tmp_path / "legacy"
     t = _trainer()
     from megalite.checkpointing.model_io import save_model_shards
-    from megalite.training.checkpoint import run_layout
+    from megalite.training.train_state import run_layout
     save_model_shards(str(legacy), 0, t.model_chunks, t.cfg, t.state,
-                      {"consumed_samples": 0, "layout": run_layout(t)})
+                      {"consumed_samples": 0, "layout": run_layout(t.cfg)})
     os.makedirs(legacy / "iter_0000000" / "optim")
     torch.save({"optimizer": Payload(), "rng": {}}, legacy / "iter_0000000" / "optim" /
                "rank_00000.pt")
@@ -186,13 +186,13 @@ def test_legacy_checkpoint_still_resumes_exactly(tmp_path):
     """A pre-DCP checkpoint (model shards + per-rank optimizer/RNG file, as the interim
     format wrote them) resumes at the same layout bit for bit, read with weights_only."""
     from megalite.checkpointing.model_io import save_model_shards
-    from megalite.training.checkpoint import run_layout
+    from megalite.training.train_state import run_layout
 
     t = _trainer()
     train_steps(t, 2)
     root = tmp_path / "legacy"
     save_model_shards(str(root), 2, t.model_chunks, t.cfg, t.state,
-                      {"consumed_samples": t.consumed_samples, "layout": run_layout(t)})
+                      {"consumed_samples": t.consumed_samples, "layout": run_layout(t.cfg)})
     os.makedirs(root / "iter_0000002" / "optim")
     torch.save({"optimizer": t.optimizer.state_dict(),
                 "rng": {"cpu": torch.get_rng_state(),

@@ -112,3 +112,38 @@ def test_device_mesh_layout_matches_groups(world, tp, cp, pp, ep, etp):
         for axis, name in enumerate(names):
             along = np.moveaxis(array, axis, -1).reshape(-1, array.shape[axis]).tolist()
             assert sorted(along) == sorted(grid.groups(name)), (which, name)
+
+
+def test_parallel_dims_is_the_one_layout():
+    """RankGrid, the planner's Layout, a config and a checkpoint's metadata all read one
+    ParallelDims; the derived sizes are its own."""
+    from megalite.config import MegaliteConfig, ParallelDims
+    from megalite.planner.layout import Layout
+
+    dims = ParallelDims(world=16, tp=2, cp=2, pp=2, ep=4, etp=1, dp_instances=2)
+    assert (dims.dp, dims.edp, dims.dense_shards, dims.expert_shards) == (2, 2, 2, 1)
+    assert dims.world_step == 8 and [dims.pp_rank_of(r) for r in (0, 7, 8, 15)] == [0, 0, 1, 1]
+    assert ParallelDims(world=8, tp=2).etp == 2                  # expert-TP defaults to TP
+    grid = RankGrid(dims)
+    assert grid.parallel_dims is dims and grid.dp_instances == 2
+    assert grid.dims == {"dense": dims.grid_sizes("dense"), "expert": dims.grid_sizes("expert")}
+    same = RankGrid(16, tp=2, cp=2, pp=2, ep=4, etp=1, dp_instances=2)
+    assert all(grid.groups(n) == same.groups(n) for n in GROUP_TOKENS)
+    with pytest.raises(ValueError, match="world size 12 does not fit tp=2 cp=2 pp=2"):
+        RankGrid(dims.with_world(12))
+
+    cfg = MegaliteConfig(world_size=16)
+    cfg.model.num_layers = 4
+    cfg.parallel.apply_dims(dims)            # the planner's way from a layout to flags
+    assert cfg.parallel_dims == dims and cfg.data_parallel_size == 2
+    layout = Layout(dims=dims, micro_batch=2, global_batch=16)
+    assert (layout.tp, layout.etp, layout.dp, layout.instances) == (2, 1, 2, 2)
+    assert layout.num_micro_batches == 4 and layout.to_dict()["instances"] == 2
+    assert Layout(world=8, tp=2).etp == 1    # a planner candidate names its expert-TP
+
+    meta = dims.to_metadata()
+    assert meta == {"tp": 2, "pp": 2, "cp": 2, "ep": 4, "expert_tp": 1, "world_size": 16,
+                    "vpp": 1}
+    older = {k: v for k, v in ParallelDims(world=16, tp=2).to_metadata().items()
+             if k != "expert_tp"}            # written before expert-TP was recorded
+    assert ParallelDims.normalize_metadata(older) == ParallelDims(world=16, tp=2).to_metadata()

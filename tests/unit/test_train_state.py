@@ -7,6 +7,7 @@
 * the composition is what a save writes and what a load reads (a probe part added to it
   lands in the DCP files and comes back), and the per-split data position (valid samples
   evaluated) survives a save and a resume; a checkpoint without it reads 0."""
+import dataclasses
 import json
 
 import pytest
@@ -97,7 +98,7 @@ def test_every_part_is_stateful_and_round_trips(case):
     assert steps[0] == steps[1]
 
 
-def test_a_save_writes_the_composition_and_a_load_reads_it(tmp_path, monkeypatch):
+def test_a_save_writes_the_composition_and_a_load_reads_it(tmp_path):
     flags = ["--save", str(tmp_path / "ckpt")]
     source = _trained(flags)
     composed = ts.training_state(source).state_dict()
@@ -117,14 +118,13 @@ def test_a_save_writes_the_composition_and_a_load_reads_it(tmp_path, monkeypatch
         def load_state_dict(self, sd):
             loaded["x"] = sd["x"].chunks[0][1].clone()
 
-    real = ts.training_state
-
     def with_probe(trainer):
-        state = real(trainer)
-        return ts.TrainState([*state.parts, ("probe", Probe(torch.tensor([1.0, 2.0, 3.0])))])
+        state = ts.training_state(trainer)
+        return ts.TrainState([*state.parts, ("probe", Probe(torch.tensor([1.0, 2.0, 3.0])))],
+                             state.parallel, state.description, state.before_save)
 
-    monkeypatch.setattr(ckpt, "training_state", with_probe)
-    it_dir = ckpt.save_training_checkpoint(source)
+    it_dir, pending = ckpt.save(with_probe(source), source.cfg.checkpoint, source.iteration)
+    assert pending is None                         # no --async-save
     on_disk = saved_tensors(it_dir)
     assert set(on_disk) == set(ts.tensors_of(composed)) | {"probe.x"}
     meta = json.load(open(f"{it_dir}/metadata.json"))
@@ -132,8 +132,11 @@ def test_a_save_writes_the_composition_and_a_load_reads_it(tmp_path, monkeypatch
     assert meta["extra"]["loop_state"] == {"skipped_samples": 0, "skipped_iterations": 0,
                                            "grad_scaler": None}
     assert meta["iteration"] == 2 and meta["optimizer_step"] == 2.0 and meta["rng_ranks"]
+    assert meta["layout"] == {**source.cfg.parallel_dims.to_metadata(), "bf16": False}
 
-    resumed = build_cpu_trainer([*TINY, "--load", str(tmp_path / "ckpt")], 1)
+    resumed = build_cpu_trainer(TINY, 1)
+    ckpt.load(with_probe(resumed), dataclasses.replace(resumed.cfg.checkpoint,
+                                                       load=str(tmp_path / "ckpt")))
     assert torch.equal(loaded["x"], torch.tensor([1.0, 2.0, 3.0]))
     assert resumed.iteration == 2 and resumed.position.consumed == {"train": 8, "valid": 4,
                                                                     "test": 0}
