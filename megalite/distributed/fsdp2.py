@@ -9,8 +9,9 @@ torchtitan's ``apply_fsdp_to_decoder`` does:
 * units: the model family's (``ModelFamily.fsdp_units``; GPT's: one per transformer layer,
   one for the embedding, one for the output layer, a tied embedding in the root); the root
   takes what is left.  The parallelize step (``models/parallelize.py``) calls
-  ``shard_chunk`` once the chunk is on its device in its dtype; the strategy owns the step,
-  not the sharding;
+  ``shard_chunk`` on a chunk built on the meta device, before any value exists, then
+  allocates and initialises only this rank's shards; the strategy owns the step, not the
+  sharding;
 * meshes (``fsdp_meshes``), built from ``ParallelState``'s own groups: dense parameters are
   sharded over DP x CP ("dp-cp": CP ranks saw other tokens of the same sequences, so their
   gradients are summed there anyway); routed experts over expert-DP -- a unit of their own
