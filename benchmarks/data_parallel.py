@@ -274,8 +274,8 @@ def run_build(pool, worlds=(2, 4)):
                 print(f"{world:2d} {rank:4d} {r['name']:18s} {r['peak']:11d} {r['end']:11d} "
                       f"{r['local']:11d} {r['whole']:11d} {r['peak'] / r['whole']:10.3f}")
     print("(FSDP2: the chunk is built on the meta device, fully sharded, then only this rank's "
-          "shards are allocated and initialised -- the transient is one parameter's full "
-          "tensor, drawn from its name-seeded generator.  'FSDP2 whole first': the previous "
+          "shards are allocated and initialised -- the transient is a parameter's full "
+          "tensor, drawn from its name-seeded generator, and its slice.  'FSDP2 whole first': the previous "
           "order, whole model initialised on CPU before fully_shard)")
 
 
