@@ -158,6 +158,40 @@ def shard_chunk(chunk, cfg, state, units, device: Optional[str] = None) -> list:
     return modules
 
 
+def materialize_shards(chunk, device) -> None:
+    """Allocate a chunk fully sharded on the meta device on ``device``: only this rank's
+    shards (uninitialised; the parallelize step fills them next).  Buffers start at zero:
+    the only ones a model holds (the MoE router's expert bias) do.
+
+    ``Module.to_empty`` would do the allocation, but it swaps DTensor parameters in place,
+    which fails while anything holds a weak reference to them (torch's profiler under the
+    tensor-memory meter does): new parameter objects are set instead, and FSDP2 adopts them
+    the way its own ``_apply`` does (``reset_sharded_param``)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for module in chunk.modules():
+        for name, p in module._parameters.items():
+            if p is None or not p.is_meta:
+                continue
+            if isinstance(p, DTensor):
+                local = torch.empty_like(p.to_local(), device=device)
+                new = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                         shape=p.shape, stride=p.stride())
+            else:
+                new = torch.empty_like(p, device=device)
+            module._parameters[name] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.zeros_like(b, device=device)
+    with torch.no_grad():
+        for module in chunk.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.reset_sharded_param()
+
+
 def expected_collectives(chunks, num_micro_batches: int, pipelined: bool) -> dict:
     """``{"group/op": elements}`` FSDP2 should issue on this rank in one step, from its real
     units (the theory the counters are held to): every unit's parameters, dim 0 padded to

@@ -126,42 +126,6 @@ def initialize_chunk(chunk: nn.Module, cfg, state) -> None:
     tie_shared_embedding(chunk, state)
 
 
-def materialize(chunk: nn.Module, device) -> None:
-    """Allocate a chunk built on the meta device on ``device``: after ``fully_shard`` only
-    this rank's shards.  Every parameter is filled by ``initialize_chunk`` next; the only
-    buffers a model holds (the MoE router's expert bias) start at zero.
-
-    ``Module.to_empty`` would do the allocation, but it swaps DTensor parameters in place,
-    which fails while anything holds a weak reference to them (torch's profiler under the
-    tensor-memory meter does): new parameter objects are set instead, and FSDP2 adopts them
-    the way its own ``_apply`` does (``reset_sharded_param``)."""
-    from torch.distributed.fsdp import FSDPModule           # FSDP2 runs only here
-    from torch.distributed.tensor import DTensor
-
-    unset = [n for n, _, spec in chunk.param_table.named(chunk) if spec.init is None]
-    assert not unset, f"parameters without an init rule cannot start on meta: {unset}"
-    for module in chunk.modules():
-        for name, p in module._parameters.items():
-            if p is None or not p.is_meta:
-                continue
-            if isinstance(p, DTensor):
-                local = torch.empty_like(p.to_local(), device=device)
-                new = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
-                                         shape=p.shape, stride=p.stride())
-            else:
-                new = torch.empty_like(p, device=device)
-            module._parameters[name] = nn.Parameter(new, requires_grad=p.requires_grad)
-        for name, b in module._buffers.items():
-            if b is not None and b.is_meta:
-                module._buffers[name] = torch.zeros_like(b, device=device)
-    with torch.no_grad():
-        for module in chunk.modules():
-            if isinstance(module, FSDPModule):
-                for group in module._get_fsdp_state()._fsdp_param_groups:
-                    for fsdp_param in group.fsdp_params:
-                        fsdp_param.reset_sharded_param()
-
-
 def round_to(chunk: nn.Module, dtype: Optional[torch.dtype]) -> None:
     """FSDP2 keeps fp32 shards (the optimizer's masters) under --bf16/--fp16: round them
     through the training dtype, so they start from the values a DDP rank's half-precision
@@ -178,7 +142,8 @@ def shard_then_initialize(chunk: nn.Module, cfg, state, device, dtype) -> None:
     """Step 6 under --use-torch-fsdp2, before the values: ``fully_shard`` (on the meta
     device when the chunk was built there), then allocate and initialize only this rank's
     shards -- a ZeRO-3 rank never holds its whole model."""
-    from megalite.distributed.fsdp2 import shard_chunk   # upper layer: FSDP2 runs only here
+    # FSDP2 lives in a higher layer (distributed/); imported here only when it is used
+    from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
 
     target = torch.device(device) if device is not None else \
         next(chunk.parameters()).device
@@ -186,7 +151,9 @@ def shard_then_initialize(chunk: nn.Module, cfg, state, device, dtype) -> None:
         chunk.to(device=target)
     shard_chunk(chunk, cfg, state, fsdp_units(chunk), device=target.type)
     if is_meta(chunk) and target.type != "meta":
-        materialize(chunk, target)
+        unset = [n for n, _, spec in chunk.param_table.named(chunk) if spec.init is None]
+        assert not unset, f"parameters without an init rule cannot start on meta: {unset}"
+        materialize_shards(chunk, target)
     if not is_meta(chunk):
         initialize_chunk(chunk, cfg, state)
         round_to(chunk, dtype)
