@@ -6,7 +6,7 @@ reduce-scatters its gradients when the unit's backward is done -- the overlap co
 own streams / background work.  We only decide the units, the meshes and the policy, as
 torchtitan's ``apply_fsdp_to_decoder`` does:
 
-* units: the model family's (``ModelFamily.fsdp_units``; GPT's: one per transformer layer,
+* units: the parallelize step's (``models.parallelize.fsdp_units``: one per transformer layer,
   one for the embedding, one for the output layer, a tied embedding in the root); the root
   takes what is left.  The parallelize step (``models/parallelize.py``) calls
   ``shard_chunk`` on a chunk built on the meta device, before any value exists, then

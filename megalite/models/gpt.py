@@ -97,9 +97,9 @@ class GPTModel(DrawsFromTracker, nn.Module):
     The constructor builds modules and (TP-sharded) parameters from ``spec`` (a backend's
     ``LayerSpec``; the plain local one when None) and knows no training policy: the
     parallelize step (``models/parallelize.py``) attaches the RNG tracker, recompute,
-    compile, initial values and FSDP2.  ``build_chunk`` below does both, for every
-    chunk of a run (the model family's ``build_model_chunks``), tools and tests.  Until parallelized,
-    parameters hold raw values and dropout forks nothing.
+    compile, initial values and FSDP2.  ``build_chunk`` below does both, for every chunk
+    of a run (the model family's ``build_model_chunks``), tools and tests.  Until
+    parallelized, parameters hold raw values and dropout forks nothing.
     """
 
     def __init__(self, cfg, state, pre_process: bool = True, post_process: bool = True,

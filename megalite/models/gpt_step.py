@@ -1,7 +1,8 @@
 """GPT's training step for the generic loop: what Megatron keeps in ``pretrain_gpt.py``.
 
-``GPT_FAMILY`` bundles ``build_model_chunks`` (``models/stages.py``), ``get_batch`` and ``forward_step`` (whose
-``loss_func`` is the masked per-token loss over the global token count).  Extra loss terms
+``GPT_FAMILY`` bundles ``build_model_chunks`` (``models/stages.py``), ``get_batch`` and
+``forward_step`` (whose ``loss_func`` is the masked per-token loss over the global token
+count).  Extra loss terms
 that modules register (``transformer/extra_losses.py``) join the backward of the chunk
 that computed them and are logged under their names: the MoE layers' aux and z losses
 (``moe/router.py``) and the MTP depths' losses (``transformer/mtp.py``); ``after_train_step`` adds the per-layer expert-load statistics.

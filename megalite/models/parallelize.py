@@ -161,7 +161,8 @@ def shard_then_initialize(chunk: nn.Module, cfg, state, device, dtype) -> None:
 
 def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=None,
                       dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Steps 2-6 on one pipeline chunk, in place; returns it.
+    """Steps 2-6 on one pipeline chunk, in place; returns it (step 7 follows the
+    strategy: ``attach_data_parallel``).
 
     ``rng_tracker``: the rank's tracker (``stage_rng_tracker`` when None: one chunk alone);
     ``device`` / ``dtype``: where and in what the chunk trains (unchanged when None).  A
@@ -182,12 +183,6 @@ def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=
     if device is not None or dtype is not None:
         chunk.to(device=device, dtype=dtype)
     return chunk
-
-
-def parallelize_chunks(chunks: Sequence[nn.Module], cfg, state, **kwargs) -> list:
-    """``parallelize_chunk`` on each of a rank's chunks, with the one tracker they share."""
-    tracker = kwargs.pop("rng_tracker", None) or stage_rng_tracker(cfg, state)
-    return [parallelize_chunk(c, cfg, state, rng_tracker=tracker, **kwargs) for c in chunks]
 
 
 def attach_data_parallel(chunks: Sequence[nn.Module], strategy):
