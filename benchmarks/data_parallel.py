@@ -20,7 +20,8 @@
 * build -- the peak of live tensor bytes while a rank builds and parallelizes its model,
   DDP next to FSDP2 (built on meta, only the shards allocated) and FSDP2 built whole first.
 
-    python benchmarks/data_parallel.py [comm memory build overlap compose] [--svg docs/img/dp_overlap.svg]
+    python benchmarks/data_parallel.py [comm memory build overlap compose]
+                                       [--svg docs/img/dp_overlap.svg]
 """
 from __future__ import annotations
 
@@ -273,10 +274,10 @@ def run_build(pool, worlds=(2, 4)):
             for r in rows:
                 print(f"{world:2d} {rank:4d} {r['name']:18s} {r['peak']:11d} {r['end']:11d} "
                       f"{r['local']:11d} {r['whole']:11d} {r['peak'] / r['whole']:10.3f}")
-    print("(FSDP2: the chunk is built on the meta device, fully sharded, then only this rank's "
-          "shards are allocated and initialised -- the transient is a parameter's full "
-          "tensor, drawn from its name-seeded generator, and its slice.  'FSDP2 whole first': the previous "
-          "order, whole model initialised on CPU before fully_shard)")
+    print("(FSDP2: the chunk is built on the meta device, fully sharded, then only this "
+          "rank's shards are allocated and initialised -- the transient is a parameter's "
+          "full tensor, drawn from its name-seeded generator, and its slice.  'FSDP2 whole "
+          "first': the previous order, whole model initialised on CPU before fully_shard)")
 
 
 # -- overlap ------------------------------------------------------------------------------
