@@ -167,7 +167,7 @@ def materialize_shards(chunk, device) -> None:
     which fails while anything holds a weak reference to them (torch's profiler under the
     tensor-memory meter does): new parameter objects are set instead, and FSDP2 adopts them
     the way its own ``_apply`` does (``reset_sharded_param``)."""
-    # start-up time: torch.distributed.tensor/fsdp take seconds to import, FSDP2 runs only
+    # start-up time: torch.distributed.tensor / fsdp take seconds to import; only FSDP2 needs them
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
