@@ -16,14 +16,18 @@
   sharding (HSDP, FSDP2 and the distributed optimizer), issue 26: per rank, the data-parallel
   collectives of one step measured by the counters next to the theory from the rank's real
   FSDP units (``fsdp2.expected_collectives``) and the planner's prediction, then the step's
-  peak of live tensor bytes next to ``planner.step_peak``.
+  peak of live tensor bytes next to ``planner.step_peak``;
+* build -- the peak of live tensor bytes while a rank builds and parallelizes its model,
+  DDP next to FSDP2 (built on meta, only the shards allocated) and FSDP2 built whole first.
 
-    python benchmarks/data_parallel.py [comm memory overlap compose] [--svg docs/img/dp_overlap.svg]
+    python benchmarks/data_parallel.py [comm memory build overlap compose]
+                                       [--svg docs/img/dp_overlap.svg]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -212,6 +216,70 @@ def run_memory(pool):
           "the profiler, from before the model is built; planner: planner.step_peak)")
 
 
+# -- build --------------------------------------------------------------------------------
+# the layers hold most weights (as in a real model): the transient of the build, one
+# parameter's full tensor or two, is small next to the whole model
+BUILD_MODEL = ["--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "1024",
+               "--vocab-size", "2048", "--seq-length", "32"]
+BUILD_CASES = {"DDP": [], "FSDP2": ["--use-torch-fsdp2"]}
+
+
+def build_rank(world):
+    """Peak of live tensor bytes while this rank builds and parallelizes its model (the
+    family's ``build_model_chunks``), per strategy; FSDP2 also built the way it was before
+    the parallelize step built it on meta: whole on CPU, initialised, then sharded."""
+    import torch.distributed as torch_dist
+
+    from megalite.cli.arguments import parse_args
+    from megalite.models.gpt import GPTModel
+    from megalite.models.gpt_step import GPT_FAMILY
+    from megalite.models.parallelize import parallelize_chunk, spec_choices
+    from megalite.parallel_state import ParallelState, RankGrid
+    from megalite.training.tensor_memory_meter import TensorMemoryMeter
+
+    rank = torch_dist.get_rank() if world > 1 else 0
+    out = []
+    for name, flags in [*BUILD_CASES.items(), ("FSDP2 whole first", None)]:
+        cfg = parse_args(["--world-size", str(world), *MODEL, *BUILD_MODEL,
+                          *(flags if flags is not None else BUILD_CASES["FSDP2"])])
+        grid = RankGrid.from_config(cfg)
+        state = ParallelState.build(grid, rank, create_groups=world > 1)
+        meter = TensorMemoryMeter().start()
+        try:
+            with meter.window("build"):
+                if flags is not None:
+                    chunks = GPT_FAMILY.build_model_chunks(cfg, state, "cpu")
+                else:      # the old order: a whole chunk on CPU, initialised, then sharded
+                    chunk = GPTModel(cfg, state, spec=spec_choices(cfg, state), device="cpu")
+                    chunks = [parallelize_chunk(chunk, cfg, state, device="cpu")]
+        finally:
+            result = meter.stop()
+        local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4
+                    for c in chunks for p in c.parameters())
+        whole = sum(math.prod(spec.full_shape) * 4     # fp32, DP only: TP-local = full
+                    for c in chunks for _, _, spec in c.param_table.named(c))
+        out.append({"name": name, "peak": result.windows["build"].peak_bytes,
+                    "end": result.windows["build"].end_bytes, "local": local, "whole": whole})
+        del chunks
+    return out
+
+
+def run_build(pool, worlds=(2, 4)):
+    print("\n== peak live CPU tensor bytes while a rank builds its model (build + parallelize "
+          "step), DDP next to FSDP2 ==")
+    print(f"{'DP':>2s} {'rank':>4s} {'strategy':18s} {'build peak':>11s} {'kept':>11s} "
+          f"{'own weights':>11s} {'whole model':>11s} {'peak/whole':>10s}")
+    for world in worlds:
+        for rank, rows in enumerate(pool.run(world, build_rank, world)):
+            for r in rows:
+                print(f"{world:2d} {rank:4d} {r['name']:18s} {r['peak']:11d} {r['end']:11d} "
+                      f"{r['local']:11d} {r['whole']:11d} {r['peak'] / r['whole']:10.3f}")
+    print("(FSDP2: the chunk is built on the meta device, fully sharded, then only this "
+          "rank's shards are allocated and initialised -- the transient is a parameter's "
+          "full tensor, drawn from its name-seeded generator, and its slice.  'FSDP2 whole "
+          "first': the previous order, whole model initialised on CPU before fully_shard)")
+
+
 # -- overlap ------------------------------------------------------------------------------
 OVERLAP_MODEL = ["--num-layers", "8", "--hidden-size", "256", "--ffn-hidden-size", "1024",
                  "--seq-length", "128", "--global-batch-size", "4", "--ddp-bucket-size",
@@ -387,7 +455,8 @@ def main(argv=None):
     from megalite.testing import PoolManager
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("parts", nargs="*", default=["comm", "memory", "overlap", "compose"])
+    ap.add_argument("parts", nargs="*",
+                    default=["comm", "memory", "build", "overlap", "compose"])
     ap.add_argument("--cases", nargs="*", default=None, help="compose: only these cases")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--svg", default=None, help="write the overlap timeline as SVG here")
@@ -400,6 +469,8 @@ def main(argv=None):
             run_comm(pool, 4)
         if "memory" in args.parts:
             run_memory(pool)
+        if "build" in args.parts:
+            run_build(pool)
         if "overlap" in args.parts:
             run_overlap(pool, args.steps, args.svg)
         if "compose" in args.parts:

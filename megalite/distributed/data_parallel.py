@@ -27,6 +27,10 @@ over expert-DP.
 ``--overlap-grad-reduce`` (DDP and distributed optimizer): gradients live in per-bucket
 buffers whose reductions start during backward (``grad_buckets.OverlapScheduler``).
 
+A strategy allocates its buffers and lists the hooks it needs (``grad_hooks``,
+``forward_pre_hooks``) but touches no module: the parallelize step
+(``models.parallelize.attach_data_parallel``) installs them, as it applies FSDP2.
+
 The grad norm is per parameter class (``grad_sync.param_class``): dense squares summed over
 TP x PP ("mp"), expert squares over expert-TP x EP x PP ("expert-mp"), then added -- each
 distinct gradient element counted once.  The expert reduction runs only when the model has
@@ -102,6 +106,9 @@ class DataParallelStrategy:
 
     optimizer: MasterWeightOptimizer
     sharded_buffers: tuple = ()      # flat buffers whose DP reduction is a reduce-scatter
+    # (param, post-accumulate-grad hook) pairs, in order, that the parallelize step installs:
+    # how each backward's gradient enters this strategy's buffers
+    grad_hooks: list
 
     def __init__(self, named_params, cfg, state, specs=None):
         # bf16 / fp16 params: gradients accumulate in an fp32 main_grad, fp32 masters step
@@ -113,6 +120,7 @@ class DataParallelStrategy:
         self.specs = [specs.get(n) or ParamSpec(tuple(p.shape)) for n, p in self.named]
         self._spec_of = {id(p): s for p, s in zip(self.params, self.specs)}
         self.coords = group_coords(state)
+        self.grad_hooks = []
         self.classes = ["dense"] + (["expert"] if cfg.model.num_experts else [])
         strays = {n for (n, _), s in zip(self.named, self.specs)
                   if param_class(s) not in self.classes}
@@ -135,6 +143,10 @@ class DataParallelStrategy:
     def wait_param_gathers(self) -> None:
         """Finish parameter all-gathers still in flight (before reading parameters outside a
         forward: checkpoints, replica checks)."""
+
+    def forward_pre_hooks(self, model_chunks) -> list:
+        """(module, forward pre-hook) pairs the parallelize step installs (none here)."""
+        return []
 
     def after_forward_only(self, model_chunks) -> None:
         """After forward passes with no backward (evaluation): leave parameters as a training
@@ -162,6 +174,9 @@ class DataParallelStrategy:
     def _start_overlap(self, buckets: List[Bucket], max_in_flight=None) -> None:
         names = {id(p): n for n, p in self.named}
         self.scheduler = OverlapScheduler(buckets, names, max_in_flight)
+        # after each parameter's buffer hook: the scheduler counts what reached the buffer
+        self.grad_hooks += [(p, self.scheduler.on_accumulated)
+                            for b in buckets for p in b.params]
 
     def _reduce_data_parallel(self) -> None:
         raise NotImplementedError
@@ -249,7 +264,7 @@ class DDPStrategy(DataParallelStrategy):
         elif self.bf16:
             for p in self.params:
                 p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-                p.register_post_accumulate_grad_hook(accumulate_main_grad)
+                self.grad_hooks.append((p, accumulate_main_grad))
         self.optimizer = MixedPrecisionOptimizer(self.named, cfg.optimizer, self.grad)
 
     def _build_buckets(self):
@@ -267,10 +282,10 @@ class DDPStrategy(DataParallelStrategy):
                 self._views[id(p)] = view
                 if self.bf16:
                     p.main_grad = view
-                    p.register_post_accumulate_grad_hook(accumulate_main_grad)
+                    self.grad_hooks.append((p, accumulate_main_grad))
                 else:
                     p.grad = view
-                    p.register_post_accumulate_grad_hook(keep_grad_in_buffer(view))
+                    self.grad_hooks.append((p, keep_grad_in_buffer(view)))
             g = self.state[group]
             buckets.append(Bucket(i, ps, lambda flat=flat, g=g: comm.all_reduce_async(flat, g),
                                   deferred))
@@ -347,13 +362,13 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
                 self._grad_of[id(p)] = view
                 if overlap:
                     p.grad = None
-                    p.register_post_accumulate_grad_hook(add_into(buf, view))
+                    self.grad_hooks.append((p, add_into(buf, view)))
                 elif self.bf16:
                     p.main_grad = view
-                    p.register_post_accumulate_grad_hook(accumulate_main_grad)
+                    self.grad_hooks.append((p, accumulate_main_grad))
                 else:
                     p.grad = view
-                    p.register_post_accumulate_grad_hook(keep_grad_in_buffer(view))
+                    self.grad_hooks.append((p, keep_grad_in_buffer(view)))
         names = {id(p): n for n, p in self.named}
         self.optimizer = DistributedOptimizer(self.sharded_buffers, names, cfg.optimizer)
         if overlap:
@@ -435,7 +450,7 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
             super()._sync_params()
             return
         # --overlap-param-gather: bucket k's gather is waited on by the forward pre-hook of
-        # the first module that uses it (``attach_param_gather_hooks``)
+        # the first module that uses it (``forward_pre_hooks``)
         self.param_gathers = {i: buf.start_all_gather_params()
                               for i, buf in enumerate(self.sharded_buffers)}
         tied = {i for i, buf in enumerate(self.sharded_buffers)
@@ -454,18 +469,22 @@ class DistributedOptimizerStrategy(DataParallelStrategy):
         for i in list(self.param_gathers):
             self._wait_param_gather(i)
 
-    def attach_param_gather_hooks(self, model_chunks) -> None:
-        """A forward pre-hook on every module that owns parameters: wait for the gathers of
-        the buckets holding them (the first forward use of each bucket)."""
+    def forward_pre_hooks(self, model_chunks) -> list:
+        """--overlap-param-gather: a forward pre-hook on every module that owns parameters,
+        waiting for the gathers of the buckets holding them (the first forward use of each
+        bucket)."""
+        if not self.cfg.parallel.overlap_param_gather:
+            return []
         index = {id(p): i for i, buf in enumerate(self.sharded_buffers) for p in buf.params}
+        hooks = []
         for chunk in model_chunks:
             for module in chunk.modules():
                 mine = sorted({index[id(p)] for p in module.parameters(recurse=False)
                                if id(p) in index})
                 if mine:
-                    module.register_forward_pre_hook(
-                        lambda _m, _args, mine=mine: [self._wait_param_gather(i, True)
-                                                      for i in mine] and None)
+                    hooks.append((module, lambda _m, _args, mine=mine: [
+                        self._wait_param_gather(i, True) for i in mine] and None))
+        return hooks
 
 
 class FSDP2Strategy(DataParallelStrategy):
@@ -534,7 +553,8 @@ class FSDP2Strategy(DataParallelStrategy):
 def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
     """The strategy for ``cfg``: ``FSDP2Strategy`` with --use-torch-fsdp2 (over chunks the
     parallelize step fully sharded), ``DistributedOptimizerStrategy`` with
-    --use-distributed-optimizer, else ``DDPStrategy``."""
+    --use-distributed-optimizer, else ``DDPStrategy``.  Its hooks are not installed yet:
+    ``models.parallelize.attach_data_parallel`` does."""
     triples = named_specs(model_chunks)      # FQNs are unique over a rank's chunks
     named = [(n, p) for n, p, _ in triples]
     specs = {n: spec for n, _, spec in triples}
@@ -548,8 +568,5 @@ def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
                              "them through the model family's parallelize step")
         return FSDP2Strategy(named, cfg, state, specs)
     if cfg.parallel.use_distributed_optimizer:
-        strategy = DistributedOptimizerStrategy(named, cfg, state, specs)
-        if cfg.parallel.overlap_param_gather:
-            strategy.attach_param_gather_hooks(model_chunks)
-        return strategy
+        return DistributedOptimizerStrategy(named, cfg, state, specs)
     return DDPStrategy(named, cfg, state, specs)

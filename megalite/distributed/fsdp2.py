@@ -6,11 +6,12 @@ reduce-scatters its gradients when the unit's backward is done -- the overlap co
 own streams / background work.  We only decide the units, the meshes and the policy, as
 torchtitan's ``apply_fsdp_to_decoder`` does:
 
-* units: the model family's (``ModelFamily.fsdp_units``; GPT's: one per transformer layer,
+* units: the parallelize step's (``models.parallelize.fsdp_units``: one per transformer layer,
   one for the embedding, one for the output layer, a tied embedding in the root); the root
   takes what is left.  The parallelize step (``models/parallelize.py``) calls
-  ``shard_chunk`` once the chunk is on its device in its dtype; the strategy owns the step,
-  not the sharding;
+  ``shard_chunk`` on a chunk built on the meta device, before any value exists, then
+  allocates and initialises only this rank's shards; the strategy owns the step, not the
+  sharding;
 * meshes (``fsdp_meshes``), built from ``ParallelState``'s own groups: dense parameters are
   sharded over DP x CP ("dp-cp": CP ranks saw other tokens of the same sequences, so their
   gradients are summed there anyway); routed experts over expert-DP -- a unit of their own
@@ -157,6 +158,41 @@ def shard_chunk(chunk, cfg, state, units, device: Optional[str] = None) -> list:
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPGPTModel\) "
                             r"returned a view tensor")
     return modules
+
+
+def materialize_shards(chunk, device) -> None:
+    """Allocate a chunk fully sharded on the meta device on ``device``: only this rank's
+    shards (uninitialised; the parallelize step fills them next).  Buffers start at zero:
+    the only ones a model holds (the MoE router's expert bias) do.
+
+    ``Module.to_empty`` would do the allocation, but it swaps DTensor parameters in place,
+    which fails while anything holds a weak reference to them (torch's profiler under the
+    tensor-memory meter does): new parameter objects are set instead, and FSDP2 adopts them
+    the way its own ``_apply`` does (``reset_sharded_param``)."""
+    # start-up time: torch.distributed.tensor / fsdp take seconds to import; only FSDP2 needs them
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    for module in chunk.modules():
+        for name, p in module._parameters.items():
+            if p is None or not p.is_meta:
+                continue
+            if isinstance(p, DTensor):
+                local = torch.empty_like(p.to_local(), device=device)
+                new = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                         shape=p.shape, stride=p.stride())
+            else:
+                new = torch.empty_like(p, device=device)
+            module._parameters[name] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.zeros_like(b, device=device)
+    with torch.no_grad():
+        for module in chunk.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fsdp_param in group.fsdp_params:
+                        fsdp_param.reset_sharded_param()
 
 
 def expected_collectives(chunks, num_micro_batches: int, pipelined: bool) -> dict:

@@ -90,9 +90,6 @@ class OverlapScheduler:
         self.in_flight: List[Bucket] = []
         self.trace: List[dict] = []        # last step's bucket timings (timeline tooling)
         self.t_step = self.t_backward_end = None
-        for b in buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._on_accumulated)
 
     def start_step(self) -> None:
         self.seen.clear()
@@ -103,7 +100,9 @@ class OverlapScheduler:
             if self.expected is not None:
                 b.waiting = sum(1 for p in b.params if self.expected.get(id(p), 0) > 0)
 
-    def _on_accumulated(self, p) -> None:
+    def on_accumulated(self, p) -> None:
+        """Each parameter's post-accumulate-grad hook (the strategy lists it in
+        ``grad_hooks``, after the hook that moves the gradient into its bucket)."""
         self.seen[id(p)] += 1
         self.t_backward_end = time.time()
         if self.expected is None:

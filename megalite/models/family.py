@@ -31,14 +31,11 @@ def no_step_metrics(chunks, cfg, state) -> dict:
 @dataclass(frozen=True)
 class ModelFamily:
     name: str
-    # (cfg, state, device) -> this rank's model chunks, built and parallelized
+    # (cfg, state, device) -> this rank's model chunks in the training dtype, built (on meta
+    # under FSDP2) and parallelized: spec choices -> RNG tracker -> recompute -> compile ->
+    # fully_shard -> init (GPT's: ``models/parallelize.py``); the data-parallel strategy's
+    # hooks follow (``parallelize.attach_data_parallel``)
     build_model_chunks: Callable
-    # (chunk, cfg, state, *, rng_tracker, device, dtype) -> the chunk, parallelized in place:
-    # RNG tracker -> recompute -> compile -> init -> dtype/device -> fully_shard (after the
-    # spec choices its constructor was given); ``build_model_chunks`` calls it per chunk
-    parallelize: Callable
-    # chunk -> the modules FSDP2 shards as units (the chunk itself is the root)
-    fsdp_units: Callable
     # (raw micro-batch dict, state, device) -> this rank's micro-batch dict
     get_batch: Callable
     # (batch, model chunk, StepContext) -> (output, loss_func); loss_func(output) -> (loss,

@@ -98,9 +98,9 @@ class GPTModel(DrawsFromTracker, nn.Module):
     The constructor builds modules and (TP-sharded) parameters from ``spec`` (a backend's
     ``LayerSpec``; the plain local one when None) and knows no training policy: the
     parallelize step (``models/parallelize.py``) attaches the RNG tracker, recompute,
-    compile, initial values and FSDP2.  ``build_chunk`` / ``build_model`` below do both
-    for tools and tests; a run's chunks come from its model family.  Until parallelized,
-    parameters hold raw values and dropout forks nothing.
+    compile, initial values and FSDP2.  ``build_chunk`` below does both, for every chunk
+    of a run (the model family's ``build_model_chunks``), tools and tests.  Until
+    parallelized, parameters hold raw values and dropout forks nothing.
     """
 
     def __init__(self, cfg, state, pre_process: bool = True, post_process: bool = True,
@@ -269,12 +269,21 @@ class GPTModel(DrawsFromTracker, nn.Module):
 
 def build_chunk(cfg, state, pre_process: bool = True, post_process: bool = True,
                 layer_numbers: Optional[Sequence[int]] = None, *, rng_tracker=None,
-                device=None, params_dtype: torch.dtype = torch.float32) -> GPTModel:
-    """One chunk built from the run's spec choices and parallelized on its own (tools and
-    tests; a run builds all of a rank's chunks through its model family)."""
+                device=None, dtype: Optional[torch.dtype] = None,
+                params_dtype: torch.dtype = torch.float32) -> GPTModel:
+    """The one GPT builder: a chunk's structure from the run's spec choices, then the
+    parallelize step (``models/parallelize.py``) into ``dtype`` on ``device`` (unchanged
+    when None).  With --use-torch-fsdp2 the structure is built on the meta device and only
+    this rank's shards are ever allocated.  ``build_model`` and the model family's
+    ``build_model_chunks`` (``models/stages.py``) place chunks through it."""
+    fsdp = cfg.parallel.use_torch_fsdp2
+    if fsdp and device is None:
+        device = torch.empty(0).device          # where the chunk would have been built
     chunk = GPTModel(cfg, state, pre_process, post_process, layer_numbers,
-                     spec=spec_choices(cfg, state), device=device, params_dtype=params_dtype)
-    return parallelize_chunk(chunk, cfg, state, rng_tracker=rng_tracker)
+                     spec=spec_choices(cfg, state), device="meta" if fsdp else device,
+                     params_dtype=params_dtype)
+    return parallelize_chunk(chunk, cfg, state, rng_tracker=rng_tracker, device=device,
+                             dtype=dtype)
 
 
 def build_model(cfg, state, **kwargs) -> GPTModel:

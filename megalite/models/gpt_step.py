@@ -1,7 +1,8 @@
 """GPT's training step for the generic loop: what Megatron keeps in ``pretrain_gpt.py``.
 
-``GPT_FAMILY`` bundles ``build_model_chunks``, ``get_batch`` and ``forward_step`` (whose
-``loss_func`` is the masked per-token loss over the global token count).  Extra loss terms
+``GPT_FAMILY`` bundles ``build_model_chunks`` (``models/stages.py``), ``get_batch`` and
+``forward_step`` (whose ``loss_func`` is the masked per-token loss over the global token
+count).  Extra loss terms
 that modules register (``transformer/extra_losses.py``) join the backward of the chunk
 that computed them and are logged under their names: the MoE layers' aux and z losses
 (``moe/router.py``) and the MTP depths' losses (``transformer/mtp.py``); ``after_train_step`` adds the per-layer expert-load statistics.
@@ -14,23 +15,12 @@ import torch
 
 from megalite.context_parallel.load_balance import slice_batch
 from megalite.models.family import ModelFamily, StepContext
-from megalite.models.parallelize import fsdp_units, parallelize_chunk
+from megalite.models.stages import build_model_chunks
 from megalite.moe.metrics import moe_step_metrics
 from megalite.moe.router import extra_loss_names as moe_extra_loss_names
-from megalite.optimizer.optimizer import model_dtype
 from megalite.transformer.extra_losses import collect_extra_losses
 from megalite.transformer.loss_reduction import extra_term_backward_scale, micro_batch_loss
 from megalite.transformer.mtp import mtp_loss_names
-
-
-def build_model_chunks(cfg, state, device) -> list:
-    """This rank's model chunks: one per virtual pipeline stage (one without PP), built
-    from the run's spec choices and parallelized one by one (tracker -> recompute ->
-    compile -> init -> training dtype on ``device`` -> FSDP2, ``models/parallelize.py``)."""
-    from megalite.models.stages import build_model_chunks as build_stages
-
-    torch.manual_seed(cfg.training.seed)
-    return build_stages(cfg, state, device=device, dtype=model_dtype(cfg.optimizer))
 
 
 def get_batch(batch: dict, state, device) -> dict:
@@ -83,5 +73,4 @@ def after_train_step(chunks, cfg, state) -> dict:
 
 GPT_FAMILY = ModelFamily(name="gpt", build_model_chunks=build_model_chunks,
                          get_batch=get_batch, forward_step=forward_step,
-                         parallelize=parallelize_chunk, fsdp_units=fsdp_units,
                          extra_loss_names=extra_loss_names, after_train_step=after_train_step)

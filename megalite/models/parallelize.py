@@ -17,9 +17,15 @@ pipeline chunk at a time, in torchtitan's order (``parallelize_chunk``):
 4. ``--compile``: each transformer layer compiled in place (``backends/compile.py``);
 5. initialisation: every parameter drawn as its full tensor from a generator seeded by
    (seed, canonical name), then sliced -- so the steps above cannot change it; the tied
-   word embedding of the last stage made equal to the first stage's;
-6. the training dtype and device, then ``fully_shard`` with ``--use-torch-fsdp2``
-   (``distributed.fsdp2.shard_chunk``) over the units ``fsdp_units`` names.
+   word embedding of the last stage made equal to the first stage's; then the training
+   dtype and device;
+6. with ``--use-torch-fsdp2``, ``fully_shard`` (``distributed.fsdp2.shard_chunk``) over the
+   units ``fsdp_units`` names, *before* step 5: the family builds the chunk on the meta
+   device, and only this rank's shards are allocated and initialised (each the same piece
+   of the same name-seeded full tensor);
+7. after the data-parallel strategy has allocated its gradient buffers
+   (``attach_data_parallel``): its gradient hooks on the parameters and, with
+   --overlap-param-gather, its forward pre-hooks on the modules.
 """
 from __future__ import annotations
 
@@ -102,22 +108,66 @@ def is_meta(chunk: nn.Module) -> bool:
 def tie_shared_embedding(chunk, state) -> None:
     """With PP > 1 the first stage's word embedding (the owner) and the last stage's output
     layer copy start from the same name-seeded values; the owner's broadcast over the
-    'embedding' group makes the equality explicit."""
+    'embedding' group makes the equality explicit.  Under FSDP2 each end broadcasts its
+    local shard: both stages shard the weight alike (same DP x CP position, same rows)."""
     weight = chunk.shared_embedding_weight()
     group = state.groups.get("embedding")
     if state.pp.size > 1 and weight is not None and group is not None and \
             group.handle is not None:
+        local = weight.to_local() if hasattr(weight, "to_local") else weight.data
         with torch.no_grad():
-            comm.broadcast(weight.data, group.ranks[0], group)
+            comm.broadcast(local, group.ranks[0], group)
+
+
+def initialize_chunk(chunk: nn.Module, cfg, state) -> None:
+    """Step 5: the name-seeded values (on the local shards, when FSDP2 already sharded the
+    chunk: ``copy_into_param`` keeps each rank's piece of the full tensor), then the tie."""
+    chunk.initialize(cfg.training.seed)
+    tie_shared_embedding(chunk, state)
+
+
+def round_to(chunk: nn.Module, dtype: Optional[torch.dtype]) -> None:
+    """FSDP2 keeps fp32 shards (the optimizer's masters) under --bf16/--fp16: round them
+    through the training dtype, so they start from the values a DDP rank's half-precision
+    parameters (and their fp32 masters) hold."""
+    if dtype is None or dtype == torch.float32:
+        return
+    with torch.no_grad():
+        for p in chunk.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p.data
+            local.copy_(local.to(dtype))
+
+
+def shard_then_initialize(chunk: nn.Module, cfg, state, device, dtype) -> None:
+    """Step 6 under --use-torch-fsdp2, before the values: ``fully_shard`` (on the meta
+    device when the chunk was built there), then allocate and initialize only this rank's
+    shards -- a ZeRO-3 rank never holds its whole model."""
+    # FSDP2 lives in a higher layer (distributed/); imported here only when it is used
+    from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
+
+    target = torch.device(device) if device is not None else \
+        next(chunk.parameters()).device
+    if not is_meta(chunk):
+        chunk.to(device=target)
+    shard_chunk(chunk, cfg, state, fsdp_units(chunk), device=target.type)
+    if is_meta(chunk) and target.type != "meta":
+        unset = [n for n, _, spec in chunk.param_table.named(chunk) if spec.init is None]
+        assert not unset, f"parameters without an init rule cannot start on meta: {unset}"
+        materialize_shards(chunk, target)
+    if not is_meta(chunk):
+        initialize_chunk(chunk, cfg, state)
+        round_to(chunk, dtype)
 
 
 def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=None,
                       dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """Steps 2-6 on one pipeline chunk, in place; returns it.
+    """Steps 2-6 on one pipeline chunk, in place; returns it (step 7 follows the
+    strategy: ``attach_data_parallel``).
 
     ``rng_tracker``: the rank's tracker (``stage_rng_tracker`` when None: one chunk alone);
-    ``device`` / ``dtype``: where and in what the chunk trains (unchanged when None); a
-    chunk on the meta device is left uninitialised (allocate it first)."""
+    ``device`` / ``dtype``: where and in what the chunk trains (unchanged when None).  A
+    chunk on the meta device is left uninitialised unless FSDP2 materialises its shards on
+    a real ``device``."""
     tracker = rng_tracker if rng_tracker is not None else stage_rng_tracker(cfg, state)
     attach_rng_tracker(chunk, tracker)
     apply_recompute(chunk, cfg, tracker)
@@ -125,19 +175,23 @@ def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=
         from megalite.backends.compile import compile_layers
 
         compile_layers(chunk, retains_graph=splits_backward(cfg))
+    if cfg.parallel.use_torch_fsdp2:
+        shard_then_initialize(chunk, cfg, state, device, dtype)
+        return chunk
     if not is_meta(chunk):
-        chunk.initialize(cfg.training.seed)
-        tie_shared_embedding(chunk, state)
+        initialize_chunk(chunk, cfg, state)
     if device is not None or dtype is not None:
         chunk.to(device=device, dtype=dtype)
-    if cfg.parallel.use_torch_fsdp2:
-        from megalite.distributed.fsdp2 import shard_chunk
-
-        shard_chunk(chunk, cfg, state, fsdp_units(chunk))
     return chunk
 
 
-def parallelize_chunks(chunks: Sequence[nn.Module], cfg, state, **kwargs) -> list:
-    """``parallelize_chunk`` on each of a rank's chunks, with the one tracker they share."""
-    tracker = kwargs.pop("rng_tracker", None) or stage_rng_tracker(cfg, state)
-    return [parallelize_chunk(c, cfg, state, rng_tracker=tracker, **kwargs) for c in chunks]
+def attach_data_parallel(chunks: Sequence[nn.Module], strategy):
+    """Step 7: install the data-parallel strategy's hooks on this rank's chunks -- its
+    post-accumulate-grad hooks (gradients into its buffers; with --overlap-grad-reduce, the
+    bucket launches) and its forward pre-hooks (--overlap-param-gather).  The strategy
+    allocates buffers; only this step changes the model.  Returns the strategy."""
+    for param, hook in strategy.grad_hooks:
+        param.register_post_accumulate_grad_hook(hook)
+    for module, hook in strategy.forward_pre_hooks(chunks):
+        module.register_forward_pre_hook(hook)
+    return strategy

@@ -1,16 +1,18 @@
-"""This rank's GPT model chunks: one per virtual pipeline stage, built from the stage-split
-rule (``megalite.pipeline_parallel.stages.layers_of_stage``) and the run's spec choices,
-then parallelized one chunk at a time with the rank's one RNG tracker."""
+"""This rank's GPT model chunks: one per virtual pipeline stage, placed by the stage-split
+rule (``megalite.pipeline_parallel.stages.layers_of_stage``) and built by the one builder
+(``models.gpt.build_chunk``) with the rank's one RNG tracker."""
 from __future__ import annotations
 
-from megalite.models.gpt import GPTModel
-from megalite.models.parallelize import parallelize_chunk, spec_choices, stage_rng_tracker
+from megalite.models.gpt import build_chunk
+from megalite.models.parallelize import stage_rng_tracker
+from megalite.optimizer.optimizer import model_dtype
 from megalite.pipeline_parallel.stages import layers_of_stage
 
 
 def build_model_chunks(cfg, state, device=None, dtype=None) -> list:
-    """One ``GPTModel`` per virtual stage of this rank, built on ``device`` and parallelized
-    (``models/parallelize.py``) into ``dtype`` (None: the constructor's defaults).
+    """One chunk per virtual stage of this rank, built on ``device`` and parallelized
+    (``models/parallelize.py``) into ``dtype`` (None: the run's training dtype, bf16 / fp16
+    / fp32) -- GPT's ``ModelFamily.build_model_chunks``.
 
     ``state.virtual_pipeline_rank`` is set while each chunk is built so that
     ``is_first_stage()`` / ``is_last_stage()`` give the right pre/post processing.  With
@@ -19,19 +21,17 @@ def build_model_chunks(cfg, state, device=None, dtype=None) -> list:
     group; the copy is not counted in the grad norm); both start from the same parameter
     name's values, and the parallelize step broadcasts the owner's.
     """
-    spec = spec_choices(cfg, state)
+    dtype = dtype or model_dtype(cfg.optimizer)
     tracker = stage_rng_tracker(cfg, state)    # one per rank, shared by its chunks
     chunks = []
     old = state.virtual_pipeline_rank
     try:
         for vr in range(state.vpp_size):
             state.virtual_pipeline_rank = vr
-            chunk = GPTModel(cfg, state, pre_process=state.is_first_stage(),
-                             post_process=state.is_last_stage(),
-                             layer_numbers=layers_of_stage(cfg, state.pp.rank, vr), spec=spec,
-                             device=device)
-            chunks.append(parallelize_chunk(chunk, cfg, state, rng_tracker=tracker,
-                                            device=device, dtype=dtype))
+            chunks.append(build_chunk(cfg, state, state.is_first_stage(),
+                                      state.is_last_stage(),
+                                      layers_of_stage(cfg, state.pp.rank, vr),
+                                      rng_tracker=tracker, device=device, dtype=dtype))
     finally:
         state.virtual_pipeline_rank = old
     return chunks

@@ -31,6 +31,7 @@ from megalite.distributed.data_parallel import build_data_parallel
 from megalite.config.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
+from megalite.models.parallelize import attach_data_parallel
 from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.data.position import DataPosition
 from megalite.optimizer.lr_schedule import SchedulePosition
@@ -129,8 +130,10 @@ class Trainer:
         if self.tokenizer is None:       # pretrain() builds it before any process group
             self.tokenizer = build_tokenizer_from_config(self.cfg.data, self.cfg.model.vocab_size)
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
+        torch.manual_seed(cfg.training.seed)       # draws outside the name-seeded init
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
-        self.strategy = build_data_parallel(self.model_chunks, cfg, self.state)
+        self.strategy = attach_data_parallel(
+            self.model_chunks, build_data_parallel(self.model_chunks, cfg, self.state))
         # evaluation (--skip-train) takes no optimizer flags: no --lr, no schedule
         self.scheduler = None if cfg.training.skip_train else \
             scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...

@@ -28,7 +28,7 @@ from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
     model_sharded_state_dict
 from megalite.config import ConfigError
 from megalite.distributed.replicas import check_replicas
-from megalite.models.gpt_step import GPT_FAMILY
+from megalite.models.parallelize import fsdp_units
 from megalite.cli.validation import validate
 from state_bytes import state_bytes  # noqa: E402
 
@@ -95,7 +95,7 @@ def _train(flags, world):
     out["planned_bytes"] = _planned_bytes(trainer.cfg, trainer.state.rank)
     if trainer.cfg.parallel.use_torch_fsdp2:
         dp, root = trainer.state["dp"].size, trainer.model_chunks[0]
-        in_units = {id(q) for u in GPT_FAMILY.fsdp_units(root) for q in u.parameters()}
+        in_units = {id(q) for u in fsdp_units(root) for q in u.parameters()}
         out["padded"] = sum(_fsdp_padded(p, dp) for p in s.params)
         out["root_padded"] = sum(_fsdp_padded(p, dp) for p in s.params if id(p) not in in_units)
     return out, trainer

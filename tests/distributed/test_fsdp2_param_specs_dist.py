@@ -3,7 +3,9 @@ carries no attribute of the old one, but keeps the parameter names.  A TP2 x DP2
 sequence parallelism and tied embeddings, fully sharded over the DP ranks (a CPU gloo
 DeviceMesh), still initializes, syncs its sequence-parallel grads, counts its grad norm and
 describes its checkpoint metadata and sharded-state chunks right, because all of those read
-the ``ParamTable`` by name.
+the ``ParamTable`` by name.  Built with --use-torch-fsdp2 through the model builder, the
+chunk starts on the meta device and only this rank's shards are ever allocated, holding the
+single-process init's values.
 """
 import torch
 import torch.distributed as torch_dist
@@ -114,11 +116,55 @@ def _fsdp_rank():
     return out
 
 
+def _meta_build_rank():
+    """--use-torch-fsdp2 through the one builder: the chunk is built on meta, sharded, and
+    only this rank's shards are allocated and initialised; against a chunk built whole on
+    CPU, initialised, then sharded (the order before), under the tensor-memory meter."""
+    import dataclasses
+
+    from megalite.models.gpt import GPTModel
+    from megalite.models.parallelize import parallelize_chunk, spec_choices
+    from megalite.training.tensor_memory_meter import TensorMemoryMeter
+
+    state = ParallelState.build(RankGrid(WORLD, tp=TP), torch_dist.get_rank())
+    cfg = _cfg(TP)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                use_torch_fsdp2=True))
+    meter = TensorMemoryMeter().start()
+    try:
+        with meter.window("meta"):
+            model = build_model(cfg, state)
+        with meter.window("whole"):
+            whole = GPTModel(cfg, state, spec=spec_choices(cfg, state))
+            parallelize_chunk(whole, cfg, state, device="cpu")
+    finally:
+        peaks = meter.stop().windows
+    tp_local = sum(p.full_tensor().numel() * 4 for p in whole.parameters())
+    mine = sum(p.to_local().numel() * 4 for p in model.parameters())
+    return {"model_sd": {k: (v.global_shape, [(o, t.clone()) for o, t in v.chunks], v.writer)
+                         for k, v in model_sharded_state_dict(model, state).items()},
+            "same_as_whole": all(torch.equal(a.to_local(), b.to_local()) for a, b in
+                                 zip(model.parameters(), whole.parameters())),
+            "peak_meta": peaks["meta"].peak_bytes, "peak_whole": peaks["whole"].peak_bytes,
+            "tp_local_bytes": tp_local, "shard_bytes": mine}
+
+
 def test_fully_shard_keeps_specs_init_sp_sync_norm_and_metadata(dist):
     from megalite.checkpointing.sharded_state import ShardedTensor
 
     results = dist.run(WORLD, _fsdp_rank)
+    built = dist.run(WORLD, _meta_build_rank)
     ref_init, ref_grads, ref_norm = _reference()
+    # built on meta, only the shards materialised: the values of the reference's init
+    full = assemble([{k: ShardedTensor(*v) for k, v in r["model_sd"].items()} for r in built])
+    assert set(full) == set(ref_init) and all(torch.equal(full[k], ref_init[k]) for k in full)
+    for r in built:
+        assert r["same_as_whole"], r
+        # the whole TP-local model is never live: building on meta saves at least the part
+        # of it this rank does not hold
+        assert r["peak_meta"] >= r["shard_bytes"] and r["peak_whole"] >= r["tp_local_bytes"]
+        saved = r["peak_whole"] - r["peak_meta"]
+        assert saved >= r["tp_local_bytes"] - r["shard_bytes"], (saved, r["tp_local_bytes"])
     # every element of the model written once, by one of the DP x TP ranks, = the init
     full = assemble([{k: ShardedTensor(*v) for k, v in r["model_sd"].items()} for r in results])
     assert set(full) == set(ref_init) and all(torch.equal(full[k], ref_init[k]) for k in full)

@@ -13,6 +13,7 @@ from megalite.distributed.data_parallel import (DataParallelStrategy, DDPStrateg
                                                 DistributedOptimizerStrategy,
                                                 build_data_parallel)
 from megalite.distributed.distributed_optimizer import DistributedOptimizer
+from megalite.models.parallelize import attach_data_parallel
 from megalite.optimizer import MasterWeightOptimizer, MixedPrecisionOptimizer
 from megalite.param_spec import ParamSpec
 from megalite.parallel_state import ParallelState, RankGrid
@@ -41,7 +42,7 @@ def _named():
 def test_both_strategies_share_the_interface_and_norm(flags, strategy, optimizer):
     cfg = _cfg(["--clip-grad", "0", *flags])
     chunk = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
-    s = build_data_parallel([chunk], cfg, _state())
+    s = attach_data_parallel([chunk], build_data_parallel([chunk], cfg, _state()))
     assert type(s) is strategy and isinstance(s, DataParallelStrategy)
     assert type(s.optimizer) is optimizer and isinstance(s.optimizer, MasterWeightOptimizer)
     for _ in range(2):                  # zero_grad really clears the strategy's buffers

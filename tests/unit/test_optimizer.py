@@ -8,6 +8,7 @@ import torch
 from megalite.optimizer.lr_schedule import StepSettings
 from megalite.cli.arguments import parse_args
 from megalite.distributed.data_parallel import DDPStrategy
+from megalite.models.parallelize import attach_data_parallel
 from megalite.optimizer import LRScheduler, MixedPrecisionOptimizer
 from megalite.parallel_state import ParallelState, RankGrid
 
@@ -61,6 +62,7 @@ def test_bf16_master_weights_accumulate_small_updates():
     w = torch.nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))
     ddp = DDPStrategy([("w", w)], _cfg(["--bf16", "--weight-decay", "0",
                                         "--optimizer", "sgd", "--clip-grad", "0"]), _state())
+    attach_data_parallel([], ddp)           # the parallelize step installs its hooks
     opt = ddp.optimizer
     opt.inner.param_groups[0]["momentum"] = 0.0
     for _ in range(10):  # 10 updates of 1e-4 each: lost in bf16 (ulp at 1.0 is 2^-7), kept in fp32

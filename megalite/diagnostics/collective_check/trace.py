@@ -85,6 +85,7 @@ def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
     from megalite.data.gpt_dataset import MockGPTDataset
     from megalite.distributed.data_parallel import build_data_parallel
     from megalite.models.gpt_step import GPT_FAMILY
+    from megalite.models.parallelize import attach_data_parallel
     from megalite.optimizer import LRScheduler
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.training.loop import Trainer
@@ -102,7 +103,8 @@ def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
                 chunks = family.build_model_chunks(cfg, state, "meta")
             trainer = Trainer(cfg, state, "meta", family)
             trainer.model_chunks = chunks
-            trainer.strategy = build_data_parallel(chunks, cfg, state)
+            trainer.strategy = attach_data_parallel(chunks,
+                                                    build_data_parallel(chunks, cfg, state))
             # torch.optim's own arithmetic communicates nothing: skip it (meta has no fused
             # kernel, and it would be a third of the trace's time)
             trainer.optimizer.inner.step = lambda *a, **k: None
