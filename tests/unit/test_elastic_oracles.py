@@ -102,3 +102,34 @@ def test_the_fitted_world_is_the_largest_that_validates(world, fitted):
     cfg = parse_args([*TWIN, "--world-size", str(world), "--elastic",
                       "--tensor-model-parallel-size", "1", "--global-batch-size", "24"])
     assert cfg.world_size == fitted           # 7 -> 6 (24 / 6); 9 -> 8 (24 / 8), not 6
+
+
+def test_a_spare_waits_until_rank_0_of_the_trainers_releases_it(monkeypatch, capsys):
+    """The run-time half of the spares (tests/e2e/test_elastic_launch_e2e.py's misfit run,
+    long tier): the handshake through the trainers' store, in one process."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as torch_dist
+
+    from megalite.elastic import relayout
+
+    master = torch_dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=30))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    done = []
+    spare = threading.Thread(target=lambda: done.append(relayout.wait_as_spare(3, 2)),
+                             daemon=True)      # a broken release must not hang pytest
+    spare.start()
+    cfg = types.SimpleNamespace(world_size=2, launched_world_size=3)
+    key = f"megalite/attempt_2/{relayout.SPARES_RELEASED_KEY}"
+    relayout.release_spares(cfg, rank=1)                    # only rank 0 releases
+    relayout.release_spares(types.SimpleNamespace(world_size=3, launched_world_size=3), 0)
+    spare.join(timeout=0.5)
+    assert spare.is_alive() and not master.check([key])     # no spares: nothing released
+    relayout.release_spares(cfg, rank=0)
+    spare.join(timeout=30)
+    assert done == [0] and master.check([key])
+    assert "> rank 3: spare (the layout trains on ranks 0-1); waiting" in capsys.readouterr().out
