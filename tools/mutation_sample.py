@@ -78,7 +78,7 @@ def write_config(path: str, module: str, command: str, timeout: float) -> None:
                 '[cosmic-ray.distributor]\nname = "local"\n')
 
 
-def run_module(cr: str, work: str, module: str, budget: int, rng, timeout: float,
+def run_module(cr: str, work: str, module: str, budget: int, seed: int, timeout: float,
                python: str, functions=None) -> list:
     # cosmic-ray is optional (the test extra does not install it): imported where needed,
     # so the map checks of tests/unit/test_mutation_map.py run without it
@@ -98,20 +98,25 @@ def run_module(cr: str, work: str, module: str, budget: int, rng, timeout: float
         if functions:
             lines = focus_lines(os.path.join(work, module), functions)
             items = [w for w in items if w.mutations[0].start_pos[0] in lines]
-        chosen = set(w.job_id for w in rng.sample(items, min(budget, len(items))))
+        rng = random.Random(f"{seed}:{module}")     # a module's draw ignores the others
+        picked = rng.sample(items, min(budget, len(items)))
+        chosen = set(w.job_id for w in picked)
         skip = [w.job_id for w in wdb.work_items if w.job_id not in chosen]
         if skip:
             wdb.set_multiple_results(skip, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
-    if command:
-        subprocess.run([cr, "exec", cfg, db], cwd=work, env=env, check=True)
+    if not command:
+        return [dict(module=module, line=w.mutations[0].start_pos[0],
+                     operator=w.mutations[0].operator_name, occurrence=w.mutations[0].occurrence,
+                     outcome="no-targeted-test", diff="") for w in picked]
+    subprocess.run([cr, "exec", cfg, db], cwd=work, env=env, check=True)
     rows = []
     with use_db(db, WorkDB.Mode.open) as wdb:
         for item, result in wdb.completed_work_items:
             if item.job_id not in chosen:
                 continue
             spec = item.mutations[0]
-            outcome = (result.test_outcome.value if result.test_outcome else
-                       result.worker_outcome.value) if command else "no-targeted-test"
+            outcome = result.test_outcome.value if result.test_outcome else \
+                result.worker_outcome.value
             rows.append(dict(module=module, line=spec.start_pos[0], operator=spec.operator_name,
                              occurrence=spec.occurrence, outcome=outcome,
                              diff=result.diff or ""))
@@ -124,6 +129,8 @@ def main(argv=None) -> int:
     which.add_argument("--changed-since", metavar="REV", help="modules changed since REV")
     which.add_argument("--modules", nargs="+", metavar="PATH")
     which.add_argument("--sample", action="store_true", help="docs/testing.md's sample")
+    ap.add_argument("--focus", action="store_true", help="only the functions SAMPLE names "
+                    "(implied by --sample)")
     ap.add_argument("--max-mutants", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant")
@@ -142,7 +149,6 @@ def main(argv=None) -> int:
     modules = [m for m in modules if m in MAP]
     if not modules:
         return 2 if unmapped else 0
-    rng = random.Random(a.seed)
     share = [a.max_mutants // len(modules) + (i < a.max_mutants % len(modules))
              for i in range(len(modules))]
     work = tempfile.mkdtemp(prefix="megalite-mutation-")
@@ -151,8 +157,8 @@ def main(argv=None) -> int:
         copy_checkout(work)
         for module, budget in zip(modules, share):
             if budget:
-                rows += run_module(a.cosmic_ray, work, module, budget, rng, a.timeout,
-                                   a.python, SAMPLE.get(module) if a.sample else None)
+                rows += run_module(a.cosmic_ray, work, module, budget, a.seed, a.timeout,
+                                   a.python, SAMPLE.get(module) if a.sample or a.focus else None)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
