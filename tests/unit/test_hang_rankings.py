@@ -139,3 +139,17 @@ def test_deviations_are_kept_up_to_half_of_the_alive_ranks_and_dropped_past_it()
     assert Diagnosis(_deviating(8, 5)).deviations() == []        # a change of program
     assert [r for r, _ in Diagnosis(_deviating(4, 2)).deviations()] == [0, 1]   # max(2, ...)
     assert Diagnosis(_deviating(4, 3)).deviations() == []
+
+
+def test_a_stale_dump_does_not_say_what_a_dead_rank_did_last():
+    """Rank 2's dump is stale (rank 0 completed pp #2 with it, which the dump had not
+    issued); its newer op with the dead rank 1 is not evidence: rank 0's is."""
+    groups = {"tp[0,1]": [0, 1], "dp[1,2]": [1, 2], "pp[0,2]": [0, 2]}
+    entries = {0: [_op("tp[0,1]", 1, 1.0, 7.0, where="by rank 0"),
+                   _op("pp[0,2]", 1, 1.0, 2.0), _op("pp[0,2]", 2, 3.0, 4.0),
+                   _op("tp[0,1]", 2, 8.0)],
+               2: [_op("pp[0,2]", 1, 1.0, 2.0), _op("dp[1,2]", 1, 5.0, 9.0, where="stale")]}
+    d = Diagnosis(_dumps(3, groups, entries, skip=(1,)))
+    assert d.ranks[2].stale and not d.alive(2)
+    e, by = d.last_seen(1)
+    assert (by, e["where"]) == (0, "by rank 0")
