@@ -153,3 +153,15 @@ def test_a_stale_dump_does_not_say_what_a_dead_rank_did_last():
     assert d.ranks[2].stale and not d.alive(2)
     e, by = d.last_seen(1)
     assert (by, e["where"]) == (0, "by rank 0")
+
+
+def test_a_rank_waits_in_its_newest_pending_op():
+    """Rank 0 has an older op still pending (issued asynchronously) and waits in a newer
+    one: the newer one is where it is stuck, on the rank that never entered it."""
+    groups = {"tp[0,1]": [0, 1], "dp[0,2]": [0, 2]}
+    entries = {0: [_op("tp[0,1]", 1, 1.0), _op("dp[0,2]", 1, 2.0)],
+               1: [_op("tp[0,1]", 1, 1.0)],
+               2: []}
+    d = Diagnosis(_dumps(3, groups, entries))
+    assert d.ranks[0].current["group"] == "dp[0,2]"
+    assert [r for r, _ in d.causes()] == [2]
