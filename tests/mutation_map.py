@@ -25,7 +25,8 @@ MAP = {
     "megalite/elastic/relayout.py": _ELASTIC,
     "megalite/diagnostics/hang_diagnosis.py": _HANGS,
     "megalite/cli/features.py": ("tests/unit/test_feature_table.py",),
-    "megalite/checkpointing/hf_adapters/llama.py": _HF,
+    "megalite/checkpointing/hf_adapters/llama.py": _HF + (
+        "tests/unit/test_fp16_rampup_layernorm1p.py",),     # --apply-layernorm-1p export
     "megalite/checkpointing/hf_adapters/qwen3.py": _HF,
     "megalite/checkpointing/hf_adapters/qwen2.py": _HF,
     "megalite/checkpointing/hf_adapters/qwen_moe.py": _HF,

@@ -65,7 +65,10 @@ def test_resume_asks_for_a_snapshot_newer_than_the_disk_marker(tmp_path, monkeyp
     assert (src.kind, src.snapshot, src.own_run, asked) == ("snapshot", plan, True, [40])
     found = None                                  # none newer: the disk checkpoint
     assert resume.resume_source(cfg).path == str(save) and asked[-1] == 40
-    cfg.checkpoint.save = str(tmp_path / "empty")
+    cfg.checkpoint.save = str(tmp_path / "absent")
+    assert resume.resume_source(cfg).path == "pre" and asked[-1] == -1
+    (tmp_path / "bare").mkdir()                   # a folder without a marker: none either
+    cfg.checkpoint.save = str(tmp_path / "bare")
     assert resume.resume_source(cfg).path == "pre" and asked[-1] == -1
 
 
@@ -97,11 +100,13 @@ def test_one_spare_rank_is_named_alone(capsys):
     assert capsys.readouterr().out.strip().endswith("and rank 4 waits as a spare")
 
 
-@pytest.mark.parametrize("world,fitted", [(7, 6), (9, 8)])
-def test_the_fitted_world_is_the_largest_that_validates(world, fitted):
+@pytest.mark.parametrize("world,tp,fitted", [(7, 1, 6), (9, 1, 8), (7, 4, 4), (13, 4, 12)])
+def test_the_fitted_world_is_the_largest_that_validates(world, tp, fitted):
+    """7 -> 6 (24 / 6); 9 -> 8 (24 / 8), not 6; at TP4 the candidates step by 4 from the
+    largest multiple below the world: 7 -> 4, 13 -> 12."""
     cfg = parse_args([*TWIN, "--world-size", str(world), "--elastic",
-                      "--tensor-model-parallel-size", "1", "--global-batch-size", "24"])
-    assert cfg.world_size == fitted           # 7 -> 6 (24 / 6); 9 -> 8 (24 / 8), not 6
+                      "--tensor-model-parallel-size", str(tp), "--global-batch-size", "24"])
+    assert cfg.world_size == fitted
 
 
 def test_a_spare_waits_until_rank_0_of_the_trainers_releases_it(monkeypatch, capsys):

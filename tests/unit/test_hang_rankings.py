@@ -135,7 +135,10 @@ def _deviating(world, n_deviating):
 
 
 def test_deviations_are_kept_up_to_half_of_the_alive_ranks_and_dropped_past_it():
-    assert [r for r, _ in Diagnosis(_deviating(8, 4)).deviations()] == [0, 1, 2, 3]
+    found = Diagnosis(_deviating(8, 4)).deviations()
+    assert [r for r, _ in found] == [0, 1, 2, 3]
+    assert "rank 0 left its program at iteration 3: its op 1 there is all_reduce #4 on " \
+        "solo0" in found[0][1] and "in iteration 2 it was all_reduce #1 on solo0" in found[0][1]
     assert Diagnosis(_deviating(8, 5)).deviations() == []        # a change of program
     assert [r for r, _ in Diagnosis(_deviating(4, 2)).deviations()] == [0, 1]   # max(2, ...)
     assert Diagnosis(_deviating(4, 3)).deviations() == []
