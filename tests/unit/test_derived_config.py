@@ -85,3 +85,11 @@ def test_parallel_derived_values():
     assert not ParallelConfig(sequence_parallel=True).sequence_parallel_active
     assert ParallelConfig(tensor_model_parallel_size=2,
                           sequence_parallel=True).sequence_parallel_active
+
+
+def test_per_split_data_paths_fill_the_missing_splits_with_empty_blends():
+    from megalite.config import DataConfig
+
+    assert DataConfig().per_split_data_path() is None
+    d = DataConfig(valid_data_path=["0.5", "v1", "0.5", "v2"])
+    assert d.per_split_data_path() == ([], ["0.5", "v1", "0.5", "v2"], [])
