@@ -18,7 +18,8 @@ def dist():
 
 # The long tier: runs that repeat at another scale what a faster test of the default run
 # proves (the SLURM cluster scenarios, model families, recipe twins, the full reshard
-# matrix), kept out of `bash launch/test.sh` so that CI stays under its 25 minutes.
+# matrix; docs/testing.md names each one's counterpart), kept out of `bash launch/test.sh`
+# so that CI stays under its 25 minutes.
 # `MEGALITE_LONG_TESTS=1 bash launch/test.sh` runs everything (about 25 more minutes on 2
 # idle cores).  Entries are node-id prefixes: a file, or one test (with or without its
 # parameters).
@@ -38,15 +39,16 @@ LONG_TESTS = (
     "tests/e2e/test_hangs_e2e.py::test_a_skipped_pipeline_send_is_named_before_launch",
     "tests/e2e/test_elastic_launch_e2e.py::test_misfit_world_trains_on_the_largest_fitting_part",
     # families: the default run keeps Llama and Mixtral through test_user_paths_e2e.py,
-    # end to end (every family's adapter is also checked in-process
-    # by tests/unit/test_hf_families.py)
+    # end to end; every family's import is checked in-process by
+    # tests/unit/test_hf_families.py, its export by tests/unit/test_hf_export_families.py
     _FAMILY,
     # recipe twins (docs/launching.md runs run_local.sh with a twin)
     "tests/e2e/test_recipes_e2e.py::test_qwen3_moe_twin_with_run_local_matches_one_process",
     "tests/e2e/test_recipes_e2e.py::test_gpt3_twin_with_run_local_matches_one_process",
     "tests/e2e/test_recipes_e2e.py::test_deepseek_v3_twin_trains_with_its_extra_losses_logged",
-    # DeepSeek-V3 through convert.py (tests/unit/test_hf_families.py and
-    # tests/distributed/test_mla_mtp_dist.py keep its adapter and MLA/MTP layouts)
+    # DeepSeek-V3 through convert.py (tests/unit/test_mla_mtp.py keeps its import,
+    # tests/unit/test_hf_export_families.py its export, tests/distributed/test_mla_mtp_dist.py
+    # its MLA/MTP layouts)
     "tests/e2e/test_deepseek_v3_hf_e2e.py",
     # pretrain_moe.py at EP2 (the default run keeps test_user_paths_e2e.py's EP2 Mixtral)
     "tests/e2e/test_pretrain_moe_e2e.py",

@@ -124,6 +124,8 @@ SKIP = [
     (r"^megalite plan --validate-run --nproc 4 .*--use-torch-fsdp2 --pipeline-model-parallel-size 2",
      "long (4 processes); tests/distributed/test_planner_validate_dist.py::fsdp2_pp2_llama "
      "runs these flags"),
+    (r"cosmic-ray", "mutation sampling: installs cosmic-ray and runs minutes of mutants; "
+     "tests/unit/test_mutation_map.py checks the map and the tool's rules"),
     (r"^megalite plan --validate-run --nproc 4 --num-layers 4 .*--pipeline-model-parallel-size 2",
      "long (4 processes); tests/distributed/test_planner_validate_dist.py::"
      "tp2_pp2_sp_llama_bf16 runs these flags"),

@@ -2,7 +2,8 @@
 process: an
 imported model gives transformers' logits, the planner reads each config and counts HF's
 parameters, export picks the family, and what megalite cannot express is one line naming
-the key.  (tests/e2e/test_hf_families_e2e.py runs the same models through convert.py and
+the key.  (tests/unit/test_hf_export_families.py checks each family's export;
+tests/e2e/test_hf_families_e2e.py runs the same models through convert.py and
 pretrain_gpt.py.)"""
 import json
 
