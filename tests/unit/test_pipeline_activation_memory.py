@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_chunk, single_rank_state
 from megalite.transformer.activation_memory import korthikanti_bytes, layer_terms, measure_saved
+from megalite.transformer.activations import ACTIVATIONS, DEFAULT
 
 S, B, H, A = 32, 2, 64, 4
 ARCHS = {
@@ -28,6 +29,8 @@ ARCHS = {
                   ffn_hidden_size=96, group_query_attention=True, num_query_groups=2),
     # q/k LayerNorm without RoPE: attention keeps the normalized q, k themselves
     "qknorm-ln-mha": dict(qk_layernorm=True, kv_channels=32),
+    # every other MLP activation of the registry on the GPT-2 layer (its `saved` terms)
+    **{f"mlp-{name}": dict(activation=name) for name in ACTIVATIONS if name != DEFAULT.name},
 }
 RECOMPUTE = [(), ("full",), ("core_attn",), ("mlp",), ("layernorm",),
              ("core_attn", "mlp", "layernorm")]
