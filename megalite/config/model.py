@@ -88,6 +88,9 @@ class ModelConfig:
         check=choice_problem)
     swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU): --activation swiglu.",
                        action="store_true", check=choice_problem)
+    squared_relu: bool = opt(False, "Use squared ReLU in the MLP, relu(x)^2 (Nemotron): "
+                             "--activation squared-relu.", action="store_true",
+                             check=choice_problem)
     untie_embeddings_and_output_weights: bool = opt(
         False, "Give the output layer its own weight instead of the input embedding.",
         action="store_true")

@@ -29,6 +29,12 @@ def _gelu(y):
     return F.gelu(y)
 
 
+def _squared_relu(y):
+    import torch.nn.functional as F   # torch only when a model runs (module docstring)
+
+    return F.relu(y).square()
+
+
 def _llama_ffn(hidden: int) -> int:
     """Llama's rule: 2/3 of 4h, rounded up to a multiple of 64."""
     return int(math.ceil(int(8 * hidden / 3) / 64) * 64)
@@ -70,6 +76,10 @@ ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in (
     Activation("gelu", None, "GeLU (GPT-2)", gated=False, fn=_gelu,
                hf_names=("gelu", "gelu_new", "gelu_pytorch_tanh"),
                saved=(("GeLU input (fc1 output)", 1), ("fc2 input (GeLU output)", 1))),
+    Activation("squared-relu", "squared_relu", "squared ReLU: relu(x)^2, not gated "
+               "(Primer; Nemotron's MLP)", gated=False, fn=_squared_relu, hf_names=("relu2",),
+               saved=(("relu output (square saves the same tensor)", 1),
+                      ("fc2 input relu(x)^2", 1))),
 )}
 DEFAULT = ACTIVATIONS["gelu"]                  # no --activation and no switch (Megatron's)
 SWITCHES = tuple(a.flag for a in ACTIVATIONS.values() if a.flag)   # ModelConfig fields

@@ -15,6 +15,7 @@ from megalite.transformer.activations import ACTIVATIONS, activation_for_hf
 CLOSED_FORM = {
     "gelu": lambda y: 0.5 * y * (1 + torch.erf(y / math.sqrt(2))),
     "swiglu": lambda y: (lambda g, u: g / (1 + torch.exp(-g)) * u)(*y.chunk(2, dim=-1)),
+    "squared-relu": lambda y: torch.where(y > 0, y * y, torch.zeros_like(y)),
 }
 
 
