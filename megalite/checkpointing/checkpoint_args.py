@@ -45,7 +45,8 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                "moe_router_num_groups", "moe_router_group_topk",
                # Multi-Latent Attention and its rope part; Multi-Token Prediction
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-               "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers")
+               "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers",
+               "attn_logit_softcapping", "final_logit_softcapping")
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",

@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from megalite.config.domain_checks import moe_layer_freq_problem
+from megalite.config.domain_checks import moe_layer_freq_problem, softcap_kernel_problem
 from megalite.config.fields import opt
 from megalite.transformer.activations import ACTIVATIONS, activation_of, choice_problem
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq  # noqa: F401
@@ -113,6 +113,12 @@ class ModelConfig:
         "sequences, where it is faster; SDPA otherwise). Transformer Engine: its flash, fused "
         "or unfused kernel (NVTE_* switches, as Megatron), 'auto' = TE's choice.",
         choices=["auto", "flash", "fused", "unfused", "local"])
+    # Gemma 2's soft-caps: x -> cap * tanh(x / cap), smooth and bounded by +-cap.
+    attn_logit_softcapping: Optional[float] = opt(
+        None, "Soft-cap the attention scores before the softmax at this value (Gemma 2: 50); "
+        "the unfused core attention only.", gt=0, check=softcap_kernel_problem)
+    final_logit_softcapping: Optional[float] = opt(
+        None, "Soft-cap the output layer's logits at this value (Gemma 2: 30).", gt=0)
     # Multi-Latent Attention (DeepSeek-V2/V3; transformer/mla.py), Megatron's MLA flags.
     multi_latent_attention: bool = opt(
         False, "Multi-Latent Attention: q and k/v through low-rank projections, a decoupled "
