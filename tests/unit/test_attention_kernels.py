@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megalite.cli import features
 from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
+from megalite.models.gpt import build_chunk
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.step_peak import predict_step_peak
 from megalite.training.loop import Trainer
@@ -174,8 +176,6 @@ def test_softcapped_scores_equal_transformers_gemma2_attention(causal, groups):
 def test_softcaps_reach_the_model_and_auto_runs_unfused(monkeypatch):
     """--attn-logit-softcapping picks the unfused kernel under auto (SDPA never runs);
     --final-logit-softcapping caps the output layer's logits (closed form) and the loss."""
-    from megalite.models.gpt import build_chunk
-
     calls = []
     real = F.scaled_dot_product_attention
     monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
@@ -221,8 +221,6 @@ def test_softcap_refusals_are_one_line(extra, words):
 
 
 def test_softcap_refused_with_transformer_engine():
-    from megalite.cli import features
-
     cfg = parse_args(SOFTCAP_ARGS + ["--attn-logit-softcapping", "50"])
     cfg.model.transformer_impl = "transformer_engine"     # TE is absent on CPU: the rule alone
     assert "--attn-logit-softcapping with Transformer Engine layers" in features.refusal(cfg)
