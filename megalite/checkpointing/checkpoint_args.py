@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from megalite.checkpointing.manifest import iteration_dir, read_marker, saved_iterations
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, field_flag
-from megalite.transformer.activations import SWITCHES
+from megalite.transformer.activations import SWITCHES, activation_of
 
 # Copied only where the command line left them unset (Megatron's non-forced _set_arg).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -32,7 +32,7 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 # Architecture switches: the checkpoint's value always wins (Megatron's force=True).
 ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "norm_epsilon",
                "position_embedding_type", "rotary_base", "rotary_percent", "apply_layernorm_1p",
-               *SWITCHES, "untie_embeddings_and_output_weights", "add_bias_linear",
+               *SWITCHES, "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
                "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
                "moe_router_score_function", "moe_router_pre_softmax",
                "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
@@ -45,7 +45,8 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                "moe_router_num_groups", "moe_router_group_topk",
                # Multi-Latent Attention and its rope part; Multi-Token Prediction
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-               "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers")
+               "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers",
+               "attn_logit_softcapping", "final_logit_softcapping")
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",
@@ -109,6 +110,7 @@ def _resolved(name: str) -> Callable[[ModelConfig], Any]:
         "max_position_embeddings": lambda m: m.max_position_embeddings or m.seq_length,
         "moe_ffn_hidden_size": ModelConfig.resolved_moe_ffn_hidden_size,
         "moe_layer_freq": lambda m: [m.is_moe_layer(i) for i in range(m.num_layers)],
+        "activation": lambda m: activation_of(m).name,
     }
     return special.get(name, lambda m: getattr(m, name))
 
@@ -129,6 +131,8 @@ def _applies(name: str, m: ModelConfig) -> bool:
         return bool(m.num_experts)
     if name in MLA_FIELDS:
         return m.multi_latent_attention
+    if name in SWITCHES:                    # with --activation on either side: compared as
+        return m.activation is None         # the activation they select (next)
     return name not in ("group_query_attention", "seq_length")   # compared as query groups
 
 
@@ -176,7 +180,7 @@ def _fix(name: str, saved: ModelConfig) -> str:
             return "no --group-query-attention"
         return f"--group-query-attention --num-query-groups {groups}"
     if name in ("ffn_hidden_size", "kv_channels", "max_position_embeddings",
-                "moe_ffn_hidden_size"):
+                "moe_ffn_hidden_size", "activation"):
         value = _resolved(name)(saved)
     else:
         value = getattr(saved, name)
@@ -198,8 +202,8 @@ def check_model_matches_checkpoint(cfg: MegaliteConfig) -> None:
         return                              # an unreadable model section: the load reports it
     ours = cfg.model
     for name in SHAPE_FIELDS + ARCH_FIELDS:
-        if name not in _FIELDS or name not in meta["model"]:
-            continue
+        if name not in _FIELDS or (name not in meta["model"] and name != "activation"):
+            continue                        # (an old checkpoint's activation: its switches)
         if name == "vocab_size" and (saved.vocab_size is None or
                                      (ours.vocab_size is None and cfg.data.tokenizer_type)):
             continue                        # from the tokenizer; the load's shape check sees it
@@ -250,6 +254,8 @@ def apply_checkpoint_args(cfg: MegaliteConfig, given: Iterable[str] = ()
                 notes.append(f"> {flag_of(name)} {_describe(name, model[name])} replaced by "
                              f"the checkpoint's {_describe(name, saved[name])}")
             model[name] = saved[name]
+    if "activation" not in saved:
+        model["activation"] = None          # a checkpoint from before --activation: its switches
     data = dataclasses.asdict(cfg.data)
     saved_data = (meta.get("args") or {}).get("data") or {}
     tok = (meta.get("extra") or {}).get("tokenizer") or {}

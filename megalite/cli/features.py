@@ -225,6 +225,17 @@ RULES = (
             CP_DROPOUT, dry_run=False),
     Refuses("cp-a2a", "--attention-dropout > 0", lambda c: c.model.attention_dropout > 0,
             CP_DROPOUT, dry_run=False),
+    # Gemma 2's soft-caps: only the local unfused core attention caps scores, only the
+    # unfused output layer caps logits
+    *(Refuses(f, "--attn-logit-softcapping", lambda c: c.model.attn_logit_softcapping is not None,
+              f"--attn-logit-softcapping with {how}: its attention kernel cannot cap the scores "
+              "before the softmax; drop it or use the local unfused core attention")
+      for f, how in (("te", "Transformer Engine layers"), ("cp-p2p", "ring attention (CP)"),
+                     ("cp-a2a", "all-to-all attention (CP)"))),
+    Refuses("fused-loss", "--final-logit-softcapping",
+            lambda c: c.model.final_logit_softcapping is not None,
+            "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "
+            "hold the logits to cap; drop one of them"),
 )
 
 

@@ -121,3 +121,14 @@ def load_dir_problem(value, cfg) -> Optional[str]:
         return f"--load: '{value}' is one checkpoint of a run; pass its parent folder: " \
                f"--load {parent} --ckpt-step {int(match.group(1))}"
     return None
+
+
+@domain_check()
+def softcap_kernel_problem(value, cfg) -> Optional[str]:
+    """only with the unfused core attention (--attention-backend auto, unfused or local)"""
+    backend = cfg.model.attention_backend
+    if backend in ("flash", "fused"):
+        return f"--attn-logit-softcapping: SDPA's kernels (--attention-backend {backend}) " \
+               "cannot cap the scores before the softmax; use --attention-backend unfused " \
+               "(or auto)"
+    return None

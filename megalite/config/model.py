@@ -5,9 +5,9 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from megalite.config.domain_checks import moe_layer_freq_problem
+from megalite.config.domain_checks import moe_layer_freq_problem, softcap_kernel_problem
 from megalite.config.fields import opt
-from megalite.transformer.activations import activation_of
+from megalite.transformer.activations import ACTIVATIONS, activation_of, choice_problem
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq  # noqa: F401
 
 
@@ -17,7 +17,7 @@ class ModelConfig:
     num_layers: Optional[int] = opt(None, "Number of transformer layers.", gt=0)
     hidden_size: Optional[int] = opt(None, "Transformer hidden size.", gt=0)
     ffn_hidden_size: Optional[int] = opt(
-        None, "MLP hidden size; default 4*hidden, or Llama's 8/3*hidden rounded when --swiglu.",
+        None, "MLP hidden size; default 4*hidden, or Llama's 8/3*hidden rounded with SwiGLU.",
         gt=0)
     num_attention_heads: Optional[int] = opt(None, "Number of attention heads.", gt=0)
     group_query_attention: bool = opt(False, "Use grouped-query attention.", action="store_true")
@@ -82,7 +82,15 @@ class ModelConfig:
         False, "Zero-centred norm weights: stored as w - 1 (initialised to 0), applied as "
         "1 + w (LayerNorm and RMSNorm).",
         action="store_true")
-    swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU).", action="store_true")
+    activation: Optional[str] = opt(
+        None, "MLP activation (transformer/activations.py); default gelu. Megatron's "
+        "switches (--swiglu, ...) name the same choice.", choices=list(ACTIVATIONS),
+        check=choice_problem)
+    swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU): --activation swiglu.",
+                       action="store_true", check=choice_problem)
+    squared_relu: bool = opt(False, "Use squared ReLU in the MLP, relu(x)^2 (Nemotron): "
+                             "--activation squared-relu.", action="store_true",
+                             check=choice_problem)
     untie_embeddings_and_output_weights: bool = opt(
         False, "Give the output layer its own weight instead of the input embedding.",
         action="store_true")
@@ -105,6 +113,12 @@ class ModelConfig:
         "sequences, where it is faster; SDPA otherwise). Transformer Engine: its flash, fused "
         "or unfused kernel (NVTE_* switches, as Megatron), 'auto' = TE's choice.",
         choices=["auto", "flash", "fused", "unfused", "local"])
+    # Gemma 2's soft-caps: x -> cap * tanh(x / cap), smooth and bounded by +-cap.
+    attn_logit_softcapping: Optional[float] = opt(
+        None, "Soft-cap the attention scores before the softmax at this value (Gemma 2: 50); "
+        "the unfused core attention only.", gt=0, check=softcap_kernel_problem)
+    final_logit_softcapping: Optional[float] = opt(
+        None, "Soft-cap the output layer's logits at this value (Gemma 2: 30).", gt=0)
     # Multi-Latent Attention (DeepSeek-V2/V3; transformer/mla.py), Megatron's MLA flags.
     multi_latent_attention: bool = opt(
         False, "Multi-Latent Attention: q and k/v through low-rank projections, a decoupled "

@@ -234,8 +234,14 @@ class GPTModel(DrawsFromTracker, nn.Module):
             self._mtp_losses(hidden, input_ids, position_ids, labels, loss_mask, rotary, weight)
         with OUTPUT_SITE:
             if labels is None:
-                return self.output_layer(hidden, weight=weight).transpose(0, 1)  # [b, s, v/tp]
+                return self._capped(self.output_layer(hidden, weight=weight)).transpose(0, 1)
             return self._token_loss(hidden, weight, labels, loss_mask)
+
+    def _capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """``--final-logit-softcapping`` (Gemma 2): cap * tanh(logits / cap), elementwise, so
+        a vocabulary shard caps alone and padded columns stay 0."""
+        cap = self.model_cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _token_loss(self, hidden, weight, labels, loss_mask) -> torch.Tensor:
         """Per-token loss [b, s] of ``hidden`` [s(/tp), b, h] against ``labels`` [b, s]."""
@@ -246,7 +252,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
                 token_weights=None if loss_mask is None else loss_mask.t(),
                 chunk_tokens=self.model_cfg.cross_entropy_chunk_tokens)
             return self.output_layer(hidden, weight=weight, loss_head=head).t()
-        logits = self.output_layer(hidden, weight=weight)                 # [s, b, v/tp]
+        logits = self._capped(self.output_layer(hidden, weight=weight))   # [s, b, v/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,
                                             inplace=True)                 # [s, b]
         return loss.t()

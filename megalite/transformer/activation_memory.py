@@ -96,6 +96,8 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
             T["SDPA logsumexp (fp32)"] = a * s * b // t
         elif sdpa == "unfused":     # attention_kernels.unfused_attention, any GQA
             T["unfused: softmax probabilities"] = a * s * s * b // t
+            if m.attn_logit_softcapping is not None:
+                T["unfused: tanh of the soft-capped scores"] = a * s * s * b // t
         elif g == a:
             T["math SDPA: q*sqrt(scale), k*sqrt(scale)"] = 2 * s * b * a * d // t
             T["math SDPA: softmax probabilities"] = a * s * s * b // t

@@ -3,14 +3,17 @@
 The dense MLP and the grouped experts apply ``activation_of(model_cfg)``; the parameter
 counts, FLOPs, memory models, precision probe and checkpoint checks read the same entry
 (how wide fc1 is, how many matmuls a token does, what backward keeps), so adding an MLP
-variant is one entry here, its switch in ``config/model.py`` and its line in the docs
-(docs/extending.md).  Importing this module does not import torch (the planner reads it).
+variant is one entry here, its Megatron-LM switch (if Megatron has one) in
+``config/model.py`` and its line in the docs (docs/extending.md).  ``--activation NAME``
+takes every entry; the Megatron switches (``--swiglu``, ...) are other spellings of the
+same one choice, and two different choices at once are refused (``choice_problem``).
+Importing this module does not import torch (the planner reads it).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 def _silu_glu(y):
@@ -26,6 +29,12 @@ def _gelu(y):
     return F.gelu(y)
 
 
+def _squared_relu(y):
+    import torch.nn.functional as F   # torch only when a model runs (module docstring)
+
+    return F.relu(y).square()
+
+
 def _llama_ffn(hidden: int) -> int:
     """Llama's rule: 2/3 of 4h, rounded up to a multiple of 64."""
     return int(math.ceil(int(8 * hidden / 3) / 64) * 64)
@@ -34,7 +43,7 @@ def _llama_ffn(hidden: int) -> int:
 @dataclass(frozen=True)
 class Activation:
     name: str
-    flag: Optional[str]        # the ModelConfig switch that selects it (None: the default)
+    flag: Optional[str]        # its Megatron-LM switch, a ModelConfig field (None: none)
     summary: str
     gated: bool                # fc1 computes [gate; up] (two blocks per TP rank)
     fn: Callable               # fc1 output -> fc2 input (torch tensors)
@@ -67,17 +76,45 @@ ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in (
     Activation("gelu", None, "GeLU (GPT-2)", gated=False, fn=_gelu,
                hf_names=("gelu", "gelu_new", "gelu_pytorch_tanh"),
                saved=(("GeLU input (fc1 output)", 1), ("fc2 input (GeLU output)", 1))),
+    Activation("squared-relu", "squared_relu", "squared ReLU: relu(x)^2, not gated "
+               "(Primer; Nemotron's MLP)", gated=False, fn=_squared_relu, hf_names=("relu2",),
+               saved=(("relu output (square saves the same tensor)", 1),
+                      ("fc2 input relu(x)^2", 1))),
 )}
-DEFAULT = next(a for a in ACTIVATIONS.values() if a.flag is None)
+DEFAULT = ACTIVATIONS["gelu"]                  # no --activation and no switch (Megatron's)
 SWITCHES = tuple(a.flag for a in ACTIVATIONS.values() if a.flag)   # ModelConfig fields
 
 
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def choices_given(model_cfg) -> List[Tuple[str, Activation]]:
+    """``[(flag text, entry)]`` for ``--activation`` and every Megatron switch that is on."""
+    given = []
+    name = getattr(model_cfg, "activation", None)
+    if name is not None and name in ACTIVATIONS:
+        given.append((f"--activation {name}", ACTIVATIONS[name]))
+    given += [(_flag(a.flag), a) for a in ACTIVATIONS.values()
+              if a.flag and getattr(model_cfg, a.flag, False)]
+    return given
+
+
 def activation_of(model_cfg) -> Activation:
-    """The activation ``model_cfg`` selects: the first entry whose switch is on."""
-    for a in ACTIVATIONS.values():
-        if a.flag and getattr(model_cfg, a.flag, False):
-            return a
-    return DEFAULT
+    """The activation ``model_cfg`` selects: ``--activation``, else its switch, else GeLU.
+    (Two different choices are refused by ``choice_problem`` before a model exists.)"""
+    given = choices_given(model_cfg)
+    return given[0][1] if given else DEFAULT
+
+
+def choice_problem(value, cfg) -> Optional[str]:
+    """one MLP activation: --activation or a Megatron switch naming it, never two different ones"""
+    given = choices_given(cfg.model)
+    if len({a.name for _, a in given}) > 1:
+        names = " and ".join(flag for flag, _ in given)
+        return f"{names}: the MLP has one activation; give one of them " \
+               f"(--activation {'|'.join(ACTIVATIONS)})"
+    return None
 
 
 def activation_for_hf(hidden_act: str) -> Optional[Activation]:

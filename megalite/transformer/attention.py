@@ -49,7 +49,8 @@ def split_qkv(qkv: torch.Tensor, r: int, dim: int):
 
 
 class DotProductAttention(DrawsFromTracker, nn.Module):
-    """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked.
+    """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked; the scores
+    soft-capped with ``--attn-logit-softcapping`` (the unfused kernel, then).
 
     The kernel is SDPA or the unfused path, by ``--attention-backend`` and, for ``auto``,
     by the device, dtype and length of each call (``attention_kernels.py``).
@@ -78,16 +79,19 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
+        self.softcap = getattr(model_cfg, "attn_logit_softcapping", None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         causal = self.is_causal
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
-        kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p)
+        kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,
+                                       softcap=self.softcap is not None)
         scale = self.softmax_scale
         with fork:
             if kernel == "unfused":
-                return unfused_attention(q, k, v, causal=causal, dropout_p=p, scale=scale)
+                return unfused_attention(q, k, v, causal=causal, dropout_p=p, scale=scale,
+                                         softcap=self.softcap)
             if v.shape[-1] != q.shape[-1]:
                 return self._padded_value(q, k, v, p, causal, scale)
             if k.shape[1] == q.shape[1]:

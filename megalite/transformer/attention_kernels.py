@@ -33,10 +33,11 @@ _MASKS: Dict[Tuple[int, int, int, torch.dtype, str], torch.Tensor] = {}
 
 
 def core_attention_kernel(backend: str, device_type: str, seq: int, dtype: torch.dtype,
-                          dropout: float = 0.0) -> str:
+                          dropout: float = 0.0, softcap: bool = False) -> str:
     """"unfused", "flash" (SDPA's fused kernel) or "math" (SDPA's fallback when CPU dropout
-    is on: it keeps the probabilities, like unfused).  The planner asks the same question."""
-    if backend in ("unfused", "local"):
+    is on: it keeps the probabilities, like unfused).  The planner asks the same question.
+    Soft-capped scores (``softcap``) only the unfused kernel computes."""
+    if backend in ("unfused", "local") or softcap:
         return "unfused"
     if backend == "auto" and device_type == "cpu" and seq <= UNFUSED_MAX_SEQ.get(dtype, 0):
         return "unfused"
@@ -56,21 +57,28 @@ def causal_bias(rows: int, s_q: int, s_k: int, dtype: torch.dtype, device) -> to
 
 
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-                      dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
+                      dropout_p: float = 0.0, scale: Optional[float] = None,
+                      softcap: Optional[float] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d]
-    (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).
+    (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).  ``softcap``:
+    Gemma 2's soft-cap, scores -> softcap * tanh(scores / softcap) before the mask.
 
     The query heads of one group are stacked along the sequence, so each group is one
     batched matmul against its shared k / v (no copies of k, v).  Scale and causal mask go
     into that matmul (``baddbmm``, as Megatron's unfused path), so autograd keeps only the
-    probabilities, and backward makes only their gradient and the scores' gradient."""
+    probabilities, and backward makes only their gradient and the scores' gradient (a
+    soft-cap keeps its tanh too: the mask must follow the cap, tanh(-inf) is -1)."""
     b, heads, s, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     rows = heads // groups
     alpha = d ** -0.5 if scale is None else scale
     q3 = q.reshape(b * groups, rows * s, d)
     k3 = k.reshape(b * groups, s_k, d).transpose(1, 2)
-    if causal:
+    if softcap is not None:
+        capped = torch.bmm(q3, k3).mul_(alpha / softcap).tanh()
+        scores = torch.add(causal_bias(rows, s, s_k, q.dtype, q.device), capped,
+                           alpha=softcap) if causal else capped.mul(softcap)
+    elif causal:
         bias = causal_bias(rows, s, s_k, q.dtype, q.device)
         scores = torch.baddbmm(bias, q3, k3, alpha=alpha)      # [b*g, r*s, s_k]
     else:

@@ -28,7 +28,7 @@ def model_cfg(arch: str, groups=None, layers=2, tied=None) -> dict:
     common = dict(num_layers=layers, hidden_size=32, num_attention_heads=16, kv_channels=4,
                   seq_length=SEQ, vocab_size=VOCAB, make_vocab_size_divisible_by=16,
                   hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.05)
-    if arch == "llama":
+    if arch.startswith("llama"):
         common.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
                       ffn_hidden_size=48, add_bias_linear=False, norm_epsilon=1e-6,
                       untie_embeddings_and_output_weights=True,
@@ -39,11 +39,14 @@ def model_cfg(arch: str, groups=None, layers=2, tied=None) -> dict:
                       untie_embeddings_and_output_weights=False, max_position_embeddings=SEQ)
     if tied is not None:
         common["untie_embeddings_and_output_weights"] = not tied
+    if arch == "llama-softcap":      # Gemma 2's caps, small enough to bite at this init
+        common.update(attn_logit_softcapping=0.05, final_logit_softcapping=0.2,
+                      attention_backend="unfused")
     return common
 
 
 ARCHS = {"llama-mha": ("llama", None), "llama-g16": ("llama", 16), "llama-g8": ("llama", 8),
-         "llama-g4": ("llama", 4), "gpt2": ("gpt2", None)}
+         "llama-g4": ("llama", 4), "gpt2": ("gpt2", None), "llama-softcap": ("llama-softcap", 4)}
 
 
 def make_cfg(mcfg: dict, tp=1, sp=False, pp=1, world=1, seed=1234) -> MegaliteConfig:

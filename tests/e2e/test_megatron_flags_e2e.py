@@ -1,11 +1,15 @@
 """``pretrain_gpt.py`` as a Megatron user runs it with ``--fp16``, ``--rampup-batch-size``
 and ``--apply-layernorm-1p``: Megatron's log fields (loss scale, number of skipped
 iterations, the ramp's global batch size), the metrics file, and a resume that keeps the
-scaler state and the ramp."""
+scaler state and the ramp; and every MLP activation, as ``--activation`` and as Megatron's
+switch."""
 import json
+import math
 import os
 import subprocess
 import sys
+
+from megalite.transformer.activations import ACTIVATIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,3 +58,42 @@ def test_fp16_ramp_layernorm1p_log_metrics_and_resume(tmp_path):
         assert (a["loss_scale"], a["skipped_iter"], a["lr"], a["global_batch_size"]) == \
             (b["loss_scale"], b["skipped_iter"], b["lr"], b["global_batch_size"])
         assert abs(a["lm_loss"] - b["lm_loss"]) <= 1e-5 * a["lm_loss"]
+
+
+ACT_FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--mock-data", "--vocab-size", "64", "--lr", "1e-3",
+             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+             "--log-interval", "1", "--eval-iters", "0", "--device", "cpu", "--no-progress-bar"]
+
+
+def _losses(tmp_path, tag, extra):
+    metrics = tmp_path / f"{tag}.jsonl"
+    p = subprocess.run([sys.executable, "pretrain_gpt.py", *ACT_FLAGS, "--metrics-file",
+                        str(metrics), *extra], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return [json.loads(x)["lm_loss"] for x in metrics.read_text().splitlines()
+            if "split" not in json.loads(x)]
+
+
+def test_every_activation_trains_and_megatron_switches_spell_it(tmp_path):
+    """Each registry entry with a Megatron switch (--swiglu, --squared-relu) trains through
+    pretrain_gpt.py as --activation NAME, and the switch runs the very same model (the
+    default, gelu, trains in every other e2e test); two switches at once are one line
+    naming both, exit 2 (not the first switch winning)."""
+    losses = {}
+    for name, a in ACTIVATIONS.items():
+        if not a.flag:
+            continue
+        losses[name] = _losses(tmp_path, name, ["--activation", name])
+        assert len(losses[name]) == 2 and all(math.isfinite(x) for x in losses[name])
+        switch = "--" + a.flag.replace("_", "-")
+        assert _losses(tmp_path, a.flag, [switch]) == losses[name], name
+    assert len({tuple(v) for v in losses.values()}) == len(losses)   # different models
+    switches = ["--" + a.flag.replace("_", "-") for a in ACTIVATIONS.values() if a.flag]
+    if len(switches) >= 2:
+        p = subprocess.run([sys.executable, "pretrain_gpt.py", *ACT_FLAGS, *switches[::-1]],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+        line = p.stderr.strip().splitlines()[-1]
+        assert all(s in line for s in switches), line

@@ -7,6 +7,7 @@ import pytest
 
 from megalite.cli.arguments import ConfigError, build_parser, parse_args
 from megalite.training import main as pretrain_main
+from megalite.transformer.activations import ACTIVATIONS, activation_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -250,3 +251,19 @@ def test_no_compat_flag_shadows_a_config_field():
 
     real = {s for _, f in all_fields() for s in (field_flag(f), *f.metadata.get("aliases", ()))}
     assert not [c.flag for c in compat_flags.ALL if c.flag in real]
+
+
+def test_activation_is_one_choice_megatron_switches_spell_it(capsys):
+    """--activation NAME and Megatron's switch select the same entry; two different
+    choices are one line naming both flags (exit 2), not the first switch winning."""
+    assert activation_of(parse_args(BASE).model).name == "gelu"
+    for name, a in ACTIVATIONS.items():
+        chosen = parse_args(BASE + ["--activation", name]).model
+        assert activation_of(chosen) is a
+        if a.flag:
+            switch = "--" + a.flag.replace("_", "-")
+            assert activation_of(parse_args(BASE + [switch]).model) is a
+            parse_args(BASE + [switch, "--activation", name])       # the same choice twice
+    code, err = run_main(BASE + ["--activation", "gelu", "--swiglu"], capsys, world=1)
+    assert code == 2 and "\n" not in err
+    assert "--activation gelu and --swiglu" in err and "--activation " in err

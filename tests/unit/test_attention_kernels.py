@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megalite.cli import features
 from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
+from megalite.models.gpt import build_chunk
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.step_peak import predict_step_peak
 from megalite.training.loop import Trainer
@@ -132,3 +134,93 @@ def test_planner_activation_bytes_match_the_measured_peak(tmp_path, backend, dro
     else:
         assert want["activations"] > probs
     assert 0.9 <= mem["measured_peak_bytes"] / want["total"] <= 1.1, (mem, want)
+
+
+# ---- Gemma 2's soft-caps (--attn-logit-softcapping, --final-logit-softcapping) ----------------
+SOFTCAP_ARGS = ["--world-size", "1", "--num-layers", "2", "--hidden-size", "32",
+                "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
+                "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
+                "--train-iters", "1", "--global-batch-size", "2", "--lr", "1e-3"]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("groups", [8, 2])
+def test_softcapped_scores_equal_transformers_gemma2_attention(causal, groups):
+    """The unfused kernel with a cap against transformers' Gemma 2 eager attention (scores
+    -> cap * tanh(scores / cap), then the mask, then the softmax), values and gradients."""
+    gemma2 = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
+    q, k, v = _qkv(torch.float64, groups=groups)
+    cap, s = 0.7, q.shape[2]
+    ours = unfused_attention(q, k, v, causal=causal, softcap=cap)
+    mask = torch.zeros(s, s, dtype=q.dtype).masked_fill(
+        torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")) if causal else None
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.training = q.shape[1] // groups, False
+    ref, _ = gemma2.eager_attention_forward(
+        module, q, k, v, None if mask is None else mask[None, None], scaling=q.shape[-1] ** -0.5,
+        softcap=cap)
+    # (transformers' softmax runs in fp32 whatever the inputs: fp32 tolerances)
+    torch.testing.assert_close(ours, ref.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(ours.square().sum(), (q, k, v))
+    want = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the cap bites: without it the scores (|q.k| / sqrt(d) up to ~3) give another output
+    assert (unfused_attention(q, k, v, causal=causal) - ours).abs().max() > 1e-2
+    if causal and groups == 2:          # numerical gradients (slow): the case with most parts
+        assert torch.autograd.gradcheck(
+            lambda *t: unfused_attention(*t, causal=causal, softcap=cap),
+            [t.detach()[:1, :, :4, :4].requires_grad_() for t in (q, k, v)])
+
+
+def test_softcaps_reach_the_model_and_auto_runs_unfused(monkeypatch):
+    """--attn-logit-softcapping picks the unfused kernel under auto (SDPA never runs);
+    --final-logit-softcapping caps the output layer's logits (closed form) and the loss."""
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    state = ParallelState.build(RankGrid(1), 0, create_groups=False)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    models = {}
+    for name, extra in (("plain", []), ("attn", ["--attn-logit-softcapping", "0.05"]),
+                        ("final", ["--final-logit-softcapping", "0.02"])):
+        cfg = parse_args(SOFTCAP_ARGS + ["--attention-backend", "flash"
+                                         if name != "attn" else "auto"] + extra)
+        torch.manual_seed(0)
+        models[name] = build_chunk(cfg, state)
+        n = len(calls)
+        with torch.no_grad():
+            models[name].logits = models[name](ids, None)
+        assert (len(calls) > n) == (name != "attn"), name
+    plain = models["plain"].logits
+    assert (models["attn"].logits - plain).abs().max() > 1e-6      # the cap changes scores
+    cap = 0.02
+    torch.testing.assert_close(models["final"].logits, cap * torch.tanh(plain / cap))
+    loss = models["final"](ids, None, labels=ids)
+    want = F.cross_entropy(models["final"].logits[..., :64].reshape(-1, 64), ids.reshape(-1),
+                           reduction="none").view(2, 16)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--attn-logit-softcapping", "50", "--attention-backend", "flash"],
+     ["--attn-logit-softcapping", "--attention-backend flash", "unfused"]),
+    (["--attn-logit-softcapping", "50", "--context-parallel-size", "2", "--world-size", "2"],
+     ["--attn-logit-softcapping with ring attention (CP)"]),
+    (["--attn-logit-softcapping", "50", "--context-parallel-size", "2", "--world-size", "2",
+      "--cp-comm-type", "a2a"], ["--attn-logit-softcapping with all-to-all attention (CP)"]),
+    (["--final-logit-softcapping", "30", "--cross-entropy-loss-fusion"],
+     ["--final-logit-softcapping with --cross-entropy-loss-fusion"]),
+    (["--attn-logit-softcapping", "0"], ["--attn-logit-softcapping must be"]),
+])
+def test_softcap_refusals_are_one_line(extra, words):
+    with pytest.raises(ConfigError) as e:
+        parse_args(SOFTCAP_ARGS + extra)
+    assert "\n" not in str(e.value) and all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_softcap_refused_with_transformer_engine():
+    cfg = parse_args(SOFTCAP_ARGS + ["--attn-logit-softcapping", "50"])
+    cfg.model.transformer_impl = "transformer_engine"     # TE is absent on CPU: the rule alone
+    assert "--attn-logit-softcapping with Transformer Engine layers" in features.refusal(cfg)

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shlex
+import shutil
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ from megalite.cli.arguments import parse_args
 from megalite.checkpointing.checkpoint_args import (check_model_matches_checkpoint,
                                                     model_flags, read_checkpoint_meta)
 from megalite.config import ConfigError, ModelConfig
+from megalite.transformer.activations import activation_of
 
 transformers = pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -197,3 +199,26 @@ def test_trained_checkpoint_metadata_gives_the_tokenizer_too(tmp_path):
     with pytest.raises(ConfigError, match="^--hidden-size: this run has 64, .* has 32"):
         parse_args(base[:2] + ["--hidden-size", "64", "--num-layers", "2",
                                "--num-attention-heads", "4"] + base[3:] + ["--mock-data"])
+
+
+
+def test_activation_spellings_agree_with_the_checkpoint(imported, tmp_path):
+    """--activation swiglu and the checkpoint's --swiglu are one choice; another activation
+    is one line naming --activation; a checkpoint written before --activation existed (its
+    metadata has swiglu but no activation) still loads with --use-checkpoint-args."""
+    ckpt, flags = imported
+    argv = [f for f in flags if f != "--swiglu"]
+    parse_args(argv + ["--activation", "swiglu"] + RUN + ["--world-size", "4"])
+    with pytest.raises(ConfigError, match="^--activation: this run has gelu, .* has swiglu; "
+                                          "pass --activation swiglu"):
+        parse_args(argv + ["--activation", "gelu"] + RUN + ["--world-size", "4"])
+    old = str(tmp_path / "old")
+    shutil.copytree(ckpt, old)
+    path, meta = read_checkpoint_meta(old)
+    del meta["model"]["activation"]
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    cfg = parse_args(["--load", old, "--use-checkpoint-args", "--activation", "gelu"] + RUN)
+    assert cfg.model.swiglu and activation_of(cfg.model).name == "swiglu"
+    parse_args(argv + ["--load", old, "--activation", "swiglu"] + RUN[:-1] +
+               ["--world-size", "4"])

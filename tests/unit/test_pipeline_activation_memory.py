@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_chunk, single_rank_state
 from megalite.transformer.activation_memory import korthikanti_bytes, layer_terms, measure_saved
+from megalite.transformer.activations import ACTIVATIONS, DEFAULT
 
 S, B, H, A = 32, 2, 64, 4
 ARCHS = {
@@ -28,7 +29,10 @@ ARCHS = {
                   ffn_hidden_size=96, group_query_attention=True, num_query_groups=2),
     # q/k LayerNorm without RoPE: attention keeps the normalized q, k themselves
     "qknorm-ln-mha": dict(qk_layernorm=True, kv_channels=32),
+    # every other MLP activation of the registry on the GPT-2 layer (its `saved` terms)
+    **{f"mlp-{name}": dict(activation=name) for name in ACTIVATIONS if name != DEFAULT.name},
 }
+SOFTCAP = dict(ARCHS["llama"], attn_logit_softcapping=50.0)   # its tanh: one more s^2 term
 RECOMPUTE = [(), ("full",), ("core_attn",), ("mlp",), ("layernorm",),
              ("core_attn", "mlp", "layernorm")]
 
@@ -36,7 +40,7 @@ RECOMPUTE = [(), ("full",), ("core_attn",), ("mlp",), ("layernorm",),
 def _cfg(arch, rc=(), seq=S):
     m = dict(num_layers=1, hidden_size=H, num_attention_heads=A, seq_length=seq, vocab_size=50,
              make_vocab_size_divisible_by=16, hidden_dropout=0.0, attention_dropout=0.0)
-    m.update(ARCHS[arch])
+    m.update(SOFTCAP if arch == "softcap" else ARCHS[arch])
     cfg = MegaliteConfig(model=ModelConfig(**m))
     if rc == ("full",):
         cfg.training.recompute_granularity, cfg.training.recompute_method = "full", "uniform"
@@ -63,7 +67,8 @@ def saved_bytes(arch, rc=(), sdpa="flash", seq=S):
 
 
 CASES = [(a, rc, k) for a in ARCHS for rc in RECOMPUTE for k in ("flash", "unfused")] + \
-    [("gpt2", rc, "math") for rc in RECOMPUTE]
+    [("gpt2", rc, "math") for rc in RECOMPUTE] + \
+    [("softcap", rc, "unfused") for rc in RECOMPUTE]    # Gemma 2's cap: unfused kernel only
 
 
 @pytest.mark.parametrize("arch,rc,sdpa", CASES,

@@ -39,6 +39,7 @@ import torch
 from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelError
 from megalite.checkpointing.hf_adapters.llama import take
 from megalite.checkpointing.hf_adapters.rope import rope_fields_from_hf, rope_parameters_to_hf
+from megalite.transformer.activations import activation_of
 
 EXPERT_BIAS = "mlp.router.expert_bias"       # full state-dict key suffix of the router buffer
 _LATENT_NORM_EPS = 1e-6                      # transformers' q/kv latent norms: eps fixed at 1e-6
@@ -162,7 +163,7 @@ class DeepseekV3Adapter(HFAdapter):
             (not mc.multi_latent_attention, "--multi-latent-attention"),
             (mc.normalization != "RMSNorm", "--normalization RMSNorm"),
             (mc.position_embedding_type != "rope", "--position-embedding-type rope"),
-            (not mc.swiglu, "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
+            (activation_of(mc).name != "swiglu", "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
             (not mc.qk_layernorm, "--qk-layernorm (DeepSeek's latent norms)"),
             (mc.norm_epsilon != _LATENT_NORM_EPS, "--norm-epsilon 1e-6"),
             (moe and not dense_then_moe, "dense layers first, then MoE (--moe-layer-freq)"),

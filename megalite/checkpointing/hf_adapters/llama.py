@@ -34,6 +34,7 @@ import torch
 from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelError
 from megalite.checkpointing.hf_adapters.rope import (rope_export_problems, rope_fields_from_hf,
                                                      rope_parameters_to_hf)
+from megalite.transformer.activations import activation_of
 
 
 REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size",
@@ -123,7 +124,7 @@ class LlamaAdapter(HFAdapter):
         mc = ModelConfig(**m)
         return [msg for bad, msg in (
             (mc.normalization != "RMSNorm", "--normalization RMSNorm"),
-            (not mc.swiglu, "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
+            (activation_of(mc).name != "swiglu", "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
             (bool(mc.num_experts), "no --num-experts"),
             (mc.multi_latent_attention, "no --multi-latent-attention"),
             (bool(mc.mtp_num_layers), "no --mtp-num-layers")) if bad] + \
