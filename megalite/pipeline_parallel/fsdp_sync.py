@@ -26,11 +26,12 @@ from __future__ import annotations
 import types
 from typing import Iterable, List
 
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
 
 def fsdp_chunks(chunks: Iterable) -> List:
     """The chunks fully sharded by FSDP2 (their root is an ``FSDPModule``)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return [c for c in chunks if isinstance(c, FSDPModule)]
 
 
@@ -42,15 +43,11 @@ def defer_gradient_sync(chunk) -> None:
 
 def reduce_gradients(chunk) -> None:
     """Reduce the chunk's accumulated gradients now (and reshard): torch's REDUCE_GRAD."""
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
     _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=chunk), 1)
 
 
 def reshard(chunk) -> None:
     """Free every unit's gathered parameters (after a forward-only run under PP)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for module in chunk.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
