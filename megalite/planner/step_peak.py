@@ -44,7 +44,6 @@ from megalite.planner.memory import (ActivationOptions, Precision, activation_by
                                      unfused_backward_bytes)
 from megalite.transformer.activations import activation_of
 from megalite.parallel_state import pick_device_and_backend
-from megalite.transformer.attention_kernels import attention_kernel_of
 
 COALESCE_ELEMENTS = 40_000_000     # comm.all_reduce_coalesced's flat-buffer bound
 
@@ -161,6 +160,9 @@ def predict_step_peak(cfg: MegaliteConfig, rank: int, *, gloo: Optional[bool] = 
                                               cfg.parallel.distributed_backend)
     if gloo is None:
         gloo = backend == "gloo"
+    # start-up time: the planner imports no torch; only a run's own peak asks torch's kernels
+    from megalite.transformer.attention_kernels import attention_kernel_of
+
     kernel = attention_kernel_of(cfg, device)
     local = cfg.model.transformer_impl != "transformer_engine"
     L = layout_from_config(cfg)

@@ -253,9 +253,8 @@ PENDING: Dict[Tuple[str, str], str] = {
     ("megalite.backends.selection", "megalite.cli.compat_flags"):
         "the FP8-flags-need-TE rule moves from backend_refusal into cli/features.py",
     ("megalite.cli.arguments", "megalite.elastic.relayout"):
-        "elastic/relayout.py fits(cfg, world, validate) / fit_world(cfg, validate) take the "
-        "validator (cli/arguments.py passes validation.validate); relayout imports no cli",
-    ("megalite.elastic.relayout", "megalite.cli.validation"): "as the entry above",
+        "the re-layout rule (elastic/relayout.py fits, fit_world: which world a layout trains "
+        "at) is a config rule and moves into cli/; relayout keeps the spares' runtime part",
     ("megalite.elastic.resume", "megalite.training.checkpoint"):
         "the checkpointer (training/checkpoint.py, train_state.py) moves into checkpointing/ "
         "with its save(TrainState, ...) / load rewrite",
