@@ -23,11 +23,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalite.checkpointing import manifest as mf
-from megalite.elastic.snapshot import snapshot_interval
 from megalite.elastic import snapshot_restore
-from megalite.elastic.snapshot import snapshot_dir
-from megalite.training.checkpoint import load_training_checkpoint
+from megalite.elastic.snapshot import snapshot_dir, snapshot_interval
 from megalite.elastic.snapshot_restore import restore_snapshot
+from megalite.training.checkpoint import load_training_checkpoint
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,14 @@ from types import SimpleNamespace
 
 import torch
 
-from megalite.checkpointing.model_io import load_model_shards, read_metadata
-from megalite.config import MegaliteConfig, ModelConfig
+from megalite.checkpointing.model_io import LATEST, load_model_shards, read_metadata
+from megalite.cli.arguments import OneLineErrorParser
+from megalite.cli.boundary import run_cli
+from megalite.config import DataConfig, MegaliteConfig, ModelConfig
 from megalite.data import build_tokenizer_from_config
+from megalite.errors import CheckpointError
 from megalite.models.gpt import build_model
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.cli.boundary import run_cli
-from megalite.cli.arguments import OneLineErrorParser
-from megalite.errors import CheckpointError
-from megalite.config import DataConfig
-from megalite.checkpointing.model_io import LATEST
 
 
 def load_for_inference(root: str, tokenizer_flags: dict | None = None):

@@ -8,21 +8,20 @@ the numbers, before anyone waits for 2,048 nodes.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
-import sys
 import dataclasses
+import sys
+from typing import List, Sequence
 
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.parallel_state import ORDER, RankGrid
 from megalite.cli.recipes import RecipeInfo, flag_value, read_recipe_info
+from megalite.data import build_tokenizer_from_config
+from megalite.diagnostics.collective_check import check_collectives, report_text
+from megalite.planner import model_spec as ms
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import make_cluster
-from megalite.planner.layout import layout_from_config
+from megalite.planner.layout import ZERO_NAMES, layout_from_config
 from megalite.planner.search import evaluate
-from megalite.planner.layout import ZERO_NAMES
-from megalite.planner import model_spec as ms
-from megalite.diagnostics.collective_check import check_collectives, report_text
-from megalite.data import build_tokenizer_from_config
 
 GiB = 1024 ** 3
 FULL_LISTING_MAX_WORLD = 64      # up to here every group of every kind is listed too

@@ -11,14 +11,13 @@ from megalite.cli import compat_flags
 from megalite.cli.arguments import parse_args
 from megalite.cli.boundary import run_cli
 from megalite.errors import UserError
-from megalite.parallel_state import RankGrid
-from megalite.pipeline_parallel.stages import layers_of_stage
-from megalite.training.dry_run import dry_run
 from megalite.cli.validation import missing_logging_packages
 from megalite.config.megatron_fsdp import describe
 from megalite.elastic.relayout import release_spares, wait_as_spare
 from megalite.models.gpt_step import GPT_FAMILY
-from megalite.parallel_state import launch_env
+from megalite.parallel_state import RankGrid, launch_env
+from megalite.pipeline_parallel.stages import layers_of_stage
+from megalite.training.dry_run import dry_run
 from megalite.training.faults import abort_all_ranks
 from megalite.training.loop import pretrain
 

@@ -257,7 +257,8 @@ PENDING: Dict[Tuple[str, str], str] = {
         "at) is a config rule and moves into cli/; relayout keeps the spares' runtime part",
     ("megalite.elastic.resume", "megalite.training.checkpoint"):
         "the checkpointer (training/checkpoint.py, train_state.py) moves into checkpointing/ "
-        "with its save(TrainState, ...) / load rewrite",
+        "with its save(TrainState, ...) / load rewrite; or load_resume_state, which drives "
+        "it, moves next to its one caller, Trainer.setup (training/loop.py)",
     ("megalite.elastic.snapshot", "megalite.training.checkpoint"): "as the entry above",
     ("megalite.elastic.snapshot_restore", "megalite.training.checkpoint"):
         "as the entry above",
