@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import threading
 import time
+import inspect
+import sys
 from collections import defaultdict
 from contextlib import contextmanager
 from datetime import timedelta
@@ -477,9 +479,6 @@ def external_group_name(process_group) -> Optional[str]:
 
 
 def _install_external_hooks() -> None:
-    import inspect
-    import sys
-
     if getattr(dist, "_megalite_counted", False):
         return
     for fn_name, op, tensor_arg in _EXTERNAL_OPS:

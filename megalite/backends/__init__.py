@@ -12,6 +12,12 @@ import dataclasses
 
 from megalite.context_parallel import core_attention_class
 from megalite.transformer.spec import LayerSpec  # noqa: F401  (re-exported)
+from megalite.backends.local import local_spec
+from megalite.backends.transformer_engine import te_spec
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, DuplicatedLinear)
+from megalite.transformer.mla import MLASelfAttention
+from megalite.transformer.norms import IdentityNorm, build_norm
+from megalite.transformer.spec import MLASelfAttentionSubmodules, ModuleSpec
 
 
 def get_layer_spec(impl: str = "local", model_cfg=None, *, cp_comm_type: str = "p2p",
@@ -21,13 +27,10 @@ def get_layer_spec(impl: str = "local", model_cfg=None, *, cp_comm_type: str = "
     (norm kind, MoE, FP8 settings); ``amax_group`` is the process group FP8 reduces its
     amax over (TP x DP x CP)."""
     if impl in ("local", "auto"):
-        from megalite.backends.local import local_spec
-
         return local_spec()
     if impl == "transformer_engine":
         if model_cfg is None:
             raise ValueError("the transformer_engine layer spec needs the model config")
-        from megalite.backends.transformer_engine import te_spec
 
         return te_spec(model_cfg, cp_comm_type=cp_comm_type, amax_group=amax_group)
     raise ValueError(f"unknown --transformer-impl '{impl}'")
@@ -50,11 +53,6 @@ def multi_latent_attention_spec(spec: LayerSpec) -> LayerSpec:
     column-parallel up projections), the latent norms the backend's norm.  A backend that
     fused the input norm into ``linear_qkv`` (TE) gets the norm back in its own slot: MLA has
     no single linear to fuse it into."""
-    from megalite.tensor_parallel.layers import (ColumnParallelLinear, DuplicatedLinear)
-    from megalite.transformer.mla import MLASelfAttention
-    from megalite.transformer.norms import IdentityNorm, build_norm
-    from megalite.transformer.spec import MLASelfAttentionSubmodules, ModuleSpec
-
     layer = spec.layer.submodules
     attn = layer.self_attention
     mla = ModuleSpec(MLASelfAttention, params=dict(attn.params),

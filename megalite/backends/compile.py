@@ -13,6 +13,7 @@ import os
 from typing import Optional
 
 from torch import nn
+import torch._functorch.config as functorch_config
 
 
 def transformer_layers(chunk: nn.Module) -> list:
@@ -30,6 +31,7 @@ def inductor_cache_per_cpu_capability() -> Optional[str]:
     were measured, with "double free or corruption" crashes the other way round.  Checking
     a run under ``ATEN_CPU_CAPABILITY=avx2`` after a default run is how this project tests
     its other CPU kinds, so the directories are kept apart."""
+    # start-up time: torch._inductor takes ~3 s to import; only --compile with inductor needs it
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     capability = os.environ.get("ATEN_CPU_CAPABILITY")
@@ -52,8 +54,6 @@ def compile_layers(chunk: nn.Module, backend: Optional[str] = None,
     in two passes over one graph (zero bubble's B then W, ``retain_graph=True``), which
     AOTAutograd's donated buffers forbid, so they are turned off."""
     if retains_graph:
-        import torch._functorch.config as functorch_config
-
         functorch_config.donated_buffer = False
     backend = backend or BACKEND
     if backend == "inductor":

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import os
+import inspect
 from typing import Optional
 
 import torch
@@ -46,6 +47,7 @@ from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, M
                                        SelfAttentionSubmodules, TransformerLayerSubmodules)
 from megalite.tensor_parallel.random import AttachedTracker, DrawsFromTracker
 from megalite.tensor_parallel.layers import ColumnParallelLinear
+from megalite.backends.local import local_spec
 
 
 def te_pytorch():
@@ -266,8 +268,6 @@ def fp8_autocast(settings: Fp8Settings):
 def autocast_group_keyword() -> Optional[str]:
     """The group keyword of TE's ``autocast`` (``amax_reduction_group`` in the source, ``group``
     in some docs); None when this TE only has ``fp8_autocast``."""
-    import inspect
-
     autocast = getattr(te_pytorch(), "autocast", None)
     if autocast is None:
         return None
@@ -281,8 +281,6 @@ def autocast_group_keyword() -> Optional[str]:
 
 def te_spec(model_cfg, *, cp_comm_type: str = "p2p", amax_group=None) -> LayerSpec:
     """The TE ``LayerSpec`` for ``model_cfg`` (norm kind/eps, MoE or dense, FP8 settings)."""
-    from megalite.backends.local import local_spec
-
     local = local_spec().layer.submodules
     moe = bool(model_cfg.num_experts)
     fused = functools.partial(te_column_linear, model_cfg=model_cfg, fuse_norm=True)

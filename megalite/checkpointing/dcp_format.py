@@ -22,6 +22,7 @@ import io
 import os
 import pickle
 import warnings
+import traceback
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -190,7 +191,6 @@ def _one_line_failure(what: str, directory: str):
         ranks = sorted(exc.failures)
         cause = exc.failures[ranks[0]][0] if ranks else exc
         if os.environ.get("MEGALITE_DEBUG_DCP"):
-            import traceback
             for r in ranks:
                 print(f"--- DCP failure on rank {r}:\n" + "".join(traceback.format_exception(
                     exc.failures[r][0])) + str(exc.failures[r][1]), flush=True)

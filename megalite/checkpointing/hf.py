@@ -12,6 +12,7 @@ import os
 from typing import Dict, Optional, Tuple
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from megalite.checkpointing.hf_adapters import (HFAdapter, UnsupportedModelError,  # noqa: F401
                                                 adapter_for_hf, adapter_for_model)
@@ -42,8 +43,6 @@ def megalite_to_hf_state_dict(sd: Dict[str, torch.Tensor], m: dict,
 
 def load_hf_checkpoint(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """config.json + model.safetensors (or a sharded safetensors index)."""
-    from safetensors.torch import load_file
-
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"Hugging Face directory '{directory}' does not exist")
     cfg_path = os.path.join(directory, "config.json")
@@ -68,8 +67,6 @@ def load_hf_checkpoint(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
 
 
 def save_hf_checkpoint(directory: str, hf_cfg: dict, hf_sd: Dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_cfg, f, indent=2, sort_keys=True)

@@ -32,6 +32,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from megalite import comm
 from megalite.checkpointing.sharding import unshard_tensors
 from megalite.param_spec import ParamSpec, group_coords, param_table
+from megalite.checkpointing.dcp_format import ChunkedTensor, load_chunked
+from megalite.checkpointing.sharded_state import model_sharded_state_dict
+from megalite.moe.moe_layer import expert_bias_key, moe_layers
+from megalite.moe.moe_layer import expert_bias_entries
+from megalite.checkpointing.dcp_format import load_full, saved_tensors
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT = "megalite-model-shards-v1"
@@ -226,9 +231,6 @@ def load_model_shards(directory: str, model_chunks, cfg, state,
     Reads both this interim format and DCP training checkpoints (weights only)."""
     meta = read_metadata(directory, iteration)
     if is_dcp(meta):
-        from megalite.checkpointing.dcp_format import ChunkedTensor, load_chunked
-        from megalite.checkpointing.sharded_state import model_sharded_state_dict
-
         sd = {k: ChunkedTensor(v.global_shape, v.chunks)
               for k, v in model_sharded_state_dict(_chunks(model_chunks), state).items()}
         grid = getattr(state, "grid", None)
@@ -266,8 +268,6 @@ def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], state,
                          strict: bool = True) -> None:
     """Copy full (unpadded) tensors into this rank's chunks (``state``: its ParallelState;
     each parameter's spec says which of its groups split it)."""
-    from megalite.moe.moe_layer import expert_bias_key, moe_layers
-
     coords = group_coords(state)
     missing = []
     for name, p, spec in _named(_chunks(model_chunks)):
@@ -288,13 +288,9 @@ def load_full_state_dict(model_chunks, full_sd: Dict[str, torch.Tensor], state,
 def full_state_dict_from_checkpoint(directory: str, iteration: Optional[int] = None
                                     ) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """(model config dict, {global name: full unpadded tensor}); single process."""
-    from megalite.moe.moe_layer import expert_bias_entries
-
     meta = read_metadata(directory, iteration)
     bias = (meta.get("extra") or {}).get("moe_expert_bias")   # router buffers, by layer
     if is_dcp(meta):
-        from megalite.checkpointing.dcp_format import load_full, saved_tensors
-
         it_dir = iteration_dir(directory, meta["iteration"])
         keys = [k for k in saved_tensors(it_dir) if k.startswith("model.")]
         full = {k[len("model."):]: v for k, v in load_full(it_dir, keys).items()}

@@ -17,6 +17,7 @@ from typing import Optional
 from megalite.config import SECTIONS, ConfigError, MegaliteConfig
 from megalite.config.microbatches import BatchSizeSchedule
 from megalite.optimizer.lr_schedule import LRScheduler
+from megalite.checkpointing.checkpoint_args import read_checkpoint_meta
 
 # derived schedule value -> the flags it is computed from (named in the refusal)
 SOURCES = {
@@ -119,8 +120,6 @@ def scheduler_for_run(cfg: MegaliteConfig, train_iters: int) -> LRScheduler:
     ``--use-checkpoint-opt_param-scheduler`` (Megatron), else the flags'."""
     c = cfg.checkpoint
     if c.use_checkpoint_opt_param_scheduler and c.load and not c.finetune:
-        from megalite.checkpointing.checkpoint_args import read_checkpoint_meta
-
         found = read_checkpoint_meta(c.load)
         saved = checkpoint_run_config(found[1]) if found else None
         if saved is not None and saved.optimizer.lr is not None:

@@ -31,6 +31,7 @@ import torch
 
 from megalite.checkpointing.dcp_format import ChunkedTensor
 from megalite.param_spec import ParamSpec, group_coords, param_table, writes_chunk
+from megalite.parallel_state import HYBRID_GROUPS
 
 
 @dataclass
@@ -83,8 +84,6 @@ def first_fsdp_replica(p: torch.Tensor) -> bool:
 def buffer_writer(spec: ParamSpec, coords, group_name: str) -> bool:
     """The owner rule for a distributed optimizer's flat range sharded over ``group_name``:
     its data-parallel group, or with instances ("dp-cp-shard", ...) the first instance."""
-    from megalite.parallel_state import HYBRID_GROUPS
-
     base, part = HYBRID_GROUPS.get(group_name, (group_name, None))
     first_instance = part is None or coords[f"{base}-replicate"][0] == 0
     return first_instance and writes_chunk(spec, coords, sharded_over=(base,))

@@ -18,6 +18,9 @@ from megalite.config.domains import check_domains
 from megalite.config.megatron_fsdp import apply_megatron_fsdp
 from megalite.cli.presets import preset_fields
 from megalite.cli.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
+from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
+from megalite.elastic.relayout import fit_world
+from megalite.cli.validation import validate
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -195,18 +198,14 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     cfg = apply_megatron_fsdp(cfg)     # --use-megatron-fsdp: its ZeRO stage's strategy fields
     check_domains(cfg)        # a bad --load or value fails here, before any file is read
     if cfg.checkpoint.use_checkpoint_args:     # before validation, which needs the model flags
-        from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
 
         cfg, notes = apply_checkpoint_args(cfg, set(from_file) | given_dests(parser, argv))
         if int(os.environ.get("RANK", "0")) == 0:
             print("\n".join(notes), flush=True)
     if validate_config and cfg.parallel.elastic and not cfg.training.dry_run:
-        from megalite.elastic.relayout import fit_world
-
         cfg, line = fit_world(cfg)         # the re-layout rule; validates at the fitted world
         if int(os.environ.get("RANK", "0")) == 0:
             print(line, flush=True)
     elif validate_config:
-        from megalite.cli.validation import validate
         validate(cfg)
     return cfg

@@ -63,6 +63,7 @@ def write_elastic_error_file(line: str) -> None:
 def _record_bug(exc: BaseException) -> None:
     """A bug under torchrun: its traceback goes to the error file (``errors.record``)."""
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # start-up time: the boundary also runs `megalite plan`, which never imports torch
         from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
         try:
@@ -122,6 +123,7 @@ def report_user_error(exc: BaseException, prog: str) -> None:
     if debug():
         traceback.print_exception(exc, file=sys.stderr)
     if _in_process_group():
+        # start-up time: the boundary also runs `megalite plan`, which never imports torch
         from megalite import comm
 
         if _launcher_rank() != 0:   # several ranks failing alike: let rank 0's words be printed
@@ -158,6 +160,7 @@ def peer_user_error():
     """The user error another rank published (a failing collective here is its echo)."""
     if not _in_process_group():
         return None
+    # start-up time: the boundary also runs `megalite plan`, which never imports torch
     from megalite import comm
 
     return comm.published_user_error()

@@ -10,8 +10,12 @@ twin says ``twin_of:`` the recipe whose parallel structure it keeps.
 from __future__ import annotations
 
 import os
+import math
+import sys
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence
+
+import yaml
 
 from megalite.config import ConfigError, ParallelDims
 
@@ -34,8 +38,6 @@ class RecipeInfo:
 
 
 def load_yaml(path: str) -> dict:
-    import yaml
-
     if not os.path.isfile(path):
         raise ConfigError(f"--config: file '{path}' does not exist")
     wants = "--config takes a YAML file of 'setting: value' lines (e.g. launch/recipes/*.yaml)"
@@ -104,8 +106,6 @@ def min_world(path: str) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m megalite.cli.recipes min-world FILE`` (used by launch/run_local.sh)."""
-    import sys
-
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2 or args[0] != "min-world":
         print("usage: python -m megalite.cli.recipes min-world RECIPE.yaml", file=sys.stderr)

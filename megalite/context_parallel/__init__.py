@@ -10,17 +10,16 @@
 """
 from __future__ import annotations
 
+from megalite.context_parallel.ring import RingAttention
+from megalite.context_parallel.a2a import UlyssesAttention
+
 CP_COMM_TYPES = ("p2p", "a2a")
 
 
 def core_attention_class(comm_type: str):
     """The core-attention module for ``--cp-comm-type``."""
     if comm_type == "p2p":
-        from megalite.context_parallel.ring import RingAttention
-
         return RingAttention
     if comm_type == "a2a":
-        from megalite.context_parallel.a2a import UlyssesAttention
-
         return UlyssesAttention
     raise ValueError(f"unknown --cp-comm-type '{comm_type}'; choose from {CP_COMM_TYPES}")

@@ -35,6 +35,7 @@ from megalite.data.megatron_indices import (MID_LEVEL_DATASET_SURPLUS, blend_siz
                                             blending_indices, build_indices, normalize,
                                             parse_split_numbers, split_ranges)
 from megalite.data.samples import make_sample
+from megalite.data.random_windows import RandomWindowDataset
 
 __all__ = [
     "BlendedDataset",
@@ -448,8 +449,6 @@ def _build_splits(data_path, split_weights, num_samples, *, seq_length, seed, vo
 
     def one(d: int, i: int, n: int | None, want: int):
         if i == 0 and sample_windows == "random":
-            from megalite.data.random_windows import RandomWindowDataset
-
             return RandomWindowDataset(indexed[d], segments[d][i], seq_length, n or want, seed,
                                        name=SPLIT_NAMES[i], eod_token=eod_token,
                                        eod_mask_loss=eod_mask_loss)

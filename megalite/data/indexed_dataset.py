@@ -26,6 +26,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from megalite.errors import DataError
+
 __all__ = [
     "DTYPE_CODES",
     "IndexedDataset",
@@ -270,7 +272,6 @@ class IndexedDataset:
             if hi >= vocab_size or low < 0:
                 bad = hi if hi >= vocab_size else low
                 pos = lo + int(np.argmax(part == bad))
-                from megalite.errors import DataError
 
                 raise DataError(f"{bin_path(self.path_prefix)}: token id {bad} at position "
                                 f"{pos} is outside the vocabulary (size {vocab_size}); "

@@ -119,6 +119,7 @@ def read_llama3_ranks(path: str) -> Dict[bytes, int]:
 
 def _encoding(name: str, pattern: str, ranks: Dict[bytes, int], special: Dict[str, int]):
     try:
+        # optional dependency: tiktoken (the tiktoken extra)
         import tiktoken
     except ImportError:
         raise ImportError(f"{name} needs the 'tiktoken' package: pip install tiktoken") from None

@@ -11,7 +11,10 @@ import json
 import os
 from typing import Iterable, Sequence
 
+import sentencepiece as spm
+
 from megalite.data.tiktoken_models import Llama3Tokenizer, TikTokenizer
+from megalite.errors import ConfigError, DataError
 
 __all__ = [
     "TOKENIZER_TYPES",
@@ -151,8 +154,6 @@ class SentencePieceTokenizer:
     name = "SentencePieceTokenizer"
 
     def __init__(self, model_file: str | None) -> None:
-        import sentencepiece as spm
-
         path = _require_file(model_file, self.name)
         try:
             self.sp = spm.SentencePieceProcessor(model_file=path)
@@ -186,6 +187,7 @@ class HuggingFaceTokenizer:
     def __init__(self, model_path: str | None) -> None:
         path = _require_file(model_path, self.name)
         try:
+            # optional dependency: transformers (--tokenizer-type HuggingFaceTokenizer)
             from transformers import AutoTokenizer
         except ImportError:
             raise ImportError("HuggingFaceTokenizer needs the 'transformers' package") from None
@@ -215,6 +217,7 @@ class GPT2BPETokenizer:
         for path, flag in ((vocab_file, "--vocab-file"), (merge_file, "--merge-file")):
             if not path or not os.path.isfile(path):
                 raise FileNotFoundError(f"GPT2BPETokenizer needs {flag} FILE (got {path!r})")
+        # optional dependency: tokenizers (the Hugging Face tokenizers package)
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
         with open(vocab_file, encoding="utf-8") as f:
@@ -298,8 +301,6 @@ def build_tokenizer_from_config(data, vocab_size: int | None = None):
     The constructors' complaints are about the user's files and flags (a file that is not a
     sentencepiece model, a tiktoken file with gaps, a missing package): each becomes one
     ``DataError`` line naming ``--tokenizer-model`` (or the flag it names)."""
-    from megalite.errors import ConfigError, DataError
-
     if not getattr(data, "tokenizer_type", None):
         return None
     try:
@@ -359,8 +360,6 @@ def train_sentencepiece(
     Ids follow sentencepiece defaults (unk 0, bos 1, eos 2), so ``eod`` is 2. Text round-trips
     exactly (newlines and runs of spaces included); the vocab must hold every character seen.
     """
-    import sentencepiece as spm
-
     files = _check_inputs(input_files)
     if model_type not in ("bpe", "unigram", "char", "word"):
         raise ValueError(f"unknown sentencepiece model type {model_type!r}")

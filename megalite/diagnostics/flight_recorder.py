@@ -28,6 +28,8 @@ import time
 from collections import deque
 from typing import List, Optional
 
+import torch
+
 DEFAULT_CAPACITY = 10000       # entries per rank (--flight-recorder-size)
 DUMP_VERSION = 1
 FAULT_ENV = "MEGALITE_FAULT_INJECT"   # test hook: "skip:rank=5,iteration=3,group=pp,op=send"
@@ -46,14 +48,8 @@ class Site(threading.local):
 site = Site()
 
 
-def compiling() -> bool:
-    """torch.compiler.is_compiling(), bound on first use (this module imports no torch):
-    inside a graph being compiled nothing is recorded -- no side effect, no graph break."""
-    global compiling
-    import torch
-
-    compiling = torch.compiler.is_compiling
-    return compiling()
+# inside a graph being compiled nothing is recorded -- no side effect, no graph break
+compiling = torch.compiler.is_compiling
 
 
 class module_site:
@@ -336,6 +332,7 @@ def torch_flight_recorder_json() -> Optional[dict]:
     if not size or size == "0":
         return None
     try:
+        # optional dependency: a torch built without distributed has no c10d trace
         import torch._C._distributed_c10d as c10d
 
         dump = getattr(c10d, "_dump_nccl_trace_json", None) or c10d._dump_fr_trace_json

@@ -27,7 +27,12 @@ import threading
 import time
 from typing import Optional
 
+import torch.distributed as dist
+
 from megalite.diagnostics import flight_recorder as fr
+from megalite import comm
+from megalite.comm import CommError
+from megalite.diagnostics.hang_diagnosis import diagnose_folder, wait_for_dumps
 
 QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
 MAX_WAIT_SECONDS = 30.0    # ... or this long in all
@@ -143,7 +148,6 @@ def start(cfg, state) -> fr.FlightRecorder:
     needs to name peers (grid, hosts and pids of the ranks it shares a group with); start
     the monitor.  Collective: one small all-gather over the world."""
     global _monitor
-    from megalite import comm
 
     p = cfg.parallel      # flag values: checked by validation.check_hang_flags
     rec = fr.recorder
@@ -175,8 +179,6 @@ def start(cfg, state) -> fr.FlightRecorder:
 
 
 def _backend() -> str:
-    import torch.distributed as dist
-
     return str(dist.get_backend()) if dist.is_initialized() else "none"
 
 
@@ -190,8 +192,6 @@ def stop() -> None:
 def on_failure(exc: BaseException) -> None:
     """A rank is about to end every rank because of ``exc``: make sure its dump is written,
     and after a failed collective let one rank print the diagnosis."""
-    from megalite.comm import CommError
-
     rec = fr.recorder
     if not rec.enabled or not rec.dump_dir:
         return
@@ -209,8 +209,6 @@ def on_failure(exc: BaseException) -> None:
 def print_diagnosis(rec: fr.FlightRecorder) -> None:
     """Wait for the other ranks' dumps, then print the diagnosis and write diagnosis.txt.
     A SIGTERM meanwhile (torchrun ending the job) cuts the wait short."""
-    from megalite.diagnostics.hang_diagnosis import diagnose_folder, wait_for_dumps
-
     monitor = _monitor
     if monitor is not None:
         monitor.diagnosing = True

@@ -28,6 +28,12 @@ import sys
 import time
 from typing import Dict, List, Optional, Tuple
 
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from megalite.errors import EXIT_USER_ERROR
 
 # Why each value: docs/fault_tolerance.md, "Rendezvous settings".
@@ -70,8 +76,6 @@ def root_cause(failures) -> Tuple[int, object]:
 def _agent_class():
     """torchrun's LocalElasticAgent with a short exit barrier and no restart after a user
     error; launch_agent builds it by this module-level name."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
     class MegaliteAgent(LocalElasticAgent):
         exit_barrier_timeout = EXIT_BARRIER_TIMEOUT_S
 
@@ -109,8 +113,6 @@ def say(line: str) -> None:
 
 
 def _install_agent(exit_barrier_timeout: float) -> None:
-    import torch.distributed.launcher.api as launcher_api
-
     agent = _agent_class()
     agent.exit_barrier_timeout = exit_barrier_timeout
     launcher_api.LocalElasticAgent = agent
@@ -136,7 +138,6 @@ def parse(argv: List[str]):
     own.add_argument("--exit-barrier-timeout", type=float, default=float(
         os.environ.get("MEGALITE_EXIT_BARRIER_TIMEOUT", EXIT_BARRIER_TIMEOUT_S)))
     ours, rest = own.parse_known_args(argv)
-    from torch.distributed import run as torchrun
 
     args = torchrun.parse_args(rest)
     if args.rdzv_backend == "c10d" and not args.standalone:
@@ -150,9 +151,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     ours, args = parse(argv)
     _install_agent(ours.exit_barrier_timeout)
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         torchrun.run(args)

@@ -22,6 +22,12 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from megalite.checkpointing import manifest as mf
+from megalite.elastic import snapshot_restore
+from megalite.elastic.snapshot import snapshot_dir, snapshot_interval
+from megalite.elastic.snapshot_restore import restore_snapshot
+from megalite.training.checkpoint import load_training_checkpoint
+
 
 @dataclass(frozen=True)
 class ResumeSource:
@@ -46,23 +52,17 @@ def relaunch_reason(cfg) -> Optional[str]:
 
 
 def _has_checkpoint(root: Optional[str]) -> bool:
-    from megalite.checkpointing import manifest as mf
-
     return bool(root) and os.path.isdir(root) and (
         os.path.isfile(os.path.join(root, mf.MARKER)) or bool(mf.saved_iterations(root)))
 
 
 def _snapshots_on(cfg) -> bool:
-    from megalite.elastic.snapshot import snapshot_interval
-
     return snapshot_interval(cfg) > 0
 
 
 def _newest_disk_iteration(root: Optional[str]) -> int:
     """The newest complete checkpoint's iteration in ``--save`` (-1: none): a snapshot must
     be newer to be worth more."""
-    from megalite.checkpointing import manifest as mf
-
     if not root or not os.path.isdir(root):
         return -1
     it, _ = mf.read_marker(root)
@@ -74,12 +74,8 @@ def resume_source(cfg) -> Optional[ResumeSource]:
     c = cfg.checkpoint
     why = relaunch_reason(cfg)
     if why and _snapshots_on(cfg):
-        from megalite.elastic import snapshot_restore
-
         plan = snapshot_restore.find_snapshot(cfg, newer_than=_newest_disk_iteration(c.save))
         if plan is not None:
-            from megalite.elastic.snapshot import snapshot_dir
-
             return ResumeSource("snapshot", snapshot_dir(), own_run=True, reason=why,
                                 snapshot=plan)
     if why and _has_checkpoint(c.save):
@@ -106,8 +102,6 @@ def load_resume_state(trainer, source: ResumeSource) -> None:
         print(f"> resuming ({source.reason}) from {where}", flush=True)
     try:
         if source.kind == "snapshot":
-            from megalite.elastic.snapshot_restore import restore_snapshot
-
             restore_snapshot(trainer, source.snapshot)
         else:
             trainer.load_checkpoint()

@@ -13,21 +13,23 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
+
+from megalite.checkpointing.model_io import LATEST, load_model_shards, read_metadata
+from megalite.cli.arguments import OneLineErrorParser
+from megalite.cli.boundary import run_cli
+from megalite.config import DataConfig, MegaliteConfig, ModelConfig
+from megalite.data import build_tokenizer_from_config
+from megalite.errors import CheckpointError
+from megalite.models.gpt import build_model
+from megalite.parallel_state import ParallelState, RankGrid
 
 
 def load_for_inference(root: str, tokenizer_flags: dict | None = None):
     """(model, tokenizer, cfg) on one CPU process, weights from ``root``;
     ``tokenizer_flags`` (DataConfig names) replace the checkpoint's tokenizer."""
-    from megalite.checkpointing.model_io import load_model_shards, read_metadata
-    from megalite.config import MegaliteConfig, ModelConfig
-    from types import SimpleNamespace
-
-    from megalite.data import build_tokenizer_from_config
-    from megalite.models.gpt import build_model
-    from megalite.parallel_state import ParallelState, RankGrid
-
     meta = read_metadata(root)
     cfg = MegaliteConfig()
     cfg.model = ModelConfig(**meta["model"])
@@ -70,15 +72,10 @@ def generate(model, prompt_ids, max_new_tokens: int, seq_length: int, temperatur
 
 def main(argv=None):
     """Behind megalite's boundary: a bad flag or checkpoint is one line, exit status 2."""
-    from megalite.cli.boundary import run_cli
-
     return run_cli(_main, argv, prog="megalite")
 
 
 def _main(argv=None):
-    from megalite.cli.arguments import OneLineErrorParser
-    from megalite.errors import CheckpointError
-
     ap = OneLineErrorParser(prog="python -m megalite.generate",
                             help_hint="python -m megalite.generate --help",
                             description=__doc__.splitlines()[0])
@@ -88,7 +85,6 @@ def _main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
-    from megalite.config import DataConfig
 
     tok = ap.add_argument_group("tokenizer (default: the checkpoint's)")
     choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(DataConfig)}
@@ -96,7 +92,6 @@ def _main(argv=None):
         tok.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
                          choices=choices[name])
     a = ap.parse_args(argv)
-    from megalite.checkpointing.model_io import LATEST
 
     if not os.path.isfile(os.path.join(a.load, LATEST)):
         raise CheckpointError(f"--load: no checkpoint in '{a.load}'; give the --save folder "

@@ -19,6 +19,7 @@ from torch import nn
 from megalite.moe.token_dispatcher import build_dispatcher
 from megalite.transformer.extra_losses import is_collecting
 from megalite.transformer.spec import build_module
+from megalite import comm
 
 
 class MoELayer(nn.Module):
@@ -108,8 +109,6 @@ def expert_bias_entries(saved: dict, num_layers: int) -> dict:
 def expert_bias_state(chunks, state) -> dict:
     """{layer number (str): bias list} of every MoE layer of the model, on every rank
     (gathered over pp), for a checkpoint's JSON metadata.  Collective over pp."""
-    from megalite import comm
-
     mine = {str(n): layer.router.expert_bias.tolist() for n, layer in moe_layers(chunks).items()
             if layer.router.expert_bias is not None}
     out = {}

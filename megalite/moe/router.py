@@ -30,22 +30,8 @@ from torch import nn
 
 from megalite.param_spec import ParamSpec, make_param
 from megalite.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from megalite.moe.loss_names import AUX_LOSS, Z_LOSS, extra_loss_names  # noqa: F401  (re-exported)
 from megalite.transformer.extra_losses import add_extra_loss
-
-AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
-
-
-def extra_loss_names(model_cfg) -> Tuple[str, ...]:
-    """The extra-loss names MoE layers register under this configuration."""
-    m = model_cfg
-    if not m.num_experts:
-        return ()
-    names = []
-    if m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff:
-        names.append(AUX_LOSS)
-    if m.moe_z_loss_coeff:
-        names.append(Z_LOSS)
-    return tuple(names)
 
 
 def capacity(num_tokens: int, num_experts: int, topk: int, factor: float) -> int:

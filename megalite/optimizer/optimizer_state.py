@@ -18,6 +18,7 @@ import torch
 
 from megalite.errors import CheckpointError
 from megalite.optimizer.optimizer import STATE_KEYS
+from megalite.checkpointing.sharded_state import fill_from
 
 
 class OptimizerState:
@@ -52,8 +53,6 @@ class OptimizerState:
     def load_state_dict(self, sd: dict) -> None:
         """Install ``sd``: the targets of ``load_targets`` filled in place, or a state dict
         of the same layout (``state_dict()``), with its ``step``."""
-        from megalite.checkpointing.sharded_state import fill_from
-
         if sd.get("step") is None:
             raise CheckpointError("optimizer state without a step count: nothing to resume")
         self.before()

@@ -26,13 +26,13 @@ from __future__ import annotations
 import types
 from typing import Iterable, List
 
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from megalite.transformer.loss_reduction import GRAD_DIVIDE_FACTOR
 
 
 def fsdp_chunks(chunks: Iterable) -> List:
     """The chunks fully sharded by FSDP2 (their root is an ``FSDPModule``)."""
-    from torch.distributed.fsdp import FSDPModule
-
     return [c for c in chunks if isinstance(c, FSDPModule)]
 
 
@@ -46,16 +46,12 @@ def reduce_gradients(chunk) -> None:
     """Reduce the chunk's accumulated gradients now (and reshard): torch's REDUCE_GRAD,
     with the loss-reduction policy's divide factor (a plain sum: the loss is already over
     the global token count)."""
-    from torch.distributed.pipelining.stage import _PipelineStageBase
-
     _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=chunk),
                                            GRAD_DIVIDE_FACTOR)
 
 
 def reshard(chunk) -> None:
     """Free every unit's gathered parameters (after a forward-only run under PP)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for module in chunk.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

@@ -10,7 +10,7 @@ import shlex
 import sys
 from typing import List, Optional
 
-from megalite.cli.arguments import OneLineErrorParser
+from megalite.cli.arguments import OneLineErrorParser, parse_args
 from megalite.cli.boundary import run_cli
 from megalite.config import ConfigError
 from megalite.planner import model_spec as ms
@@ -20,6 +20,8 @@ from megalite.planner.hardware import GPU_PRESETS, make_cluster
 from megalite.pipeline_parallel.simulator import SCHEDULE_NAMES
 from megalite.planner.kernels import ATTENTION_KERNELS, FP8_RECIPES, fp8_unavailable
 from megalite.planner.search import RECOMPUTE_ORDER, SEARCHED_SCHEDULES, SearchSpace, search
+from megalite.planner.goodput import main as goodput
+from megalite.planner.plot import plot_plan
 
 
 def _ints(text: str) -> List[int]:
@@ -146,7 +148,6 @@ def resolve_model(args, extra: List[str]):
         raise ConfigError("give exactly one model: --recipe NAME, --hf-config PATH, or "
                           "pretrain_gpt.py model flags (--num-layers ...)")
     if args.recipe and args.recipe.endswith((".yaml", ".yml")):
-        from megalite.cli.arguments import parse_args     # the recipe's preset + its overrides
         m = parse_args(["--config", args.recipe, "--dry-run"], validate_config=False).model
     elif args.recipe:
         m = ms.recipe(args.recipe)
@@ -167,10 +168,11 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
     out = sys.stdout if out is None else out     # looked up now: a caller may have replaced it
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--validate-run" in argv:
+        # start-up time: only --validate-run trains; a plan never imports torch
         from megalite.planner.validate_run import main as validate_run
+
         return validate_run(argv, out)
     if "--goodput" in argv:
-        from megalite.planner.goodput import main as goodput
         return goodput(argv, out)
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -236,7 +238,6 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         if args.explain:
             print("\n" + report.explain(res, cluster, min(args.top, 5)), file=out)
     if args.plot:
-        from megalite.planner.plot import plot_plan
         plot_plan(args.plot, res, m, seq, gbs, cluster, space, opts)
         if not args.json:
             print(f"\nwrote {args.plot}", file=out)
@@ -258,7 +259,7 @@ def check_best_layout(best, m, seq: int, args, out) -> None:
     then the same check as its ``--dry-run --check-collectives``."""
     if best is None:
         raise ConfigError("--check-collectives: no layout megalite can run was found")
-    from megalite.cli.arguments import parse_args
+    # start-up time: a plan never imports torch; only --check-collectives traces the training step
     from megalite.training.dry_run import print_collective_check
 
     flags = report.winner_flags(best, m, seq, args.fp32)

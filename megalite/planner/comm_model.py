@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 from megalite.config import MegaliteConfig, ModelConfig
+from megalite.moe.loss_names import extra_loss_names
 from megalite.parallel_state import shard_group_names
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
@@ -290,8 +291,6 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     # layers' statistics (moe/metrics.py; MTP's MoE layers among them), over dp-cp, then pp
     extra, table = m.mtp_num_layers or 0, 0
     if m.num_experts:
-        from megalite.moe.router import extra_loss_names
-
         extra += len(extra_loss_names(m))
         table = sum(1 for n in range(m.num_transformer_layers()) if m.is_moe_layer(n)) * \
             (m.num_experts + 3)

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass
 from typing import List, Optional
 
 from megalite.config import ConfigError
+from megalite.cli.arguments import OneLineErrorParser
+from megalite.cli.arguments import parse_args
+from megalite.cli.recipes import read_recipe_info
 
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16384
 GB = 1e9
@@ -145,8 +149,6 @@ def report(inp: Inputs, step_source: str, failure_source: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megalite.cli.arguments import OneLineErrorParser
-
     p = OneLineErrorParser(prog="megalite plan --goodput", allow_abbrev=False,
                            help_hint="megalite plan --goodput --help",
                            description="Expected useful time under failures: disk checkpoints "
@@ -238,8 +240,7 @@ def inputs_from_args(argv: List[str]):
 
 def _planner(args):
     """The planner's estimate for the recipe at the requested size."""
-    from megalite.cli.arguments import parse_args
-    from megalite.cli.recipes import read_recipe_info
+    # start-up time: the training side imports torch, which a plan never imports
     from megalite.training.dry_run import planner_estimate
 
     info = read_recipe_info(args.recipe)
@@ -253,8 +254,6 @@ def _planner(args):
 
 
 def main(argv: Optional[List[str]] = None, out=None) -> int:
-    import sys
-
     inp, step_source, failure_source = inputs_from_args(list(argv or []))
     print(report(inp, step_source, failure_source), file=out or sys.stdout)
     return 0

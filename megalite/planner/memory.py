@@ -462,22 +462,6 @@ def peak_rank_memory(m: ModelConfig, L: Layout, seq: int, prec: Precision,
     return best
 
 
-def attention_kernel_of(cfg: MegaliteConfig, device: str) -> str:
-    """The core-attention kernel a run of ``cfg`` runs on ``device`` ("flash", "math" or
-    "unfused", ``transformer.attention_kernels``): megalite's local core attention follows
-    --attention-backend; CP's and TE's run SDPA or their own fused kernels."""
-    import torch
-
-    from megalite.transformer.attention_kernels import core_attention_kernel
-
-    local = cfg.model.transformer_impl != "transformer_engine"
-    backend = cfg.model.attention_backend if local and cfg.parallel.cp == 1 else "flash"
-    dtype = torch.bfloat16 if cfg.optimizer.bf16 else \
-        torch.float16 if cfg.optimizer.fp16 else torch.float32
-    return core_attention_kernel(backend, device, cfg.model.seq_length, dtype,
-                                 cfg.model.attention_dropout)
-
-
 def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
                         zero: Optional[int] = None, flash_attention: bool = True,
                         local_layers: Optional[bool] = None,
@@ -490,7 +474,7 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     --use-distributed-optimizer, else 0); ``grad_bytes`` is the main-grad dtype size;
     ``local_layers`` (default: unless --transformer-impl transformer_engine) models megalite's
     local layers buffer by buffer (``local_layer_bytes``); ``attention_kernel`` (from
-    ``attention_kernel_of``) overrides ``flash_attention``.
+    ``transformer.attention_kernels.attention_kernel_of``) overrides ``flash_attention``.
     """
     if attention_kernel is not None:
         flash_attention = attention_kernel == "flash"

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
-from megalite.cli.arguments import ConfigError
-from megalite.config import ModelConfig
+from megalite.cli.arguments import build_parser
+from megalite.config import ConfigError, ModelConfig
 from megalite.cli.presets import MODEL_PRESETS, preset_model
 from megalite.pipeline_parallel.split import PipelineSplit, split_layers
 from megalite.transformer.activations import DEFAULT as DEFAULT_ACTIVATION
@@ -85,6 +85,7 @@ def _from_adapter(hf: dict, path: str) -> Optional[ModelConfig]:
     """The registered adapter's mapping (None when no adapter knows the architecture);
     the sequence is capped at 8192 as the generic reader does.  Imports torch: only a
     --hf-config run pays for it."""
+    # start-up time: the HF adapters import torch; a plan imports it only for --hf-config
     from megalite.checkpointing.hf_adapters import UnsupportedModelError, adapter_for_hf
 
     try:
@@ -103,8 +104,6 @@ def _from_adapter(hf: dict, path: str) -> Optional[ModelConfig]:
 
 def from_flags(argv: List[str]) -> ModelConfig:
     """pretrain_gpt.py model flags (--num-layers ...) -> ModelConfig, via megalite's parser."""
-    from megalite.cli.arguments import build_parser
-
     parser = build_parser("megalite plan")
     model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
     by_flag = {s: a for a in parser._actions for s in a.option_strings}

@@ -17,6 +17,7 @@ from megalite.config import ModelConfig
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import GiB, Cluster
 from megalite.planner.search import SearchResult, SearchSpace, divisors, search
+from megalite.viz.pyplot import matplotlib_modules
 
 
 def strategies(cluster: Cluster, m: ModelConfig) -> Dict[str, dict]:
@@ -48,10 +49,7 @@ def sweep(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster, space: 
 
 def plot_plan(path: str, res: SearchResult, m: ModelConfig, seq: int, global_batch: int,
               cluster: Cluster, space: SearchSpace, opts: ModelOptions, top: int = 8) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    _, plt = matplotlib_modules()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
     colors = ["tab:red", "tab:orange", "tab:blue", "tab:green"]
     for color, (name, rows) in zip(colors, sweep(m, seq, global_batch, cluster, space,

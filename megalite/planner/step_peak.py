@@ -39,10 +39,11 @@ from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
 from megalite.pipeline_parallel.simulator import get_schedule
 from megalite.planner.memory import (ActivationOptions, Precision, activation_bytes,
-                                     attention_kernel_of, in_flight, layout_state_bytes,
+                                     in_flight, layout_state_bytes,
                                      local_head_bytes, local_layer_parts,
                                      unfused_backward_bytes)
 from megalite.transformer.activations import activation_of
+from megalite.parallel_state import pick_device_and_backend
 
 COALESCE_ELEMENTS = 40_000_000     # comm.all_reduce_coalesced's flat-buffer bound
 
@@ -155,12 +156,13 @@ def predict_step_peak(cfg: MegaliteConfig, rank: int, *, gloo: Optional[bool] = 
     --transformer-impl transformer_engine), ``transient`` the peak phase's temporaries and
     ``total`` = weights + grads + optimizer + the peak phase (``phases``, ``peak_phase``).
     ``gloo``: the collectives' backend (default: the run's; gloo on CPU)."""
-    from megalite.parallel_state import pick_device_and_backend
-
     device, backend = pick_device_and_backend(cfg.training.device,
                                               cfg.parallel.distributed_backend)
     if gloo is None:
         gloo = backend == "gloo"
+    # start-up time: the planner imports no torch; only a run's own peak asks torch's kernels
+    from megalite.transformer.attention_kernels import attention_kernel_of
+
     kernel = attention_kernel_of(cfg, device)
     local = cfg.model.transformer_impl != "transformer_engine"
     L = layout_from_config(cfg)

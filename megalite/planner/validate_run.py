@@ -21,8 +21,20 @@ import warnings
 import weakref
 from typing import Dict, List, Optional
 
+import torch
+import torch.distributed as torch_dist
+
+from megalite import comm
 from megalite.cli.arguments import OneLineErrorParser, parse_args
 from megalite.config import ConfigError
+from megalite.parallel_state import ParallelState, RankGrid, pick_device_and_backend
+from megalite.planner import model_spec as ms
+from megalite.planner.comm_model import predict_comm_volume
+from megalite.planner.layout import layout_from_config
+from megalite.planner.memory import Precision, layout_state_bytes, predict_rank_memory
+from megalite.testing import DistributedTestError, WorkerPool
+from megalite.transformer.attention_kernels import attention_kernel_of
+from megalite.training.loop import Trainer
 
 MEMORY_ROWS = ("weights", "grads", "optimizer", "activations")
 ACT_TOL, COMM_TOL = 0.10, 0.01
@@ -38,8 +50,6 @@ def _local(t):
 def _is_parameter(t) -> bool:
     """A parameter or a view of one (FSDP2's gathered parameters are fresh ``Parameter``s,
     saved by the layers that use them): not an activation."""
-    import torch
-
     return isinstance(t, torch.nn.Parameter) or isinstance(getattr(t, "_base", None),
                                                            torch.nn.Parameter)
 
@@ -84,8 +94,6 @@ class LiveSaved:
 
     def note_ctx_tensors(self, output):
         """Tensors custom Functions stored on ctx in ``output``'s graph (not seen by hooks)."""
-        import torch
-
         todo, seen = [getattr(output, "grad_fn", None)], set()
         while todo:
             node = todo.pop()
@@ -134,13 +142,6 @@ def _storages_bytes(tensors, skip=()) -> int:
 
 def measure_rank(argv: List[str]) -> dict:
     """One training iteration on this rank: model-state bytes, peak activations, comm."""
-    import torch
-    import torch.distributed as torch_dist
-
-    from megalite import comm
-    from megalite.parallel_state import ParallelState, RankGrid
-    from megalite.training.loop import Trainer
-
     warnings.filterwarnings("ignore", category=FutureWarning)   # torch's c10d renames
     cfg = parse_args(argv)
     state = ParallelState.build(RankGrid.from_config(cfg), torch_dist.get_rank())
@@ -171,10 +172,6 @@ def measure_rank(argv: List[str]) -> dict:
 # ---- predicting and comparing (the launching process) ---------------------------------
 
 def predict(cfg, rank: int) -> dict:
-    from megalite.planner.comm_model import predict_comm_volume
-    from megalite.parallel_state import pick_device_and_backend
-    from megalite.planner.memory import attention_kernel_of, predict_rank_memory
-
     # the kernel the run's attention takes (CPU SDPA with dropout: its math path)
     device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
     mem = predict_rank_memory(cfg, rank, attention_kernel=attention_kernel_of(cfg, device))
@@ -189,9 +186,6 @@ def predict(cfg, rank: int) -> dict:
 
 def kept_state_bytes(cfg, rank: int) -> dict:
     """Weights / grads / optimizer bytes rank ``rank`` keeps between steps."""
-    from megalite.planner.layout import layout_from_config
-    from megalite.planner.memory import Precision, layout_state_bytes
-
     L = layout_from_config(cfg)
     half = cfg.optimizer.bf16 or cfg.optimizer.fp16
     params = L.stage_params(cfg.model, L.pp_rank_of(rank))
@@ -254,8 +248,6 @@ def validate(flags: List[str], nproc: int, pool=None) -> tuple:
     cfg = parse_args(argv)
     preds = [predict(cfg, r) for r in range(nproc)]
     if pool is None:
-        from megalite.testing import WorkerPool
-
         pool = WorkerPool(nproc, timeout_s=300)
         try:
             measured = pool.run(measure_rank, argv)
@@ -275,7 +267,6 @@ def ep_group_means(cfg, measured: List[dict]) -> List[dict]:
     compared as the EP group's mean (calls are per rank and stay as measured)."""
     if not cfg.model.num_experts or cfg.parallel.ep == 1:
         return measured
-    from megalite.parallel_state import RankGrid
 
     grid = RankGrid.from_config(cfg)
     key = "ep/all_to_all"
@@ -297,8 +288,6 @@ match exactly, activations within 10% and communication within 1%; else 1."""
 
 
 def header(cfg) -> str:
-    from megalite.planner.layout import layout_from_config
-
     L = layout_from_config(cfg)
     rc = f", recompute {L.recompute}" if L.recompute != "none" else ""
     return (f"{L.short()}: {L.num_micro_batches} micro-batch(es) of {L.micro_batch} x "
@@ -319,7 +308,6 @@ def main(argv: Optional[List[str]] = None, out=sys.stdout) -> int:
     if args.nproc < 1:
         raise ConfigError("--nproc must be a positive integer")
     cfg = parse_args(run_argv(flags, args.nproc))
-    from megalite.testing import DistributedTestError
 
     try:
         rows, ok = validate(flags, args.nproc)

@@ -18,6 +18,8 @@ import traceback
 from datetime import timedelta
 
 import torch.multiprocessing as mp
+import torch
+import torch.distributed as dist
 
 
 def _free_port() -> int:
@@ -30,8 +32,6 @@ def _worker(rank, world_size, port, sys_path, tasks, results, timeout_s):
     sys.path[:] = sys_path
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,

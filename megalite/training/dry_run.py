@@ -8,11 +8,20 @@ the numbers, before anyone waits for 2,048 nodes.
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import List, Sequence
 
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.parallel_state import ORDER, RankGrid
 from megalite.cli.recipes import RecipeInfo, flag_value, read_recipe_info
+from megalite.data import build_tokenizer_from_config
+from megalite.diagnostics.collective_check import check_collectives, report_text
+from megalite.planner import model_spec as ms
+from megalite.planner.estimate import ModelOptions
+from megalite.planner.hardware import make_cluster
+from megalite.planner.layout import ZERO_NAMES, layout_from_config
+from megalite.planner.search import evaluate
 
 GiB = 1024 ** 3
 FULL_LISTING_MAX_WORLD = 64      # up to here every group of every kind is listed too
@@ -61,11 +70,6 @@ def layout_table(cfg: MegaliteConfig, gpus_per_node: int) -> str:
 
 def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
     """The planner's Estimate for exactly this config's layout (no search)."""
-    from megalite.planner.estimate import ModelOptions
-    from megalite.planner.hardware import make_cluster
-    from megalite.planner.layout import layout_from_config
-    from megalite.planner.search import evaluate
-
     layout = layout_from_config(cfg)
     cluster = make_cluster(cfg.world_size, gpus_per_node, gpu)
     opts = ModelOptions(fp32=not (cfg.optimizer.bf16 or cfg.optimizer.fp16),   # fp16: 2 B too
@@ -75,8 +79,6 @@ def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
 
 
 def estimate_text(est, cluster, opts, seq: int) -> str:
-    from megalite.planner.layout import ZERO_NAMES
-
     m, t = est.memory, est.times
     kernels = "megalite's local layers" if opts.local_layers else \
         "Transformer Engine's fused kernels"
@@ -99,8 +101,6 @@ def estimate_text(est, cluster, opts, seq: int) -> str:
 
 def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
     """Print the layout and the estimate; ``ConfigError`` (exit 2) when it cannot fit."""
-    from megalite.planner import model_spec as ms
-
     info: RecipeInfo = read_recipe_info(flag_value(argv, "--config"))
     gpu = flag_value(argv, "--gpu") or info.gpu
     gpn = int(flag_value(argv, "--gpus-per-node") or info.gpus_per_node)
@@ -141,10 +141,6 @@ def dry_run(cfg: MegaliteConfig, argv: Sequence[str], batch_lines: str) -> int:
 def print_collective_check(cfg: MegaliteConfig, family=None) -> None:
     """``--check-collectives``: trace and check every rank's collectives (or one class
     representative's each, past 64 ranks); ``ConfigError`` (exit 2) when they disagree."""
-    import sys
-
-    from megalite.diagnostics.collective_check import check_collectives, report_text
-
     def progress(done, total):
         if total > 8 and (done == total or done % max(1, total // 8) == 0):
             print(f"> collective check: traced {done}/{total} ranks", file=sys.stderr,
@@ -166,9 +162,6 @@ def _with_tokenizer_vocab(cfg: MegaliteConfig) -> MegaliteConfig:
         return cfg
     if not d.tokenizer_type:
         raise ConfigError("--dry-run needs the vocabulary size: give --vocab-size or a tokenizer")
-    import dataclasses
-
-    from megalite.data import build_tokenizer_from_config
 
     tok = build_tokenizer_from_config(d)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,

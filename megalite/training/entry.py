@@ -11,7 +11,15 @@ from megalite.cli import compat_flags
 from megalite.cli.arguments import parse_args
 from megalite.cli.boundary import run_cli
 from megalite.errors import UserError
-from megalite.parallel_state import RankGrid
+from megalite.cli.validation import missing_logging_packages
+from megalite.config.megatron_fsdp import describe
+from megalite.elastic.relayout import release_spares, wait_as_spare
+from megalite.models.gpt_step import GPT_FAMILY
+from megalite.parallel_state import RankGrid, launch_env
+from megalite.pipeline_parallel.stages import layers_of_stage
+from megalite.training.dry_run import dry_run
+from megalite.training.faults import abort_all_ranks
+from megalite.training.loop import pretrain
 
 
 def describe_run(cfg) -> str:
@@ -32,8 +40,6 @@ def describe_batch(cfg) -> str:
 
 def describe_pipeline_split(cfg) -> str:
     """One line: the transformer layers of each (pipeline rank, virtual stage)."""
-    from megalite.pipeline_parallel.stages import layers_of_stage
-
     p = cfg.parallel
     v = p.virtual_stages(cfg.model.num_layers)
 
@@ -59,23 +65,13 @@ def main(argv=None, prog: str = "pretrain_gpt.py", defaults: dict | None = None,
     def _run(argv):
         cfg = parse_args(argv, prog=prog, defaults=defaults)
         if cfg.training.dry_run:
-            from megalite.training.dry_run import dry_run
-            from megalite.cli.validation import missing_logging_packages
-
             if cfg.accepted_flags:
                 print(compat_flags.describe(cfg.accepted_flags))
             if cfg.parallel.use_megatron_fsdp:
-                from megalite.config.megatron_fsdp import describe
-
                 print(describe(cfg))
             for line in missing_logging_packages(cfg):
                 print(f"> note: {line} (not installed here)")
             return dry_run(cfg, argv if argv is not None else sys.argv[1:], describe_batch(cfg))
-        from megalite.elastic.relayout import release_spares, wait_as_spare
-        from megalite.models.gpt_step import GPT_FAMILY
-        from megalite.parallel_state import launch_env
-        from megalite.training.faults import abort_all_ranks
-        from megalite.training.loop import pretrain
 
         rank = launch_env().rank
         if cfg.parallel.elastic and rank >= cfg.world_size:   # the layout trains on fewer

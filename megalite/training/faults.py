@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from megalite import comm
+from megalite.diagnostics import hang_dumps
+from megalite.cli.boundary import exit_for_user_error, peer_user_error
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -82,9 +84,6 @@ def abort_all_ranks(exc: BaseException) -> None:
     the collective timeout for a rank that died with an error: our sockets close, every
     peer's pending collective or p2p fails within seconds, and torchrun tears down the
     rest.  First the flight recorder is written (``hang_dumps.on_failure``)."""
-    from megalite.diagnostics import hang_dumps
-    from megalite.cli.boundary import exit_for_user_error, peer_user_error
-
     echo = peer_user_error()
     if echo is not None:       # a peer's user error (printed there) broke our collective
         exit_for_user_error(echo, first=False)

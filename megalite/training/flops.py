@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from megalite.planner.flops import forward_flops_per_token
 from megalite.planner.hardware import UNKNOWN_GPU, datasheet_peak_flops
 
@@ -30,7 +32,6 @@ _CPU_PEAK = None
 def device_peak_flops(device: str) -> tuple[float, str]:
     """(peak FLOP/s, where the number comes from) for one device of this run."""
     global _CPU_PEAK
-    import torch
 
     if device == "cuda":
         peak, key = datasheet_peak_flops(torch.cuda.get_device_name())

@@ -23,6 +23,7 @@ from typing import Dict, Optional
 import torch
 
 from megalite.planner.step_peak import predict_step_peak
+from megalite.training.tensor_memory_meter import TensorMemoryMeter
 
 PARTS = ("weights", "grads", "optimizer", "activations", "transient", "total")
 METERED_STEPS = 2
@@ -75,8 +76,6 @@ class MemoryReporter:
 
     def start(self) -> "MemoryReporter":
         if self.device == "cpu":
-            from megalite.training.tensor_memory_meter import TensorMemoryMeter
-
             if not torch.autograd._profiler_enabled():     # a user's profiler wins
                 self.meter = TensorMemoryMeter().start()
         return self

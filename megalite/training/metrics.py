@@ -9,6 +9,10 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
+from megalite.training.memory_report import format_memory_report
+
 
 
 def _fmt_bytes(n: float) -> str:
@@ -41,10 +45,12 @@ class TrainingLogger:
             os.makedirs(os.path.dirname(os.path.abspath(lg.metrics_file)), exist_ok=True)
             self.metrics = open_metrics_file(lg.metrics_file, start_iter)
         if lg.tensorboard_dir:  # presence of the package was checked in validation
+            # optional dependency: tensorboard (the tensorboard extra)
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(lg.tensorboard_dir)
         if lg.wandb_project:
+            # optional dependency: wandb
             import wandb
 
             mode = os.environ.get("WANDB_MODE") or (
@@ -52,7 +58,6 @@ class TrainingLogger:
             self.wandb = wandb.init(project=lg.wandb_project, name=lg.wandb_exp_name,
                                     config=cfg.to_dict(), mode=mode)
         if not lg.no_progress_bar and sys.stdout.isatty():
-            from tqdm import tqdm
             self.bar = tqdm(total=total_iters, initial=start_iter, unit="it", dynamic_ncols=True)
 
     def _print(self, line: str):
@@ -126,7 +131,6 @@ class TrainingLogger:
         """The start-up memory report (``training.memory_report``): log and metrics file."""
         if not self.is_writer:
             return
-        from megalite.training.memory_report import format_memory_report
 
         if self.metrics:
             self._pending.append(json.dumps(record) + "\n")

@@ -28,6 +28,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 
 from megalite.transformer.activations import activation_of
+from megalite import comm
 
 SLOW_BF16_RATIO = 0.5       # warn when bf16 runs below half the fp32 rate
 PROBE_SECONDS = 0.4         # total timing budget, both dtypes, all shapes
@@ -124,8 +125,6 @@ def resolve_precision(cfg, world=None, device: str = "cpu",
     tokens = cfg.training.micro_batch_size * cfg.model.seq_length
     rates = probe(probe_shapes(cfg.model, tokens, cfg.parallel.tp), device=device)
     if world is not None and world.size > 1:
-        from megalite import comm
-
         both = torch.tensor([rates.fp32, rates.bf16], dtype=torch.float64)
         comm.all_reduce(both, world, op="avg")
         rates = MatmulRates(float(both[0]), float(both[1]), rates.shapes)

@@ -88,3 +88,16 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         probs = F.dropout(probs, dropout_p)
     out = torch.bmm(probs, v.reshape(b * groups, s_k, v.shape[-1]))   # [b*g, r*s, dv]
     return out.view(b, heads, s, v.shape[-1])
+
+
+def attention_kernel_of(cfg, device: str) -> str:
+    """The core-attention kernel a run of ``cfg`` (a ``MegaliteConfig``) runs on ``device``
+    ("flash", "math" or "unfused", as ``core_attention_kernel`` says): megalite's local core
+    attention follows --attention-backend; CP's and TE's run SDPA or their own fused kernels.
+    The planner's memory prediction asks it (planner/step_peak.py, planner/validate_run.py)."""
+    local = cfg.model.transformer_impl != "transformer_engine"
+    backend = cfg.model.attention_backend if local and cfg.parallel.cp == 1 else "flash"
+    dtype = torch.bfloat16 if cfg.optimizer.bf16 else \
+        torch.float16 if cfg.optimizer.fp16 else torch.float32
+    return core_attention_kernel(backend, device, cfg.model.seq_length, dtype,
+                                 cfg.model.attention_dropout)

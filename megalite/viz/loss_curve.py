@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 
+from megalite.viz.pyplot import matplotlib_modules
+
 
 def plot_loss_curve(metrics_file: str, out_png: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    _, plt = matplotlib_modules()
     train, valid, aux = [], [], []
     with open(metrics_file) as fh:
         for line in fh:

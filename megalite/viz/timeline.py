@@ -11,6 +11,11 @@ from typing import List, Optional
 
 from megalite.errors import DataError
 from megalite.pipeline_parallel.simulator import SCHEDULE_NAMES, get_schedule
+from megalite.pipeline_parallel import simulator
+from megalite.pipeline_parallel.timeline_records import load_records, records_from_sim
+from megalite.cli.boundary import run_cli
+from megalite.cli.arguments import OneLineErrorParser
+from megalite.viz.pyplot import matplotlib_modules
 
 COLORS = {"F": "#4C72B0", "B": "#55A868", "BW": "#55A868", "W": "#DD8452"}
 LABELS = {"F": "F forward", "BW": "B backward", "B": "B input grad", "W": "W weight grad"}
@@ -26,21 +31,16 @@ def bubble_of(records: List[dict]) -> float:
 
 
 def _shade(color: str, chunk: int, chunks: int) -> tuple:
-    from matplotlib.colors import to_rgb
-
-    rgb = to_rgb(color)
+    matplotlib, _ = matplotlib_modules()
+    rgb = matplotlib.colors.to_rgb(color)
     f = 0.45 * chunk / max(chunks - 1, 1)
     return tuple(c + (1 - c) * f for c in rgb)
 
 
 def draw_pipeline(records: List[dict], out: str, title: Optional[str] = None,
                   unit: str = "s", show_comm: bool = True) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
+    matplotlib, plt = matplotlib_modules()
+    Patch = matplotlib.patches.Patch
     if not records:
         raise ValueError("no events to draw")
     ranks = sorted({r["rank"] for r in records})
@@ -86,9 +86,6 @@ def draw_pipeline(records: List[dict], out: str, title: Optional[str] = None,
 
 def simulated_records(schedule: str, pp: int, micro_batches: int, vpp: int = 1,
                       costs: Optional[dict] = None) -> List[dict]:
-    from megalite.pipeline_parallel import simulator
-    from megalite.pipeline_parallel.timeline import records_from_sim
-
     result = simulator.simulate(simulator.plan(schedule, pp, micro_batches, vpp),
                                 costs or simulator.UNIT_COSTS)
     return records_from_sim(result)
@@ -103,14 +100,10 @@ def _costs(text: str) -> dict:
 
 
 def main(argv=None) -> int:
-    from megalite.cli.boundary import run_cli
-
     return run_cli(_main, argv, prog="megalite viz")
 
 
 def _main(argv=None) -> int:
-    from megalite.cli.arguments import OneLineErrorParser
-
     ap = OneLineErrorParser(prog="megalite viz", description="Pipeline pictures.")
     sub = ap.add_subparsers(dest="what", required=True)
     t = sub.add_parser("timeline", help="draw a --pipeline-timeline Chrome trace")
@@ -127,8 +120,6 @@ def _main(argv=None) -> int:
     s.add_argument("-o", "--output", default="schedule.png")
     a = ap.parse_args(argv)
     if a.what == "timeline":
-        from megalite.pipeline_parallel.timeline import load_records
-
         records, meta = load_records(a.path, a.iteration)
         if not records:
             raise DataError(f"timeline '{a.path}' holds no recorded iteration"

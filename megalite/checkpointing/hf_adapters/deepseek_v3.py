@@ -40,6 +40,7 @@ from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelE
 from megalite.checkpointing.hf_adapters.llama import take
 from megalite.checkpointing.hf_adapters.rope import rope_fields_from_hf, rope_parameters_to_hf
 from megalite.transformer.activations import activation_of
+from megalite.config import ModelConfig
 
 EXPERT_BIAS = "mlp.router.expert_bias"       # full state-dict key suffix of the router buffer
 _LATENT_NORM_EPS = 1e-6                      # transformers' q/kv latent norms: eps fixed at 1e-6
@@ -80,8 +81,6 @@ class DeepseekV3Adapter(HFAdapter):
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
-        from megalite.config import ModelConfig
-
         refuse = [msg for bad, msg in (
             (hf.get("hidden_act", "silu") != "silu", f"hidden_act '{hf.get('hidden_act')}' "
              "(only silu)"),
@@ -153,8 +152,6 @@ class DeepseekV3Adapter(HFAdapter):
         return cfg
 
     def export_problems(self, m: dict) -> List[str]:
-        from megalite.config import ModelConfig
-
         mc = ModelConfig(**m)
         moe = bool(mc.num_experts)
         dense_then_moe = moe and all(
@@ -185,8 +182,6 @@ class DeepseekV3Adapter(HFAdapter):
         return next((i for i in range(mc.num_layers) if mc.is_moe_layer(i)), mc.num_layers)
 
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
-        from megalite.config import ModelConfig
-
         problems = self.export_problems(m)
         if problems:
             raise UnsupportedModelError("this model does not export as DeepseekV3ForCausalLM; "
@@ -309,8 +304,6 @@ class DeepseekV3Adapter(HFAdapter):
 
     def _layer_pairs(self, m: dict):
         """(HF prefix, megalite prefix, is MoE) of every decoder and MTP transformer layer."""
-        from megalite.config import ModelConfig
-
         mc = ModelConfig(**m)
         L = mc.num_layers
         for i in range(L + (mc.mtp_num_layers or 0)):
@@ -360,8 +353,6 @@ class DeepseekV3Adapter(HFAdapter):
 
     def to_hf(self, sd: Dict[str, torch.Tensor], m: dict,
               dtype: torch.dtype = torch.float32) -> Dict[str, torch.Tensor]:
-        from megalite.config import ModelConfig
-
         mc = ModelConfig(**m)
 
         def put(t):  # a fresh tensor each: safetensors refuses tensors that share storage

@@ -35,6 +35,7 @@ from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelE
 from megalite.checkpointing.hf_adapters.rope import (rope_export_problems, rope_fields_from_hf,
                                                      rope_parameters_to_hf)
 from megalite.transformer.activations import activation_of
+from megalite.config import ModelConfig
 
 
 REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size",
@@ -50,8 +51,6 @@ def take(sd: dict, key: str) -> torch.Tensor:
 
 def attention_shape(m: dict) -> Tuple[int, int, int, int]:
     """(heads, query groups, head dim, layers) of a ``ModelConfig`` dict."""
-    from megalite.config import ModelConfig
-
     mc = ModelConfig(**m)
     return (mc.num_attention_heads, mc.resolved_query_groups(), mc.resolved_kv_channels(),
             mc.num_layers)
@@ -76,8 +75,6 @@ class LlamaAdapter(HFAdapter):
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
-        from megalite.config import ModelConfig
-
         archs = hf.get("architectures") or []
         if hf.get("model_type") != self.model_type or \
                 any(a not in self.architectures for a in archs):
@@ -119,8 +116,6 @@ class LlamaAdapter(HFAdapter):
         return {}
 
     def export_problems(self, m: dict) -> List[str]:
-        from megalite.config import ModelConfig
-
         mc = ModelConfig(**m)
         return [msg for bad, msg in (
             (mc.normalization != "RMSNorm", "--normalization RMSNorm"),
@@ -136,8 +131,6 @@ class LlamaAdapter(HFAdapter):
                                      (mc.qk_layernorm, "no --qk-layernorm")) if bad]
 
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
-        from megalite.config import ModelConfig
-
         problems = self.export_problems(m)
         if problems:
             raise UnsupportedModelError(f"this model does not export as "

@@ -20,6 +20,7 @@ import torch
 
 from megalite.checkpointing.hf_adapters.base import UnsupportedModelError, softmax_router_problems
 from megalite.checkpointing.hf_adapters.llama import LlamaAdapter
+from megalite.config import ModelConfig
 
 
 class MixtralAdapter(LlamaAdapter):
@@ -42,8 +43,6 @@ class MixtralAdapter(LlamaAdapter):
         return cfg
 
     def export_problems(self, m: dict) -> List[str]:
-        from megalite.config import ModelConfig
-
         mc = ModelConfig(**m)
         llama = [p for p in super().export_problems(m) if p != "no --num-experts"]
         return llama + [msg for bad, msg in (
@@ -55,8 +54,6 @@ class MixtralAdapter(LlamaAdapter):
              "no --moe-shared-expert-intermediate-size")) if bad] + softmax_router_problems(mc)
 
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
-        from megalite.config import ModelConfig
-
         hf = super().config_to_hf(m, torch_dtype)
         mc = ModelConfig(**m)
         for key in ("attention_bias", "mlp_bias", "head_dim"):

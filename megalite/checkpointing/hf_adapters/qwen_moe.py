@@ -33,6 +33,7 @@ from megalite.checkpointing.hf_adapters.base import UnsupportedModelError, softm
 from megalite.checkpointing.hf_adapters.llama import refuse_sliding_window
 from megalite.checkpointing.hf_adapters.qwen2 import Qwen2Adapter
 from megalite.checkpointing.hf_adapters.qwen3 import Qwen3Adapter
+from megalite.config import ModelConfig
 
 
 def sparse_layer_pattern(hf: dict) -> List[int]:
@@ -91,8 +92,6 @@ class QwenMoeMixin:
         return cfg
 
     def export_problems(self, m: dict) -> List[str]:
-        from megalite.config import ModelConfig
-
         mc = ModelConfig(**m)
         shared = bool(mc.moe_shared_expert_intermediate_size)
         body = [p for p in super().export_problems(m) if p != "no --num-experts"]
@@ -104,8 +103,6 @@ class QwenMoeMixin:
         ) if bad] + softmax_router_problems(mc)
 
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
-        from megalite.config import ModelConfig
-
         hf = super().config_to_hf(m, torch_dtype)     # raises on export_problems
         mc = ModelConfig(**m)
         hf.pop("mlp_bias", None)
@@ -122,8 +119,6 @@ class QwenMoeMixin:
 
     # -- state dicts ---------------------------------------------------------------------
     def mlp_from_hf(self, get, hf: str, mg: str, m: dict) -> Dict[str, torch.Tensor]:
-        from megalite.config import ModelConfig
-
         if not ModelConfig(**m).is_moe_layer(_layer_of(mg)):
             return super().mlp_from_hf(get, hf, mg, m)
         src, dst = hf + "mlp.", mg + "mlp."
@@ -147,8 +142,6 @@ class QwenMoeMixin:
         return out
 
     def mlp_to_hf(self, get, put, mg: str, hf: str, m: dict) -> Dict[str, torch.Tensor]:
-        from megalite.config import ModelConfig
-
         if not ModelConfig(**m).is_moe_layer(_layer_of(mg)):
             return super().mlp_to_hf(get, put, mg, hf, m)
         src, dst = mg + "mlp.", hf + "mlp."

@@ -20,6 +20,9 @@ import math
 from typing import Dict
 
 from megalite.checkpointing.hf_adapters.base import UnsupportedModelError
+from megalite.transformer.rotary import (YARN_BETA_FAST, YARN_BETA_SLOW,
+                                         YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
+                                         yarn_concentration_factor)
 
 ROPE_TYPES = ("default", "llama3", "yarn")
 
@@ -77,8 +80,6 @@ def yarn_fields_from_hf(p: dict, hf: dict, original: int) -> Dict[str, object]:
     ``mscale`` only when ``mscale_all_dim`` is set too (else 0.1 ln(factor) + 1), which is
     megalite's mscale 1, mscale_all_dim 0.  An explicit ``attention_factor`` becomes the
     mscale that gives it (with mscale_all_dim 0)."""
-    from megalite.transformer.rotary import yarn_concentration_factor
-
     factor = p.get("factor")
     if factor is None:                   # DeepSeek-style: the ratio of the two lengths
         factor = hf["max_position_embeddings"] / original
@@ -105,10 +106,6 @@ def yarn_fields_from_hf(p: dict, hf: dict, original: int) -> Dict[str, object]:
 
 def rope_parameters_to_hf(mc) -> dict:
     """The ``rope_parameters`` dict of a megalite ``ModelConfig`` (transformers >= 5)."""
-    from megalite.transformer.rotary import (YARN_BETA_FAST, YARN_BETA_SLOW,
-                                             YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
-                                             yarn_concentration_factor)
-
     out = {"rope_type": "default", "rope_theta": mc.rotary_base}
     if mc.position_embedding_type == "rope" and mc.use_rope_scaling:
         out.update(rope_type="llama3", factor=mc.rope_scaling_factor,

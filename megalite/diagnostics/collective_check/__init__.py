@@ -7,8 +7,20 @@ from __future__ import annotations
 import os
 import resource
 import time
+import dataclasses
+import threading
+import multiprocessing
 from dataclasses import dataclass
 from typing import Optional
+
+import torch
+
+from megalite.diagnostics.flight_recorder import FAULT_ENV, parse_faults
+from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
+from megalite.diagnostics.collective_check.trace import trace_rank
+from megalite.parallel_state import RankGrid
+from megalite.config import ConfigError
+from megalite.training.loop import usable_cores
 
 EXHAUSTIVE_MAX_WORLD = 64      # up to here every rank is traced
 
@@ -23,15 +35,11 @@ class CheckRun:
 
 def iteration_to_trace() -> int:
     """Iteration 1, or the test hook's latest iteration."""
-    from megalite.diagnostics.flight_recorder import FAULT_ENV, parse_faults
-
     faults = parse_faults(os.environ.get(FAULT_ENV)) or []
     return max([1] + [f.iteration for f in faults])
 
 
 def hooked_ranks() -> set:
-    from megalite.diagnostics.flight_recorder import FAULT_ENV, parse_faults
-
     return {f.rank for f in parse_faults(os.environ.get(FAULT_ENV)) or []}
 
 
@@ -39,14 +47,6 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
                       progress=None) -> CheckRun:
     """Trace and check ``cfg``'s layout.  ``mode``: "every-rank" or "representatives"
     (default: every rank up to ``EXHAUSTIVE_MAX_WORLD`` ranks)."""
-    from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
-    from megalite.diagnostics.collective_check.trace import trace_rank
-    from megalite.parallel_state import RankGrid
-
-    import dataclasses
-
-    from megalite.config import ConfigError
-
     if cfg.parallel.use_torch_fsdp2:
         raise ConfigError("--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues "
                           "its collectives inside torch, not through megalite's comm.py")
@@ -70,7 +70,6 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
 
 def _trace_one(job):
     cfg, rank, iteration, family = job
-    from megalite.diagnostics.collective_check.trace import trace_rank
 
     return rank, trace_rank(cfg, rank, iteration, family)
 
@@ -79,8 +78,6 @@ def _one_thread():
     """Tracing is Python; its few real ops are tiny.  torch's intra-op threads only spin:
     with two forked workers on two busy cores their OpenMP barriers stalled every op (a
     DeepSeek-V3 check ran 10x slower than tracing its ranks one after another)."""
-    import torch
-
     torch.set_num_threads(1)
 
 
@@ -88,12 +85,6 @@ def _trace_all(cfg, ranks, iteration, family, progress):
     """(rank, program) for each rank; on several cores, traced by forked workers (tracing
     is single-threaded Python).  Only a single-threaded process forks: a child forked while
     another thread holds a lock (a logging handler, a store client) waits on it forever."""
-    import threading
-
-    import torch
-
-    from megalite.training.loop import usable_cores
-
     jobs = [(cfg, r, iteration, family) for r in ranks]
     workers = min(usable_cores(), len(jobs))
     threads = torch.get_num_threads()
@@ -102,8 +93,6 @@ def _trace_all(cfg, ranks, iteration, family, progress):
         results = map(_trace_one, jobs)
         pool = None
     else:
-        import multiprocessing
-
         pool = multiprocessing.get_context("fork").Pool(workers, initializer=_one_thread)
         # one job at a time: a late long job on one worker would leave the others idle
         results = pool.imap_unordered(_trace_one, jobs, chunksize=1)

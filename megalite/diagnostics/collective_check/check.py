@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.diagnostics.collective_check.trace import Op
+from megalite.diagnostics.flight_recorder import ranks_text
 
 MAX_PROBLEMS = 10
 
@@ -380,6 +381,4 @@ def _describe(ops: List[Op], i: int) -> str:
 
 
 def _ranks(members) -> str:
-    from megalite.diagnostics.flight_recorder import ranks_text
-
     return ranks_text(members) if len(members) <= 16 else f"{members[0]},...,{members[-1]}"

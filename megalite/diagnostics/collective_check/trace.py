@@ -12,12 +12,21 @@ included.  The test hook ``MEGALITE_FAULT_INJECT`` applies here as in a run.
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 
 from megalite.diagnostics import flight_recorder as fr
+from megalite.diagnostics.collective_check.meta_values import MetaValues
+from megalite.data.gpt_dataset import MockGPTDataset
+from megalite.distributed.data_parallel import build_data_parallel
+from megalite.models.gpt_step import GPT_FAMILY
+from megalite.models.parallelize import attach_data_parallel
+from megalite.optimizer import LRScheduler
+from megalite.parallel_state import ParallelState, RankGrid
+from megalite.training.loop import Trainer
 
 
 class TraceRecorder(fr.FlightRecorder):
@@ -63,8 +72,6 @@ def entry_to_op(e: fr.Entry) -> Op:
 def _runnable(cfg):
     """A dry run needs neither --lr nor --train-iters; a step does (neither changes what
     is communicated)."""
-    import dataclasses
-
     o, t = cfg.optimizer, cfg.training
     if o.lr is None:
         cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(o, lr=1e-4))
@@ -81,15 +88,6 @@ def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
     is run, from the position it starts at; a batch-size ramp changes the program from one
     iteration to the next, so with ``--rampup-batch-size`` iterations 1 .. ``iteration``
     are run."""
-    from megalite.diagnostics.collective_check.meta_values import MetaValues
-    from megalite.data.gpt_dataset import MockGPTDataset
-    from megalite.distributed.data_parallel import build_data_parallel
-    from megalite.models.gpt_step import GPT_FAMILY
-    from megalite.models.parallelize import attach_data_parallel
-    from megalite.optimizer import LRScheduler
-    from megalite.parallel_state import ParallelState, RankGrid
-    from megalite.training.loop import Trainer
-
     family = family or GPT_FAMILY
     cfg = _runnable(cfg)
     state = ParallelState.build(RankGrid.from_config(cfg), rank, create_groups=False)
