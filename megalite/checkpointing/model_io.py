@@ -217,7 +217,7 @@ class _Reader:
         return spec.shard(self.full(name), coords)
 
 
-DCP_FORMAT = "megalite-dcp-v1"     # training checkpoints (megalite/training/checkpoint.py)
+DCP_FORMAT = "megalite-dcp-v1"     # training checkpoints (megalite/checkpointing/checkpoint.py)
 
 
 def is_dcp(meta: dict) -> bool:

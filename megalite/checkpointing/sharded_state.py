@@ -19,7 +19,7 @@ Keys: ``model.<canonical name>``, ``optimizer.<state>.<canonical name>`` (``exp_
 ``optimizer.step``.  How each optimizer lays out its state is the optimizer's own
 (``MasterWeightOptimizer.sharded_state``); this module keeps the chunk geometry both use
 and ``ModelState``, the model's Stateful part of the training state
-(``training/train_state.py``).
+(``checkpointing/train_state.py``).
 """
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ class Snapshotter:
         if self.group is None and not self.gen:
             self._setup()
         self._prune()
-        from megalite.training import checkpoint, train_state
+        from megalite.checkpointing import checkpoint, train_state
 
         sd, meta = checkpoint.capture_training_state(train_state.training_state(self.trainer),
                                                      every_rank_meta=True)

@@ -79,7 +79,7 @@ def find_snapshot(cfg, newer_than: int) -> Optional[SnapshotPlan]:
 
 
 def restore_snapshot(trainer, plan: SnapshotPlan) -> None:
-    from megalite.training import checkpoint, train_state
+    from megalite.checkpointing import checkpoint, train_state
 
     world = comm.world_group()
     rank = world.rank

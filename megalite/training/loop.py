@@ -39,7 +39,7 @@ from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
-from megalite.training import checkpoint, train_state
+from megalite.checkpointing import checkpoint, train_state
 from megalite.training.faults import ExitWatcher, check_finite
 from megalite.transformer.loss_reduction import (extra_term_scale, global_loss_tokens,
                                                  reduce_extra_terms, reduce_lm_loss)
@@ -424,7 +424,7 @@ def describe_parameters(cfg, model_chunks) -> str:
 def interrupted_at(trainer):
     """Ctrl-C outside a save: one line saying where the run stood and what is kept."""
     from megalite.errors import Interrupted
-    from megalite.training.checkpoint_io_policy import newest_complete
+    from megalite.checkpointing.checkpoint_io_policy import newest_complete
 
     return Interrupted(f"interrupted by Ctrl-C at iteration {trainer.iteration}; newest "
                        f"complete checkpoint: {newest_complete(trainer.cfg.checkpoint.save)}")

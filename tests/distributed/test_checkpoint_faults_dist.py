@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 
 from cpu_trainer import build_cpu_trainer, train_steps  # noqa: E402  (tests/ is on sys.path)
 from megalite.checkpointing import manifest as mf
-from megalite.training import checkpoint as ckpt_mod
+from megalite.checkpointing import checkpoint as ckpt_mod
 
 WORLD = 2
 FLAGS = ["--num-layers", "2", "--hidden-size", "32",

@@ -69,7 +69,7 @@ def test_malicious_pickle_never_runs(two_saves, tmp_path, monkeypatch):
     legacy = tmp_path / "legacy"
     t = _trainer()
     from megalite.checkpointing.model_io import save_model_shards
-    from megalite.training.train_state import run_layout
+    from megalite.checkpointing.train_state import run_layout
     save_model_shards(str(legacy), 0, t.model_chunks, t.cfg, t.state,
                       {"consumed_samples": 0, "layout": run_layout(t.cfg)})
     os.makedirs(legacy / "iter_0000000" / "optim")
@@ -186,7 +186,7 @@ def test_legacy_checkpoint_still_resumes_exactly(tmp_path):
     """A pre-DCP checkpoint (model shards + per-rank optimizer/RNG file, as the interim
     format wrote them) resumes at the same layout bit for bit, read with weights_only."""
     from megalite.checkpointing.model_io import save_model_shards
-    from megalite.training.train_state import run_layout
+    from megalite.checkpointing.train_state import run_layout
 
     t = _trainer()
     train_steps(t, 2)

@@ -223,12 +223,13 @@ def describe(cycles: List[List[str]], edges: List[Edge], private: List[PrivateUs
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("foundations", ("megalite.errors", "megalite.diagnostics.flight_recorder",
                      "megalite.testing")),
+    ("configuration and torch-free registries", (
+        "megalite.config", "megalite.transformer.activations",
+        "megalite.pipeline_parallel.simulator", "megalite.data.megatron_indices",
+        "megalite.checkpointing.dcp_format")),
     ("groups and collectives", ("megalite.parallel_state", "megalite.comm",
                                 "megalite.param_spec", "megalite.diagnostics")),
-    ("configuration, data, state format", (
-        "megalite.config", "megalite.data", "megalite.transformer.activations",
-        "megalite.pipeline_parallel.simulator", "megalite.checkpointing.dcp_format",
-        "megalite.checkpointing.sharded_state")),
+    ("data, state format", ("megalite.data", "megalite.checkpointing.sharded_state")),
     ("tensor parallel", ("megalite.tensor_parallel",)),
     ("layers", ("megalite.transformer", "megalite.context_parallel", "megalite.moe",
                 "megalite.backends")),
@@ -255,13 +256,6 @@ PENDING: Dict[Tuple[str, str], str] = {
     ("megalite.cli.arguments", "megalite.elastic.relayout"):
         "the re-layout rule (elastic/relayout.py fits, fit_world: which world a layout trains "
         "at) is a config rule and moves into cli/; relayout keeps the spares' runtime part",
-    ("megalite.elastic.resume", "megalite.training.checkpoint"):
-        "the checkpointer (training/checkpoint.py, train_state.py) moves into checkpointing/ "
-        "with its save(TrainState, ...) / load rewrite; or load_resume_state, which drives "
-        "it, moves next to its one caller, Trainer.setup (training/loop.py)",
-    ("megalite.elastic.snapshot", "megalite.training.checkpoint"): "as the entry above",
-    ("megalite.elastic.snapshot_restore", "megalite.training.checkpoint"):
-        "as the entry above",
 }
 
 
@@ -311,13 +305,13 @@ LEAD_PASS: Dict[str, int] = {
     "megalite.cli.features": 1, "megalite.cli.validation": 7,
     "megalite.config.domain_checks": 2, "megalite.config.domain_doc": 1,
     "megalite.distributed.data_parallel": 4, "megalite.distributed.distributed_optimizer": 3,
-    "megalite.distributed.fsdp2": 4, "megalite.elastic.relayout": 2,
+    "megalite.distributed.fsdp2": 6, "megalite.elastic.relayout": 2,
     "megalite.elastic.snapshot": 1, "megalite.elastic.snapshot_restore": 1,
-    "megalite.models.gpt": 2, "megalite.models.gpt_step": 1, "megalite.models.parallelize": 3,
+    "megalite.models.gpt": 2, "megalite.models.parallelize": 3,
     "megalite.optimizer.optimizer": 7, "megalite.parallel_state": 9,
-    "megalite.training.checkpoint": 5, "megalite.training.legacy_checkpoint": 1,
-    "megalite.training.loop": 18, "megalite.training.train_state": 4,
-    "megalite.transformer.activations": 2,
+    "megalite.checkpointing.checkpoint": 5,
+    "megalite.training.loop": 15, "megalite.checkpointing.train_state": 3,
+    "megalite.transformer.activations": 3,
 }
 
 

@@ -17,7 +17,7 @@ from megalite.models.gpt import build_model, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.split import pipeline_split, split_layers
 from megalite.models.stages import build_model_chunks
-from megalite.training.checkpoint import save_model_checkpoint
+from megalite.checkpointing.checkpoint import save_model_checkpoint
 from megalite.planner import model_spec as ms
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,7 +13,7 @@ from megalite.checkpointing.model_io import (full_state_dict_from_checkpoint, lo
                                              load_model_shards, save_model_shards)
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_model, single_rank_state
-from megalite.training.checkpoint import save_model_checkpoint
+from megalite.checkpointing.checkpoint import save_model_checkpoint
 
 transformers = pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

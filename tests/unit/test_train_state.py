@@ -1,4 +1,4 @@
-"""The training state's Stateful parts (megalite/training/train_state.py), single process:
+"""The training state's Stateful parts (megalite/checkpointing/train_state.py), single process:
 
 * every part is a DCP ``Stateful`` and round-trips: a fresh trainer that loads each part's
   ``state_dict()`` gives back the same state dict, and the next step's loss is the trained
@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite.checkpointing.dcp_format import ChunkedTensor, saved_tensors
-from megalite.training import checkpoint as ckpt
-from megalite.training import train_state as ts
+from megalite.checkpointing import checkpoint as ckpt
+from megalite.checkpointing import train_state as ts
 
 TINY = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",
         "--seq-length", "16", "--vocab-size", "64", "--mock-data", "--lr", "3e-3",

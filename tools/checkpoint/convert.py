@@ -185,7 +185,7 @@ def convert(args) -> str:
         if isinstance(meta.get("args"), dict):
             info["args"] = dict(meta["args"], model=model_cfg)
     if args.target_format == "megalite":
-        from megalite.training.checkpoint import save_model_checkpoint
+        from megalite.checkpointing.checkpoint import save_model_checkpoint
 
         cfg = target_config(model_cfg, args)
         p = cfg.parallel

@@ -1,6 +1,6 @@
 """The training state as a composition of DCP ``Stateful`` parts, each kept by its owner.
 
-Why: a checkpoint (``training/checkpoint.py``) and an in-memory snapshot hold the same
+Why: a checkpoint (``checkpointing/checkpoint.py``) and an in-memory snapshot hold the same
 state; neither should know how an optimizer lays out its moments or where a tracker keeps
 its generators.  Each owner says it once, as ``state_dict()`` / ``load_state_dict()``
 (``torch.distributed.checkpoint.stateful.Stateful``), tensors as ``ChunkedTensor``s (global

@@ -8,7 +8,7 @@ Layout of ``--save DIR``::
     DIR/iter_0000100/metadata.json            iteration, consumed samples, layout, args, ...
     DIR/iter_0000100/manifest.json            size + SHA-256 of every file above
 
-What is saved is the composition of Stateful parts (``training/train_state.py``: model,
+What is saved is the composition of Stateful parts (``checkpointing/train_state.py``: model,
 optimizer, schedule, loss scaler, data position, RNG, expert biases, each kept by its
 owner), taken once (``capture_training_state``) and restored once
 (``restore_training_state``) -- the same two calls an in-memory snapshot makes.  Tensors
@@ -43,9 +43,9 @@ from megalite.checkpointing.dcp_format import (CheckpointIOError, ChunkedTensor,
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
 from megalite.config import CheckpointConfig
 from megalite.errors import CheckpointError
-from megalite.training import checkpoint_io_policy as policy
-from megalite.training.legacy_checkpoint import load_legacy_checkpoint
-from megalite.training.train_state import (TrainState, check_against, from_metadata, merge,
+from megalite.checkpointing import checkpoint_io_policy as policy
+from megalite.checkpointing.legacy_checkpoint import load_legacy_checkpoint
+from megalite.checkpointing.train_state import (TrainState, check_against, from_metadata, merge,
                                            single_process, tensors_of, to_metadata)
 
 
