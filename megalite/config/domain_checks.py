@@ -3,8 +3,8 @@
 
 Each carries ``invalid`` example values, so the walk over every field
 (tests/unit/test_field_domains.py) can step outside the domain without a second table.
-Imports nothing of the config package but the ``--moe-layer-freq`` parser (the section
-modules import this one).
+Imports nothing of the config package but the ``--moe-layer-freq`` parser and the batch-size
+schedule (the section modules import this one).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import re
 from typing import Callable, Optional
 
+from megalite.config.microbatches import step_schedule_problem
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
 
 
@@ -93,14 +94,15 @@ def rampup_problem(value, cfg) -> Optional[str]:
     return rampup_values_problem(value)
 
 
-@domain_check(["100-16"])
+@domain_check(["100-16"], ["2.4X:320"], ["1T:16"], ["0:16", "0:32"], ["0:0"])
 def step_batch_schedule_problem(value, cfg) -> Optional[str]:
-    """SAMPLES:BATCH pairs of integers"""
-    for item in value:
-        samples, _, batch = str(item).partition(":")
-        if not (samples.isdigit() and batch.isdigit() and int(batch) > 0):
-            return f"--step-batch-size-schedule: {item!r} is not SAMPLES:BATCH (two integers)"
-    return None
+    """THRESHOLD:BATCH pairs (K/M/B/T suffixes, tokens), from 0 up; not with --rampup-batch-size
+
+    Megatron-LM's parsing and checks (``megalite/config/microbatches.py``)."""
+    if value and cfg.training.rampup_batch_size:
+        return "--step-batch-size-schedule replaces --rampup-batch-size (Megatron-LM " \
+               "deprecated the ramp for it); give only one of them"
+    return step_schedule_problem(value, cfg.model.seq_length)
 
 
 @domain_check("/nonexistent-megalite-walk/ckpt")
