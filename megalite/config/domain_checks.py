@@ -14,6 +14,7 @@ import re
 from typing import Callable, Optional
 
 from megalite.config.microbatches import step_schedule_problem
+from megalite.data.megatron_indices import parse_data_path
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
 
 
@@ -58,11 +59,14 @@ def blend_problem(flag: str) -> Callable:
             try:
                 weight = float(item)
             except ValueError:
-                weight = None
-            if weight is not None:
-                if not (math.isfinite(weight) and weight >= 0):
-                    return f"{flag} weight {item!r} must be a finite, non-negative number"
                 continue
+            if not (math.isfinite(weight) and weight >= 0):
+                return f"{flag} weight {item!r} must be a finite, non-negative number"
+        try:
+            _, prefixes = parse_data_path(value, flag) if value else (None, [])
+        except ValueError as exc:        # an odd number of items, a weight without prefix
+            return str(exc)
+        for item in prefixes:
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(item + ext):
                     return f"{flag}: '{item}{ext}' does not exist; run " \

@@ -32,6 +32,7 @@ from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.data.position import DataPosition
+from megalite.data.megatron_indices import blend_weight_note
 from megalite.optimizer.lr_schedule import SchedulePosition
 from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
@@ -500,6 +501,10 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     logger.info(describe_parameters(cfg, trainer.model_chunks))
     logger.info("> datasets target sizes (minimum size): train {}, validation {}, test {}"
                 .format(*trainer.dataset_sizes))          # Megatron's line
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        note = blend_weight_note(getattr(cfg.data, flag), "--" + flag.replace("_", "-"))
+        if note:
+            logger.info(f"> note: {note}")
     t = cfg.training
     failed = False
     try:
