@@ -13,6 +13,7 @@ import os
 import re
 from typing import Callable, Optional
 
+from megalite.checkpointing.hf_files import not_converted_problem
 from megalite.config.microbatches import step_schedule_problem
 from megalite.data.megatron_indices import parse_data_path
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
@@ -111,7 +112,7 @@ def step_batch_schedule_problem(value, cfg) -> Optional[str]:
 
 @domain_check("/nonexistent-megalite-walk/ckpt")
 def load_dir_problem(value, cfg) -> Optional[str]:
-    """the folder a run saved with --save (not one of its iter_* folders)
+    """the folder a run saved with --save (not one of its iter_* folders, not a Hugging Face one)
 
     ``--load X --save X`` may name a folder the first run has not created yet."""
     if not os.path.exists(value) and value == cfg.checkpoint.save:
@@ -120,6 +121,9 @@ def load_dir_problem(value, cfg) -> Optional[str]:
         return f"--load: '{value}' does not exist; give the folder a run saved with --save"
     if not os.path.isdir(value):
         return f"--load: '{value}' is not a folder; give the folder a run saved with --save"
+    hf = not_converted_problem("--load", value)
+    if hf:
+        return hf
     name = os.path.basename(os.path.normpath(value))
     match = re.fullmatch(r"iter_(\d{7,})", name)
     if match:
