@@ -115,7 +115,20 @@ def leave_for_peer_error(line: str) -> None:
     write_elastic_error_file(line)
     sys.stdout.flush()
     sys.stderr.flush()
+    if _hosts_the_store():
+        time.sleep(STORE_HOST_GRACE_SECONDS)
     os._exit(EXIT_USER_ERROR)
+
+
+STORE_HOST_GRACE_SECONDS = 1.0
+
+
+def _hosts_the_store() -> bool:
+    """Rank 0 hosts the store itself when the launcher does not share its own
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: megalite.elastic.launch, the sbatch script).
+    Leaving on a peer's error, it waits a moment so that the peer's watcher, which has just
+    seen the line, reads it before the store vanishes (c10d prints a C++ stack otherwise)."""
+    return _launcher_rank() == 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
 
 
 def report_user_error(exc: BaseException, prog: str) -> None:

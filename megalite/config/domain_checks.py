@@ -110,6 +110,25 @@ def step_batch_schedule_problem(value, cfg) -> Optional[str]:
     return step_schedule_problem(value, cfg.model.seq_length)
 
 
+def warmup_problem(unit: str) -> Callable:
+    """``--lr-warmup-iters`` / ``--lr-warmup-samples`` below the decay it warms up to
+    (``--lr-decay-{unit}``, default ``--train-{unit}``): Megatron-Core's scheduler asserts
+    warmup steps < decay steps."""
+    @domain_check(10 ** 12)
+    def problem(value, cfg) -> Optional[str]:
+        """smaller than --lr-decay-UNIT (default --train-UNIT), as Megatron requires"""
+        decay = getattr(cfg.optimizer, f"lr_decay_{unit}") or getattr(cfg.training,
+                                                                      f"train_{unit}")
+        if value and decay and value >= decay:
+            source = f"--lr-decay-{unit}" if getattr(cfg.optimizer, f"lr_decay_{unit}") \
+                else f"--train-{unit}"
+            words = "iterations" if unit == "iters" else unit
+            return f"--lr-warmup-{unit} ({value}) must be smaller than the {words} the lr " \
+                   f"decays over ({decay}, {source}), as Megatron-LM requires"
+        return None
+    return problem
+
+
 @domain_check("/nonexistent-megalite-walk/ckpt")
 def load_dir_problem(value, cfg) -> Optional[str]:
     """the folder a run saved with --save (not one of its iter_* folders, not a Hugging Face one)
