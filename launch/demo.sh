@@ -9,6 +9,7 @@ cd "$ROOT"
 OUT="${DEMO_OUT:-outputs/demo}"
 NPROC="${DEMO_NPROC:-4}"
 ITERS="${DEMO_ITERS:-300}"
+WARMUP=$(( ITERS >= 200 ? 20 : ITERS / 10 ))   # warmup must stay below the decay (Megatron)
 mkdir -p "$OUT"
 
 if [ ! -f "$OUT/tokenizer.model" ]; then
@@ -32,7 +33,7 @@ torchrun --standalone --nproc-per-node "$NPROC" pretrain_gpt.py \
     --disable-bias-linear --untie-embeddings-and-output-weights \
     --hidden-dropout 0 --attention-dropout 0 \
     --seq-length 128 --micro-batch-size 8 --global-batch-size 16 \
-    --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 20 \
+    --train-iters "$ITERS" --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters "$WARMUP" \
     --weight-decay 0.1 --adam-beta2 0.99 --clip-grad 1.0 \
     --data-path "$OUT/shakespeare_text_document" --split 95,5,0 \
     --tokenizer-type SentencePieceTokenizer --tokenizer-model "$OUT/tokenizer.model" \

@@ -15,10 +15,19 @@ fi
 . "$VENV/bin/activate"
 stamp="$VENV/.megalite-installed-$EXTRAS"
 if [ ! -f "$stamp" ] || [ "$ROOT/setup.py" -nt "$stamp" ]; then
-  python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+  # one line per step: pip -q is silent for the ~40 s a fresh machine takes
+  if python -c "import torch" 2>/dev/null; then
+    echo "[setup] torch $(python -c 'import torch; print(torch.__version__)') already installed"
+  else
+    echo "[setup] installing torch 2.13.0 (CPU wheel)..."
+    pip install -q "torch==2.13.0"
+  fi
   if [[ ",$EXTRAS," == *",test,"* ]]; then   # the parity tests' oracle, without its CUDA extras
+    echo "[setup] installing megatron-core and einops (the parity tests' reference)..."
     pip install -q --no-deps megatron-core einops
   fi
+  echo "[setup] installing megalite with extras [$EXTRAS] (pip install -e)..."
   pip install -q -e "$ROOT[$EXTRAS]"
   touch "$stamp"
+  echo "[setup] done: $VENV"
 fi

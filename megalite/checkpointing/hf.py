@@ -14,8 +14,10 @@ from typing import Dict, Optional, Tuple
 import torch
 from safetensors.torch import load_file, save_file
 
+from megalite.checkpointing import hf_files
 from megalite.checkpointing.hf_adapters import (HFAdapter, UnsupportedModelError,  # noqa: F401
                                                 adapter_for_hf, adapter_for_model)
+from megalite.errors import CheckpointError
 
 
 # -- one-call mappings (dispatch through the registry) ------------------------------------
@@ -45,13 +47,17 @@ def load_hf_checkpoint(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """config.json + model.safetensors (or a sharded safetensors index)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"Hugging Face directory '{directory}' does not exist")
-    cfg_path = os.path.join(directory, "config.json")
+    cfg_path = os.path.join(directory, hf_files.CONFIG)
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"'{directory}' has no config.json")
-    with open(cfg_path) as f:
-        hf_cfg = json.load(f)
-    single = os.path.join(directory, "model.safetensors")
-    index = os.path.join(directory, "model.safetensors.index.json")
+    try:
+        with open(cfg_path) as f:
+            hf_cfg = json.load(f)
+    except ValueError as exc:
+        raise CheckpointError(f"'{cfg_path}' is not valid JSON ({exc}); download it again") \
+            from None
+    single = os.path.join(directory, hf_files.WEIGHTS)
+    index = os.path.join(directory, hf_files.WEIGHTS_INDEX)
     if os.path.isfile(single):
         files = [single]
     elif os.path.isfile(index):
@@ -62,8 +68,24 @@ def load_hf_checkpoint(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
                                 "checkpoints are supported)")
     sd: Dict[str, torch.Tensor] = {}
     for path in files:
-        sd.update(load_file(path))
+        sd.update(_read_safetensors(path))
     return hf_cfg, sd
+
+
+def _read_safetensors(path: str) -> Dict[str, torch.Tensor]:
+    """One safetensors file; a truncated or damaged one is a ``CheckpointError`` naming it
+    (safetensors raises its own ``SafetensorError``, not an OSError)."""
+    from safetensors import SafetensorError      # safetensors is read only here (HF files)
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise CheckpointError(f"'{path}' (named by the safetensors index) does not exist; "
+                              "download the checkpoint again")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"'{path}' is not a readable safetensors file ({exc}); it is "
+                              "probably truncated: download or copy it again") from None
 
 
 def save_hf_checkpoint(directory: str, hf_cfg: dict, hf_sd: Dict[str, torch.Tensor]) -> None:

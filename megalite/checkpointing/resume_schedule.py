@@ -46,8 +46,7 @@ def train_iters_of(cfg: MegaliteConfig) -> int:
     if t.train_samples is None:
         return 0
     dp = cfg.data_parallel_size or 1
-    return BatchSizeSchedule(t.global_batch_size or t.micro_batch_size, t.micro_batch_size, dp,
-                             t.rampup_batch_size).train_iters(t.train_samples)
+    return BatchSizeSchedule.of_run(t, dp, cfg.model.seq_length).train_iters(t.train_samples)
 
 
 def schedule_of(cfg: MegaliteConfig) -> dict:

@@ -12,6 +12,8 @@ megalite.generate``.  What it does with an exception:
   (``TORCHELASTIC_ERROR_FILE``, the file torch's ``errors.record`` writes), so the launcher's
   failure summary names it as the root cause instead of a worker traceback.
 - Ctrl-C: ``Interrupted``, the same way.
+- a closed stdout pipe (``convert.py ... | head -1``): a quiet exit, status 141 (128 +
+  SIGPIPE, what a shell shows for a Unix tool ended by the pipe).
 - anything else is a bug: the traceback stays (torchrun's error file gets it too).
 
 ``MEGALITE_DEBUG=1`` prints the traceback of user errors as well.
@@ -114,7 +116,20 @@ def leave_for_peer_error(line: str) -> None:
     write_elastic_error_file(line)
     sys.stdout.flush()
     sys.stderr.flush()
+    if _hosts_the_store():
+        time.sleep(STORE_HOST_GRACE_SECONDS)
     os._exit(EXIT_USER_ERROR)
+
+
+STORE_HOST_GRACE_SECONDS = 1.0
+
+
+def _hosts_the_store() -> bool:
+    """Rank 0 hosts the store itself when the launcher does not share its own
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: megalite.elastic.launch, the sbatch script).
+    Leaving on a peer's error, it waits a moment so that the peer's watcher, which has just
+    seen the line, reads it before the store vanishes (c10d prints a C++ stack otherwise)."""
+    return _launcher_rank() == 0 and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1"
 
 
 def report_user_error(exc: BaseException, prog: str) -> None:
@@ -166,10 +181,30 @@ def peer_user_error():
     return comm.published_user_error()
 
 
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE     # what a shell reports for a tool SIGPIPE ended
+
+
+def leave_for_closed_pipe() -> int:
+    """The reader of our stdout went away (``| head -1``): stop quietly, as Unix tools do.
+    stdout is pointed at /dev/null first, so the interpreter's final flush has nowhere to
+    fail (Python's documented way; SIGPIPE's default action would also end the process on
+    a peer's closed socket)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return EXIT_BROKEN_PIPE
+
+
 def run_cli(main, argv=None, prog: str = "megalite"):
     """Run ``main(argv)`` behind the boundary; returns its exit status."""
     try:
-        return main(argv)
+        status = main(argv)
+        sys.stdout.flush()       # a closed pipe shows here, inside the boundary
+        return status
+    except BrokenPipeError:
+        return leave_for_closed_pipe()
     except UserError as exc:
         report_user_error(exc, prog)
     except KeyboardInterrupt:

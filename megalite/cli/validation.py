@@ -9,7 +9,8 @@ from __future__ import annotations
 from megalite.cli import features
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
-from megalite.config.microbatches import rampup_problem
+from megalite.config.microbatches import (parse_step_schedule, rampup_problem,
+                                          step_schedule_batch_problem)
 from megalite.pipeline_parallel.simulator import schedule_problem
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
@@ -225,8 +226,13 @@ def check_batch_sizes(cfg: MegaliteConfig) -> None:
     a multiple of PP of them).  An absent --global-batch-size is filled in as micro x DP,
     Megatron's default."""
     p, t, dp = cfg.parallel, cfg.training, cfg.data_parallel_size
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
+    steps = step_schedule_batch_problem(t.step_batch_size_schedule, cfg.model.seq_length,
+                                        t.global_batch_size, t.micro_batch_size, dp)
+    if steps:
+        raise ConfigError(steps)
+    if t.global_batch_size is None:     # a step schedule: its last batch
+        t.global_batch_size = parse_step_schedule(t.step_batch_size_schedule, None)[-1][1] \
+            if t.step_batch_size_schedule else t.micro_batch_size * dp
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size ({t.global_batch_size}) is not divisible by --micro-batch-size "
@@ -239,6 +245,9 @@ def check_batch_sizes(cfg: MegaliteConfig) -> None:
     if t.rampup_batch_size:      # every batch of the ramp (START, START+INCREMENT, ...)
         start, increment = int(t.rampup_batch_size[0]), int(t.rampup_batch_size[1])
         sizes = range(start, t.global_batch_size + 1, increment)
+    if t.step_batch_size_schedule:   # every batch of the schedule
+        sizes = [b for _, b in parse_step_schedule(t.step_batch_size_schedule,
+                                                   cfg.model.seq_length)]
     for size in sizes:
         num_micro = size // (t.micro_batch_size * dp)
         if p.virtual_stages(cfg.model.num_layers) > 1 and num_micro % p.pp:
@@ -246,7 +255,7 @@ def check_batch_sizes(cfg: MegaliteConfig) -> None:
                 f"the interleaved schedule needs the number of micro-batches ({num_micro} = "
                 f"global batch {size} / (micro batch x DP)) to be a multiple of "
                 f"--pipeline-model-parallel-size ({p.pp}); change --global-batch-size, "
-                "--micro-batch-size or --rampup-batch-size")
+                "--micro-batch-size or --rampup-batch-size / --step-batch-size-schedule")
 
 
 def check_sequence(cfg: MegaliteConfig) -> None:
@@ -359,17 +368,10 @@ def validate_training(cfg: MegaliteConfig) -> None:
 def check_megatron_compat(cfg: MegaliteConfig) -> None:
     """Megatron flags that parse (a script runs --dry-run unchanged) but whose feature has not
     landed: refused when the run would start, one line each, never ignored."""
-    m, o, t = cfg.model, cfg.optimizer, cfg.training
+    m = cfg.model
     if m.rotary_percent != 1.0:
         raise ConfigError(f"--rotary-percent {m.rotary_percent}: only 1.0 (full rotary) is "
                           "implemented")
-    if t.dry_run:
-        return
-    pending = [(t.step_batch_size_schedule, "--step-batch-size-schedule",
-                "batch-size schedules are not implemented yet; drop the flag")]
-    for given, flag, why in pending:
-        if given:
-            raise ConfigError(f"{flag}: {why}")
 
 
 def missing_logging_packages(cfg: MegaliteConfig) -> list:

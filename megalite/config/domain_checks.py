@@ -3,8 +3,8 @@
 
 Each carries ``invalid`` example values, so the walk over every field
 (tests/unit/test_field_domains.py) can step outside the domain without a second table.
-Imports nothing of the config package but the ``--moe-layer-freq`` parser (the section
-modules import this one).
+Imports nothing of the config package but the ``--moe-layer-freq`` parser and the batch-size
+schedule (the section modules import this one).
 """
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import os
 import re
 from typing import Callable, Optional
 
+from megalite.checkpointing.hf_files import not_converted_problem
+from megalite.config.microbatches import step_schedule_problem
+from megalite.data.megatron_indices import parse_data_path
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
 
 
@@ -57,11 +60,14 @@ def blend_problem(flag: str) -> Callable:
             try:
                 weight = float(item)
             except ValueError:
-                weight = None
-            if weight is not None:
-                if not (math.isfinite(weight) and weight >= 0):
-                    return f"{flag} weight {item!r} must be a finite, non-negative number"
                 continue
+            if not (math.isfinite(weight) and weight >= 0):
+                return f"{flag} weight {item!r} must be a finite, non-negative number"
+        try:
+            _, prefixes = parse_data_path(value, flag) if value else (None, [])
+        except ValueError as exc:        # an odd number of items, a weight without prefix
+            return str(exc)
+        for item in prefixes:
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(item + ext):
                     return f"{flag}: '{item}{ext}' does not exist; run " \
@@ -93,19 +99,39 @@ def rampup_problem(value, cfg) -> Optional[str]:
     return rampup_values_problem(value)
 
 
-@domain_check(["100-16"])
+@domain_check(["100-16"], ["2.4X:320"], ["1T:16"], ["0:16", "0:32"], ["0:0"])
 def step_batch_schedule_problem(value, cfg) -> Optional[str]:
-    """SAMPLES:BATCH pairs of integers"""
-    for item in value:
-        samples, _, batch = str(item).partition(":")
-        if not (samples.isdigit() and batch.isdigit() and int(batch) > 0):
-            return f"--step-batch-size-schedule: {item!r} is not SAMPLES:BATCH (two integers)"
-    return None
+    """THRESHOLD:BATCH pairs (K/M/B/T suffixes, tokens), from 0 up; not with --rampup-batch-size
+
+    Megatron-LM's parsing and checks (``megalite/config/microbatches.py``)."""
+    if value and cfg.training.rampup_batch_size:
+        return "--step-batch-size-schedule replaces --rampup-batch-size (Megatron-LM " \
+               "deprecated the ramp for it); give only one of them"
+    return step_schedule_problem(value, cfg.model.seq_length)
+
+
+def warmup_problem(unit: str) -> Callable:
+    """``--lr-warmup-iters`` / ``--lr-warmup-samples`` below the decay it warms up to
+    (``--lr-decay-{unit}``, default ``--train-{unit}``): Megatron-Core's scheduler asserts
+    warmup steps < decay steps."""
+    @domain_check(10 ** 12)
+    def problem(value, cfg) -> Optional[str]:
+        """smaller than --lr-decay-UNIT (default --train-UNIT), as Megatron requires"""
+        decay = getattr(cfg.optimizer, f"lr_decay_{unit}") or getattr(cfg.training,
+                                                                      f"train_{unit}")
+        if value and decay and value >= decay:
+            source = f"--lr-decay-{unit}" if getattr(cfg.optimizer, f"lr_decay_{unit}") \
+                else f"--train-{unit}"
+            words = "iterations" if unit == "iters" else unit
+            return f"--lr-warmup-{unit} ({value}) must be smaller than the {words} the lr " \
+                   f"decays over ({decay}, {source}), as Megatron-LM requires"
+        return None
+    return problem
 
 
 @domain_check("/nonexistent-megalite-walk/ckpt")
 def load_dir_problem(value, cfg) -> Optional[str]:
-    """the folder a run saved with --save (not one of its iter_* folders)
+    """the folder a run saved with --save (not one of its iter_* folders, not a Hugging Face one)
 
     ``--load X --save X`` may name a folder the first run has not created yet."""
     if not os.path.exists(value) and value == cfg.checkpoint.save:
@@ -114,6 +140,9 @@ def load_dir_problem(value, cfg) -> Optional[str]:
         return f"--load: '{value}' does not exist; give the folder a run saved with --save"
     if not os.path.isdir(value):
         return f"--load: '{value}' is not a folder; give the folder a run saved with --save"
+    hf = not_converted_problem("--load", value)
+    if hf:
+        return hf
     name = os.path.basename(os.path.normpath(value))
     match = re.fullmatch(r"iter_(\d{7,})", name)
     if match:

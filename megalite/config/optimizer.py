@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megalite.config.domain_checks import whole_number_problem
+from megalite.config.domain_checks import warmup_problem, whole_number_problem
 from megalite.config.fields import opt
 
 
@@ -21,8 +21,10 @@ class OptimizerConfig:
         gt=0)
     lr_decay_samples: Optional[int] = opt(
         None, "Samples to decay over (--train-samples runs); default --train-samples.", gt=0)
-    lr_warmup_iters: int = opt(0, "Linear warmup iterations.", ge=0)
-    lr_warmup_samples: int = opt(0, "Linear warmup samples (--train-samples runs).", ge=0)
+    lr_warmup_iters: int = opt(0, "Linear warmup iterations.", ge=0,
+                               check=warmup_problem("iters"))
+    lr_warmup_samples: int = opt(0, "Linear warmup samples (--train-samples runs).", ge=0,
+                                 check=warmup_problem("samples"))
     lr_warmup_fraction: Optional[float] = opt(None, "Warmup as a fraction of the decay steps.",
         ge=0, le=1)
     lr_warmup_init: float = opt(0.0, "Learning rate at the start of warmup.", ge=0)

@@ -75,7 +75,8 @@ class TrainingConfig:
         "SAMPLES consumed samples up to --global-batch-size.", nargs=3,
         length=3, check=rampup_problem)
     step_batch_size_schedule: Optional[list] = opt(
-        None, "'SAMPLES:BATCH ...' global batch steps; parses, refused at run time until landed.",
+        None, "THRESHOLD:BATCH ... (Megatron-LM): from THRESHOLD "
+        "consumed tokens on, the global batch is BATCH; K/M/B/T suffixes (0:16 2.4B:320).",
         nargs="+", check=step_batch_schedule_problem)
     eval_interval: int = opt(1000, "Evaluate every this many iterations.", gt=0)
     eval_iters: int = opt(100, "Iterations per evaluation.", ge=0)

@@ -33,7 +33,7 @@ import torch
 from megalite.data.indexed_dataset import IndexedDataset, bin_path
 from megalite.data.megatron_indices import (MID_LEVEL_DATASET_SURPLUS, blend_sizes,
                                             blending_indices, build_indices, normalize,
-                                            parse_split_numbers, split_ranges)
+                                            parse_data_path, parse_split_numbers, split_ranges)
 from megalite.data.samples import make_sample
 from megalite.data.random_windows import RandomWindowDataset
 
@@ -72,36 +72,6 @@ def split_boundaries(size: int, weights: Sequence[float]) -> list[int]:
     diff = bounds[-1] - size
     bounds = [0] + [b - diff for b in bounds[1:]]
     return [min(max(b, 0), size) for b in bounds]
-
-
-def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
-    """``["0.3", "a", "0.7", "b"]`` -> weights and prefixes; bare prefixes get equal weights."""
-    items = list(data_path)
-    if not items:
-        raise ValueError("--data-path is empty")
-
-    def is_number(s: str) -> bool:
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if len(items) % 2 == 0 and all(is_number(items[i]) for i in range(0, len(items), 2)):
-        weights = [float(items[i]) for i in range(0, len(items), 2)]
-        prefixes = [items[i] for i in range(1, len(items), 2)]
-    elif not any(is_number(s) for s in items):
-        weights, prefixes = [1.0] * len(items), items
-    else:
-        raise ValueError(
-            f"--data-path {' '.join(items)!r}: give either prefixes only, or weight/prefix pairs "
-            "like '0.3 prefA 0.7 prefB'"
-        )
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} must be finite and non-negative with "
-                         f"a positive sum")
-    total = sum(weights)
-    return [w / total for w in weights], prefixes
 
 
 # ---------------------------------------------------------------------------------------

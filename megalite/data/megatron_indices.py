@@ -47,6 +47,53 @@ def parse_split_numbers(split: str) -> List[float]:
     return normalize(numbers + [0.0] * (3 - len(numbers)))
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
+                    ) -> Tuple[List[float], List[str]]:
+    """``["0.3", "a", "0.7", "b"]`` -> normalized weights and prefixes; bare prefixes get
+    equal weights.  The one parser of a blend list: the flag's domain check (before any
+    process group) and the dataset builder both call it; ValueError is one line naming
+    ``flag``."""
+    items = [str(i) for i in data_path]
+    if not items:
+        raise ValueError(f"{flag} is empty")
+    numbers = [_is_number(s) for s in items]
+    if len(items) % 2 == 0 and all(numbers[0::2]) and not any(numbers[1::2]):
+        weights = [float(w) for w in items[0::2]]
+        prefixes = items[1::2]
+    elif not any(numbers):
+        weights, prefixes = [1.0] * len(items), items
+    else:
+        raise ValueError(
+            f"{flag} {' '.join(items)!r}: {len(items)} items, neither prefixes only nor "
+            "weight/prefix pairs; give 'prefA prefB' or '0.3 prefA 0.7 prefB'")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"{flag} weights {weights} must be finite and non-negative with "
+                         "a positive sum")
+    total = sum(weights)
+    return [w / total for w in weights], prefixes
+
+
+def blend_weight_note(data_path: Sequence[str], flag: str = "--data-path") -> Optional[str]:
+    """The line saying that weights which do not sum to 1 were normalized (as Megatron
+    normalizes them, silently), or None."""
+    if not data_path or len(data_path) < 2 or not _is_number(str(data_path[0])):
+        return None
+    raw = [float(w) for w in data_path[0::2]]
+    if abs(sum(raw) - 1.0) <= 1e-6:
+        return None
+    shares = " ".join(f"{w:.4g}" for w in normalize(raw))
+    return f"{flag} weights sum to {sum(raw):.4g}, not 1: normalized to {shares} " \
+           "(as Megatron-LM does)"
+
+
 def split_matrix(weights: Sequence[float]) -> List[Optional[Tuple[float, float]]]:
     """Book-ends of each split (``convert_split_vector_to_split_matrix``), None if empty."""
     expansion = [0]

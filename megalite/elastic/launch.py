@@ -13,6 +13,9 @@ torchrun's own agent with:
 - each restart attempt with a store of its own (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``):
   otherwise restarted workers read the previous attempt's gloo/NCCL addresses;
 - no restart after a user error (exit status 2): the same flags fail the same way again;
+  the worker's one line is all that is printed (no failure summary, none of torch's
+  shutdown log lines: the result file and the exit status say the rest);
+- ``--standalone`` (one machine): none of the launcher's timeline lines either;
 - the exit status of the failing worker (the first failure, as torchrun's summary names it;
   128 + N for a signal N) instead of torchrun's 1;
 - ``--result-file``: one line when the agent ends (``write_result``), which
@@ -22,6 +25,8 @@ torchrun's own agent with:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import socket
 import sys
@@ -83,13 +88,24 @@ def _agent_class():
             kwargs.setdefault("exit_barrier_timeout", type(self).exit_barrier_timeout)
             super().__init__(*args, **kwargs)
 
+        timeline = True     # the launcher's own timestamped lines (off for --standalone)
+
+        def _say(self, line: str) -> None:
+            if self.timeline:
+                say(line)
+
         def _monitor_workers(self, worker_group):
-            result = super()._monitor_workers(worker_group)
+            with _held_torch_logs() as held:
+                result = super()._monitor_workers(worker_group)
+            user_error = result.is_failed() and \
+                exit_status(root_cause(result.failures)[1].exitcode) == EXIT_USER_ERROR
+            if not user_error:   # a user error: the worker's one line says it all
+                _release(held)
             if result.is_failed():
                 codes = sorted({exit_status(f.exitcode) for f in result.failures.values()})
                 if EXIT_USER_ERROR in codes:
                     self._remaining_restarts = 0  # a user error fails every attempt alike
-                say(f"worker group failed (status {', '.join(map(str, codes))}); " + (
+                self._say(f"worker group failed (status {', '.join(map(str, codes))}); " + (
                     "a user error: not restarted" if EXIT_USER_ERROR in codes
                     else f"{self._remaining_restarts} restart(s) left"))
             return result
@@ -98,11 +114,40 @@ def _agent_class():
             started = time.monotonic()
             super()._rendezvous(worker_group)
             g = worker_group
-            say(f"rendezvous done in {time.monotonic() - started:.1f} s: node {g.group_rank} "
+            self._say(f"rendezvous done in {time.monotonic() - started:.1f} s: node {g.group_rank} "
                 f"of {g.group_world_size}, world {g.group_world_size * g.spec.local_world_size}, "
                 f"restart {g.spec.max_restarts - self._remaining_restarts}")
 
     return MegaliteAgent
+
+
+@contextlib.contextmanager
+def _held_torch_logs():
+    """The records torch's own loggers (``torch.distributed...``: the agent's "Sending
+    process ... SIGTERM", "failed (exitcode: 2)") emit inside the block, held back instead
+    of printed; yields the list, for ``_release`` or to be dropped."""
+    handlers = logging.getLogger("torch.distributed").handlers
+    held: list = []
+
+    class Hold(logging.Filter):
+        def filter(self, record) -> bool:
+            if not any(r is record for r in held):
+                held.append(record)
+            return False
+    hold = Hold()
+    for handler in handlers:
+        handler.addFilter(hold)
+    try:
+        yield held
+    finally:
+        for handler in handlers:
+            handler.removeFilter(hold)
+
+
+def _release(held: list) -> None:
+    """Print held records after all, through their loggers."""
+    for record in held:
+        logging.getLogger(record.name).handle(record)
 
 
 def say(line: str) -> None:
@@ -112,9 +157,11 @@ def say(line: str) -> None:
     print(f"[megalite launch {stamp}] {line}", file=sys.stderr, flush=True)
 
 
-def _install_agent(exit_barrier_timeout: float) -> None:
+def _install_agent(exit_barrier_timeout: float, timeline: bool = True) -> None:
+
     agent = _agent_class()
     agent.exit_barrier_timeout = exit_barrier_timeout
+    agent.timeline = timeline
     launcher_api.LocalElasticAgent = agent
 
 
@@ -150,14 +197,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     ours, args = parse(argv)
-    _install_agent(ours.exit_barrier_timeout)
+    _install_agent(ours.exit_barrier_timeout, timeline=not args.standalone)
 
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
         rank, failure = root_cause(exc.failures)
         code = exit_status(failure.exitcode)
-        print(exc.format_msg(), file=sys.stderr, flush=True)
+        if code != EXIT_USER_ERROR:     # a user error: the worker printed its one line
+            print(exc.format_msg(), file=sys.stderr, flush=True)
         write_result(ours.result_file, code, "failed", f"rank {rank} exited with status {code}")
         return code
     except SignalException as exc:    # SLURM's SIGTERM (cancel, time limit): workers stopped

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+from megalite.checkpointing.hf_files import not_converted_problem
 from megalite.checkpointing.model_io import LATEST, load_model_shards, read_metadata
 from megalite.cli.arguments import OneLineErrorParser
 from megalite.cli.boundary import run_cli
@@ -80,19 +81,29 @@ def _main(argv=None):
                             help_hint="python -m megalite.generate --help",
                             description=__doc__.splitlines()[0])
     ap.add_argument("--load", required=True, help="checkpoint directory (--save of training)")
-    ap.add_argument("--prompt", default="\n")
-    ap.add_argument("--max-new-tokens", type=int, default=200)
-    ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-k", type=int, default=40)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt", default="\n",
+                    help="text the sample continues (default: a newline)")
+    ap.add_argument("--max-new-tokens", type=int, default=200,
+                    help="tokens to sample after the prompt (default: %(default)s)")
+    ap.add_argument("--temperature", type=float, default=0.8,
+                    help="softmax temperature; 0 takes the most likely token (greedy) "
+                    "(default: %(default)s)")
+    ap.add_argument("--top-k", type=int, default=40,
+                    help="sample among the k most likely tokens; 0: all (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the sampling generator (default: %(default)s)")
 
     tok = ap.add_argument_group("tokenizer (default: the checkpoint's)")
     choices = {f.name: f.metadata.get("choices") for f in dataclasses.fields(DataConfig)}
+    helps = {f.name: f.metadata.get("help") for f in dataclasses.fields(DataConfig)}
     for name in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file"):
         tok.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
-                         choices=choices[name])
+                         choices=choices[name], help=helps[name])
     a = ap.parse_args(argv)
 
+    hf = not_converted_problem("--load", a.load)
+    if hf:
+        raise CheckpointError(hf)
     if not os.path.isfile(os.path.join(a.load, LATEST)):
         raise CheckpointError(f"--load: no checkpoint in '{a.load}'; give the --save folder "
                               "of a training run")

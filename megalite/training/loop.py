@@ -34,6 +34,7 @@ from megalite.models.gpt_step import GPT_FAMILY
 from megalite.models.parallelize import attach_data_parallel
 from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.data.position import DataPosition
+from megalite.data.megatron_indices import blend_weight_note
 from megalite.optimizer.lr_schedule import SchedulePosition
 from megalite.parallel_state import ParallelState, initialize
 from megalite.pipeline_parallel import get_forward_backward_func
@@ -62,9 +63,7 @@ class Trainer:
         self.position = DataPosition()
         self.schedule_position = SchedulePosition()
         t = cfg.training
-        self.batch_sizes = BatchSizeSchedule(t.global_batch_size or t.micro_batch_size,
-                                             t.micro_batch_size, state["dp"].size,
-                                             t.rampup_batch_size)
+        self.batch_sizes = BatchSizeSchedule.of_run(t, state["dp"].size, cfg.model.seq_length)
         self.tokenizer = None
         self.model_chunks = []
         self.strategy = None        # data-parallel strategy: gradients, reductions, step
@@ -154,7 +153,8 @@ class Trainer:
         evals = (self.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
         # Megatron builds the training set for --train-samples as given (the loop then runs
         # train_samples // global batch iterations): more epochs change every sample's order
-        train = t.train_samples if t.train_samples else self.train_iters * gbs
+        train = max(t.train_samples, self.batch_sizes.samples_in(self.train_iters)) \
+            if t.train_samples else self.train_iters * gbs     # a step may end past it
         num_samples = (train, evals * gbs, t.eval_iters * gbs)
         self.dataset_sizes = num_samples
         self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
@@ -240,7 +240,7 @@ class Trainer:
         out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses, **metrics}
         if self.strategy.grad_scaler is not None:   # Megatron's "loss scale" (after update)
             out.update(loss_scale=self.strategy.loss_scale, skipped_iter=int(grad_norm is None))
-        if self.cfg.training.rampup_batch_size:
+        if self.batch_sizes.varies:
             out["global_batch_size"] = gbs
         return out
 
@@ -484,6 +484,10 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     logger.info(describe_parameters(cfg, trainer.model_chunks))
     logger.info("> datasets target sizes (minimum size): train {}, validation {}, test {}"
                 .format(*trainer.dataset_sizes))          # Megatron's line
+    for flag in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        note = blend_weight_note(getattr(cfg.data, flag), "--" + flag.replace("_", "-"))
+        if note:
+            logger.info(f"> note: {note}")
     t = cfg.training
     failed = False
     try:

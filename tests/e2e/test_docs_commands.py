@@ -134,7 +134,8 @@ SKIP = [
 SHRINK = [
     (r"^bash launch/demo\.sh", {"DEMO_ITERS": "2", "DEMO_NPROC": "2"}, [],
      "README's quick form (DEMO_ITERS, DEMO_NPROC)"),
-    (r"^torchrun --nproc-per-node 4 pretrain_gpt\.py .*--train-iters 100", {},
+    (r"^python -m megalite\.elastic\.launch --standalone --nproc-per-node 4 pretrain_gpt\.py "
+     r".*--train-iters 100", {},
      ["--train-iters", "3", "--eval-iters", "2"], "100 -> 3 iterations, 2 evaluation batches"),
     (r"^launch/run_local\.sh launch/recipes/twins/llama3-405b\.yaml --train-iters 20", {},
      ["--train-iters", "2"], "20 -> 2 iterations"),

@@ -163,3 +163,122 @@ def test_resume_with_another_schedule_is_refused_unless_told(tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert re.search(rf"> loaded checkpoint {save}/iter_0000002 \(iteration 2\) in [\d.]+ s "
                      r"\([\d.]+ kB\)", ok.stdout), ok.stdout[-2000:]
+
+
+# ---- the newcomer mistakes of issue 38, one line each (append further cases here) ----------
+CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
+CONVERT_HOOKS = os.path.join(ROOT, "tests", "e2e", "convert_hooks.py")
+TO_MEGALITE = ["--source-format", "hf", "--target-format", "megalite", "--load-dir"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A corpus prefix, a tiny Hugging Face Llama folder, a copy of it with the weights
+    truncated, and the megalite checkpoint converted from it."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from megalite.data.indexed_dataset import write_documents
+
+    d = tmp_path_factory.mktemp("mistakes")
+    rng = np.random.default_rng(0)
+    corpus = write_documents(str(d / "corpus"), [list(rng.integers(3, 90, size=40))
+                                                 for _ in range(100)], np.int32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ).save_pretrained(str(d / "hf"))
+    (d / "cut").mkdir()
+    shutil.copy(d / "hf" / "config.json", d / "cut" / "config.json")
+    weights = (d / "hf" / "model.safetensors").read_bytes()
+    (d / "cut" / "model.safetensors").write_bytes(weights[:len(weights) // 3])
+    p, _ = _run([PY, CONVERT, *TO_MEGALITE, str(d / "hf"), "--save-dir", str(d / "mg")], d)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return {"corpus": corpus, "hf": str(d / "hf"), "cut": str(d / "cut"), "mg": str(d / "mg"),
+            "out": str(d / "out")}
+
+
+PRETRAIN = [PY, os.path.join(ROOT, "pretrain_gpt.py")]
+# (case, command, the one line on stderr): {name} are the fixture's files
+MISTAKES = [
+    ("odd-blend", PRETRAIN + [*TINY, "--train-iters", "1", "--data-path", "0.5", "{corpus}",
+                              "0.5"],
+     "megalite: error: --data-path '0.5 {corpus} 0.5': 3 items, neither prefixes only nor "
+     "weight/prefix pairs; give 'prefA prefB' or '0.3 prefA 0.7 prefB'"),
+    ("truncated-safetensors", [PY, CONVERT, *TO_MEGALITE, "{cut}", "--save-dir", "{out}"],
+     "convert.py: error: '{cut}/model.safetensors' is not a readable safetensors file (Error "
+     "while deserializing header: incomplete metadata, file not fully covered); it is "
+     "probably truncated: download or copy it again"),
+    ("ctrl-c-convert-read", [PY, CONVERT_HOOKS, "sigint-in-read", *TO_MEGALITE, "{hf}",
+                             "--save-dir", "{out}"],
+     "convert.py: error: interrupted by Ctrl-C while converting {hf}; nothing was written "
+     "to {out}"),
+    ("ctrl-c-convert-write", [PY, CONVERT_HOOKS, "sigint-in-write", *TO_MEGALITE, "{hf}",
+                              "--save-dir", "{out}"],
+     "convert.py: error: interrupted by Ctrl-C while converting {hf}; nothing was written "
+     "to {out}"),
+    ("ctrl-c-export-write", [PY, CONVERT_HOOKS, "sigint-in-write", "--source-format",
+                             "megalite", "--target-format", "hf", "--load-dir", "{mg}",
+                             "--save-dir", "{out}"],
+     "convert.py: error: interrupted by Ctrl-C while converting {mg}; nothing was written "
+     "to {out}"),
+    ("load-hf-folder", PRETRAIN + ["--load", "{hf}", "--skip-train", "--mock-data"],
+     "megalite: error: --load: '{hf}' is a Hugging Face checkpoint (config.json + "
+     "safetensors), not a megalite one; convert it first: python tools/checkpoint/convert.py "
+     "--source-format hf --target-format megalite --load-dir {hf} --save-dir {hf}-megalite, "
+     "then --load {hf}-megalite --use-checkpoint-args"),
+    ("warmup-beyond-decay", PRETRAIN + [*TINY, "--train-iters", "10", "--lr-warmup-iters",
+                                        "20"],
+     "megalite: error: --lr-warmup-iters (20) must be smaller than the iterations the lr "
+     "decays over (10, --train-iters), as Megatron-LM requires"),
+    ("schedule-and-rampup", PRETRAIN + [*TINY, "--train-iters", "2", "--rampup-batch-size",
+                                        "2", "2", "8", "--step-batch-size-schedule", "0:2",
+                                        "64:4"],
+     "megalite: error: --step-batch-size-schedule replaces --rampup-batch-size (Megatron-LM "
+     "deprecated the ramp for it); give only one of them"),
+    ("after-start-up-megalite-launch",
+     [PY, "-m", "megalite.elastic.launch", "--standalone", "--nproc-per-node", "2", HOOKS,
+      "rank1-data-error", *TINY, "--train-iters", "4"],
+     "megalite: error: injected: corpus.bin: token id 512 at position 7 is outside the "
+     "vocabulary (size 100)"),
+]
+
+
+@pytest.mark.parametrize("case,cmd,line", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_newcomer_mistake_is_one_line(case, cmd, line, files, tmp_path):
+    """Exactly one line on stderr (nothing else), exit status 2, and no output left."""
+    out = str(tmp_path / "out")
+    names = dict(files, out=out)
+    p, _ = _run([c.format(**names) for c in cmd], ROOT)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+    assert p.stderr.strip().splitlines() == [line.format(**names)], p.stderr[-3000:]
+    assert not os.path.exists(out)          # nothing partial of a conversion
+
+
+def test_frictions_closed_pipe_blend_note_generate_help_eval_only(files, tmp_path):
+    """``convert.py | head -1`` ends quietly; weights that do not sum to 1 are normalized
+    with a note; ``megalite.generate --help`` describes its flags; an evaluation-only run
+    does not say "optimizer starts fresh"."""
+    cmd = f"{PY} {CONVERT} {' '.join(TO_MEGALITE)} {files['hf']} --save-dir {tmp_path}/mg " \
+          "| head -1"
+    p = subprocess.run(["bash", "-c", f"set -o pipefail; {cmd}"], capture_output=True,
+                       text=True, cwd=ROOT, env=ENV, timeout=240)
+    assert p.stdout.startswith("wrote megalite checkpoint") and p.stderr == "", p.stderr
+    assert p.returncode in (0, 141)     # 141: the pipe closed before convert.py's last line
+    real_data = [t for t in TINY if t != "--mock-data"]
+    note, _ = _run(PRETRAIN + [*real_data, "--train-iters", "1", "--tokenizer-type",
+                               "NullTokenizer", "--data-path", "0.3", files["corpus"], "0.3",
+                               files["corpus"]], tmp_path)
+    assert note.returncode == 0, note.stderr[-3000:]
+    assert "> note: --data-path weights sum to 0.6, not 1: normalized to 0.5 0.5 (as " \
+           "Megatron-LM does)" in note.stdout
+    helped, _ = _run([PY, "-m", "megalite.generate", "--help"], ROOT)
+    assert "tokens to sample after the prompt" in helped.stdout
+    assert "seed of the sampling generator" in helped.stdout
+    evaluated, _ = _run(PRETRAIN + ["--load", files["mg"], "--use-checkpoint-args",
+                                    "--skip-train", "--mock-data", "--eval-iters", "1",
+                                    "--micro-batch-size", "1", "--seq-length", "16"], tmp_path)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "optimizer starts fresh" not in evaluated.stdout

@@ -8,9 +8,12 @@ its quotes).  Captured from NVIDIA/Megatron-LM ``examples/`` (flags only, no cod
 * examples/megatron_fsdp/train_llama3_8b_fsdp_h100_fp8.sh (defaults: USE_MEGATRON_FSDP=1,
   SHARDING_STRATEGY=optim_grads_params, DTYPE=fp8, MOCK data; args: CKPT ... TB)
 
-The GPT-3 script is the version with ``--rampup-batch-size 16 16 5859375`` (Megatron-LM
-a52112dae9, the one issue 16 measured); its successor passes ``--step-batch-size-schedule``
-together with ``--global-batch-size``, which Megatron-LM's own argument check rejects.
+The GPT-3 script is today's (Megatron-LM 532ad926b4 on): ``--step-batch-size-schedule
+"0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536"`` (unquoted array expansion: six
+words) together with ``--global-batch-size 1536``, which Megatron-LM's own argument check
+rejects and megalite accepts (it is the schedule's last batch).  The version before
+(a52112dae9, the one issue 16 measured) passed ``--rampup-batch-size 16 16 5859375``; the
+ramp's CPU twin is tests/e2e/test_megatron_flags_e2e.py.
 
 ``{...}`` are the script's positional paths.  ``WORLD`` is the world size of each layout:
 the 175B script's TP8 x PP16 needs 128 ranks, Mixtral's PP4 with EP8 needs 32.
@@ -20,7 +23,7 @@ GPT3_175B = """
 --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048
 --max-position-embeddings 2048 --attention-backend auto
 --micro-batch-size 1 --global-batch-size 1536
---rampup-batch-size 16 16 5859375
+--step-batch-size-schedule 0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536
 --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
 --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine
 --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
@@ -130,6 +133,8 @@ TWIN_VALUES = {
     "--vocab-size": "512", "--eval-interval": "2", "--eval-iters": "1", "--log-interval": "1",
     "--save-interval": "2",
     "--rampup-batch-size": ["2", "2", "4"],     # 2, 2, 4: the ramp ends inside the twin
+    # batch 2, then 4 from 32 tokens (2 samples of 16) on: 2, 4, 4, the step inside the twin
+    "--step-batch-size-schedule": ["0:2", "32:4"],
     "--split": "90,8,2",     # the twin's corpus is 16k tokens: 99990,8,2 leaves valid 1 token
 }
 # Flags whose feature cannot run in a CPU twin yet, dropped with their values (the dry runs
@@ -154,7 +159,12 @@ def twin(args: list) -> list:
             value = TWIN_VALUES[flag]
             values = value if isinstance(value, list) else [value]
             out += values
-            i += 1 + len(values)
+            i += 1
+            # the script's own values: one, or (a list flag) every word up to the next flag
+            while i < len(args) and not args[i].startswith("--"):
+                i += 1
+                if not isinstance(value, list):
+                    break
             continue
         i += 1
     return out

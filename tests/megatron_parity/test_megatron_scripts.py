@@ -58,6 +58,9 @@ def test_script_passes_dry_run_unchanged(name, paths, capsys):
             ("hybrid", 1024, "max")
     if name == "gpt3_175b":
         assert cfg.data.tokenizer_type == "GPT2BPETokenizer"
+        # today's script: the step schedule, thresholds in tokens of --seq-length 2048
+        assert cfg.training.step_batch_size_schedule[1] == "2.4B:320"
+        assert "--step-batch-size-schedule" not in out
 
 
 def test_no_effect_flags_listed_once(paths, capsys):
@@ -128,6 +131,9 @@ def test_cpu_twin_trains_a_few_iterations(name, paths, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     iters = [json.loads(x) for x in open(metrics) if "split" not in x]
     assert [r["iteration"] for r in iters] == [1, 2, 3]
+    if name == "gpt3_175b":     # the twin's schedule steps up after the first iteration
+        assert [r["global_batch_size"] for r in iters] == [2, 4, 4]
+        assert [r["consumed_samples"] for r in iters] == [2, 6, 10]
     assert all(np.isfinite(r["lm_loss"]) and 0 <= r["mfu"] <= 1 for r in iters)
     assert os.path.isdir(local["CKPT"])
 

@@ -25,13 +25,18 @@ import argparse
 import math
 import os
 import re
+import shutil
 import sys
+import time
 
 import torch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if _ROOT not in sys.path:  # run as a script from anywhere: use this checkout's megalite
     sys.path.insert(0, _ROOT)
+
+from megalite.cli.boundary import run_cli  # noqa: E402  (after the path: this checkout's)
+from megalite.errors import CheckpointError, Interrupted  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="convert.py", description=__doc__.split("\n\n")[0])
@@ -202,15 +207,42 @@ def convert(args) -> str:
     return f"wrote Hugging Face {adapter.architectures[0]} checkpoint to {args.save_dir}"
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _convert(argv) -> int:
+    args = build_parser().parse_args(argv)
+    existed, started = os.path.isdir(args.save_dir), time.time()
     try:
         print(convert(args))
     except (FileNotFoundError, ValueError, KeyError) as exc:  # UnsupportedModelError is a ValueError
-        msg = exc.args[0] if exc.args else str(exc)
-        parser.exit(2, f"convert.py: error: {msg}\n")
+        raise CheckpointError(exc.args[0] if exc.args else str(exc)) from None
+    except BaseException as exc:
+        # Ctrl-C while reading or writing (DCP hands it on as the cause of its own error)
+        if not isinstance(exc, KeyboardInterrupt) and \
+                not isinstance(exc.__cause__, KeyboardInterrupt):
+            raise
+        _remove_partial(args.save_dir, existed, started)
+        raise Interrupted(f"interrupted by Ctrl-C while converting {args.load_dir}; nothing "
+                          f"was written to {args.save_dir}") from None
     return 0
+
+
+def _remove_partial(save_dir: str, existed: bool, started: float) -> None:
+    """What an interrupted conversion wrote: the folder it created, or (a folder that was
+    there before) the files it wrote since ``started`` (a megalite target's iteration folder
+    is already gone: save_model_checkpoint removes it)."""
+    if not existed:
+        shutil.rmtree(save_dir, ignore_errors=True)
+        return
+    for name in os.listdir(save_dir):
+        path = os.path.join(save_dir, name)
+        if os.path.isfile(path) and os.path.getmtime(path) >= started:
+            os.remove(path)
+
+
+def main(argv=None) -> int:
+    """Behind the entry points' boundary: a mistake (a missing or truncated file, a layout
+    that does not fit) is one line, exit status 2; Ctrl-C is ``Interrupted``; a closed
+    output pipe (``| head -1``) ends quietly."""
+    return run_cli(_convert, argv, prog="convert.py")
 
 
 if __name__ == "__main__":

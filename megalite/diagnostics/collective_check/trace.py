@@ -109,7 +109,7 @@ def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
             t = cfg.training
             trainer.scheduler = LRScheduler.from_config(cfg, max(trainer.train_iters,
                                                                  iteration))
-            first = 1 if t.rampup_batch_size else iteration
+            first = 1 if trainer.batch_sizes.varies else iteration
             gbs = t.global_batch_size or t.micro_batch_size
             trainer.iteration = first - 1
             trainer.consumed_samples = (first - 1) * gbs     # no ramp when first > 1
