@@ -12,6 +12,7 @@ import os
 from typing import Dict, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from megalite.checkpointing import hf_files
@@ -75,9 +76,6 @@ def load_hf_checkpoint(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
 def _read_safetensors(path: str) -> Dict[str, torch.Tensor]:
     """One safetensors file; a truncated or damaged one is a ``CheckpointError`` naming it
     (safetensors raises its own ``SafetensorError``, not an OSError)."""
-    from safetensors import SafetensorError      # safetensors is read only here (HF files)
-    from safetensors.torch import load_file
-
     if not os.path.isfile(path):
         raise CheckpointError(f"'{path}' (named by the safetensors index) does not exist; "
                               "download the checkpoint again")

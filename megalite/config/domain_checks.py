@@ -117,6 +117,10 @@ def warmup_problem(unit: str) -> Callable:
     @domain_check(10 ** 12)
     def problem(value, cfg) -> Optional[str]:
         """smaller than --lr-decay-UNIT (default --train-UNIT), as Megatron requires"""
+        if unit == "samples" and value and cfg.training.train_iters is not None:
+            # iteration-based runs warm up in iterations (the schedule ignores samples here)
+            return "--lr-warmup-samples is for --train-samples runs; with --train-iters give " \
+                   "--lr-warmup-iters, as Megatron-LM requires"
         decay = getattr(cfg.optimizer, f"lr_decay_{unit}") or getattr(cfg.training,
                                                                       f"train_{unit}")
         if value and decay and value >= decay:

@@ -158,7 +158,6 @@ def say(line: str) -> None:
 
 
 def _install_agent(exit_barrier_timeout: float, timeline: bool = True) -> None:
-
     agent = _agent_class()
     agent.exit_barrier_timeout = exit_barrier_timeout
     agent.timeline = timeline

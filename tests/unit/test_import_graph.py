@@ -226,7 +226,8 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("configuration and torch-free registries", (
         "megalite.config", "megalite.transformer.activations",
         "megalite.pipeline_parallel.simulator", "megalite.data.megatron_indices",
-        "megalite.checkpointing.dcp_format")),
+        "megalite.checkpointing.dcp_format", "megalite.checkpointing.hf_files",
+        "megalite.checkpointing.manifest")),
     ("groups and collectives", ("megalite.parallel_state", "megalite.comm",
                                 "megalite.param_spec", "megalite.diagnostics")),
     ("data, state format", ("megalite.data", "megalite.checkpointing.sharded_state")),
