@@ -16,7 +16,7 @@ fly, and reads DCP training checkpoints too; ``full_state_dict_from_checkpoint``
 full tensors of either format, which the converter reads).  Vocabulary tensors are unsharded
 to the logical (unpadded) vocabulary and re-padded for the target TP.  Nothing but
 ``save_model_shards`` (kept so the legacy readers stay tested) writes this format: the
-converter writes the training format (``training.checkpoint.save_model_checkpoint``).
+converter writes the training format (``checkpointing.checkpoint.save_model_checkpoint``).
 """
 from __future__ import annotations
 
