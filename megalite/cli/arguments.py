@@ -209,4 +209,7 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     elif validate_config:
         from megalite.cli.validation import validate
         validate(cfg)
+    if validate_config:    # the one normalisation of a built config (validation is pure)
+        from megalite.cli.validation import with_default_global_batch
+        cfg = with_default_global_batch(cfg)
     return cfg

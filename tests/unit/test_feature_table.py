@@ -12,6 +12,8 @@ import pytest
 from megalite.cli import features as F
 from megalite.cli.arguments import parse_args
 from megalite.cli.compatibility_doc import PAGE, counts, render
+from megalite.backends.selection import fp8_environment
+from megalite.cli.validation import validate
 from megalite.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,23 +103,158 @@ def test_coverage_names_tests_that_exist_and_known_features():
 
 
 def test_rules_name_known_features_and_say_which_flag():
+    names = [r.name for r in F.RULES]
+    assert len(set(names)) == len(names), "two rules share a name"
     for rule in F.RULES:
-        names = [getattr(rule, k, None) for k in ("feature", "needs", "also", "a", "b")]
-        assert {n for n in names if n} <= set(F.FEATURES), rule
+        assert set(F.rule_features(rule)) <= set(F.FEATURES), rule
         if isinstance(rule.reason, str):
             assert "--" in rule.reason and "\n" not in rule.reason, rule
 
 
-@pytest.mark.parametrize("rule", [r for r in F.RULES if isinstance(r, F.Excludes)],
-                         ids=lambda r: f"{r.a}-x-{r.b}")
-def test_validation_refuses_each_exclusion_with_its_reason(rule):
-    cfg = config_with(rule.a, rule.b, validate=False)
+def test_rules_keyed_on_split_backward_cover_every_schedule_that_splits_it():
+    """A schedule with ``split_backward`` inherits zero bubble's rules (TE, recomputed MoE)
+    because the rules name the property, not the schedule."""
+    from megalite.pipeline_parallel.simulator import SCHEDULES
+
+    splits = {f"pp-{n}" for n, s in SCHEDULES.items() if s.split_backward}
+    assert splits and set(F.SPLIT_BACKWARD) == splits
+    assert any(isinstance(r, F.Excludes) and r.a == "te" and set(F.any_of(r.b)) == splits
+               for r in F.RULES)
+    assert any(isinstance(r, F.Refuses) and set(F.any_of(r.feature)) == splits and
+               r.when is F._recomputes_moe_layers for r in F.RULES)
+
+
+def _exclusion_pairs():
+    return [pytest.param(rule, a, b, id=f"{a}-x-{b}") for rule in F.RULES
+            if isinstance(rule, F.Excludes) for a in F.any_of(rule.a) for b in F.any_of(rule.b)]
+
+
+@pytest.mark.parametrize("rule,a,b", _exclusion_pairs())
+def test_validation_refuses_each_exclusion_with_its_reason(rule, a, b):
+    cfg = config_with(a, b, validate=False)
     assert F.refusal(cfg) == rule.reason
-    if rule.dry_run and not {"te", "fp8"} & {rule.a, rule.b}:
+    if rule.dry_run and not {"te", "fp8"} & {a, b}:
         with pytest.raises(ConfigError, match=re.escape(rule.reason)):
-            parse_args(BASE + TURN_ON[rule.a] + TURN_ON[rule.b])
+            parse_args(BASE + TURN_ON[a] + TURN_ON[b])
     else:                            # hardware rules: --dry-run describes the layout only
         assert F.refusal(cfg, dry_run=True) is None
+    for alone in (a, b):             # each side alone does not break it
+        assert rule not in set(F.broken(config_with(alone, validate=False))), (rule.name, alone)
+
+
+# Every rule that is not a pair exclusion (those are walked above): argv (added to BASE)
+# that break it, and argv that keep it; a dict {"model": {...}} sets ModelConfig fields
+# after parsing (Transformer Engine and FP8, which a CPU run refuses).  A new rule without
+# a case here fails test_every_rule_has_a_refusal_case.
+_ZB_MOE = ["--pp", "2", "--pipeline-schedule", "zero-bubble", "--num-experts", "4"]
+_MLA = ["--multi-latent-attention", "--position-embedding-type", "rope"]
+_TE = {"transformer_impl": "transformer_engine"}
+RULE_CASES = {
+    "ep needs moe": ([["--ep", "2"]], [["--ep", "2", "--num-experts", "4"]]),
+    "overlap-param-gather needs distopt": (
+        [["--overlap-grad-reduce", "--overlap-param-gather"]],
+        [["--overlap-grad-reduce", "--overlap-param-gather", "--use-distributed-optimizer"]]),
+    "overlap-param-gather needs overlap-grad-reduce": (
+        [["--use-distributed-optimizer", "--overlap-param-gather"]],
+        [["--use-distributed-optimizer", "--overlap-param-gather", "--overlap-grad-reduce"]]),
+    "moe needs sp with tp": ([["--tp", "2", "--num-experts", "4"]],
+                             [["--tp", "2", "--num-experts", "4", "--sequence-parallel"],
+                              ["--num-experts", "4"]]),
+    "fp8 needs te": ([["--device", "cpu", "--transformer-impl", "local",
+                       {"model": {"fp8_format": "hybrid"}}]],
+                     [[{"model": dict(_TE, fp8_format="hybrid")}]]),
+    "hsdp needs distopt|fsdp2": (
+        [["--num-distributed-optimizer-instances", "2"]],
+        [["--num-distributed-optimizer-instances", "2", "--use-distributed-optimizer"],
+         ["--num-distributed-optimizer-instances", "2", "--use-torch-fsdp2"]]),
+    "pp-zero-bubble refuses a recomputed MoE layer": (
+        [_ZB_MOE + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+         _ZB_MOE + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]],
+        [_ZB_MOE + ["--recompute-granularity", "selective"],
+         ["--pp", "2", "--num-experts", "4", "--recompute-granularity", "full",
+          "--recompute-method", "uniform"]]),
+    "cp-p2p|cp-a2a refuses --attention-dropout > 0": (
+        [["--cp", "2", "--attention-dropout", "0.1"],
+         ["--cp", "2", "--cp-comm-type", "a2a", "--attention-dropout", "0.1"]],
+        [["--cp", "2"], ["--attention-dropout", "0.1"]]),
+    "Megatron FP8 flags megalite does not wire": ([["--fp8-recipe", "tensorwise"]], [[]]),
+    "schedule matches virtual stages": (
+        [["--pp", "2", "--pipeline-schedule", "interleaved"],
+         ["--pp", "2", "--pipeline-schedule", "1f1b",
+          "--num-virtual-stages-per-pipeline-rank", "2"]],
+        [["--pp", "2", "--pipeline-schedule", "interleaved",
+          "--num-virtual-stages-per-pipeline-rank", "2"], ["--pp", "2"]]),
+    "heads split over TP": (
+        [["--tp", "16"], ["--tp", "4", "--group-query-attention", "--num-query-groups", "2"]],
+        [["--tp", "8"], ["--tp", "4", "--group-query-attention", "--num-query-groups", "4"]]),
+    "sequence splits over 2 x CP": ([["--cp", "4", "--seq-length", "36"]], [["--cp", "4"]]),
+    "sequence-parallel splits the CP chunk over TP": (
+        [["--tp", "4", "--sequence-parallel", "--seq-length", "34"]],
+        [["--tp", "4", "--sequence-parallel"], ["--tp", "4", "--seq-length", "34"]]),
+    "all-to-all CP splits heads over TP x CP": (
+        [["--cp", "4", "--cp-comm-type", "a2a", "--tp", "4"]],
+        [["--cp", "2", "--cp-comm-type", "a2a", "--tp", "4"], ["--cp", "4", "--tp", "4"]]),
+    "multi-token prediction excludes CP": ([["--mtp-num-layers", "1", "--cp", "2"]],
+                                           [["--mtp-num-layers", "1"]]),
+    "hsdp instances split the data-parallel groups": (
+        [["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"]],
+        [["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "4"]]),
+    "multi-latent attention needs rope": (
+        [["--multi-latent-attention"],
+         ["--multi-latent-attention", "--position-embedding-type", "yarn"]], [_MLA]),
+    "multi-latent attention excludes GQA, qkv bias and rope scaling": (
+        [_MLA + ["--group-query-attention", "--num-query-groups", "2"],
+         _MLA + ["--add-qkv-bias"], _MLA + ["--use-rope-scaling"]],
+        [_MLA, ["--add-qkv-bias"]]),
+    "--precision excludes --fp16/--bf16": (
+        [["--precision", "fp32", "--bf16"], ["--precision", "bf16", "--fp16"]],
+        [["--bf16"], ["--precision", "bf16", "--bf16"]]),
+    "--fp16 excludes --bf16": ([["--fp16", "--bf16"]], [["--fp16"]]),
+    "per-split data excludes --data-path and --mock-data": (
+        [["--train-data-path", "train"]], [[]]),      # train.bin/.idx: made in the test
+    "--mock-data excludes --sample-windows random": ([["--sample-windows", "random"]], [[]]),
+}
+
+
+def _build(case, validate):
+    argv = [a for a in case if isinstance(a, str)]
+    model = next((a["model"] for a in case if isinstance(a, dict)), None)
+    cfg = parse_args(BASE + argv, validate_config=validate and not model)
+    if model:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+    return cfg
+
+
+def test_every_rule_has_a_refusal_case():
+    named = {r.name for r in F.RULES if not isinstance(r, F.Excludes)}
+    assert set(RULE_CASES) == named, named ^ set(RULE_CASES)
+
+
+@pytest.mark.parametrize("name", sorted(RULE_CASES))
+def test_validation_refuses_each_rule_with_its_message_and_accepts_it_kept(
+        name, tmp_path, monkeypatch):
+    """Each case breaks its rule first; the whole validation refuses it with the rule's
+    message, and each kept variant passes validation (TE variants: the rules only)."""
+    monkeypatch.chdir(tmp_path)
+    for ext in (".bin", ".idx"):
+        (tmp_path / f"train{ext}").write_bytes(b"")
+    rule = next(r for r in F.RULES if r.name == name)
+    bad, good = RULE_CASES[name]
+    for case in bad:
+        cfg = _build(case, validate=False)
+        assert next(F.broken(cfg), None) is rule, (case, [r.name for r in F.broken(cfg)])
+        message = F._text(rule.reason, cfg, fp8_environment)
+        assert "--" in message and "\n" not in message, message
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        assert str(err.value) == message
+        if not rule.dry_run:        # hardware and kernels: --dry-run describes the layout
+            assert rule not in set(F.broken(cfg, dry_run=True))
+    for case in good:
+        cfg = _build(case, validate=True)
+        assert rule not in set(F.broken(cfg)), case
+        if any(isinstance(a, dict) for a in case):   # TE on CPU: only the rules are read
+            assert F.refusal(cfg) is None, case
 
 
 def test_needs_and_refused_settings():
