@@ -439,6 +439,10 @@ RULES: Tuple[Rule, ...] = (
         c.parallel.num_distributed_optimizer_instances > 1 and not hsdp_splits(
             c.parallel.num_distributed_optimizer_instances, hsdp_group_sizes(c))),
         _hsdp_reason),
+    Relation("--check-collectives excludes --use-torch-fsdp2", lambda c: (
+        c.training.check_collectives and c.parallel.use_torch_fsdp2),
+        "--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues its collectives "
+        "inside torch, not through megalite's comm.py"),
     # the model
     Relation("multi-latent attention needs rope", lambda c: (
         c.model.multi_latent_attention and c.model.position_embedding_type != "rope"),

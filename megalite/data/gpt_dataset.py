@@ -35,6 +35,7 @@ from megalite.data.megatron_indices import (MID_LEVEL_DATASET_SURPLUS, blend_siz
                                             blending_indices, build_indices, normalize,
                                             parse_split_numbers, split_ranges)
 from megalite.data.samples import make_sample
+from megalite.errors import ConfigError
 
 __all__ = [
     "BlendedDataset",
@@ -77,7 +78,7 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
     """``["0.3", "a", "0.7", "b"]`` -> weights and prefixes; bare prefixes get equal weights."""
     items = list(data_path)
     if not items:
-        raise ValueError("--data-path is empty")
+        raise ConfigError("--data-path is empty")
 
     def is_number(s: str) -> bool:
         try:
@@ -92,12 +93,12 @@ def parse_data_path(data_path: Sequence[str]) -> tuple[list[float], list[str]]:
     elif not any(is_number(s) for s in items):
         weights, prefixes = [1.0] * len(items), items
     else:
-        raise ValueError(
+        raise ConfigError(
             f"--data-path {' '.join(items)!r}: give either prefixes only, or weight/prefix pairs "
             "like '0.3 prefA 0.7 prefB'"
         )
     if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"--data-path weights {weights} must be finite and non-negative with "
+        raise ConfigError(f"--data-path weights {weights} must be finite and non-negative with "
                          f"a positive sum")
     total = sum(weights)
     return [w / total for w in weights], prefixes
@@ -197,7 +198,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.eod_token, self.eod_mask_loss = eod_token, eod_mask_loss
         tokens = segments.num_tokens
         if tokens < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"{name} split of {indexed.path_prefix!r} has {tokens} tokens; need at least 2 "
                 "(check --split and the data)"
             )
@@ -312,7 +313,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
         eod_mask_loss: bool = False,
     ) -> None:
         if vocab_size is None or vocab_size < 1:
-            raise ValueError("mock data needs a vocab size (--vocab-size or a tokenizer)")
+            raise ConfigError("mock data needs a vocab size (--vocab-size or a tokenizer)")
         self.num_samples, self.seq_length = int(num_samples), int(seq_length)
         self.vocab_size, self.seed = int(vocab_size), int(seed)
         self.eod_token, self.eod_mask_loss = eod_token, eod_mask_loss
@@ -421,7 +422,7 @@ def build_train_valid_test_datasets(
                                      **common)[i] if paths and n > 0 else None)
         return tuple(out)
     if not data_path:
-        raise ValueError("no --data-path given (pass --mock-data for synthetic data)")
+        raise ConfigError("no --data-path given (pass --mock-data for synthetic data)")
     return _build_splits(data_path, parse_split(split), num_samples, **common)
 
 

@@ -25,6 +25,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megalite.errors import ConfigError
+
 MID_LEVEL_DATASET_SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
@@ -39,10 +41,10 @@ def parse_split_numbers(split: str) -> List[float]:
     """Megatron's ``parse_and_normalize_split``: every number in the string, up to three,
     padded with zeros and normalized.  Quotes and spaces around the numbers are ignored."""
     if re.search(r"-\s*[.0-9]", str(split)):
-        raise ValueError(f"--split {split!r}: weights must be non-negative")
+        raise ConfigError(f"--split {split!r}: weights must be non-negative")
     numbers = [float(x) for x in re.findall(r"[.0-9]+", str(split)) if x.strip(".")]
     if not numbers or len(numbers) > 3 or sum(numbers) <= 0:
-        raise ValueError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive "
+        raise ConfigError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive "
                          "sum, like 969,30,1")
     return normalize(numbers + [0.0] * (3 - len(numbers)))
 

@@ -1,7 +1,8 @@
-"""The feature table (megalite/cli/features.py): every pair of features is either excluded with a
-reason or run together by a named equivalence test that exists; every exclusion is what
-validation refuses, with that reason; docs/compatibility.md is the table's current
-rendering; "not supported with" appears nowhere else in megalite/."""
+"""The rule engine (megalite/cli/features.py): every pair of features is either excluded with a
+reason or run together by a named equivalence test that exists; every rule has a case that
+breaks it, refused by validation with that rule's message, and one that keeps it, accepted;
+docs/compatibility.md is the table's current rendering; user errors are raised only by the
+engine, the field domains, the boundary and the listed places that find faults at run time."""
 import ast
 import dataclasses
 import os
@@ -194,6 +195,9 @@ RULE_CASES = {
     "all-to-all CP splits heads over TP x CP": (
         [["--cp", "4", "--cp-comm-type", "a2a", "--tp", "4"]],
         [["--cp", "2", "--cp-comm-type", "a2a", "--tp", "4"], ["--cp", "4", "--tp", "4"]]),
+    "--check-collectives excludes --use-torch-fsdp2": (
+        [["--dry-run", "--check-collectives", "--use-torch-fsdp2"]],
+        [["--dry-run", "--check-collectives"], ["--use-torch-fsdp2"]]),
     "multi-token prediction excludes CP": ([["--mtp-num-layers", "1", "--cp", "2"]],
                                            [["--mtp-num-layers", "1"]]),
     "hsdp instances split the data-parallel groups": (
@@ -280,12 +284,122 @@ def test_the_compatibility_page_is_current():
     assert page == render(), "run python tools/compatibility_matrix.py"
 
 
-def test_not_supported_with_appears_only_in_the_table():
+# Where a user error may be raised.  Rules about which features and values combine live in
+# the rule engine (cli/features.py, read by cli/validation.py); a flag's own domain beside its
+# field (config/domains.py raises what domain_checks.py finds); the boundary prints them.
+# Everything else here finds its fault in something only known while running, each for the
+# reason given.  A new file raising a user error must be one of these, or its rule belongs in
+# the engine.
+USER_ERROR_PLACES = {
+    "megalite/cli/features.py": "the rule engine",
+    "megalite/cli/validation.py": "the engine's reader: value checks before any process group",
+    "megalite/config/domains.py": "field domains",
+    "megalite/cli/boundary.py": "the boundary",
+    "megalite/cli/arguments.py": "parsing: a --config file's contents, unknown flags",
+    "megalite/cli/presets.py": "a --model-preset name or file",
+    "megalite/cli/recipes.py": "a recipe file's contents (--config)",
+    "megalite/config/megatron_fsdp.py": "translating --use-megatron-fsdp to the strategy "
+                                        "fields, before the fields exist to write a rule on",
+    "megalite/checkpointing/checkpoint_args.py": "checkpoint contents vs the flags",
+    "megalite/checkpointing/resume_schedule.py": "checkpoint contents vs the schedule flags",
+    "megalite/checkpointing/hf_adapters/base.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/deepseek_v3.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/llama.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/mistral.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/mixtral.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/qwen3.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/qwen_moe.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/rope.py": "a Hugging Face checkpoint's rope settings",
+    "megalite/optimizer/optimizer_state.py": "checkpoint contents (optimizer state)",
+    "megalite/training/checkpoint.py": "checkpoint contents and the filesystem under --save",
+    "megalite/training/train_state.py": "checkpoint contents (training state)",
+    "megalite/generate/__init__.py": "the checkpoint a generation loads",
+    "megalite/data/gpt_dataset.py": "data files and the --data-path/--split they are read with",
+    "megalite/data/indexed_dataset.py": "data file contents (token ids, .bin/.idx)",
+    "megalite/data/megatron_indices.py": "--split, parsed where the data splits are built",
+    "megalite/data/random_windows.py": "a data split too short for its windows",
+    "megalite/data/tokenizers.py": "tokenizer files (their constructors' errors, one line)",
+    "megalite/pipeline_parallel/timeline.py": "a timeline file's contents",
+    "megalite/viz/timeline.py": "a timeline file's contents",
+    "megalite/elastic/relayout.py": "the launched world: no smaller world fits the layout",
+    "megalite/training/dry_run.py": "what a --dry-run finds: the planner's memory verdict, the "
+                                    "collective check's verdict, a tokenizer's vocabulary",
+    "megalite/planner/cli.py": "the planner's own command line",
+    "megalite/planner/goodput.py": "the planner's own flags (failure rates, checkpoint sizes)",
+    "megalite/planner/hardware.py": "the planner's hardware files and names",
+    "megalite/planner/model_spec.py": "the planner's model files and names",
+    "megalite/planner/moe_cost.py": "the planner's MoE routing-statistics file",
+    "megalite/planner/search.py": "re-raises validation's reason for a layout asked for",
+    "megalite/planner/validate_run.py": "the plan-validation command's own flags",
+}
+
+
+def _user_error_names():
+    """UserError and every class that derives from it anywhere in megalite/ (by name)."""
+    bases = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "megalite")):
+        for f in files:
+            if f.endswith(".py"):
+                tree = ast.parse(open(os.path.join(folder, f), encoding="utf-8").read())
+                for n in ast.walk(tree):
+                    if isinstance(n, ast.ClassDef):
+                        bases[n.name] = {getattr(b, "id", getattr(b, "attr", None))
+                                         for b in n.bases}
+    names, grew = {"UserError"}, True
+    while grew:
+        new = {c for c, bs in bases.items() if bs & names} - names
+        names, grew = names | new, bool(new)
+    return names
+
+
+def test_user_errors_are_raised_only_by_the_engine_domains_boundary_and_listed_places():
+    names, places = _user_error_names(), set()
+    assert {"ConfigError", "DataError", "CheckpointError", "UnsupportedModelError"} <= names
+    for folder, _, files in os.walk(os.path.join(ROOT, "megalite")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            for n in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+                if isinstance(n, ast.Raise) and n.exc is not None:
+                    e = n.exc.func if isinstance(n.exc, ast.Call) else n.exc
+                    if getattr(e, "id", getattr(e, "attr", None)) in names:
+                        places.add(rel)
+                        assert rel in USER_ERROR_PLACES, \
+                            f"{rel}:{n.lineno} raises a user error: put the rule in " \
+                            "megalite/cli/features.py, or list the file here with its reason"
+    stale = set(USER_ERROR_PLACES) - places - {"megalite/cli/features.py",
+                                               "megalite/cli/boundary.py"}
+    assert not stale, f"listed but raising no user error: {sorted(stale)}"
+
+
+def test_no_builtin_raise_tells_the_user_a_flag():
+    """A builtin exception prints as a bug; one whose text names a flag (``--x``) is a user
+    error in disguise, unless the flag's domain or a rule refuses it first (listed)."""
+    guarded = {   # reachable only past validation: the internal invariant names the flag
+        "megalite/backends/__init__.py", "megalite/backends/selection.py",
+        "megalite/config/model.py", "megalite/context_parallel/__init__.py",
+        "megalite/moe/token_dispatcher.py", "megalite/optimizer/lr_schedule.py",
+        "megalite/transformer/recompute.py",    # choices / ranges: the fields' domains
+        "megalite/data/tokenizers.py", "megalite/data/tiktoken_models.py",  # tokenizer_for
+        # turns each into one DataError line
+        "megalite/distributed/data_parallel.py", "megalite/distributed/grad_buckets.py",
+        "megalite/models/gpt.py", "megalite/transformer/attention.py",
+        "megalite/transformer/spec.py",   # a layer spec or strategy built wrong: a bug
+    }
     hits = []
     for folder, _, files in os.walk(os.path.join(ROOT, "megalite")):
         for f in files:
-            if f.endswith(".py") and f != "features.py":
-                path = os.path.join(folder, f)
-                if "not supported with" in open(path, encoding="utf-8").read().lower():
-                    hits.append(os.path.relpath(path, ROOT))
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(folder, f)
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            text = open(path, encoding="utf-8").read()
+            for n in ast.walk(ast.parse(text)):
+                if isinstance(n, ast.Raise) and isinstance(n.exc, ast.Call) and \
+                        getattr(n.exc.func, "id", None) in ("ValueError", "RuntimeError",
+                                                            "TypeError", "NotImplementedError") \
+                        and "--" in ast.get_source_segment(text, n.exc) and rel not in guarded:
+                    hits.append(f"{rel}:{n.lineno}")
     assert not hits, hits

@@ -45,11 +45,8 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
 
     import dataclasses
 
-    from megalite.config import ConfigError
-
-    if cfg.parallel.use_torch_fsdp2:
-        raise ConfigError("--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues "
-                          "its collectives inside torch, not through megalite's comm.py")
+    assert not cfg.parallel.use_torch_fsdp2, (      # validation refused it
+        "rule '--check-collectives excludes --use-torch-fsdp2' (megalite/cli/features.py)")
     if cfg.training.compile:     # same collectives; compiling meta graphs only costs time
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                     compile=False))
