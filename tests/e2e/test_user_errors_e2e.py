@@ -163,3 +163,23 @@ def test_resume_with_another_schedule_is_refused_unless_told(tmp_path):
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert re.search(rf"> loaded checkpoint {save}/iter_0000002 \(iteration 2\) in [\d.]+ s "
                      r"\([\d.]+ kB\)", ok.stdout), ok.stdout[-2000:]
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--pipeline-model-parallel-size", "2", "--world-size", "2", "--pipeline-schedule",
+      "zero-bubble", "--num-experts", "2", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--dry-run"],
+     "--pipeline-schedule zero-bubble with a recomputed MoE layer"),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--add-qkv-bias"],
+     "--add-qkv-bias does not apply to --multi-latent-attention"),
+    (["--use-torch-fsdp2", "--check-collectives", "--dry-run"],
+     "--check-collectives does not cover --use-torch-fsdp2"),
+], ids=["zero-bubble-recomputed-moe", "mla-qkv-bias", "check-collectives-fsdp2"])
+def test_rule_engine_refusals_are_one_line_exit_2(tmp_path, flags, want):
+    """Rules that moved into the engine (megalite/cli/features.py) refuse as a user sees it."""
+    p, _ = _run([PY, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "1",
+                 "--device", "cpu", *flags], tmp_path)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = _printed_errors(p)
+    assert len(lines) == 1 and lines[0].startswith("megalite: error: " + want), lines
+    assert "Traceback" not in p.stderr
