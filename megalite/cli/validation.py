@@ -1,7 +1,11 @@
 """Checks on a ``MegaliteConfig`` that must pass before any process group is created.
 
-Every message names the flag(s) at fault and the fix, on one line.  The planner reuses
-``validate_layout`` to enumerate only legal layouts.
+Every message names the flag(s) at fault and the fix, on one line.  Which features and values
+combine is the rule engine's (``megalite/cli/features.py``), read here; what stays here are
+the checks of one topic each (sizes against the world, the pipeline split, batch sizes,
+files).  The planner reuses ``validate_layout`` to enumerate only legal layouts.  Validation
+never changes the config it checks (``with_default_global_batch`` is applied by
+``parse_args``, where the config is built).
 """
 from __future__ import annotations
 
