@@ -14,8 +14,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from megalite.cli import compat_flags
-
 TE_INSTALL = "pip install --no-build-isolation transformer_engine[pytorch]"
 TE_MODULE = "transformer_engine.pytorch"
 
@@ -84,7 +82,7 @@ def fp8_support_error() -> Optional[str]:
 
 
 def fp8_environment(cfg) -> str:
-    """What this run offers FP8, in words (the feature table's FP8 refusal quotes it)."""
+    """What this run offers FP8, in words (the rule engine's FP8 refusal quotes it)."""
     te = "installed" if te_import_error() is None else "missing"
     dev = "cuda" if cuda_will_run(cfg.training.device) else "cpu"
     return f"device={dev}, transformer_engine {te}, --transformer-impl {cfg.model.transformer_impl}"
@@ -92,10 +90,11 @@ def fp8_environment(cfg) -> str:
 
 def backend_refusal(cfg) -> Optional[str]:
     """One line when this machine cannot run the backend or FP8 flags as given, else None:
-    TE that does not import or has no GPU, FP8 on a GPU without it, Megatron FP8 flags
-    megalite does not wire.  Which features combine is the feature table's
-    (``megalite/cli/features.py``: FP8 needs TE, TE with FSDP2 / zero bubble, FP8 with
-    recompute).  Called by validation (not for --dry-run, which only describes a layout)."""
+    TE that does not import or has no GPU, FP8 on a GPU without it -- facts about the
+    environment only.  Which features combine (FP8 needs TE, TE with FSDP2 or a schedule that
+    splits backward, FP8 with recompute, Megatron FP8 flags not wired) is the rule engine's
+    (``megalite/cli/features.py``), read after ``auto`` is resolved.  Called by validation
+    (not for --dry-run, which only describes a layout)."""
     m, t = cfg.model, cfg.training
     if m.transformer_impl == "transformer_engine":
         err = te_import_error()
@@ -108,18 +107,9 @@ def backend_refusal(cfg) -> Optional[str]:
             return (f"--transformer-impl transformer_engine needs a CUDA GPU ({where}); use "
                     "--transformer-impl local (or auto)")
     impl, _ = resolve_transformer_impl(m.transformer_impl, t.device)
-    unwired = [f for f, _, _ in getattr(cfg, "accepted_flags", ())
-               if f in compat_flags.FP8_UNWIRED]
-    if m.fp8_format is None and not unwired:
-        return None
-    if impl != "transformer_engine":
-        flag = f"--fp8-format {m.fp8_format}" if m.fp8_format else unwired[0]
-        return (f"{flag}: FP8 training needs Transformer Engine on a CUDA GPU with FP8 "
-                f"support; this run has {fp8_environment(cfg)}. Drop the --fp8-* flags")
+    if m.fp8_format is None or impl != "transformer_engine":
+        return None      # FP8 without TE: the rule engine's "fp8 needs te"
     why = fp8_support_error()
     if why:
         return f"--fp8-format {m.fp8_format}: this GPU cannot run FP8 ({why}); drop --fp8-*"
-    if unwired:
-        return (f"{unwired[0]}: only --fp8-format, --fp8-amax-history-len and "
-                "--fp8-amax-compute-algo are wired (delayed scaling); drop this flag")
     return None

@@ -20,7 +20,7 @@ from megalite.cli.presets import preset_fields
 from megalite.cli.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
 from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
 from megalite.elastic.relayout import fit_world
-from megalite.cli.validation import validate
+from megalite.cli.validation import validate, with_default_global_batch
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -208,4 +208,6 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
             print(line, flush=True)
     elif validate_config:
         validate(cfg)
+    if validate_config:    # the one normalisation of a built config (validation is pure)
+        cfg = with_default_global_batch(cfg)
     return cfg

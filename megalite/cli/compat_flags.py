@@ -9,7 +9,7 @@ dataclass fields in ``megalite/config/``, never listed here: a test holds that):
   the log as having no effect here.
 * ``RUNTIME_ONLY``: features that need hardware (FP8 needs Transformer Engine on a GPU with
   FP8).  They parse and pass ``--dry-run``; a run refuses them with one line where the
-  machine cannot run them (``backends.selection.backend_refusal``).
+  machine cannot run them (the rule engine, ``megalite/cli/features.py``).
 
 Unknown flags stay errors.
 """
@@ -99,7 +99,7 @@ RUNTIME_ONLY = [
 ]
 
 ALL = NO_EFFECT + RUNTIME_ONLY
-FP8_UNWIRED = tuple(c.flag for c in RUNTIME_ONLY)   # refused by backends.selection for a run
+FP8_UNWIRED = tuple(c.flag for c in RUNTIME_ONLY)   # refused for a run by cli/features.py
 
 
 def register(parser: argparse.ArgumentParser) -> None:

@@ -92,16 +92,25 @@ def render() -> str:
     lines += ["", "## Refused combinations", ""]
     lines += [f"{i}. {why}" for i, why in enumerate(reasons, 1)]
     lines += ["", "## Requirements and refused settings", ""]
+    relations = []
     for rule in F.RULES:
         run = "" if rule.dry_run else " (checked when a run starts; `--dry-run` describes "\
             "the layout)"
+        text = rule.reason if isinstance(rule.reason, str) else None
         if isinstance(rule, F.Needs):
             when = f" with `{rule.also}`" if rule.also else ""
-            text = rule.reason if isinstance(rule.reason, str) else \
-                f"`{rule.feature}` needs Transformer Engine and a GPU that runs it"
-            lines.append(f"* `{rule.feature}`{when} needs `{rule.needs}`: {text}{run}")
+            text = text or f"`{rule.feature}` needs Transformer Engine and a GPU that runs it"
+            needs = " or ".join(f"`{n}`" for n in F.any_of(rule.needs))
+            lines.append(f"* `{rule.feature}`{when} needs {needs}: {text}{run}")
         elif isinstance(rule, F.Refuses):
-            lines.append(f"* `{rule.feature}` refuses {rule.setting}: {rule.reason}{run}")
+            who = " / ".join(f"`{n}`" for n in F.any_of(rule.feature))
+            lines.append(f"* {who} refuses {rule.setting}: {text}{run}")
+        elif isinstance(rule, F.Relation):
+            relations.append(f"* {rule.name}" + (f": {text}" if text else "") + run)
+    lines += ["", "## Relations between values", "",
+              "Rules over flag values that no feature names (the message quotes the values "
+              "given)."
+              "", ""] + relations
     lines += ["", "## The equivalence tests", "",
               "Each runs the listed features together and compares with the single-process "
               "run (`[case]`: the case's name in that file).", ""]

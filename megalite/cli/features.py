@@ -1,18 +1,26 @@
-"""Which features combine, declared once.
+"""Which features and values combine, declared once: the rule engine.
 
 Every feature says how to tell from a ``MegaliteConfig`` that it is on (``on``) and which
-flags turn it on; ``RULES`` says what a feature needs (``Needs``), which pairs do not
-combine (``Excludes``, each with its reason) and which settings a feature refuses
-(``Refuses``).  Pairs inside one ``group`` are alternatives of one choice (one pipeline
-schedule per run).  Everything else combines, and ``COVERAGE`` names the equivalence tests
-that run the combinations (tests/unit/test_feature_table.py walks every pair: excluded
-or covered, never neither).
+flags turn it on; ``RULES`` says what a feature needs (``Needs``, any of several), which
+features do not combine (``Excludes``, each with its reason), which settings a feature
+refuses (``Refuses``) and which relations between values must hold (``Relation``: heads over
+TP, MLA's head layout, precision and data flags).  Rules name features by property where
+one exists (``SPLIT_BACKWARD``: the schedules that split backward), so a new schedule
+inherits them.  Pairs inside one ``group`` are alternatives of one choice (one pipeline
+schedule per run).  Everything else combines, and ``COVERAGE``
+(``megalite/cli/feature_coverage.py``) names the equivalence tests that run the
+combinations (tests/unit/test_feature_table.py walks every pair: excluded or covered, never
+neither, and breaks every rule once).
 
 Readers: validation (``check_features``: every rule, first broken one reported), the
-planner's search (``validate_layout`` applies the rules between layout features, so the
-search enumerates only layouts the table allows), backend selection (``--transformer-impl
-auto`` is resolved before the rules are read, so TE's rules hold for it too) and
+planner's search (``validate_layout`` applies the layout rules, and its pruning calls the
+size functions below, so the search enumerates only layouts the table allows), backend
+selection (``--transformer-impl auto`` is resolved before the rules are read, so TE's rules
+hold for it too; selection itself reports only what the machine lacks) and
 docs/compatibility.md (``tools/compatibility_matrix.py`` writes it from this table).
+A flag's own domain (type, range, choices) is declared beside its field
+(``megalite/config/domains.py``).  Model constructors assert what a rule here guarantees,
+naming the rule.
 
 Importing this module does not import torch (the planner reads it).
 """
@@ -22,7 +30,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from megalite.pipeline_parallel.simulator import SCHEDULES, resolve_schedule
+from megalite.cli import compat_flags
+from megalite.cli.feature_coverage import (COVERAGE, PAIRS_TEST,  # noqa: F401 -- read here
+                                           covering_tests)
+from megalite.pipeline_parallel.simulator import AUTO, SCHEDULES, resolve_schedule
 
 LAYOUT, STRATEGY, IMPLEMENTATION = "layout", "strategy", "implementation"
 
@@ -131,48 +142,160 @@ PIPELINE = tuple(n for n, f in FEATURES.items() if f.group == "pipeline schedule
 
 
 # ---- the rules -------------------------------------------------------------------------------
+# A rule names features by property where one exists: a name list such as ``SPLIT_BACKWARD``
+# is "any of" these features, so a new schedule with ``split_backward=True`` inherits every
+# rule of zero bubble without an edit here.
+Names = Union[str, Tuple[str, ...]]      # one feature, or any of several
+SPLIT_BACKWARD = tuple(f"pp-{n}" for n, s in SCHEDULES.items() if s.split_backward)
+MOE_FEATURES = ("moe", "ep", "expert-tp", "moe-alltoall", "moe-allgather")
+
+
+def any_of(names: Names) -> Tuple[str, ...]:
+    return (names,) if isinstance(names, str) else tuple(names)
+
+
+def _label(names: Names) -> str:
+    return "|".join(any_of(names))
+
+
 @dataclass(frozen=True)
 class Needs:
-    """``feature`` (when ``also`` is on too, if given) needs ``needs`` on."""
+    """``feature`` (when ``also`` is on too, if given) needs any of ``needs`` on."""
     feature: str
-    needs: str
-    reason: Union[str, Callable]   # text, or cfg -> text (the run's environment)
+    needs: Names
+    reason: Union[str, Callable, "QuotesEnvironment"]   # text, or cfg -> text (its values)
     also: Optional[str] = None
     dry_run: bool = True           # False: only a run is refused (hardware, kernels)
+
+    @property
+    def name(self) -> str:
+        return f"{self.feature} needs {_label(self.needs)}" + \
+            (f" with {self.also}" if self.also else "")
+
+    def broken(self, cfg, on) -> bool:
+        return self.feature in on and (self.also is None or self.also in on) and \
+            not on & set(any_of(self.needs))
 
 
 @dataclass(frozen=True)
 class Excludes:
-    a: str
-    b: str
+    """No feature of ``a`` combines with one of ``b``."""
+    a: Names
+    b: Names
     reason: str
     dry_run: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{_label(self.a)} excludes {_label(self.b)}"
+
+    def broken(self, cfg, on) -> bool:
+        return bool(on & set(any_of(self.a))) and bool(on & set(any_of(self.b)))
 
 
 @dataclass(frozen=True)
 class Refuses:
-    """``feature`` refuses a setting (``when(cfg)``), e.g. CP with attention dropout."""
-    feature: str
+    """``feature`` (any of) refuses a setting (``when(cfg)``), e.g. CP with attention dropout."""
+    feature: Names
     setting: str
     when: Callable
-    reason: str
+    reason: Union[str, Callable]
     dry_run: bool = True
 
+    @property
+    def name(self) -> str:
+        return f"{_label(self.feature)} refuses {self.setting}"
 
-def _fp8_without_te(cfg) -> str:
-    from megalite.backends.selection import fp8_environment
+    def broken(self, cfg, on) -> bool:
+        return bool(on & set(any_of(self.feature))) and bool(self.when(cfg))
 
+
+@dataclass(frozen=True)
+class Relation:
+    """A relation between values that no feature names (heads over TP, MLA's head layout):
+    ``when(cfg)`` is true when ``cfg`` breaks it.  ``layout``: a relation between layout
+    sizes, so the planner's search applies it too."""
+    name: str
+    when: Callable
+    reason: Union[str, Callable]
+    layout: bool = False
+    dry_run: bool = True
+
+    def broken(self, cfg, on) -> bool:
+        return bool(self.when(cfg))
+
+
+Rule = Union[Needs, Excludes, Refuses, Relation]
+
+
+# ---- relations between layout sizes, as functions of numbers (the planner's search reads them)
+def heads_split(heads: int, groups: int, tp: int) -> bool:
+    """Attention heads and K/V groups split over TP (each rank holds whole heads)."""
+    return heads % tp == 0 and groups % tp == 0
+
+
+def cp_sequence_split(seq: int, cp: int) -> bool:
+    """Load-balanced CP gives each rank two chunks of the sequence."""
+    return cp == 1 or seq % (2 * cp) == 0
+
+
+def a2a_heads_split(heads: int, groups: int, tp: int, cp: int) -> bool:
+    """All-to-all (Ulysses) CP scatters the heads of a TP rank over CP."""
+    return heads % (tp * cp) == 0 and groups % (tp * cp) == 0
+
+
+def schedule_fits(schedule, vpp: int) -> bool:
+    """A schedule runs v > 1 model chunks per rank exactly when it has virtual stages."""
+    return schedule.virtual_stages == (vpp > 1)
+
+
+def hsdp_group_sizes(cfg) -> List[Tuple[int, str]]:
+    """The data-parallel groups that R distributed-optimizer instances split."""
+    p = cfg.parallel
+    sizes = [(cfg.data_parallel_size * p.cp, "data-parallel x context-parallel size")]
+    if _moe(cfg):
+        sizes.append((cfg.world_size // (p.etp * p.ep * p.pp),
+                      "expert data-parallel size (world / (expert-TP x EP x PP))"))
+    return sizes
+
+
+def hsdp_splits(instances: int, sizes) -> bool:
+    return all(size % instances == 0 for size, _ in sizes)
+
+
+# ---- the reasons -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QuotesEnvironment:
+    """A reason that quotes what the machine offers: ``text(cfg, environment)``, where the
+    reader (validation) passes backend selection's description of the machine -- the
+    rules never import selection, selection never decides what combines."""
+    text: Callable
+
+
+def flags_environment(cfg) -> str:
+    """The machine as the flags describe it (readers without a machine: the planner, docs)."""
+    return f"device={cfg.training.device}, --transformer-impl {cfg.model.transformer_impl}"
+
+
+def _fp8_without_te(cfg, environment: str) -> str:
     return (f"--fp8-format {cfg.model.fp8_format}: FP8 training needs Transformer Engine on a "
-            f"CUDA GPU with FP8 support; this run has {fp8_environment(cfg)}. Drop the "
-            "--fp8-* flags")
+            f"CUDA GPU with FP8 support; this run has {environment}. Drop the --fp8-* flags")
+
+
+def _unwired_fp8(cfg) -> List[str]:
+    return [f for f, _, _ in getattr(cfg, "accepted_flags", ()) if f in compat_flags.FP8_UNWIRED]
 
 
 CP_DROPOUT = ("--context-parallel-size > 1 has no attention dropout (ring and all-to-all "
               "attention draw none): set --attention-dropout 0")
-ZB_MOE_RECOMPUTE = ("--pipeline-schedule zero-bubble with a recomputed MoE layer "
+_SPLIT_FLAGS = " / ".join(f"--pipeline-schedule {n[3:]}" for n in SPLIT_BACKWARD)
+ZB_MOE_RECOMPUTE = (f"{_SPLIT_FLAGS} with a recomputed MoE layer "
                     "(--recompute-granularity full, or selective with --recompute-modules mlp): "
                     "under the B/W split its recomputation saves other tensors than its forward "
                     "(torch.utils.checkpoint refuses); use 1f1b, or recompute core_attn only")
+TE_SPLIT_BACKWARD = (f"{_SPLIT_FLAGS} splits each linear's backward into B and W passes, which "
+                     "TE's fused linears do not; use 1f1b / interleaved or --transformer-impl "
+                     "local")
 
 
 def _recomputes_moe_layers(cfg) -> bool:
@@ -190,7 +313,73 @@ CP_A2A_COMPILE = ("--compile with --cp-comm-type a2a: a compiled all-to-all (Uly
 FP8_RECOMPUTE = ("--fp8-format with --recompute-granularity: a recomputed forward would run "
                  "outside the FP8 autocast; drop one of them")
 
-RULES = (
+
+def _heads_reason(cfg) -> str:
+    m, tp = cfg.model, cfg.parallel.tp
+    if m.num_attention_heads % tp:
+        return (f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
+                f"--tensor-model-parallel-size ({tp})")
+    return (f"--num-query-groups ({m.num_query_groups}) is not divisible by "
+            f"--tensor-model-parallel-size ({tp}); use a TP that divides it")
+
+
+def _a2a_reason(cfg) -> str:
+    p, m = cfg.parallel, cfg.model
+    return (f"--cp-comm-type a2a scatters heads over CP: --num-attention-heads "
+            f"({m.num_attention_heads}) and query groups ({m.resolved_query_groups()}) must be "
+            f"divisible by TP x CP ({p.tp * p.cp}); use --cp-comm-type p2p or another CP")
+
+
+def _schedule_reason(cfg) -> str:
+    flag = cfg.parallel.pipeline_schedule
+    if SCHEDULES[flag].virtual_stages:
+        return (f"--pipeline-schedule {flag} needs --num-virtual-stages-per-pipeline-rank > 1 "
+                "(or --num-layers-per-virtual-pipeline-stage)")
+    return (f"--pipeline-schedule {flag} does not combine with virtual stages; drop "
+            "--num-virtual-stages-per-pipeline-rank (or pick "
+            f"{' / '.join(n for n, x in SCHEDULES.items() if x.virtual_stages)})")
+
+
+def _schedule_misfit(cfg) -> bool:
+    flag = cfg.parallel.pipeline_schedule
+    return flag != AUTO and not schedule_fits(SCHEDULES[flag], _vpp(cfg))
+
+
+def _hsdp_reason(cfg) -> str:
+    r = cfg.parallel.num_distributed_optimizer_instances
+    size, what = next((s, w) for s, w in hsdp_group_sizes(cfg) if s % r)
+    return f"--num-distributed-optimizer-instances ({r}) must divide the {what} ({size})"
+
+
+def _mla_extra(cfg) -> Optional[str]:
+    m = cfg.model
+    return next((flag for given, flag in ((m.group_query_attention, "--group-query-attention"),
+                                           (m.add_qkv_bias, "--add-qkv-bias"),
+                                           (m.use_rope_scaling, "--use-rope-scaling"))
+                 if given), None) if m.multi_latent_attention else None
+
+
+def _mla_position_reason(cfg) -> str:
+    hint = " (YaRN: --rope-type yarn with the --rotary-scaling-factor/--yarn-* flags)" \
+        if cfg.model.position_embedding_type == "yarn" else ""
+    return ("--multi-latent-attention carries positions in its decoupled RoPE part: use "
+            f"--position-embedding-type rope{hint}")
+
+
+def _precision_conflict(cfg) -> Optional[str]:
+    o = cfg.optimizer
+    if o.precision and (o.fp16 or (o.bf16 and o.precision != "bf16")):
+        return "--fp16" if o.fp16 else "--bf16"
+    return None
+
+
+def _precision_reason(cfg) -> str:
+    o, other = cfg.optimizer, _precision_conflict(cfg)
+    return (f"--precision {o.precision} conflicts with {other}; give only one "
+            f"(--precision {o.precision} alone, or {other} alone)")
+
+
+RULES: Tuple[Rule, ...] = (
     Needs("ep", "moe", "--expert-model-parallel-size > 1 needs --num-experts"),
     Needs("overlap-param-gather", "distopt", "--overlap-param-gather needs "
           "--use-distributed-optimizer (and --overlap-grad-reduce), as in Megatron"),
@@ -199,7 +388,9 @@ RULES = (
     Needs("moe", "sp", "--num-experts with --tensor-model-parallel-size > 1 needs "
           "--sequence-parallel (each token must live on one rank for the expert dispatch, as "
           "in Megatron)", also="tp"),
-    Needs("fp8", "te", _fp8_without_te, dry_run=False),
+    Needs("fp8", "te", QuotesEnvironment(_fp8_without_te), dry_run=False),
+    Needs("hsdp", ("distopt", "fsdp2"), "--num-distributed-optimizer-instances > 1 splits the "
+          "sharded data-parallel group: add --use-distributed-optimizer or --use-torch-fsdp2"),
     Excludes("pp-uneven", "pp-interleaved", "--decoder-first/last-pipeline-num-layers do not "
              "combine with virtual pipeline stages; balance the ends with "
              "--account-for-embedding/loss-in-pipeline-split instead"),
@@ -211,20 +402,67 @@ RULES = (
     Excludes("te", "fsdp2", "--use-torch-fsdp2 with Transformer Engine layers: TE's modules "
              "are not wrapped in FSDP2 units here (TE keeps FP8 metadata beside its weights); "
              "use --use-distributed-optimizer or --transformer-impl local", dry_run=False),
-    Excludes("te", "pp-zero-bubble", "--pipeline-schedule zero-bubble splits each linear's "
-             "backward into B and W passes, which TE's fused linears do not; use 1f1b / "
-             "interleaved or --transformer-impl local", dry_run=False),
-    *(Excludes(moe, "compile", MOE_COMPILE, dry_run=False)
-      for moe in ("moe", "ep", "expert-tp", "moe-alltoall", "moe-allgather")),
+    Excludes("te", SPLIT_BACKWARD, TE_SPLIT_BACKWARD, dry_run=False),
+    Excludes(MOE_FEATURES, "compile", MOE_COMPILE, dry_run=False),
     Excludes("cp-a2a", "compile", CP_A2A_COMPILE, dry_run=False),
-    Excludes("fp8", "recompute-full", FP8_RECOMPUTE, dry_run=False),
-    Excludes("fp8", "recompute-selective", FP8_RECOMPUTE, dry_run=False),
-    Refuses("pp-zero-bubble", "a recomputed MoE layer", _recomputes_moe_layers,
-            ZB_MOE_RECOMPUTE),
-    Refuses("cp-p2p", "--attention-dropout > 0", lambda c: c.model.attention_dropout > 0,
-            CP_DROPOUT, dry_run=False),
-    Refuses("cp-a2a", "--attention-dropout > 0", lambda c: c.model.attention_dropout > 0,
-            CP_DROPOUT, dry_run=False),
+    Excludes("fp8", ("recompute-full", "recompute-selective"), FP8_RECOMPUTE, dry_run=False),
+    Refuses(SPLIT_BACKWARD, "a recomputed MoE layer", _recomputes_moe_layers, ZB_MOE_RECOMPUTE),
+    Refuses(("cp-p2p", "cp-a2a"), "--attention-dropout > 0",
+            lambda c: c.model.attention_dropout > 0, CP_DROPOUT, dry_run=False),
+    Relation("Megatron FP8 flags megalite does not wire", _unwired_fp8, lambda c: (
+        f"{_unwired_fp8(c)[0]}: only --fp8-format, --fp8-amax-history-len and "
+        "--fp8-amax-compute-algo of Megatron's FP8 flags are wired (delayed scaling, Transformer "
+        "Engine on a CUDA GPU); drop this flag"), dry_run=False),
+    # layout sizes (the planner's search enumerates only layouts that keep them)
+    Relation("schedule matches virtual stages", _schedule_misfit, _schedule_reason, layout=True),
+    Relation("heads split over TP", lambda c: not heads_split(
+        c.model.num_attention_heads, c.model.resolved_query_groups(), c.parallel.tp),
+        _heads_reason, layout=True),
+    Relation("sequence splits over 2 x CP", lambda c: not cp_sequence_split(
+        c.model.seq_length, c.parallel.cp), lambda c: (
+        f"--seq-length ({c.model.seq_length}) must be divisible by 2 x --context-parallel-size "
+        f"({2 * c.parallel.cp}) for load-balanced CP"), layout=True),
+    Relation("sequence-parallel splits the CP chunk over TP", lambda c: (
+        c.parallel.sequence_parallel_active and
+        (c.model.seq_length // c.parallel.cp) % c.parallel.tp), lambda c: (
+        f"--sequence-parallel needs --seq-length ({c.model.seq_length}) / CP to be divisible "
+        f"by --tensor-model-parallel-size ({c.parallel.tp})"), layout=True),
+    Relation("all-to-all CP splits heads over TP x CP", lambda c: (
+        c.parallel.cp > 1 and c.parallel.cp_comm_type == "a2a" and not a2a_heads_split(
+            c.model.num_attention_heads, c.model.resolved_query_groups(), c.parallel.tp,
+            c.parallel.cp)), _a2a_reason, layout=True),
+    Relation("multi-token prediction excludes CP", lambda c: (
+        c.model.mtp_num_layers and c.parallel.cp > 1),
+        "--mtp-num-layers with --context-parallel-size > 1: shifting the tokens across CP "
+        "ranks is not implemented; use CP 1", layout=True),
+    Relation("hsdp instances split the data-parallel groups", lambda c: (
+        c.parallel.num_distributed_optimizer_instances > 1 and not hsdp_splits(
+            c.parallel.num_distributed_optimizer_instances, hsdp_group_sizes(c))),
+        _hsdp_reason),
+    Relation("--check-collectives excludes --use-torch-fsdp2", lambda c: (
+        c.training.check_collectives and c.parallel.use_torch_fsdp2),
+        "--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues its collectives "
+        "inside torch, not through megalite's comm.py"),
+    # the model
+    Relation("multi-latent attention needs rope", lambda c: (
+        c.model.multi_latent_attention and c.model.position_embedding_type != "rope"),
+        _mla_position_reason),
+    Relation("multi-latent attention excludes GQA, qkv bias and rope scaling", _mla_extra,
+             lambda c: f"{_mla_extra(c)} does not apply to --multi-latent-attention (one K/V "
+             "head per query head, no fused qkv projection, YaRN or plain rope part); drop it"),
+    # precision
+    Relation("--precision excludes --fp16/--bf16", _precision_conflict, _precision_reason),
+    Relation("--fp16 excludes --bf16", lambda c: c.optimizer.fp16 and c.optimizer.bf16,
+             "give only one of --fp16 and --bf16"),
+    # data
+    Relation("per-split data excludes --data-path and --mock-data", lambda c: (
+        c.data.per_split_data_path() and (c.data.mock_data or c.data.data_path)),
+        "--train/valid/test-data-path give each split its own data: not with --data-path or "
+        "--mock-data (one data source, as Megatron)"),
+    Relation("--mock-data excludes --sample-windows random", lambda c: (
+        c.data.mock_data and c.data.sample_windows != "packed"),
+        "--sample-windows random cuts windows from --data-path; mock data is random already: "
+        "drop --sample-windows or --mock-data"),
     # Gemma 2's soft-caps: only the local unfused core attention caps scores, only the
     # unfused output layer caps logits
     *(Refuses(f, "--attn-logit-softcapping", lambda c: c.model.attn_logit_softcapping is not None,
@@ -245,32 +483,44 @@ def active(cfg) -> List[str]:
     return [n for n, f in FEATURES.items() if f.on(cfg)]
 
 
-def _layout_rule(rule) -> bool:
-    names = [rule.feature, rule.needs, rule.also] if isinstance(rule, Needs) else \
-        [rule.a, rule.b] if isinstance(rule, Excludes) else [rule.feature]
-    return all(FEATURES[n].kind == LAYOUT for n in names if n)
+def rule_features(rule: Rule) -> List[str]:
+    """The features a rule names (none for a ``Relation``)."""
+    if isinstance(rule, Needs):
+        return [rule.feature, *any_of(rule.needs), *([rule.also] if rule.also else [])]
+    if isinstance(rule, Excludes):
+        return [*any_of(rule.a), *any_of(rule.b)]
+    if isinstance(rule, Refuses):
+        return list(any_of(rule.feature))
+    return []
 
 
-def _text(reason, cfg) -> str:
+def _layout_rule(rule: Rule) -> bool:
+    if isinstance(rule, Relation):
+        return rule.layout
+    return all(FEATURES[n].kind == LAYOUT for n in rule_features(rule))
+
+
+def _text(reason, cfg, environment: Callable = flags_environment) -> str:
+    if isinstance(reason, QuotesEnvironment):
+        return reason.text(cfg, environment(cfg))
     return reason(cfg) if callable(reason) else reason
 
 
-def broken_rules(cfg, *, dry_run: bool = False, layout_only: bool = False) -> Iterator[str]:
-    """One line per rule ``cfg`` breaks, in table order (``dry_run``: only the rules that
-    also refuse a --dry-run; ``layout_only``: only rules between layout features)."""
+def broken(cfg, *, dry_run: bool = False, layout_only: bool = False) -> Iterator[Rule]:
+    """Every rule ``cfg`` breaks, in table order (``dry_run``: only the rules that also
+    refuse a --dry-run; ``layout_only``: only rules between layout features and sizes)."""
     on = set(active(cfg))
     for rule in RULES:
         if (dry_run and not rule.dry_run) or (layout_only and not _layout_rule(rule)):
             continue
-        if isinstance(rule, Needs):
-            if rule.feature in on and (rule.also is None or rule.also in on) and \
-                    rule.needs not in on:
-                yield _text(rule.reason, cfg)
-        elif isinstance(rule, Excludes):
-            if rule.a in on and rule.b in on:
-                yield rule.reason
-        elif rule.feature in on and rule.when(cfg):
-            yield rule.reason
+        if rule.broken(cfg, on):
+            yield rule
+
+
+def broken_rules(cfg, environment: Callable = flags_environment, **kwargs) -> Iterator[str]:
+    """One line per rule ``cfg`` breaks, in table order (``broken``'s arguments;
+    ``environment(cfg)``: the machine, in words, for the reasons that quote it)."""
+    return (_text(rule.reason, cfg, environment) for rule in broken(cfg, **kwargs))
 
 
 def refusal(cfg, **kwargs) -> Optional[str]:
@@ -280,7 +530,8 @@ def refusal(cfg, **kwargs) -> Optional[str]:
 
 def _declared_exclusion(a: str, b: str) -> Optional[str]:
     for rule in RULES:
-        if isinstance(rule, Excludes) and {rule.a, rule.b} == {a, b}:
+        if isinstance(rule, Excludes) and any(
+                x in any_of(rule.a) and y in any_of(rule.b) for x, y in ((a, b), (b, a))):
             return rule.reason
     fa, fb = FEATURES[a], FEATURES[b]
     if fa.group is not None and fa.group == fb.group:
@@ -296,7 +547,8 @@ def exclusion(a: str, b: str) -> Optional[str]:
         return why
     for x, y in ((a, b), (b, a)):
         for rule in RULES:
-            if isinstance(rule, Needs) and rule.feature == x and rule.also is None:
+            if isinstance(rule, Needs) and rule.feature == x and rule.also is None and \
+                    isinstance(rule.needs, str):
                 via = _declared_exclusion(rule.needs, y)
                 if via:
                     return f"{x} needs {rule.needs}, which {y} excludes: {via}"
@@ -306,132 +558,3 @@ def exclusion(a: str, b: str) -> Optional[str]:
 def pairs() -> Iterator[Tuple[str, str]]:
     return itertools.combinations(FEATURES, 2)
 
-
-# ---- which equivalence test runs which combination ----------------------------------------------
-# "file::function[case]" (case: its name in that file's cases): the features that run
-# together there, each checked against the
-# single-process run (or, for TE/FP8 on CPU, against the local layers through tests/te_fake).
-# A covered pair is any two features of one entry.
-_PE = "tests/distributed/test_pipeline_equivalence.py::test_pipeline_matches_single_process"
-_CP = "tests/distributed/test_context_parallel_dist.py::test_training_loop_matches_single_process"
-_MOE = "tests/distributed/test_moe_dist.py::test_moe_matches_one_process"
-_DP2 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp2_world2"
-_DP4 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp2_world4"
-_FC = "tests/distributed/test_fsdp2_compose_dist.py::test_fsdp2_composes"
-PAIRS_TEST = "tests/distributed/test_feature_pairs_dist.py::test_combination_matches_single_process"
-COVERAGE: Dict[str, Sequence[str]] = {
-    f"{_PE}[tp2-pp2-sp-full-uniform1]": ("tp", "sp", "pp-1f1b", "recompute-full"),
-    f"{_PE}[tp2-pp2-sp-selective-attn]": ("tp", "sp", "pp-1f1b", "recompute-selective"),
-    f"{_PE}[tp2-pp2-vpp2-sp-m4]": ("tp", "sp", "pp-interleaved"),
-    f"{_PE}[account-loss-tp2-pp2-vpp2-sp-full-llama]":
-        ("tp", "sp", "pp-interleaved", "pp-account", "recompute-full"),
-    f"{_PE}[vpp2-pp2-selective-mlp]": ("pp-interleaved", "recompute-selective"),
-    f"{_PE}[tp2-pp2-zb-sp-full-uniform1-llama]": ("tp", "sp", "pp-zero-bubble",
-                                                  "recompute-full"),
-    f"{_PE}[account-both-zb-pp4-empty-ends]": ("pp-zero-bubble", "pp-account"),
-    f"{_PE}[pp2-uneven-1+3]": ("pp-1f1b", "pp-uneven"),
-    f"{_PE}[pp2-selective-all]": ("pp-1f1b", "recompute-selective"),
-    f"{_CP}[cp2-tp2-sp-p2p-core-attn-recompute]": ("cp-p2p", "tp", "sp",
-                                                    "recompute-selective"),
-    f"{_CP}[cp2-dp2-a2a-full-recompute]": ("cp-a2a", "recompute-full"),
-    f"{_CP}[cp2-tp2-sp-a2a]": ("cp-a2a", "tp", "sp"),
-    f"{_CP}[cp2-pp2-1f1b-p2p]": ("cp-p2p", "pp-1f1b"),
-    f"{_CP}[cp2-pp2-interleaved-a2a]": ("cp-a2a", "pp-interleaved"),
-    f"{_CP}[cp2-pp2-zero-bubble-p2p]": ("cp-p2p", "pp-zero-bubble"),
-    f"{_CP}[cp2-dp2-p2p-distopt]": ("cp-p2p", "distopt"),
-    f"{_MOE}[ep2-tp2-sp-etp1]": ("moe", "ep", "tp", "sp", "moe-alltoall"),
-    f"{_MOE}[ep2-etp2]": ("moe", "ep", "expert-tp", "moe-alltoall"),
-    f"{_MOE}[ep2-pp2]": ("moe", "ep", "pp-1f1b", "moe-alltoall"),
-    f"{_MOE}[ep2-pp2-zero-bubble]": ("moe", "ep", "pp-zero-bubble", "moe-alltoall"),
-    f"{_MOE}[ep2-dp-distopt]": ("moe", "ep", "distopt", "moe-alltoall"),
-    f"{_MOE}[ep2-pp2-full-recompute]": ("moe", "ep", "pp-1f1b", "recompute-full",
-                                        "moe-alltoall"),
-    f"{_MOE}[ep4-recompute-mlp]": ("moe", "ep", "recompute-selective", "moe-alltoall"),
-    f"{_MOE}[ep2-etp2-allgather]": ("moe", "ep", "expert-tp", "moe-allgather"),
-    f"{_DP2}[do_ov_pg]": ("distopt", "overlap-grad-reduce", "overlap-param-gather"),
-    f"{_DP4}[fsdp2_tp2]": ("fsdp2", "tp", "sp"),
-    f"{_FC}[fsdp2_pp2_1f1b]": ("fsdp2", "pp-1f1b"),
-    f"{_FC}[fsdp2_pp2_interleaved]": ("fsdp2", "pp-interleaved"),
-    f"{_FC}[fsdp2_pp2_zero_bubble]": ("fsdp2", "pp-zero-bubble"),
-    f"{_FC}[fsdp2_cp2]": ("fsdp2", "cp-p2p"),
-    f"{_FC}[fsdp2_ep2]": ("fsdp2", "moe", "ep", "moe-alltoall"),
-    f"{_FC}[hsdp_2x2]": ("fsdp2", "hsdp"),
-    f"{_FC}[distopt_2x2]": ("distopt", "overlap-grad-reduce", "hsdp"),
-    f"{_FC}[fsdp2_tp2_pp2]": ("fsdp2", "tp", "sp", "pp-1f1b"),
-    f"{_DP4}[do_ov_tp2_pp2]": ("distopt", "overlap-grad-reduce", "tp", "pp-1f1b"),
-    "tests/distributed/test_fused_cross_entropy_dist.py"
-    "::test_fused_tp_matches_unfused_single_process": ("fused-loss", "tp", "sp"),
-    "tests/distributed/test_te_backend_dist.py"
-    "::test_te_spec_at_tp2_matches_single_process_local": ("te", "tp", "sp"),
-    "tests/gpu/test_te_gpu.py::test_te_matches_local_training_tp2": ("te", "tp", "sp"),
-    "tests/gpu/test_te_gpu.py::test_context_parallel_through_te[p2p]": ("te", "cp-p2p"),
-    "tests/gpu/test_te_gpu.py::test_context_parallel_through_te[a2a]": ("te", "cp-a2a"),
-    "tests/distributed/test_distributed_optimizer_dist.py::test_distributed_optimizer_world4"
-    "[tp2_dp2_sp]": ("distopt", "tp", "sp"),
-    "tests/distributed/test_distributed_optimizer_dist.py::test_distributed_optimizer_world4"
-    "[pp2_dp2_gpt2]": ("distopt", "pp-1f1b"),
-    f"{PAIRS_TEST}[moe-te-fp8-tp2-cp2-ep2-distopt-fused]":
-        ("tp", "sp", "cp-p2p", "moe", "ep", "expert-tp", "moe-alltoall", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather", "te", "fp8", "fused-loss"),
-    f"{PAIRS_TEST}[moe-te-cp2-a2a-pp2-account-etp2-allgather-distopt-selective-fused]":
-        ("pp-1f1b", "pp-account", "cp-a2a", "moe", "expert-tp", "moe-allgather", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather", "te", "recompute-selective",
-         "fused-loss"),
-    f"{PAIRS_TEST}[moe-cp2-a2a-zb-uneven-ep2-distopt-attn-fused]":
-        ("pp-zero-bubble", "pp-uneven", "cp-a2a", "moe", "ep", "moe-alltoall", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather", "recompute-selective", "fused-loss"),
-    f"{PAIRS_TEST}[moe-te-fp8-tp2-pp2-uneven-etp2-allgather-distopt]":
-        ("tp", "sp", "pp-1f1b", "pp-uneven", "moe", "expert-tp", "moe-allgather", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather", "te", "fp8"),
-    f"{PAIRS_TEST}[moe-cp2-vpp2-etp2-allgather-distopt-full-fused]":
-        ("pp-interleaved", "cp-p2p", "moe", "expert-tp", "moe-allgather", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather", "recompute-full", "fused-loss"),
-    f"{PAIRS_TEST}[moe-cp2-zb-account-etp2-ddp-overlap-attn-fused]":
-        ("pp-zero-bubble", "pp-account", "cp-p2p", "moe", "expert-tp", "moe-alltoall",
-         "overlap-grad-reduce", "recompute-selective", "fused-loss"),
-    f"{PAIRS_TEST}[moe-te-cp2-a2a-vpp2-ep2-ddp-overlap-full]":
-        ("pp-interleaved", "cp-a2a", "moe", "ep", "moe-alltoall", "overlap-grad-reduce", "te",
-         "recompute-full"),
-    f"{PAIRS_TEST}[moe-zb-account-ep2-allgather-distopt]":
-        ("pp-zero-bubble", "pp-account", "moe", "ep", "moe-allgather", "distopt",
-         "overlap-grad-reduce", "overlap-param-gather"),
-    f"{PAIRS_TEST}[moe-cp2-pp2-uneven-selective-fused]":
-        ("pp-1f1b", "pp-uneven", "cp-p2p", "moe", "moe-alltoall", "recompute-selective",
-         "fused-loss"),
-    f"{PAIRS_TEST}[fsdp2-tp2-overlap-full-fused]":
-        ("tp", "sp", "overlap-grad-reduce", "fsdp2", "recompute-full", "fused-loss"),
-    f"{PAIRS_TEST}[moe-fsdp2-cp2-a2a-pp2-uneven-etp2-allgather]":
-        ("pp-1f1b", "pp-uneven", "cp-a2a", "moe", "expert-tp", "moe-allgather", "fsdp2"),
-    f"{PAIRS_TEST}[moe-fsdp2-hsdp-zb-account-attn]":
-        ("pp-zero-bubble", "pp-account", "moe", "moe-alltoall", "fsdp2", "hsdp",
-         "recompute-selective"),
-    f"{PAIRS_TEST}[hsdp-te-fp8-tp2-distopt-fused]":
-        ("tp", "sp", "distopt", "overlap-grad-reduce", "overlap-param-gather", "hsdp", "te",
-         "fp8", "fused-loss"),
-    f"{PAIRS_TEST}[moe-hsdp-cp2-a2a-ep2-allgather-distopt-full]":
-        ("cp-a2a", "moe", "ep", "moe-allgather", "distopt", "overlap-grad-reduce",
-         "overlap-param-gather", "hsdp", "recompute-full"),
-    f"{PAIRS_TEST}[moe-hsdp-cp2-etp2-distopt]":
-        ("cp-p2p", "moe", "expert-tp", "moe-alltoall", "distopt", "overlap-grad-reduce",
-         "overlap-param-gather", "hsdp"),
-    f"{PAIRS_TEST}[hsdp-fsdp2-vpp2]":
-        ("pp-interleaved", "fsdp2", "hsdp"),
-    f"{PAIRS_TEST}[hsdp-pp2-uneven-distopt-full]":
-        ("pp-1f1b", "pp-uneven", "distopt", "overlap-grad-reduce", "overlap-param-gather",
-         "hsdp", "recompute-full"),
-    f"{PAIRS_TEST}[te-fp8-tp2-pp2-account-distopt-fused-compile]":
-        ("tp", "sp", "pp-1f1b", "pp-account", "distopt", "overlap-grad-reduce",
-         "overlap-param-gather", "te", "fp8", "compile", "fused-loss"),
-    f"{PAIRS_TEST}[fsdp2-hsdp-overlap-selective-fused-compile]":
-        ("overlap-grad-reduce", "fsdp2", "hsdp", "recompute-selective", "compile", "fused-loss"),
-    f"{PAIRS_TEST}[cp2-zb-uneven-full-compile]":
-        ("pp-zero-bubble", "pp-uneven", "cp-p2p", "recompute-full", "compile"),
-    f"{PAIRS_TEST}[te-fp8-cp2-a2a-pp2-fused]":
-        ("pp-1f1b", "cp-a2a", "te", "fp8", "fused-loss"),
-    f"{PAIRS_TEST}[te-fp8-vpp2-compile]": ("pp-interleaved", "te", "fp8", "compile"),
-}
-
-
-def covering_tests(a: str, b: str) -> List[str]:
-    """The equivalence tests that run features ``a`` and ``b`` together."""
-    return [t for t, feats in COVERAGE.items() if a in feats and b in feats]

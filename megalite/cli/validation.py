@@ -1,17 +1,21 @@
 """Checks on a ``MegaliteConfig`` that must pass before any process group is created.
 
-Every message names the flag(s) at fault and the fix, on one line.  The planner reuses
-``validate_layout`` to enumerate only legal layouts.
+Every message names the flag(s) at fault and the fix, on one line.  Which features and values
+combine is the rule engine's (``megalite/cli/features.py``), read here; what stays here are
+the checks of one topic each (sizes against the world, the pipeline split, batch sizes,
+files).  The planner reuses ``validate_layout`` to enumerate only legal layouts.  Validation
+never changes the config it checks (``with_default_global_batch`` is applied by
+``parse_args``, where the config is built).
 """
 from __future__ import annotations
 
+import dataclasses
 
 from megalite.cli import features
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
 from megalite.config.microbatches import (parse_step_schedule, rampup_problem,
                                           step_schedule_batch_problem)
-from megalite.pipeline_parallel.simulator import schedule_problem
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                    ("num_attention_heads", "--num-attention-heads"),
@@ -24,7 +28,7 @@ def validate_layout(cfg: MegaliteConfig) -> None:
     One check per topic, in this order (the first fault found is the one reported)."""
     for check in (check_world_size, check_required_model, check_rank_grids,
                   check_layout_features, check_virtual_stages, check_stage_split,
-                  check_attention_shape, check_latent_attention, check_multi_token_prediction,
+                  check_attention_shape, check_latent_attention,
                   check_batch_sizes, check_sequence, check_experts):
         check(cfg)
 
@@ -41,12 +45,12 @@ def check_features(cfg: MegaliteConfig) -> None:
     """Every rule of the feature table (``megalite/cli/features.py``); a --dry-run describes a
     layout, so rules about hardware and kernels (TE, FP8, CP's missing dropout) wait for
     the run.  A run's ``--transformer-impl auto`` is resolved first: TE's rules hold for it."""
-    dry = cfg.training.dry_run
+    dry, environment = cfg.training.dry_run, features.flags_environment
     if not dry:
-        from megalite.backends.selection import resolve_backend_config
+        from megalite.backends.selection import fp8_environment, resolve_backend_config
 
-        cfg = resolve_backend_config(cfg)
-    problem = features.refusal(cfg, dry_run=dry)
+        cfg, environment = resolve_backend_config(cfg), fp8_environment
+    problem = features.refusal(cfg, dry_run=dry, environment=environment)
     if problem:
         raise ConfigError(problem)
 
@@ -108,9 +112,6 @@ def check_virtual_stages(cfg: MegaliteConfig) -> None:
         raise ConfigError(
             f"--num-layers ({m.num_layers}) is not divisible by --pipeline-model-parallel-size "
             f"({p.pp}) x --num-layers-per-virtual-pipeline-stage ({per_virtual})")
-    problem = schedule_problem(p.pipeline_schedule, p.virtual_stages(m.num_layers))
-    if problem:
-        raise ConfigError(problem)
 
 
 def check_stage_split(cfg: MegaliteConfig) -> None:
@@ -176,18 +177,12 @@ def check_attention_shape(cfg: MegaliteConfig) -> None:
         raise ConfigError(f"--hidden-size ({m.hidden_size}) is not divisible by "
                           f"--num-attention-heads ({m.num_attention_heads}); set --kv-channels or "
                           "change one of them")
-    if m.num_attention_heads % p.tp:
-        raise ConfigError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
-                          f"--tensor-model-parallel-size ({p.tp})")
     if m.group_query_attention:
         if not m.num_query_groups:
             raise ConfigError("--group-query-attention needs --num-query-groups")
         if m.num_attention_heads % m.num_query_groups:
             raise ConfigError(f"--num-attention-heads ({m.num_attention_heads}) is not divisible "
                               f"by --num-query-groups ({m.num_query_groups})")
-        if m.num_query_groups % p.tp:
-            raise ConfigError(f"--num-query-groups ({m.num_query_groups}) is not divisible by "
-                              f"--tensor-model-parallel-size ({p.tp}); use a TP that divides it")
     if m.uses_rotary() and m.resolved_kv_channels() % 2:
         raise ConfigError("rotary embeddings need an even head dimension (--kv-channels)")
 
@@ -198,53 +193,53 @@ def check_latent_attention(cfg: MegaliteConfig) -> None:
     m = cfg.model
     if not m.multi_latent_attention:
         return
-    if m.position_embedding_type != "rope":
-        hint = " (YaRN: --rope-type yarn with the --rotary-scaling-factor/--yarn-* flags)" \
-            if m.position_embedding_type == "yarn" else ""
-        raise ConfigError("--multi-latent-attention carries positions in its decoupled RoPE "
-                          f"part: use --position-embedding-type rope{hint}")
-    for given, flag in ((m.group_query_attention, "--group-query-attention"),
-                        (m.add_qkv_bias, "--add-qkv-bias"),
-                        (m.use_rope_scaling, "--use-rope-scaling")):
-        if given:
-            raise ConfigError(f"{flag} does not apply to --multi-latent-attention (one K/V head "
-                              "per query head, no fused qkv projection, YaRN or plain rope "
-                              "part); drop it")
     if m.qk_pos_emb_head_dim % 2:
         raise ConfigError(f"--qk-pos-emb-head-dim ({m.qk_pos_emb_head_dim}) must be even "
                           "(RoPE rotates pairs)")
 
 
-def check_multi_token_prediction(cfg: MegaliteConfig) -> None:
-    if cfg.model.mtp_num_layers and cfg.parallel.cp > 1:
-        raise ConfigError("--mtp-num-layers with --context-parallel-size > 1: shifting the "
-                          "tokens across CP ranks is not implemented; use CP 1")
+def default_global_batch(cfg: MegaliteConfig) -> int:
+    """--global-batch-size; when absent, the step schedule's last batch, else micro x DP
+    (Megatron's default)."""
+    t = cfg.training
+    if t.global_batch_size:
+        return t.global_batch_size
+    if t.step_batch_size_schedule:      # a step schedule ends at its last batch
+        return parse_step_schedule(t.step_batch_size_schedule, None)[-1][1]
+    return t.micro_batch_size * cfg.data_parallel_size
+
+
+def with_default_global_batch(cfg: MegaliteConfig) -> MegaliteConfig:
+    """``cfg`` with an absent --global-batch-size filled in at its world size (a copy;
+    validation itself never changes the config it checks)."""
+    if cfg.training.global_batch_size is not None:
+        return cfg
+    return dataclasses.replace(cfg, training=dataclasses.replace(
+        cfg.training, global_batch_size=default_global_batch(cfg)))
 
 
 def check_batch_sizes(cfg: MegaliteConfig) -> None:
     """The global batch splits into whole micro-batches per DP rank (and, interleaved, into
-    a multiple of PP of them).  An absent --global-batch-size is filled in as micro x DP,
-    Megatron's default."""
+    a multiple of PP of them).  An absent --global-batch-size means micro x DP, Megatron's
+    default (``with_default_global_batch`` fills it in where the config is built)."""
     p, t, dp = cfg.parallel, cfg.training, cfg.data_parallel_size
     steps = step_schedule_batch_problem(t.step_batch_size_schedule, cfg.model.seq_length,
                                         t.global_batch_size, t.micro_batch_size, dp)
     if steps:
         raise ConfigError(steps)
-    if t.global_batch_size is None:     # a step schedule: its last batch
-        t.global_batch_size = parse_step_schedule(t.step_batch_size_schedule, None)[-1][1] \
-            if t.step_batch_size_schedule else t.micro_batch_size * dp
-    if t.global_batch_size % (t.micro_batch_size * dp):
+    gbs = default_global_batch(cfg)
+    if gbs % (t.micro_batch_size * dp):
         raise ConfigError(
-            f"--global-batch-size ({t.global_batch_size}) is not divisible by --micro-batch-size "
+            f"--global-batch-size ({gbs}) is not divisible by --micro-batch-size "
             f"({t.micro_batch_size}) x data-parallel size ({dp}); make it a multiple of "
             f"{t.micro_batch_size * dp}")
-    problem = rampup_problem(t.rampup_batch_size, t.global_batch_size, t.micro_batch_size, dp)
+    problem = rampup_problem(t.rampup_batch_size, gbs, t.micro_batch_size, dp)
     if problem:
         raise ConfigError(problem)
-    sizes = [t.global_batch_size]
+    sizes = [gbs]
     if t.rampup_batch_size:      # every batch of the ramp (START, START+INCREMENT, ...)
         start, increment = int(t.rampup_batch_size[0]), int(t.rampup_batch_size[1])
-        sizes = range(start, t.global_batch_size + 1, increment)
+        sizes = range(start, gbs + 1, increment)
     if t.step_batch_size_schedule:   # every batch of the schedule
         sizes = [b for _, b in parse_step_schedule(t.step_batch_size_schedule,
                                                    cfg.model.seq_length)]
@@ -264,18 +259,6 @@ def check_sequence(cfg: MegaliteConfig) -> None:
     ``--sequence-parallel`` with TP = 1 is accepted and has no effect (Megatron's rule); the
     flag is left as given and ``ParallelConfig.sequence_parallel_active`` says so."""
     p, m = cfg.parallel, cfg.model
-    if p.cp > 1 and m.seq_length % (2 * p.cp):
-        raise ConfigError(f"--seq-length ({m.seq_length}) must be divisible by 2 x "
-                          f"--context-parallel-size ({2 * p.cp}) for load-balanced CP")
-    if p.sequence_parallel_active and (m.seq_length // p.cp) % p.tp:
-        raise ConfigError(f"--sequence-parallel needs --seq-length ({m.seq_length}) / CP to be "
-                          f"divisible by --tensor-model-parallel-size ({p.tp})")
-    if p.cp > 1 and p.cp_comm_type == "a2a":
-        heads, groups = m.num_attention_heads, m.resolved_query_groups()
-        if heads % (p.tp * p.cp) or groups % (p.tp * p.cp):
-            raise ConfigError(f"--cp-comm-type a2a scatters heads over CP: --num-attention-heads "
-                              f"({heads}) and query groups ({groups}) must be divisible by TP x "
-                              f"CP ({p.tp * p.cp}); use --cp-comm-type p2p or another CP")
     if m.max_position_embeddings is not None and m.position_embedding_type == "learned_absolute" \
             and m.max_position_embeddings < m.seq_length:
         raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) is smaller "
@@ -318,13 +301,7 @@ def validate_files(cfg: MegaliteConfig) -> None:
     if d.tokenizer_type == "NullTokenizer" and cfg.model.vocab_size is None:
         raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
     per_split = d.per_split_data_path()
-    if per_split and (d.mock_data or d.data_path):
-        raise ConfigError("--train/valid/test-data-path give each split its own data: not "
-                          "with --data-path or --mock-data (one data source, as Megatron)")
     if d.mock_data:
-        if d.sample_windows != "packed":
-            raise ConfigError("--sample-windows random cuts windows from --data-path; mock data is "
-                              "random already: drop --sample-windows or --mock-data")
         if cfg.model.vocab_size is None and d.tokenizer_type is None:
             raise ConfigError("--mock-data needs --vocab-size (or a --tokenizer-type)")
         return
@@ -343,12 +320,6 @@ def validate_files(cfg: MegaliteConfig) -> None:
 
 def validate_training(cfg: MegaliteConfig) -> None:
     o, t = cfg.optimizer, cfg.training
-    if o.precision and (o.fp16 or (o.bf16 and o.precision != "bf16")):
-        other = "--fp16" if o.fp16 else "--bf16"
-        raise ConfigError(f"--precision {o.precision} conflicts with {other}; give only one "
-                          f"(--precision {o.precision} alone, or {other} alone)")
-    if o.fp16 and o.bf16:
-        raise ConfigError("give only one of --fp16 and --bf16")
     check_megatron_compat(cfg)
     if not t.skip_train and not t.dry_run:
         if t.train_iters is None and t.train_samples is None:
@@ -398,27 +369,6 @@ def validate_logging(cfg: MegaliteConfig) -> None:
         raise ConfigError(missing[0])
 
 
-def check_data_parallel(cfg: MegaliteConfig) -> None:
-    """Hybrid sharding (--num-distributed-optimizer-instances): a sharded strategy to split,
-    and group sizes it divides.  Which strategies combine with which features is the
-    feature table's (``megalite/cli/features.py``)."""
-    p = cfg.parallel
-    instances = p.num_distributed_optimizer_instances
-    if instances > 1:
-        if not (p.use_distributed_optimizer or p.use_torch_fsdp2):
-            raise ConfigError("--num-distributed-optimizer-instances > 1 splits the sharded "
-                              "data-parallel group: add --use-distributed-optimizer or "
-                              "--use-torch-fsdp2")
-        sizes = [(cfg.data_parallel_size * p.cp, "data-parallel x context-parallel size")]
-        if cfg.model.num_experts:
-            sizes.append((cfg.world_size // (p.etp * p.ep * p.pp),
-                          "expert data-parallel size (world / (expert-TP x EP x PP))"))
-        for size, what in sizes:
-            if size % instances:
-                raise ConfigError(f"--num-distributed-optimizer-instances ({instances}) must "
-                                  f"divide the {what} ({size})")
-
-
 def check_resume_schedule(cfg: MegaliteConfig) -> None:
     """Resuming with other schedule flags than the checkpoint's is refused unless the user
     says which schedule wins (checkpointing/resume_schedule.py)."""
@@ -448,7 +398,6 @@ def validate(cfg: MegaliteConfig) -> None:
     validate_layout(cfg)
     check_features(cfg)      # the feature table: what combines (megalite/cli/features.py)
     check_resume_schedule(cfg)
-    check_data_parallel(cfg)
     validate_files(cfg)      # --dry-run too: files, tokenizer and split need no processes
     validate_training(cfg)
     validate_logging(cfg)

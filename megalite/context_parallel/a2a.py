@@ -61,10 +61,9 @@ class UlyssesAttention(nn.Module):
         self.group = comm_groups.cp
         heads = model_cfg.num_attention_heads // comm_groups.tp.size
         groups = model_cfg.resolved_query_groups() // comm_groups.tp.size
-        if heads % self.group.size or groups % self.group.size:
-            raise ValueError(f"all-to-all context parallelism needs this rank's attention "
-                             f"heads ({heads}) and query groups ({groups}) divisible by CP "
-                             f"({self.group.size})")
+        assert heads % self.group.size == 0 and groups % self.group.size == 0, (
+            f"rule 'all-to-all CP splits heads over TP x CP' (cli/features.py): this rank's "
+            f"heads ({heads}) and query groups ({groups}), CP {self.group.size}")
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.scale = softmax_scale if softmax_scale is not None else \

@@ -36,6 +36,7 @@ from megalite.data.megatron_indices import (MID_LEVEL_DATASET_SURPLUS, blend_siz
                                             parse_data_path, parse_split_numbers, split_ranges)
 from megalite.data.samples import make_sample
 from megalite.data.random_windows import RandomWindowDataset
+from megalite.errors import ConfigError
 
 __all__ = [
     "BlendedDataset",
@@ -168,7 +169,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.eod_token, self.eod_mask_loss = eod_token, eod_mask_loss
         tokens = segments.num_tokens
         if tokens < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"{name} split of {indexed.path_prefix!r} has {tokens} tokens; need at least 2 "
                 "(check --split and the data)"
             )
@@ -283,7 +284,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
         eod_mask_loss: bool = False,
     ) -> None:
         if vocab_size is None or vocab_size < 1:
-            raise ValueError("mock data needs a vocab size (--vocab-size or a tokenizer)")
+            raise ConfigError("mock data needs a vocab size (--vocab-size or a tokenizer)")
         self.num_samples, self.seq_length = int(num_samples), int(seq_length)
         self.vocab_size, self.seed = int(vocab_size), int(seed)
         self.eod_token, self.eod_mask_loss = eod_token, eod_mask_loss
@@ -392,7 +393,7 @@ def build_train_valid_test_datasets(
                                      **common)[i] if paths and n > 0 else None)
         return tuple(out)
     if not data_path:
-        raise ValueError("no --data-path given (pass --mock-data for synthetic data)")
+        raise ConfigError("no --data-path given (pass --mock-data for synthetic data)")
     return _build_splits(data_path, parse_split(split), num_samples, **common)
 
 

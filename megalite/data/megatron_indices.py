@@ -25,6 +25,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megalite.errors import ConfigError
+
 MID_LEVEL_DATASET_SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
@@ -39,10 +41,10 @@ def parse_split_numbers(split: str) -> List[float]:
     """Megatron's ``parse_and_normalize_split``: every number in the string, up to three,
     padded with zeros and normalized.  Quotes and spaces around the numbers are ignored."""
     if re.search(r"-\s*[.0-9]", str(split)):
-        raise ValueError(f"--split {split!r}: weights must be non-negative")
+        raise ConfigError(f"--split {split!r}: weights must be non-negative")
     numbers = [float(x) for x in re.findall(r"[.0-9]+", str(split)) if x.strip(".")]
     if not numbers or len(numbers) > 3 or sum(numbers) <= 0:
-        raise ValueError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive "
+        raise ConfigError(f"--split {split!r}: expected 1-3 non-negative numbers with a positive "
                          "sum, like 969,30,1")
     return normalize(numbers + [0.0] * (3 - len(numbers)))
 
@@ -63,7 +65,7 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
     ``flag``."""
     items = [str(i) for i in data_path]
     if not items:
-        raise ValueError(f"{flag} is empty")
+        raise ConfigError(f"{flag} is empty")
     numbers = [_is_number(s) for s in items]
     if len(items) % 2 == 0 and all(numbers[0::2]) and not any(numbers[1::2]):
         weights = [float(w) for w in items[0::2]]
@@ -71,11 +73,11 @@ def parse_data_path(data_path: Sequence[str], flag: str = "--data-path"
     elif not any(numbers):
         weights, prefixes = [1.0] * len(items), items
     else:
-        raise ValueError(
+        raise ConfigError(
             f"{flag} {' '.join(items)!r}: {len(items)} items, neither prefixes only nor "
             "weight/prefix pairs; give 'prefA prefB' or '0.3 prefA 0.7 prefB'")
     if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ValueError(f"{flag} weights {weights} must be finite and non-negative with "
+        raise ConfigError(f"{flag} weights {weights} must be finite and non-negative with "
                          "a positive sum")
     total = sum(weights)
     return [w / total for w in weights], prefixes

@@ -22,6 +22,7 @@ import torch
 
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.samples import make_sample
+from megalite.errors import ConfigError
 
 __all__ = ["RandomWindowDataset"]
 
@@ -50,7 +51,7 @@ class RandomWindowDataset(torch.utils.data.Dataset):
         self.eod_token, self.eod_mask_loss = eod_token, eod_mask_loss
         self.num_tokens = segments.num_tokens
         if self.num_tokens < self.seq_length + 1:
-            raise ValueError(
+            raise ConfigError(
                 f"{name} split of {indexed.path_prefix!r} has {self.num_tokens} tokens; random "
                 f"windows need at least seq_length + 1 = {self.seq_length + 1} (check --split, "
                 "--seq-length and the data)"

@@ -518,18 +518,3 @@ def resolve_schedule(flag: str, vpp: int) -> Schedule:
     if flag != AUTO:
         return get_schedule(flag)
     return next(s for s in SCHEDULES.values() if s.virtual_stages == (vpp > 1))
-
-
-def schedule_problem(flag: str, vpp: int) -> Optional[str]:
-    """One line when ``--pipeline-schedule flag`` cannot run with ``vpp`` virtual stages."""
-    if flag == AUTO:
-        return None
-    s = get_schedule(flag)
-    if s.virtual_stages and vpp == 1:
-        return (f"--pipeline-schedule {flag} needs --num-virtual-stages-per-pipeline-rank > 1 "
-                "(or --num-layers-per-virtual-pipeline-stage)")
-    if not s.virtual_stages and vpp > 1:
-        return (f"--pipeline-schedule {flag} does not combine with virtual stages; drop "
-                "--num-virtual-stages-per-pipeline-rank (or pick "
-                f"{' / '.join(n for n, x in SCHEDULES.items() if x.virtual_stages)})")
-    return None

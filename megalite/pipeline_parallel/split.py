@@ -95,8 +95,10 @@ def split_layers(num_layers: int, pp: int = 1, vpp: int = 1, first: Optional[int
     uneven = first is not None or last is not None
     emb, loss = int(bool(account_for_embedding)), int(bool(account_for_loss))
     if uneven and (vpp > 1 or emb or loss):
-        raise ValueError("first/last pipeline layer counts do not combine with virtual stages "
-                         "or with counting the embedding/loss as pipeline layers")
+        raise ValueError("first/last pipeline layer counts with virtual stages or with the "
+                         "embedding/loss counted as layers: refused by the rules 'pp-uneven "
+                         "excludes pp-interleaved' and 'pp-uneven excludes pp-account' "
+                         "(megalite/cli/features.py)")
     if emb or loss:                          # embedding and/or loss count as layers
         slots = num_layers + emb + loss
         if slots % (pp * vpp):

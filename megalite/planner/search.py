@@ -19,6 +19,7 @@ from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_o
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
 from megalite.pipeline_parallel.simulator import AUTO, SCHEDULES, resolve_schedule
+from megalite.cli import features
 from megalite.cli.validation import validate_layout
 
 SEARCHED_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if s.searched)
@@ -116,8 +117,9 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
     ZeRO variants), so a group can be skipped once its states alone cannot fit."""
     world, gpn = cluster.num_gpus, cluster.gpus_per_node
     heads, groups = m.num_attention_heads, m.resolved_query_groups()
-    tps = [t for t in _pow2_upto(min(gpn, heads)) if heads % t == 0 and groups % t == 0]
-    cps = [1] if seq < space.cp_min_seq else [c for c in _pow2_upto(64) if seq % (2 * c) == 0]
+    tps = [t for t in _pow2_upto(min(gpn, heads)) if features.heads_split(heads, groups, t)]
+    cps = [1] if seq < space.cp_min_seq else [c for c in _pow2_upto(64)
+                                              if features.cp_sequence_split(seq, c)]
     for tp in _pick(tps, space.tp):
         for cp in _pick(cps, space.cp):
             if world % (tp * cp):
@@ -128,7 +130,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                     continue
                 for first, last, vpp, accounts in pipeline_splits(m, pp, space):
                     scheds = [s for s in space.schedules
-                              if SCHEDULES[s].virtual_stages == (vpp > 1)] or \
+                              if features.schedule_fits(SCHEDULES[s], vpp)] or \
                         [resolve_schedule(AUTO, vpp).name]
                     if pp == 1:
                         scheds = [resolve_schedule(AUTO, 1).name]
@@ -162,7 +164,8 @@ def instance_options(space: SearchSpace, zero: int, dims: ParallelDims,
     for r in space.instances:
         if r == "node":          # one instance = tp x (dp x cp / R) ranks = a node
             r = max(1, dims.tp * dims.dp * dims.cp // gpus_per_node)
-        if (dims.dp * dims.cp) % r == 0 and dims.edp % r == 0 and r not in out:
+        if features.hsdp_splits(r, ((dims.dp * dims.cp, "dp x cp"), (dims.edp, "expert dp"))) \
+                and r not in out:
             out.append(r)
     return out
 

@@ -133,9 +133,11 @@ class SelfAttention(nn.Module):
         tp = comm_groups.tp.size
         self.head_dim = m.resolved_kv_channels()
         self.num_heads, self.num_groups = m.num_attention_heads, m.resolved_query_groups()
-        if self.num_heads % tp or self.num_groups % tp or self.num_heads % self.num_groups:
-            raise ValueError(f"heads ({self.num_heads}) and query groups ({self.num_groups}) "
-                             f"must be divisible by TP ({tp}), heads by groups")
+        # validation refused anything else: rule "heads split over TP" (cli/features.py)
+        # and check_attention_shape (heads by groups)
+        assert self.num_heads % tp == 0 and self.num_groups % tp == 0 and \
+            self.num_heads % self.num_groups == 0, \
+            f"rule 'heads split over TP': heads {self.num_heads}, groups {self.num_groups}, TP {tp}"
         self.heads_per_group = self.num_heads // self.num_groups
         self.local_groups = self.num_groups // tp
         qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim

@@ -66,9 +66,9 @@ class MLASelfAttention(nn.Module):
         super().__init__()
         m = model_cfg
         tp = comm_groups.tp
-        if m.num_attention_heads % tp.size:
-            raise ValueError(f"heads ({m.num_attention_heads}) must be divisible by TP "
-                             f"({tp.size})")
+        assert m.num_attention_heads % tp.size == 0, (   # validation refused anything else
+            f"rule 'heads split over TP' (cli/features.py): heads {m.num_attention_heads}, "
+            f"TP {tp.size}")
         self.tp_group = tp
         self.sequence_parallel = sequence_parallel and tp.size > 1
         self.local_heads = m.num_attention_heads // tp.size

@@ -282,3 +282,23 @@ def test_frictions_closed_pipe_blend_note_generate_help_eval_only(files, tmp_pat
                                     "--micro-batch-size", "1", "--seq-length", "16"], tmp_path)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "optimizer starts fresh" not in evaluated.stdout
+
+
+@pytest.mark.parametrize("flags,want", [
+    (["--pipeline-model-parallel-size", "2", "--world-size", "2", "--pipeline-schedule",
+      "zero-bubble", "--num-experts", "2", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--dry-run"],
+     "--pipeline-schedule zero-bubble with a recomputed MoE layer"),
+    (["--multi-latent-attention", "--position-embedding-type", "rope", "--add-qkv-bias"],
+     "--add-qkv-bias does not apply to --multi-latent-attention"),
+    (["--use-torch-fsdp2", "--check-collectives", "--dry-run"],
+     "--check-collectives does not cover --use-torch-fsdp2"),
+], ids=["zero-bubble-recomputed-moe", "mla-qkv-bias", "check-collectives-fsdp2"])
+def test_rule_engine_refusals_are_one_line_exit_2(tmp_path, flags, want):
+    """Rules that moved into the engine (megalite/cli/features.py) refuse as a user sees it."""
+    p, _ = _run([PY, os.path.join(ROOT, "pretrain_gpt.py"), *TINY, "--train-iters", "1",
+                 "--device", "cpu", *flags], tmp_path)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = _printed_errors(p)
+    assert len(lines) == 1 and lines[0].startswith("megalite: error: " + want), lines
+    assert "Traceback" not in p.stderr

@@ -97,7 +97,7 @@ def test_cp_core_attention_refuses_what_it_cannot_do():
                     "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
                     "--vocab-size", "64", "--attention-dropout", "0.1", "--lr", "1e-3",
                     "--global-batch-size", "2", "--micro-batch-size", "1", "--mock-data"])
-    with pytest.raises(ValueError, match="divisible by CP"):
+    with pytest.raises(AssertionError, match="splits heads over TP x CP"):   # validation refuses it
         UlyssesAttention(cfg(num_attention_heads=4, group_query_attention=True,
                              num_query_groups=2), groups(world=4, cp=4))
     with pytest.raises(ValueError, match="masks"):

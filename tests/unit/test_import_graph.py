@@ -252,8 +252,6 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 # Edges that still run up a layer or close a circle between parts, each in a file another
 # branch rewrites: (importer, imported) -> the fix.  Delete an entry with its edge.
 PENDING: Dict[Tuple[str, str], str] = {
-    ("megalite.backends.selection", "megalite.cli.compat_flags"):
-        "the FP8-flags-need-TE rule moves from backend_refusal into cli/features.py",
     ("megalite.cli.arguments", "megalite.elastic.relayout"):
         "the re-layout rule (elastic/relayout.py fits, fit_world: which world a layout trains "
         "at) is a config rule and moves into cli/; relayout keeps the spares' runtime part",
@@ -303,7 +301,7 @@ PER_1000_LINES = 3
 # Modules another branch rewrites: their function-level imports are left to the lead's pass
 # after the merge (hoist each, or write its reason); the count must match.
 LEAD_PASS: Dict[str, int] = {
-    "megalite.cli.features": 1, "megalite.cli.validation": 7,
+    "megalite.cli.validation": 7,
     "megalite.config.domain_checks": 2, "megalite.config.domain_doc": 1,
     "megalite.distributed.data_parallel": 4, "megalite.distributed.distributed_optimizer": 3,
     "megalite.distributed.fsdp2": 6, "megalite.elastic.relayout": 2,

@@ -164,7 +164,7 @@ def test_local_shapes_at_tp4_without_process_groups():
     assert not any(hasattr(p, a) for p in model.parameters()       # nothing on the params
                    for a in ("shard_meta", "sequence_parallel", "tensor_model_parallel",
                              "shared_embedding", "is_embedding_copy", "canonical_name"))
-    with pytest.raises(ValueError, match="divisible by TP"):
+    with pytest.raises(AssertionError, match="heads split over TP"):   # validation refuses it
         build_model(cfg_of(mcfg(num_query_groups=2), tp=4), state)
 
 

@@ -58,9 +58,10 @@ def layout_cfg(**parallel):
      "virtual pipeline stages need"),
     (validation.check_stage_split, dict(pipeline_model_parallel_size=8,
                                         decoder_first_pipeline_num_layers=3), "must split evenly"),
-    (validation.check_attention_shape, dict(tensor_model_parallel_size=16, world=16),
-     "--num-attention-heads"),
-    (validation.check_sequence, dict(context_parallel_size=64, world=64), "load-balanced CP"),
+    (validation.check_layout_features, dict(tensor_model_parallel_size=16, world=16),
+     "--num-attention-heads"),          # the rule engine's "heads split over TP"
+    (validation.check_layout_features, dict(context_parallel_size=64, world=64),
+     "load-balanced CP"),
     (validation.check_layout_features, dict(expert_model_parallel_size=2), "needs --num-experts"),
     (validation.check_layout_features, dict(pipeline_model_parallel_size=2,
                                             decoder_first_pipeline_num_layers=2,

@@ -19,7 +19,6 @@ from megalite.diagnostics.flight_recorder import FAULT_ENV, parse_faults
 from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
 from megalite.diagnostics.collective_check.trace import trace_rank
 from megalite.parallel_state import RankGrid
-from megalite.config import ConfigError
 from megalite.training.loop import usable_cores
 
 EXHAUSTIVE_MAX_WORLD = 64      # up to here every rank is traced
@@ -47,9 +46,8 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
                       progress=None) -> CheckRun:
     """Trace and check ``cfg``'s layout.  ``mode``: "every-rank" or "representatives"
     (default: every rank up to ``EXHAUSTIVE_MAX_WORLD`` ranks)."""
-    if cfg.parallel.use_torch_fsdp2:
-        raise ConfigError("--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues "
-                          "its collectives inside torch, not through megalite's comm.py")
+    assert not cfg.parallel.use_torch_fsdp2, (      # validation refused it
+        "rule '--check-collectives excludes --use-torch-fsdp2' (megalite/cli/features.py)")
     if cfg.training.compile:     # same collectives; compiling meta graphs only costs time
         cfg = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training,
                                                                     compile=False))
