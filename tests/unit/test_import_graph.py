@@ -7,7 +7,7 @@ module-level ones; only ``if TYPE_CHECKING:`` imports, which never run, are left
 ``from P import n`` is an edge to ``P.n`` when that is a module, else to ``P``; the
 implicit import of a parent package's ``__init__`` is not an edge (as in import-linter).
 
-``LAYERS`` (docs/layers.md says why each part sits where it does) orders the package's
+``LAYERS`` (docs/architecture.md#layers says why each part sits where it does) orders the package's
 parts, lowest first; a module may import its own layer's parts and those below, never one
 above, and the parts do not import each other in a circle.  ``PENDING`` lists the edges
 that still break that order, each in a file another branch rewrites, with its fix: the
@@ -467,7 +467,7 @@ def test_no_import_runs_up_a_layer():
     edges, _ = scan()
     found = {(e.source, e.target) for e in upward(edges)}
     new = sorted(found - set(PENDING))
-    assert not new, "imports up a layer (docs/layers.md):\n" + "\n".join(
+    assert not new, "imports up a layer (docs/architecture.md#layers):\n" + "\n".join(
         f"    {s} -> {t}  ({LAYERS[layer_of(s)[0]][0]} -> {LAYERS[layer_of(t)[0]][0]})"
         for s, t in new)
     closed = {(e.source, e.target) for e in layer_edges(edges)}
