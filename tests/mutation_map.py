@@ -41,8 +41,18 @@ MAP = {
     "megalite/config/__init__.py": ("tests/unit/test_derived_config.py",
                                     "tests/unit/test_elastic.py"),
     "megalite/config/microbatches.py": ("tests/unit/test_derived_config.py",
-                                        "tests/unit/test_fp16_rampup_layernorm1p.py"),
+                                        "tests/unit/test_fp16_rampup_layernorm1p.py",
+                                        "tests/unit/test_step_batch_schedule.py"),
     "megalite/training/dry_run.py": ("tests/unit/test_derived_config.py",),
+    # the structure issue's new homes: the loss policy, the layout, the rule engine's reader,
+    # the activation registry
+    "megalite/transformer/loss_reduction.py": ("tests/unit/test_loss_reduction.py",),
+    "megalite/config/parallel_dims.py": ("tests/unit/test_parallel_state.py",
+                                         "tests/unit/test_derived_config.py"),
+    "megalite/cli/validation.py": ("tests/unit/test_validation.py",
+                                   "tests/unit/test_feature_table.py"),
+    "megalite/transformer/activations.py": ("tests/unit/test_activations.py",
+                                            "tests/unit/test_arguments.py"),
 }
 
 # The sample's modules, and in each the functions holding the logic it measures (None:

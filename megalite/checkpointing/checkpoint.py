@@ -398,7 +398,7 @@ def restore_training_state(ts: TrainState, ckpt: CheckpointConfig, meta: dict, s
         skip = {n for n in everything.names() if n not in ("model", "moe_expert_bias")}
     if c.no_load_optim or values.get("optimizer", {}).get("step") is None:
         skip.add("optimizer")
-        if not c.finetune and not c.no_load_optim and not trainer.cfg.training.skip_train:
+        if not c.finetune and not c.no_load_optim and ts.trains:
             _print0(f"> {where} holds no optimizer state: optimizer starts fresh")
     if c.no_load_rng:
         skip.add("rng")

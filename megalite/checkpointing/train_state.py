@@ -68,13 +68,14 @@ class TrainState:
 
     def __init__(self, parts: Sequence[Tuple[str, Stateful]], parallel=None,
                  description: Optional[dict] = None,
-                 before_save: Optional[Callable[[], None]] = None):
+                 before_save: Optional[Callable[[], None]] = None, trains: bool = True):
         self.parts: List[Tuple[str, Stateful]] = list(parts)
         for name, part in self.parts:
             if not isinstance(part, Stateful):
                 raise TypeError(f"training-state part '{name}' is not a DCP Stateful")
         self.parallel, self.description = parallel, description or {}
         self.before_save = before_save or (lambda: None)
+        self.trains = trains      # False: evaluation only (--skip-train), no optimizer to load
 
     def names(self) -> List[str]:
         return [n for n, _ in self.parts]
@@ -232,4 +233,5 @@ def training_state(trainer) -> TrainState:
     parts += [("optimizer", strategy.state_part(chunks)),
               ("rng", RNGState(chunks, state, trainer.device,
                                lambda obj: world_gather(obj, state)))]
-    return TrainState(parts, state, run_description(trainer.cfg), before_save)
+    return TrainState(parts, state, run_description(trainer.cfg), before_save,
+                      trains=not trainer.cfg.training.skip_train)

@@ -10,7 +10,6 @@ twin says ``twin_of:`` the recipe whose parallel structure it keeps.
 from __future__ import annotations
 
 import os
-import math
 import sys
 from dataclasses import dataclass, fields
 from typing import List, Optional, Sequence

@@ -172,7 +172,7 @@ def _check_account_split(p, num_layers: int, vpp: int) -> None:
 
 def check_attention_shape(cfg: MegaliteConfig) -> None:
     """Heads and query groups split over TP; the head dimension suits the position encoding."""
-    p, m = cfg.parallel, cfg.model
+    m = cfg.model
     if m.kv_channels is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(f"--hidden-size ({m.hidden_size}) is not divisible by "
                           f"--num-attention-heads ({m.num_attention_heads}); set --kv-channels or "
@@ -258,7 +258,7 @@ def check_sequence(cfg: MegaliteConfig) -> None:
 
     ``--sequence-parallel`` with TP = 1 is accepted and has no effect (Megatron's rule); the
     flag is left as given and ``ParallelConfig.sequence_parallel_active`` says so."""
-    p, m = cfg.parallel, cfg.model
+    m = cfg.model
     if m.max_position_embeddings is not None and m.position_embedding_type == "learned_absolute" \
             and m.max_position_embeddings < m.seq_length:
         raise ConfigError(f"--max-position-embeddings ({m.max_position_embeddings}) is smaller "
@@ -363,7 +363,6 @@ def missing_logging_packages(cfg: MegaliteConfig) -> list:
 def validate_logging(cfg: MegaliteConfig) -> None:
     """Optional packages asked for by a flag must be installed (checked without importing);
     ``--dry-run`` (often on a login node) prints them as notes instead."""
-    lg = cfg.logging
     missing = missing_logging_packages(cfg)
     if missing and not cfg.training.dry_run:
         raise ConfigError(missing[0])

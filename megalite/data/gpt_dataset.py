@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import warnings
 from typing import Sequence

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from types import SimpleNamespace
 
 import torch

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 
