@@ -384,7 +384,8 @@ def check_resume_schedule(cfg: MegaliteConfig) -> None:
 
     found = read_checkpoint_meta(c.load)
     if found is not None:
-        check_schedule_matches_checkpoint(cfg, found[1],
+        # the schedule this run will follow: an absent --global-batch-size filled in
+        check_schedule_matches_checkpoint(with_default_global_batch(cfg), found[1],
                                           os.path.dirname(os.path.dirname(found[0])))
 
 
