@@ -111,7 +111,8 @@ def target_config(model_cfg: dict, args):
                 if problem:
                     raise ConfigError(problem)
         cfg.world_size = math.lcm(tp, ep * parallel.etp) * pp     # both grids tile it
-        for check in (validation.check_virtual_stages, validation.check_stage_split,
+        for check in (validation.check_layout_features,        # the engine's layout rules
+                      validation.check_virtual_stages, validation.check_stage_split,
                       validation.check_attention_shape, validation.check_experts):
             check(cfg)
     except ConfigError as exc:
