@@ -141,6 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", metavar="FILE", help="write every mutant's result")
     ap.add_argument("--keep", action="store_true", help="keep the scratch copy")
     a = ap.parse_args(argv)
+    # the tests run inside the scratch copy: a relative interpreter path would name a
+    # file there (a checkout's .venv is not copied)
+    a.python = os.path.abspath(a.python) if os.sep in a.python else a.python
     modules = (changed_modules(a.changed_since) if a.changed_since else
                list(SAMPLE) if a.sample else a.modules)
     unmapped = [m for m in modules if m not in MAP]
@@ -164,16 +167,21 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     for r in rows:
         print(f"{r['outcome']:>9}  {r['module']}:{r['line']}  {r['operator']}")
-    survivors = [r for r in rows if r["outcome"] != "killed"]
+    survivors = [r for r in rows if r["outcome"] in ("survived", "no-targeted-test")]
+    broken = [r for r in rows if r["outcome"] not in ("killed", "survived", "no-targeted-test")]
     for r in survivors:
         print(f"\n--- survived: {r['module']}:{r['line']} {r['operator']}\n{r['diff']}")
-    killed = len(rows) - len(survivors)
-    print(f"\nkilled {killed} of {len(rows)} mutants"
-          + (f" ({100 * killed / len(rows):.0f}%)" if rows else ""))
+    killed = sum(r["outcome"] == "killed" for r in rows)
+    judged = killed + len(survivors)
+    print(f"\nkilled {killed} of {judged} mutants"
+          + (f" ({100 * killed / judged:.0f}%)" if judged else ""))
+    if broken:   # the test command could not judge them: a setup fault, not a survivor
+        kinds = ", ".join(sorted({r["outcome"] for r in broken}))
+        print(f"{len(broken)} mutants not judged ({kinds}): check --python and the map's tests")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
-    return 2 if unmapped else int(bool(survivors))
+    return 2 if unmapped or (broken and not judged) else int(bool(survivors))
 
 
 if __name__ == "__main__":
