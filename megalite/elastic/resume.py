@@ -26,7 +26,6 @@ from megalite.checkpointing import manifest as mf
 from megalite.elastic import snapshot_restore
 from megalite.elastic.snapshot import snapshot_dir, snapshot_interval
 from megalite.elastic.snapshot_restore import restore_snapshot
-from megalite.checkpointing.checkpoint import load_training_checkpoint
 
 
 @dataclass(frozen=True)
