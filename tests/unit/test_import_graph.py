@@ -304,13 +304,7 @@ PER_1000_LINES = 3
 LEAD_PASS: Dict[str, int] = {
     "megalite.cli.features": 1, "megalite.cli.validation": 7,
     "megalite.config.domain_checks": 2, "megalite.config.domain_doc": 1,
-    "megalite.distributed.data_parallel": 4, "megalite.distributed.distributed_optimizer": 3,
-    "megalite.distributed.fsdp2": 6, "megalite.elastic.relayout": 2,
-    "megalite.elastic.snapshot": 1, "megalite.elastic.snapshot_restore": 1,
-    "megalite.models.gpt": 2, "megalite.models.parallelize": 3,
-    "megalite.optimizer.optimizer": 7, "megalite.parallel_state": 9,
-    "megalite.checkpointing.checkpoint": 5,
-    "megalite.training.loop": 15, "megalite.checkpointing.train_state": 3,
+    "megalite.elastic.relayout": 2, "megalite.parallel_state": 9,
     "megalite.transformer.activations": 3,
 }
 
