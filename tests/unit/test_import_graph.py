@@ -304,8 +304,7 @@ PER_1000_LINES = 3
 LEAD_PASS: Dict[str, int] = {
     "megalite.cli.features": 1, "megalite.cli.validation": 7,
     "megalite.config.domain_checks": 2, "megalite.config.domain_doc": 1,
-    "megalite.elastic.relayout": 2, "megalite.parallel_state": 9,
-    "megalite.transformer.activations": 3,
+    "megalite.elastic.relayout": 2,
 }
 
 
