@@ -253,9 +253,6 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 PENDING: Dict[Tuple[str, str], str] = {
     ("megalite.backends.selection", "megalite.cli.compat_flags"):
         "the FP8-flags-need-TE rule moves from backend_refusal into cli/features.py",
-    ("megalite.cli.arguments", "megalite.elastic.relayout"):
-        "the re-layout rule (elastic/relayout.py fits, fit_world: which world a layout trains "
-        "at) is a config rule and moves into cli/; relayout keeps the spares' runtime part",
 }
 
 
@@ -304,7 +301,6 @@ PER_1000_LINES = 3
 LEAD_PASS: Dict[str, int] = {
     "megalite.cli.features": 1, "megalite.cli.validation": 7,
     "megalite.config.domain_checks": 2, "megalite.config.domain_doc": 1,
-    "megalite.elastic.relayout": 2,
 }
 
 
