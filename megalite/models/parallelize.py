@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from megalite import comm
-from megalite.backends.compile import compile_layers
+from megalite.backends import compile as layer_compile   # a module: tests patch its compile_layers
 from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
                                multi_latent_attention_spec)
 from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
@@ -171,7 +171,7 @@ def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=
     apply_recompute(chunk, cfg, tracker)
     if getattr(cfg.training, "compile", False):      # --compile: each layer, in place
 
-        compile_layers(chunk, retains_graph=splits_backward(cfg))
+        layer_compile.compile_layers(chunk, retains_graph=splits_backward(cfg))
     if cfg.parallel.use_torch_fsdp2:
         shard_then_initialize(chunk, cfg, state, device, dtype)
         return chunk
