@@ -4,6 +4,8 @@ Ranks are laid out with Megatron-Core's order string ``tp-cp-ep-dp-pp``: TP has 
 (so a TP group is consecutive ranks inside one node) and PP the largest stride.  The
 arithmetic (``RankGrid``) is pure Python so ``--dry-run`` and the planner can use it
 without any process group; ``ParallelState`` adds the torch.distributed handles.
+Importing this module imports no torch (``megalite plan`` reads the grid; see
+tests/unit/test_planner_cli.py): the functions that use torch.distributed import it.
 
 Run ``python -m megalite.parallel_state --world-size 16 --tp 2 --cp 2 --pp 2`` to see
 which ranks share each group.
@@ -295,8 +297,9 @@ class ParallelState:
         """A ``torch.distributed.device_mesh.DeviceMesh`` over the same rank layout, with
         dimensions named by ``MESH_DIMS[grid]`` (FSDP2 and DCP take a mesh, not our groups).
         Collective on first use (torch creates the mesh's own groups); cached per state."""
-        import torch
-        import torch.distributed as dist
+        import torch  # start-up time: torch-free module (docstring)
+        import torch.distributed as dist  # start-up time: torch-free module (docstring)
+        # start-up time: torch-free module (docstring)
         from torch.distributed.device_mesh import DeviceMesh
 
         if not dist.is_initialized():
@@ -318,7 +321,7 @@ def dedicated_group(state: "ParallelState", name: str) -> Group:
     so comm.py can tell their traffic apart by communicator.  A one-rank group gets a local
     communicator (created by its rank alone).  Collective over the world on first use per
     (name, layout): every rank must ask for the same names in the same order."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up time: torch-free module (docstring)
 
     mine = None
     for ranks in state.grid.groups(name):
@@ -334,7 +337,7 @@ def dedicated_group(state: "ParallelState", name: str) -> Group:
 
 
 def _new_group(ranks: List[int], timeout=None, backend=None, purpose: str = ""):
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up time: torch-free module (docstring)
 
     key = (tuple(ranks), timeout, backend, purpose)
     if key not in _HANDLE_CACHE:
@@ -364,7 +367,7 @@ def launch_env() -> LaunchEnv:
 
 def pick_device_and_backend(device: str = "auto", backend: str = "auto"):
     """cuda + nccl when CUDA is present, otherwise cpu + gloo."""
-    import torch
+    import torch  # start-up time: torch-free module (docstring)
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -375,8 +378,8 @@ def pick_device_and_backend(device: str = "auto", backend: str = "auto"):
 
 def initialize(cfg) -> ParallelState:
     """Start torch.distributed (if needed) and build every group for ``cfg``."""
-    import torch
-    import torch.distributed as dist
+    import torch  # start-up time: torch-free module (docstring)
+    import torch.distributed as dist  # start-up time: torch-free module (docstring)
 
     env = launch_env()
     device, backend = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
@@ -405,7 +408,7 @@ def _restart_store(timeout):
     """Under torchrun after a restart (``--max-restarts``), the agent's store still holds
     the previous attempt's keys, so gloo would try to connect to the dead workers' addresses;
     each attempt gets keys of its own.  None on the first attempt or outside torchrun."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up time: torch-free module (docstring)
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

@@ -23,6 +23,7 @@ MAP = {
     "megalite/elastic/snapshot_restore.py": _ELASTIC,
     "megalite/elastic/resume.py": _ELASTIC,
     "megalite/elastic/relayout.py": _ELASTIC,
+    "megalite/cli/elastic_fit.py": _ELASTIC + ("tests/unit/test_derived_config.py",),
     "megalite/diagnostics/hang_diagnosis.py": _HANGS,
     "megalite/cli/features.py": ("tests/unit/test_feature_table.py",),
     "megalite/checkpointing/hf_adapters/llama.py": _HF + (
@@ -60,7 +61,7 @@ MAP = {
 SAMPLE = {
     "megalite/elastic/snapshot_restore.py": ("choose", "transfer_plan", "intersect"),
     "megalite/elastic/resume.py": ("resume_source", "_newest_disk_iteration"),
-    "megalite/elastic/relayout.py": ("fit_world", "describe", "fits"),
+    "megalite/cli/elastic_fit.py": ("fit_world", "describe", "fits"),
     "megalite/diagnostics/hang_diagnosis.py": ("causes", "load_dumps", "last_completed",
                                                "last_seen", "_stuck_lines", "mismatches",
                                                "deviations"),

@@ -41,10 +41,13 @@ from megalite.checkpointing import manifest as mf
 from megalite.checkpointing.dcp_format import (CheckpointIOError, ChunkedTensor, load_chunked,
                                                save_chunked, saved_tensors)
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
-from megalite.config import CheckpointConfig
-from megalite.errors import CheckpointError
+from megalite.checkpointing.sharded_state import layout_chunks
+from megalite.config import CheckpointConfig, ModelConfig
+from megalite.errors import CheckpointError, StorageError
 from megalite.checkpointing import checkpoint_io_policy as policy
 from megalite.checkpointing.legacy_checkpoint import load_legacy_checkpoint
+from megalite.models.gpt import parameter_specs
+from megalite.moe.moe_layer import split_expert_bias
 from megalite.checkpointing.train_state import (TrainState, check_against, from_metadata, merge,
                                            single_process, tensors_of, to_metadata)
 
@@ -103,8 +106,6 @@ def preflight_save_dir(root: str) -> None:
             os.fsync(f.fileno())
         os.remove(probe)
     except OSError as exc:
-        from megalite.errors import StorageError
-
         raise StorageError(f"--save {root} is not writable: {exc.strerror or exc}; choose a "
                            "folder this job may write") from None
 
@@ -240,11 +241,6 @@ def save_model_checkpoint(root: str, model_cfg: dict, full_sd: Dict[str, torch.T
     "expert-tp": size}) hold, so a run at that layout reads exactly its own pieces; DCP
     reshards for any other layout.  ``info``: metadata entries to add (``args``, ``extra``,
     where the weights came from).  A failed write removes its folder."""
-    from megalite.checkpointing.sharded_state import layout_chunks
-    from megalite.config import ModelConfig
-    from megalite.models.gpt import parameter_specs
-    from megalite.moe.moe_layer import split_expert_bias
-
     m = ModelConfig(**model_cfg)
     specs = parameter_specs(m)
     # router expert biases are buffers: JSON metadata, as a training save keeps them

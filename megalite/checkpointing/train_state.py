@@ -37,8 +37,11 @@ from torch.distributed.checkpoint.stateful import Stateful
 from megalite import comm
 from megalite.checkpointing.dcp_format import ChunkedTensor
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
+from megalite.checkpointing.sharded_state import ModelState
 from megalite.distributed.replicas import check_replicas
 from megalite.errors import CheckpointError
+from megalite.moe.moe_layer import ExpertBiasState
+from megalite.tensor_parallel.rng_state import RNGState
 
 # (part, key or None for the part's whole state) -> its places in metadata.json; a save
 # writes every place, a load reads the first one present.
@@ -214,10 +217,6 @@ def training_state(trainer) -> TrainState:
     """The composition of ``trainer``'s parts (module docstring), in load order: the
     weights first (the masters follow them), the optimizer after (its masters win); with
     the run's description and the save preparation the checkpointer takes along."""
-    from megalite.checkpointing.sharded_state import ModelState
-    from megalite.moe.moe_layer import ExpertBiasState
-    from megalite.tensor_parallel.rng_state import RNGState
-
     chunks, state, strategy = trainer.model_chunks, trainer.state, trainer.strategy
 
     def before_save():

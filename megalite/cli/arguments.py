@@ -19,7 +19,7 @@ from megalite.config.megatron_fsdp import apply_megatron_fsdp
 from megalite.cli.presets import preset_fields
 from megalite.cli.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
 from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
-from megalite.elastic.relayout import fit_world
+from megalite.cli.elastic_fit import fit_world
 from megalite.cli.validation import validate, with_default_global_batch
 
 

@@ -2,7 +2,7 @@
 
 Why: the rank grid (``parallel_state.RankGrid``), the planner's candidate layouts
 (``planner/layout.py``), a checkpoint's ``layout`` metadata and the elastic re-layout
-(``elastic/relayout.py``) all read this one frozen, torch-free object, so a new dimension is
+(``cli/elastic_fit.py``) all read this one frozen, torch-free object, so a new dimension is
 added here and in the places that genuinely use it.  Every derived size (DP, expert-DP, the
 ZeRO shard counts, the world step both grids tile) is computed here only.
 

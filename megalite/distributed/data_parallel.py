@@ -42,8 +42,11 @@ import dataclasses
 from typing import Dict, List, Optional
 
 import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from megalite import comm
+from megalite.checkpointing.sharded_state import param_index
 from megalite.distributed.distributed_optimizer import DistributedOptimizer
 from megalite.distributed.grad_buckets import (Bucket, OverlapScheduler, bucket_size,
                                                split_into_buckets)
@@ -55,6 +58,7 @@ from megalite.distributed.replicas import broadcast_tied_embeddings
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
 from megalite.optimizer.grad_scaler import build_grad_scaler, unscale_and_find_inf
 from megalite.optimizer.lr_schedule import StepSettings
+from megalite.optimizer.optimizer_state import OptimizerState
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, MixedPrecisionOptimizer,
                                           has_fp32_masters)
 from megalite.param_spec import ParamSpec, group_coords, named_specs
@@ -246,9 +250,6 @@ class DataParallelStrategy:
     def state_part(self, model_chunks):
         """The optimizer and its fp32 masters as a DCP ``Stateful`` at global shapes
         (``megalite.optimizer.optimizer_state``), named by ``model_chunks``' tables."""
-        from megalite.checkpointing.sharded_state import param_index
-        from megalite.optimizer.optimizer_state import OptimizerState
-
         return OptimizerState(self.optimizer, param_index(model_chunks), self.state,
                               before=self.wait_param_gathers)
 
@@ -523,8 +524,6 @@ class FSDP2Strategy(DataParallelStrategy):
         """FSDP2 keeps the root unit gathered after its forward, for the backward; an
         evaluation has none, so reshard every unit: the model's parameters are the sharded
         DTensors again (the optimizer's, the checkpoint's)."""
-        from torch.distributed.fsdp import FSDPModule
-
         for chunk in model_chunks:
             for m in chunk.modules():
                 if isinstance(m, FSDPModule):
@@ -561,8 +560,6 @@ def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
     if len(specs) != len(triples):
         raise ValueError("parameter names repeat across this rank's model chunks")
     if cfg.parallel.use_torch_fsdp2:
-        from torch.distributed.tensor import DTensor
-
         if not all(isinstance(p, DTensor) for _, p in named):
             raise ValueError("--use-torch-fsdp2: the model chunks were not fully sharded; build "
                              "them through the model family's parallelize step")

@@ -26,10 +26,13 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from megalite.checkpointing.dcp_format import ChunkedTensor
+from megalite.checkpointing.sharded_state import buffer_writer, flat_chunks
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, make_inner_optimizer,
                                           param_groups, uses_decoupled_lr,
                                           uses_weight_decay)
+from megalite.param_spec import group_coords
 
 
 class DistributedOptimizer(MasterWeightOptimizer):
@@ -131,10 +134,6 @@ class DistributedOptimizer(MasterWeightOptimizer):
     def sharded_state(self, index, state):
         """One flat range per parameter and buffer, cut into rectangles of the global
         tensor; written by the first instance of the buffer's shard group."""
-        from megalite.checkpointing.dcp_format import ChunkedTensor
-        from megalite.checkpointing.sharded_state import buffer_writer, flat_chunks
-        from megalite.param_spec import group_coords
-
         coords, out, steps = group_coords(state), {}, []
         for b, p, lo, hi, piece_lo, piece, p_lo in self._ranges():
             st = self.inner.state.get(piece, {})

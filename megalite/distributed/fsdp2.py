@@ -43,11 +43,14 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from megalite import comm
 from megalite.optimizer.optimizer import model_dtype
 from megalite.param_spec import param_table
-from megalite.parallel_state import shard_group_names
+from megalite.parallel_state import dedicated_group, shard_group_names
 from megalite.transformer.loss_reduction import GRAD_DIVIDE_FACTOR
 
 
@@ -66,10 +69,6 @@ class FSDPMeshes:
 def _mesh(state, grid: str, device: str):
     """The grid's FSDP mesh on dedicated communicators (``parallel_state.dedicated_group``),
     registered with comm.py under the groups' names."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    from megalite.parallel_state import dedicated_group
-
     shard, replicate = shard_group_names(grid, state.grid.dp_instances)
     key = ("fsdp", grid, device, tuple(state[shard].ranks),
            tuple(state[replicate].ranks) if replicate else ())
@@ -121,8 +120,6 @@ def shard_chunk(chunk, cfg, state, units, device: Optional[str] = None) -> list:
     FSDP modules (expert units, units, then the root).  The parameters become DTensors with
     the same names, so the ``ParamTable`` still finds their specs.  ``device``: the meshes'
     (default: where the chunk's parameters are)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     units = list(units)
     device = device or next(chunk.parameters()).device.type
     expert_ids = {id(p) for _, p, spec in param_table(chunk).named(chunk) if spec.expert}
@@ -169,10 +166,6 @@ def materialize_shards(chunk, device) -> None:
     which fails while anything holds a weak reference to them (torch's profiler under the
     tensor-memory meter does): new parameter objects are set instead, and FSDP2 adopts them
     the way its own ``_apply`` does (``reset_sharded_param``)."""
-    # start-up time: torch.distributed.tensor / fsdp take seconds to import; only FSDP2 needs them
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
     for module in chunk.modules():
         for name, p in module._parameters.items():
             if p is None or not p.is_meta:
@@ -201,8 +194,6 @@ def expected_collectives(chunks, num_micro_batches: int, pipelined: bool) -> dic
     the shard count, gathered for forward and again for backward per micro-batch (the root
     once: it stays gathered) and reduce-scattered per micro-batch -- with PP one gather and
     one reduction per step; HSDP all-reduces each reduced shard across instances."""
-    from torch.distributed.fsdp import FSDPModule
-
     out: dict = {}
 
     def add(key, n):

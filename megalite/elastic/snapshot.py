@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megalite import comm
+from megalite.checkpointing import checkpoint, train_state
 from megalite.parallel_state import Group
 
 FILE_RE = re.compile(r"^snap-(?P<fp>[0-9a-f]{10})-it(?P<it>\d{9})-(?P<gen>[0-9a-f]{8})"
@@ -217,8 +218,6 @@ class Snapshotter:
         if self.group is None and not self.gen:
             self._setup()
         self._prune()
-        from megalite.checkpointing import checkpoint, train_state
-
         sd, meta = checkpoint.capture_training_state(train_state.training_state(self.trainer),
                                                      every_rank_meta=True)
         staged = {k: type(v)(v.global_shape, [(o, t.detach().clone()) for o, t in v.chunks],

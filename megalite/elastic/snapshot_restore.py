@@ -24,6 +24,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from megalite import comm
+from megalite.checkpointing import checkpoint, train_state
 from megalite.elastic import snapshot as snap
 from megalite.parallel_state import Group
 
@@ -79,8 +80,6 @@ def find_snapshot(cfg, newer_than: int) -> Optional[SnapshotPlan]:
 
 
 def restore_snapshot(trainer, plan: SnapshotPlan) -> None:
-    from megalite.checkpointing import checkpoint, train_state
-
     world = comm.world_group()
     rank = world.rank
     folder = snap.snapshot_dir()

@@ -28,11 +28,12 @@ from torch import nn
 
 from megalite.backends import get_layer_spec
 from megalite.backends.te_names import canonical_renames
+from megalite.config import MegaliteConfig
 from megalite.diagnostics.flight_recorder import module_site
 from megalite.models.parallelize import parallelize_chunk, spec_choices
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)
-from megalite.parallel_state import ModelCommGroups
+from megalite.parallel_state import ModelCommGroups, ParallelState, RankGrid
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from megalite.tensor_parallel.layers import VocabParallelEmbedding
@@ -299,15 +300,11 @@ def build_model(cfg, state, **kwargs) -> GPTModel:
 
 def single_rank_state():
     """A ParallelState of one rank with no process groups (reference models, tools)."""
-    from megalite.parallel_state import ParallelState, RankGrid
-
     return ParallelState.build(RankGrid(1), 0, create_groups=False)
 
 
 def parameter_specs(model_cfg) -> Dict[str, ParamSpec]:
     """Canonical name -> ParamSpec of every parameter of the full model (no allocation)."""
-    from megalite.config import MegaliteConfig
-
     cfg, state = MegaliteConfig(model=model_cfg), single_rank_state()
     model = GPTModel(cfg, state, spec=spec_choices(cfg, state), device="meta")
     return dict(model.param_table.specs)

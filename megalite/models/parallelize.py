@@ -35,8 +35,11 @@ import torch
 from torch import nn
 
 from megalite import comm
+from megalite.backends import compile as layer_compile   # a module: tests patch its compile_layers
 from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
                                multi_latent_attention_spec)
+from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
+from megalite.pipeline_parallel.simulator import resolve_schedule
 from megalite.tensor_parallel.random import attach_rng_tracker, model_parallel_tracker
 from megalite.transformer.recompute import configure_layer_recompute, configure_recompute
 from megalite.transformer.spec import LayerSpec
@@ -94,8 +97,6 @@ def apply_recompute(chunk: nn.Module, cfg, tracker) -> None:
 
 def splits_backward(cfg) -> bool:
     """Whether this run's pipeline schedule splits each backward into B and W passes."""
-    from megalite.pipeline_parallel.simulator import resolve_schedule
-
     p = cfg.parallel
     return p.pp > 1 and resolve_schedule(
         p.pipeline_schedule, p.virtual_stages(cfg.model.num_layers)).split_backward
@@ -142,9 +143,6 @@ def shard_then_initialize(chunk: nn.Module, cfg, state, device, dtype) -> None:
     """Step 6 under --use-torch-fsdp2, before the values: ``fully_shard`` (on the meta
     device when the chunk was built there), then allocate and initialize only this rank's
     shards -- a ZeRO-3 rank never holds its whole model."""
-    # FSDP2 lives in a higher layer (distributed/); imported here only when it is used
-    from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
-
     target = torch.device(device) if device is not None else \
         next(chunk.parameters()).device
     if not is_meta(chunk):
@@ -172,9 +170,8 @@ def parallelize_chunk(chunk: nn.Module, cfg, state, *, rng_tracker=None, device=
     attach_rng_tracker(chunk, tracker)
     apply_recompute(chunk, cfg, tracker)
     if getattr(cfg.training, "compile", False):      # --compile: each layer, in place
-        from megalite.backends.compile import compile_layers
 
-        compile_layers(chunk, retains_graph=splits_backward(cfg))
+        layer_compile.compile_layers(chunk, retains_graph=splits_backward(cfg))
     if cfg.parallel.use_torch_fsdp2:
         shard_then_initialize(chunk, cfg, state, device, dtype)
         return chunk

@@ -21,8 +21,12 @@ from __future__ import annotations
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from megalite.checkpointing.dcp_format import ChunkedTensor
+from megalite.checkpointing.sharded_state import fsdp_piece, param_writer, spec_chunks
 from megalite.optimizer.lr_schedule import StepSettings
+from megalite.param_spec import group_coords
 
 # the per-element state tensors torch's AdamW / SGD keep (checkpoint keys
 # ``optimizer.<state>.<param>``; ``master`` is the fp32 copy of a half-precision param)
@@ -189,10 +193,6 @@ class MasterWeightOptimizer:
     def sharded_load_targets(self, index, state, keys) -> Tuple[dict, dict]:
         """(``{<key>.<name>: ChunkedTensor}`` to fill, ``{id(param): {key: tensor}}`` the
         same storage by parameter) for ``keys`` of every held parameter."""
-        from megalite.checkpointing.dcp_format import ChunkedTensor
-        from megalite.checkpointing.sharded_state import fsdp_piece, spec_chunks
-        from megalite.param_spec import group_coords
-
         coords, targets, local = group_coords(state), {}, {}
         for p in self.held_params():
             name, spec = index[id(p)]
@@ -281,10 +281,6 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
     def sharded_state(self, index, state):
         """Whole local tensors, cut as the parameters are (an FSDP2 parameter's state is a
         DTensor sharded as it is)."""
-        from megalite.checkpointing.dcp_format import ChunkedTensor
-        from megalite.checkpointing.sharded_state import fsdp_piece, param_writer, spec_chunks
-        from megalite.param_spec import group_coords
-
         coords, out, steps = group_coords(state), {}, []
         for p, master in zip(self.params, self.masters):
             name, spec = index[id(p)]
@@ -317,7 +313,5 @@ def _like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     other parameter's state is the local tensor itself."""
     if not hasattr(p, "device_mesh"):
         return local
-    from torch.distributed.tensor import DTensor
-
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
                               stride=p.stride())

@@ -23,11 +23,21 @@ import time
 import torch
 
 from megalite import comm
+from megalite.backends.selection import describe_backend, resolve_backend_config
+from megalite.checkpointing.checkpoint_io_policy import newest_complete
 from megalite.cli import compat_flags
+from megalite.cli.boundary import leave_for_peer_error
 from megalite.config import ConfigError
 from megalite.config.megatron_fsdp import describe as describe_megatron_fsdp
+from megalite.data import (build_data_iterator, build_tokenizer_from_config,
+                           build_train_valid_test_datasets)
+from megalite.data.device_prefetch import prefetch_to_device
+from megalite.diagnostics import hang_dumps
 from megalite.diagnostics.flight_recorder import site
 from megalite.distributed.data_parallel import build_data_parallel
+from megalite.elastic.resume import load_resume_state, resume_source
+from megalite.elastic.snapshot import Snapshotter, snapshot_interval
+from megalite.errors import Interrupted
 from megalite.config.microbatches import BatchSizeSchedule
 from megalite.models.family import ModelFamily, StepContext
 from megalite.models.gpt_step import GPT_FAMILY
@@ -36,10 +46,11 @@ from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.data.position import DataPosition
 from megalite.data.megatron_indices import blend_weight_note
 from megalite.optimizer.lr_schedule import SchedulePosition
-from megalite.parallel_state import ParallelState, initialize
+from megalite.parallel_state import ParallelState, initialize, pick_device_and_backend
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
+from megalite.planner.model_spec import active_params, total_params
 from megalite.checkpointing import checkpoint, train_state
 from megalite.training.faults import ExitWatcher, check_finite
 from megalite.transformer.loss_reduction import (extra_term_scale, global_loss_tokens,
@@ -49,6 +60,7 @@ from megalite.training.flops import (device_peak_flops, flops_per_iteration,
 from megalite.training.memory_report import MemoryReporter
 from megalite.training.metrics import TrainingLogger
 from megalite.training.precision import log_precision, resolve_precision
+from megalite.viz.loss_curve import plot_loss_curve
 
 
 class Trainer:
@@ -124,8 +136,6 @@ class Trainer:
         return 0
 
     def setup(self):
-        from megalite.data import build_tokenizer_from_config
-
         if self.tokenizer is None:       # pretrain() builds it before any process group
             self.tokenizer = build_tokenizer_from_config(self.cfg.data, self.cfg.model.vocab_size)
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
@@ -138,16 +148,12 @@ class Trainer:
             scheduler_for_run(cfg, self.train_iters)   # --use-checkpoint-opt_...
         if cfg.checkpoint.save:             # a bad --save fails now, not at the first save
             checkpoint.preflight_save_dir(cfg.checkpoint.save)
-        from megalite.elastic.resume import load_resume_state, resume_source
-
         source = resume_source(cfg)            # --load, or this run's own newest state
         if source is not None:
             load_resume_state(self, source)
         self._build_data()
 
     def _build_data(self):
-        from megalite.data import build_train_valid_test_datasets
-
         cfg, t = self.cfg, self.cfg.training
         gbs = t.global_batch_size
         evals = (self.train_iters // t.eval_interval + 1) * t.eval_iters if t.eval_iters else 0
@@ -166,8 +172,6 @@ class Trainer:
             per_split_data_path=cfg.data.per_split_data_path())
 
     def data_iterator(self, dataset, consumed: int, cyclic: bool = False):
-        from megalite.data import build_data_iterator
-
         t, dp = self.cfg.training, self.state["dp"]
         ramp = None if cyclic else self.batch_sizes.global_batch_size_at   # eval: full batch
         return build_data_iterator(dataset, consumed, t.micro_batch_size, t.global_batch_size,
@@ -265,8 +269,6 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------
     def train(self, logger: TrainingLogger):
         cfg, t = self.cfg, self.cfg.training
-        from megalite.data.device_prefetch import prefetch_to_device
-
         if self.iteration >= self.train_iters:     # resumed from the run's final checkpoint
             logger.info(f"> nothing to train: the checkpoint is at iteration {self.iteration} "
                         f"of {self.train_iters}")
@@ -283,8 +285,6 @@ class Trainer:
         c = cfg.checkpoint
         watcher = ExitWatcher(c.exit_signal_handler, c.exit_duration_in_mins)
         first, start = self.iteration, time.perf_counter()
-        from megalite.elastic.snapshot import Snapshotter, snapshot_interval
-
         every = snapshot_interval(cfg)
         self.snapshotter = Snapshotter(self, every) if every else None
         trained = False
@@ -412,8 +412,6 @@ def set_cpu_threads(world_size: int) -> str:
 def describe_parameters(cfg, model_chunks) -> str:
     """Megatron's start-up "number of parameters" line: the whole model's count (the
     planner's exact count, which mirrors the model tensor by tensor) and this rank's."""
-    from megalite.planner.model_spec import active_params, total_params
-
     mine = sum(getattr(p, "_local_tensor", p).numel() for c in model_chunks
                for p in c.parameters())
     total = total_params(cfg.model)
@@ -423,9 +421,6 @@ def describe_parameters(cfg, model_chunks) -> str:
 
 def interrupted_at(trainer):
     """Ctrl-C outside a save: one line saying where the run stood and what is kept."""
-    from megalite.errors import Interrupted
-    from megalite.checkpointing.checkpoint_io_policy import newest_complete
-
     return Interrupted(f"interrupted by Ctrl-C at iteration {trainer.iteration}; newest "
                        f"complete checkpoint: {newest_complete(trainer.cfg.checkpoint.save)}")
 
@@ -442,23 +437,14 @@ def resolve_config(cfg, tokenizer=None):
 def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
     """Entry from pretrain_gpt.py after validation: ``family`` supplies the model and its
     step functions (Megatron's ``pretrain(..., model_provider, forward_step)``)."""
-    from megalite.parallel_state import pick_device_and_backend
-
     device, _ = pick_device_and_backend(cfg.training.device, cfg.parallel.distributed_backend)
     if cfg.logging.logging_level is not None:     # --logging-level (Megatron's)
         logging.basicConfig(level=cfg.logging.logging_level)
     threads_line = set_cpu_threads(cfg.world_size) if device == "cpu" else ""
-    from megalite.backends.selection import describe_backend, resolve_backend_config
-
     backend_line = describe_backend(cfg.model.transformer_impl, device)
     cfg = resolve_backend_config(cfg, device)      # auto -> local | transformer_engine
-    from megalite.data import build_tokenizer_from_config
-
     tokenizer = build_tokenizer_from_config(cfg.data, cfg.model.vocab_size)  # files: one line
     state = initialize(cfg)
-    from megalite.diagnostics import hang_dumps
-    from megalite.cli.boundary import leave_for_peer_error
-
     hang_dumps.start(cfg, state)             # flight recorder: rank, dump folder, watchdog
     comm.watch_user_errors(leave_for_peer_error)   # a peer's user error ends this rank too
     cfg, precision = resolve_precision(           # --precision auto / --bf16: probe matmuls
@@ -502,8 +488,6 @@ def pretrain(cfg, family: ModelFamily = GPT_FAMILY) -> int:
             logger.log_eval(trainer.iteration, trainer.evaluate(trainer.valid_ds, t.eval_iters),
                             consumed_samples=trainer.consumed_samples)
         if cfg.logging.loss_plot and trainer.is_writer and cfg.logging.metrics_file:
-            from megalite.viz.loss_curve import plot_loss_curve
-
             plot_loss_curve(cfg.logging.metrics_file, cfg.logging.loss_plot)
             logger.info(f"> wrote loss curve to {cfg.logging.loss_plot}")
     except KeyboardInterrupt:

@@ -17,20 +17,20 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 
 def _silu_glu(y):
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # start-up time: torch only when a model runs (docstring)
 
     gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
 def _gelu(y):
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # start-up time: torch only when a model runs (docstring)
 
     return F.gelu(y)
 
 
 def _squared_relu(y):
-    import torch.nn.functional as F   # torch only when a model runs (module docstring)
+    import torch.nn.functional as F  # start-up time: torch only when a model runs (docstring)
 
     return F.relu(y).square()
 

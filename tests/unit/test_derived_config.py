@@ -7,7 +7,7 @@ sizes (kv channels, query groups, FFN, experts, MTP layers, MoE layer pattern)."
 from megalite.cli.arguments import parse_args
 from megalite.config import ModelConfig, ParallelConfig
 from megalite.config.microbatches import BatchSizeSchedule
-from megalite.elastic import relayout
+from megalite.cli import elastic_fit
 from megalite.training.entry import describe_batch
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -38,7 +38,7 @@ def test_spare_ranks_take_the_micro_batch_count_of_the_fitted_world(capsys):
     assert (cfg.world_size, cfg.launched_world_size) == (4, 6)
     assert (cfg.data_parallel_size, cfg.num_micro_batches) == (2, 2)
     assert "micro-batch 2 x 2 micro-batches x DP 2 = global batch 8" in describe_batch(cfg)
-    assert "TP2 CP1 PP1 DP2, 2 micro-batches of 2 per DP rank" in relayout.describe(cfg)
+    assert "TP2 CP1 PP1 DP2, 2 micro-batches of 2 per DP rank" in elastic_fit.describe(cfg)
     assert "ranks 4-5 wait as spares" in capsys.readouterr().out
     schedule = BatchSizeSchedule(8, 2, cfg.data_parallel_size)
     assert schedule.num_micro_batches_at(0) == cfg.num_micro_batches

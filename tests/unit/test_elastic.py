@@ -1,4 +1,4 @@
-"""Elastic pieces that need no cluster: the re-layout rule (megalite/elastic/relayout.py),
+"""Elastic pieces that need no cluster: the re-layout rule (megalite/cli/elastic_fit.py),
 where a restart takes its state from (resume.py), the launcher's exit status and
 rendezvous defaults (launch.py), and the goodput model (planner/goodput.py)."""
 import math

@@ -252,9 +252,6 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 # Edges that still run up a layer or close a circle between parts, each in a file another
 # branch rewrites: (importer, imported) -> the fix.  Delete an entry with its edge.
 PENDING: Dict[Tuple[str, str], str] = {
-    ("megalite.cli.arguments", "megalite.elastic.relayout"):
-        "the re-layout rule (elastic/relayout.py fits, fit_world: which world a layout trains "
-        "at) is a config rule and moves into cli/; relayout keeps the spares' runtime part",
 }
 
 
@@ -303,14 +300,6 @@ PER_1000_LINES = 3
 LEAD_PASS: Dict[str, int] = {
     "megalite.cli.validation": 7,
     "megalite.config.domain_checks": 2, "megalite.config.domain_doc": 1,
-    "megalite.distributed.data_parallel": 4, "megalite.distributed.distributed_optimizer": 3,
-    "megalite.distributed.fsdp2": 6, "megalite.elastic.relayout": 2,
-    "megalite.elastic.snapshot": 1, "megalite.elastic.snapshot_restore": 1,
-    "megalite.models.gpt": 2, "megalite.models.parallelize": 3,
-    "megalite.optimizer.optimizer": 7, "megalite.parallel_state": 9,
-    "megalite.checkpointing.checkpoint": 5,
-    "megalite.training.loop": 15, "megalite.checkpointing.train_state": 3,
-    "megalite.transformer.activations": 3,
 }
 
 
