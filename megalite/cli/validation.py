@@ -10,6 +10,8 @@ never changes the config it checks (``with_default_global_batch`` is applied by
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 
 from megalite.cli import features
 from megalite.config import ConfigError, MegaliteConfig
@@ -47,6 +49,7 @@ def check_features(cfg: MegaliteConfig) -> None:
     the run.  A run's ``--transformer-impl auto`` is resolved first: TE's rules hold for it."""
     dry, environment = cfg.training.dry_run, features.flags_environment
     if not dry:
+        # start-up time: backend selection imports torch; the planner reads validation
         from megalite.backends.selection import fp8_environment, resolve_backend_config
 
         cfg, environment = resolve_backend_config(cfg), fp8_environment
@@ -329,6 +332,7 @@ def validate_training(cfg: MegaliteConfig) -> None:
         if o.lr is None:
             raise ConfigError("--lr is required")
     if not t.dry_run:  # what this machine cannot run: refuse, never ignore
+        # start-up time: backend selection imports torch; the planner reads validation
         from megalite.backends.selection import backend_refusal
 
         refusal = backend_refusal(cfg)   # TE missing / no CUDA / no FP8 on this GPU
@@ -347,7 +351,6 @@ def check_megatron_compat(cfg: MegaliteConfig) -> None:
 
 def missing_logging_packages(cfg: MegaliteConfig) -> list:
     """One line per optional package a logging flag needs that is not installed."""
-    import importlib.util
 
     lg, out = cfg.logging, []
     if lg.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
@@ -377,9 +380,9 @@ def check_resume_schedule(cfg: MegaliteConfig) -> None:
                           "--use-checkpoint-opt_param-scheduler")
     if not c.load:
         return
-    import os
-
+    # start-up time: the checkpoint readers import torch; only a run with --load needs them
     from megalite.checkpointing.checkpoint_args import read_checkpoint_meta
+    # start-up time: as above
     from megalite.checkpointing.resume_schedule import check_schedule_matches_checkpoint
 
     found = read_checkpoint_meta(c.load)
@@ -392,6 +395,7 @@ def check_resume_schedule(cfg: MegaliteConfig) -> None:
 def validate(cfg: MegaliteConfig) -> None:
     check_domains(cfg)       # every field against the domain declared beside it
     if cfg.checkpoint.load:  # first: the model the flags describe is the checkpoint's
+        # start-up time: the checkpoint readers import torch; only a run with --load needs them
         from megalite.checkpointing.checkpoint_args import check_model_matches_checkpoint
 
         check_model_matches_checkpoint(cfg)

@@ -14,8 +14,8 @@ import re
 from typing import Callable, Optional
 
 from megalite.checkpointing.hf_files import not_converted_problem
-from megalite.config.microbatches import step_schedule_problem
-from megalite.data.megatron_indices import parse_data_path
+from megalite.config.microbatches import rampup_values_problem, step_schedule_problem
+from megalite.data.megatron_indices import parse_data_path, parse_split_numbers
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
 
 
@@ -82,7 +82,6 @@ data_blend_problem = blend_problem("--data-path")
 @domain_check("90,5,4,1", "0,0,0")
 def split_problem(value, cfg) -> Optional[str]:
     """1-3 non-negative weights with a positive sum (Megatron's parsing)"""
-    from megalite.data.megatron_indices import parse_split_numbers
 
     try:
         parse_split_numbers(value)
@@ -94,7 +93,6 @@ def split_problem(value, cfg) -> Optional[str]:
 @domain_check(["8", "x", "100"], ["0", "8", "100"])
 def rampup_problem(value, cfg) -> Optional[str]:
     """START >= 1, INCREMENT >= 1, SAMPLES >= 0"""
-    from megalite.config.microbatches import rampup_values_problem
 
     return rampup_values_problem(value)
 

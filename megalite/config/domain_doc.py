@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from megalite.config import SECTIONS, MegaliteConfig, all_fields, field_domain, field_flag, \
+    find_field, \
     is_bool_flag
 from megalite.config.domains import base_type, field_problem, invalid_examples
 
@@ -22,7 +23,6 @@ def _bound(value) -> str:
 
 
 def field_flag_of(name: str) -> str:
-    from megalite.config import find_field
 
     return field_flag(find_field(name)[1])
 

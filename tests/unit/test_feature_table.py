@@ -333,7 +333,7 @@ USER_ERROR_PLACES = {
     "megalite/data/tokenizers.py": "tokenizer files (their constructors' errors, one line)",
     "megalite/pipeline_parallel/timeline_records.py": "a timeline file's contents",
     "megalite/viz/timeline.py": "a timeline file's contents",
-    "megalite/elastic/relayout.py": "the launched world: no smaller world fits the layout",
+    "megalite/cli/elastic_fit.py": "the launched world: no smaller world fits the layout",
     "megalite/training/dry_run.py": "what a --dry-run finds: the planner's memory verdict, the "
                                     "collective check's verdict, a tokenizer's vocabulary",
     "megalite/planner/cli.py": "the planner's own command line",
