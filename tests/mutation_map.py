@@ -25,7 +25,8 @@ MAP = {
     "megalite/elastic/relayout.py": _ELASTIC,
     "megalite/cli/elastic_fit.py": _ELASTIC + ("tests/unit/test_derived_config.py",),
     "megalite/diagnostics/hang_diagnosis.py": _HANGS,
-    "megalite/cli/features.py": ("tests/unit/test_feature_table.py",),
+    "megalite/cli/features.py": ("tests/unit/test_feature_table.py",
+                                 "tests/unit/test_structure_oracles.py"),
     "megalite/checkpointing/hf_adapters/llama.py": _HF + (
         "tests/unit/test_fp16_rampup_layernorm1p.py",),     # --apply-layernorm-1p export
     "megalite/checkpointing/hf_adapters/qwen3.py": _HF,
@@ -47,13 +48,19 @@ MAP = {
     "megalite/training/dry_run.py": ("tests/unit/test_derived_config.py",),
     # the structure issue's new homes: the loss policy, the layout, the rule engine's reader,
     # the activation registry
-    "megalite/transformer/loss_reduction.py": ("tests/unit/test_loss_reduction.py",),
+    "megalite/transformer/loss_reduction.py": ("tests/unit/test_loss_reduction.py",
+                                               "tests/unit/test_structure_oracles.py",
+                                               "tests/distributed/test_loss_reduction_dist.py"),
     "megalite/config/parallel_dims.py": ("tests/unit/test_parallel_state.py",
-                                         "tests/unit/test_derived_config.py"),
+                                         "tests/unit/test_derived_config.py",
+                                         "tests/unit/test_structure_oracles.py"),
     "megalite/cli/validation.py": ("tests/unit/test_validation.py",
-                                   "tests/unit/test_feature_table.py"),
+                                   "tests/unit/test_feature_table.py",
+                                   "tests/unit/test_structure_oracles.py"),
     "megalite/transformer/activations.py": ("tests/unit/test_activations.py",
-                                            "tests/unit/test_arguments.py"),
+                                            "tests/unit/test_arguments.py",
+                                            "tests/unit/test_structure_oracles.py",
+                                            "tests/unit/test_pipeline_activation_memory.py"),
 }
 
 # The sample's modules, and in each the functions holding the logic it measures (None:
