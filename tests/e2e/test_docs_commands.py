@@ -138,7 +138,7 @@ SHRINK = [
      r".*--train-iters 100", {},
      ["--train-iters", "3", "--eval-iters", "2"], "100 -> 3 iterations, 2 evaluation batches"),
     (r"^launch/run_local\.sh launch/recipes/twins/llama3-405b\.yaml --train-iters 20", {},
-     ["--train-iters", "2"], "20 -> 2 iterations"),
+     ["--train-iters", "3"], "20 -> 3 iterations (the twin warms up over 2)"),
 ]
 
 

@@ -49,18 +49,18 @@ def test_qwen3_moe_twin_with_run_local_matches_one_process(tmp_path):
     SHORT = ["--global-batch-size", "4"]     # 4 micro-batches through PP2 x VPP2
 
     env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
-    out = _run(["bash", "launch/run_local.sh", QWEN3_TWIN, "--train-iters", "2", *SHORT,
+    out = _run(["bash", "launch/run_local.sh", QWEN3_TWIN, "--train-iters", "3", *SHORT,
                 "--metrics-file", str(tmp_path / "twin.jsonl")], env=env)
     assert "[run_local] 4 process(es)" in out
     one = yaml.safe_load(open(os.path.join(ROOT, QWEN3_TWIN)))
     one.pop("parallel")                     # the same model and run on one process
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
     _run([sys.executable, "pretrain_gpt.py", "--config", str(tmp_path / "one.yaml"),
-          "--train-iters", "2", "--world-size", "1", *SHORT,
+          "--train-iters", "3", "--world-size", "1", *SHORT,
           "--metrics-file", str(tmp_path / "one.jsonl")])
     for key in ("lm_loss", "moe_aux_loss"):
         twin, ref = _losses(tmp_path / "twin.jsonl", key), _losses(tmp_path / "one.jsonl", key)
-        assert len(twin) == len(ref) == 2 and ref[0] > 0
+        assert len(twin) == len(ref) == 3 and ref[0] > 0
         assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (key, twin, ref)
         assert abs(twin[1] - ref[1]) <= 1e-4 * abs(ref[1]), (key, twin, ref)
 
@@ -72,14 +72,14 @@ def test_deepseek_v3_twin_trains_with_its_extra_losses_logged(tmp_path):
     env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
     metrics = tmp_path / "twin.jsonl"
     out = _run(["bash", "launch/run_local.sh", "launch/recipes/twins/deepseek-v3.yaml",
-                "--train-iters", "2", "--metrics-file", str(metrics)], env=env)
+                "--train-iters", "3", "--metrics-file", str(metrics)], env=env)
     assert "[run_local] 4 process(es)" in out and "layers per pipeline rank" not in out
     lines = [ln for ln in out.splitlines() if " iteration " in ln and "lm loss" in ln]
-    assert len(lines) == 2
+    assert len(lines) == 3
     for ln in lines:
         assert "mtp_1 loss: " in ln and "moe aux loss: " in ln and "moe z loss: " in ln
     records = [json.loads(line) for line in open(metrics) if "split" not in line]
-    assert [r["iteration"] for r in records] == [1, 2]
+    assert [r["iteration"] for r in records] == [1, 2, 3]
     for r in records:
         assert r["mtp_1_loss"] > 0 and r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
         # the MTP module's MoE layer (global number 3 of 3 decoder layers) reports too
