@@ -72,14 +72,14 @@ def check_required_model(cfg: MegaliteConfig) -> None:
 
 def check_rank_grids(cfg: MegaliteConfig) -> None:
     """Both grids (dense TP x CP x DP x PP and expert ETP x EP x EDP x PP) tile the world."""
-    p, world = cfg.parallel, cfg.world_size
-    model_parallel = p.tp * p.pp * p.cp
+    p, world, dims = cfg.parallel, cfg.world_size, cfg.parallel_dims
+    model_parallel = dims.dense_model_ranks      # the sizes' products live in ParallelDims
     if world % model_parallel:
         raise ConfigError(
             f"world size {world} is not divisible by --tensor-model-parallel-size ({p.tp}) x "
             f"--pipeline-model-parallel-size ({p.pp}) x --context-parallel-size ({p.cp}) = "
             f"{model_parallel}; change the sizes or launch a multiple of {model_parallel} processes")
-    expert_grid = p.etp * p.ep * p.pp
+    expert_grid = dims.expert_model_ranks
     if world % expert_grid:
         raise ConfigError(
             f"world size {world} is not divisible by --expert-tensor-parallel-size ({p.etp}) x "
