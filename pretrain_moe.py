@@ -7,7 +7,7 @@ go to the console summary and to --metrics-file.
 """
 import sys
 
-from megalite.training import main
+from megalite.training.entry import main
 
 MOE_DEFAULTS = {"num_experts": 8, "moe_router_topk": 2, "moe_aux_loss_coeff": 1e-2,
                 "moe_token_dispatcher_type": "alltoall"}

@@ -78,7 +78,7 @@ def main() -> int:
         _patch_train_step(2, _bug)
     else:
         raise SystemExit(f"unknown hook {hook}")
-    from megalite.training import main as pretrain_main
+    from megalite.training.entry import main as pretrain_main
 
     return pretrain_main(argv)
 

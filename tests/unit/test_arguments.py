@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from megalite.cli.arguments import ConfigError, build_parser, parse_args
-from megalite.training import main as pretrain_main
+from megalite.training.entry import main as pretrain_main
 from megalite.transformer.activations import ACTIVATIONS, activation_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
