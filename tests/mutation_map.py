@@ -57,7 +57,7 @@ MAP = {
     "megalite/cli/validation.py": ("tests/unit/test_validation.py",
                                    "tests/unit/test_feature_table.py",
                                    "tests/unit/test_structure_oracles.py"),
-    "megalite/transformer/activations.py": ("tests/unit/test_activations.py",
+    "megalite/config/activations.py": ("tests/unit/test_activations.py",
                                             "tests/unit/test_arguments.py",
                                             "tests/unit/test_structure_oracles.py",
                                             "tests/unit/test_pipeline_activation_memory.py"),

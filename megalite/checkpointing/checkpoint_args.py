@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 from megalite.checkpointing.manifest import iteration_dir, read_marker, saved_iterations
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, field_flag
-from megalite.transformer.activations import SWITCHES, activation_of
+from megalite.config.activations import SWITCHES, activation_of
 
 # Copied only where the command line left them unset (Megatron's non-forced _set_arg).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",

@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 from megalite.config.domain_checks import moe_layer_freq_problem, softcap_kernel_problem
 from megalite.config.fields import opt
-from megalite.transformer.activations import ACTIVATIONS, activation_of, choice_problem
+from megalite.config.activations import ACTIVATIONS, activation_of, choice_problem
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq  # noqa: F401
 
 
@@ -83,7 +83,7 @@ class ModelConfig:
         "1 + w (LayerNorm and RMSNorm).",
         action="store_true")
     activation: Optional[str] = opt(
-        None, "MLP activation (transformer/activations.py); default gelu. Megatron's "
+        None, "MLP activation (config/activations.py); default gelu. Megatron's "
         "switches (--swiglu, ...) name the same choice.", choices=list(ACTIVATIONS),
         check=choice_problem)
     swiglu: bool = opt(False, "Use SwiGLU in the MLP (gated SiLU): --activation swiglu.",

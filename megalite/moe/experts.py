@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from megalite.param_spec import ParamSpec, Split, make_param
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 
 Counts = Union[List[int], torch.Tensor]
 

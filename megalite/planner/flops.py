@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 
 from megalite.config import ModelConfig
 from megalite.planner import model_spec as ms
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 
 
 def mla_projection_flops(m: ModelConfig, split: Optional[str] = None) -> float:

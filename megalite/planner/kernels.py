@@ -21,7 +21,7 @@ from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import MAMF_BF16_TFLOPS, Cluster
 from megalite.planner.layout import Layout
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 
 # Core attention, TFLOP/s on the FLOPs the kernel does (a causal mask halves the score
 # work and the count), head dim 128, bf16, H100 SXM5: Shah et al. 2024 (FlashAttention-3),

@@ -13,7 +13,7 @@ from megalite.config import MegaliteConfig, ModelConfig
 from megalite.pipeline_parallel.simulator import get_schedule
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 
 
 @dataclass(frozen=True)

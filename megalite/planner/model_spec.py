@@ -17,8 +17,8 @@ from megalite.cli.arguments import build_parser
 from megalite.config import ConfigError, ModelConfig
 from megalite.cli.presets import MODEL_PRESETS, preset_model
 from megalite.pipeline_parallel.split import PipelineSplit, split_layers
-from megalite.transformer.activations import DEFAULT as DEFAULT_ACTIVATION
-from megalite.transformer.activations import activation_for_hf, activation_of, switches
+from megalite.config.activations import DEFAULT as DEFAULT_ACTIVATION
+from megalite.config.activations import activation_for_hf, activation_of, switches
 
 # Model presets live in one place (megalite/cli/presets.py): the planner's --recipe and the
 # launch recipes (launch/recipes/*.yaml, ``recipe: {model: NAME}``) read the same shapes.

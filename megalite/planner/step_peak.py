@@ -42,7 +42,7 @@ from megalite.planner.memory import (ActivationOptions, Precision, activation_by
                                      in_flight, layout_state_bytes,
                                      local_head_bytes, local_layer_parts,
                                      unfused_backward_bytes)
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 from megalite.parallel_state import pick_device_and_backend
 
 COALESCE_ELEMENTS = 40_000_000     # comm.all_reduce_coalesced's flat-buffer bound

@@ -27,7 +27,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 from megalite import comm
 
 SLOW_BF16_RATIO = 0.5       # warn when bf16 runs below half the fp32 rate

@@ -17,7 +17,7 @@ from typing import Callable, Dict
 
 import torch
 
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 from megalite.transformer.recompute import probe_checkpoint_inputs
 
 

@@ -1,6 +1,6 @@
 """The feed-forward block: column-parallel fc1, activation, row-parallel fc2.
 
-The activation is the registry's (``transformer/activations.py``); a gated one (SwiGLU)
+The activation is the registry's (``config/activations.py``); a gated one (SwiGLU)
 makes fc1 one fused [gate; up] matmul whose weight has ``partition_blocks=2``, so each TP
 rank holds [gate_r; up_r] and the activation needs no communication.  The two
 linears are spec slots (``MLPSubmodules``); ``linear_fc1`` may apply the pre-MLP norm.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 from megalite.transformer.spec import build_module
 
 

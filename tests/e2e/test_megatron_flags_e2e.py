@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from megalite.transformer.activations import ACTIVATIONS
+from megalite.config.activations import ACTIVATIONS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""Every MLP activation of the registry (megalite/transformer/activations.py), through the
+"""Every MLP activation of the registry (megalite/config/activations.py), through the
 dense MLP the model builds, against its closed form and against transformers' function for
 its Hugging Face ``hidden_act`` name (a gated entry as HF's gated MLPs: act(gate) * up)."""
 import math
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_chunk, single_rank_state
-from megalite.transformer.activations import ACTIVATIONS, activation_for_hf
+from megalite.config.activations import ACTIVATIONS, activation_for_hf
 
 # The formula of each entry on fc1's output y (a gated entry's y is [gate; up]).
 CLOSED_FORM = {

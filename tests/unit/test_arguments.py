@@ -7,7 +7,7 @@ import pytest
 
 from megalite.cli.arguments import ConfigError, build_parser, parse_args
 from megalite.training.entry import main as pretrain_main
-from megalite.transformer.activations import ACTIVATIONS, activation_of
+from megalite.config.activations import ACTIVATIONS, activation_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

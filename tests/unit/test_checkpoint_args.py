@@ -17,7 +17,7 @@ from megalite.cli.arguments import parse_args
 from megalite.checkpointing.checkpoint_args import (check_model_matches_checkpoint,
                                                     model_flags, read_checkpoint_meta)
 from megalite.config import ConfigError, ModelConfig
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 
 transformers = pytest.importorskip("transformers")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

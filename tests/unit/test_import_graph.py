@@ -224,7 +224,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("foundations", ("megalite.errors", "megalite.diagnostics.flight_recorder",
                      "megalite.testing")),
     ("configuration and torch-free registries", (
-        "megalite.config", "megalite.transformer.activations",
+        "megalite.config", "megalite.config.activations",
         "megalite.pipeline_parallel.simulator", "megalite.data.megatron_indices",
         "megalite.checkpointing.dcp_format", "megalite.checkpointing.hf_files",
         "megalite.checkpointing.manifest")),

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_chunk, single_rank_state
 from megalite.transformer.activation_memory import korthikanti_bytes, layer_terms, measure_saved
-from megalite.transformer.activations import ACTIVATIONS, DEFAULT
+from megalite.config.activations import ACTIVATIONS, DEFAULT
 
 S, B, H, A = 32, 2, 64, 4
 ARCHS = {

@@ -8,7 +8,7 @@ import torch
 from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.config.parallel_dims import ParallelDims
-from megalite.transformer import activations
+from megalite.config import activations
 from megalite.transformer.loss_reduction import micro_batch_loss
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -39,7 +39,7 @@ import torch
 from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelError
 from megalite.checkpointing.hf_adapters.llama import take
 from megalite.checkpointing.hf_adapters.rope import rope_fields_from_hf, rope_parameters_to_hf
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 from megalite.config import ModelConfig
 
 EXPERT_BIAS = "mlp.router.expert_bias"       # full state-dict key suffix of the router buffer

@@ -34,7 +34,7 @@ import torch
 from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelError
 from megalite.checkpointing.hf_adapters.rope import (rope_export_problems, rope_fields_from_hf,
                                                      rope_parameters_to_hf)
-from megalite.transformer.activations import activation_of
+from megalite.config.activations import activation_of
 from megalite.config import ModelConfig
 
 
