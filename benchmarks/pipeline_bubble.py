@@ -2,7 +2,7 @@
 
 Runs a few training iterations of a small GPT on PP=2 for each schedule, takes the
 fastest iteration's executor events (wall clock) and replays the same program in
-``simulator.simulate`` with (a) every op's measured duration -- this checks that the
+``pipeline_schedules.simulate`` with (a) every op's measured duration -- this checks that the
 simulator's order and blocking-p2p semantics are what ran -- and (b) one mean cost per
 (rank, chunk, op kind), the way a planner would use it.  p2p latency is the fastest
 batch seen.  Prints predicted vs measured iteration time and bubble side by side.
@@ -29,7 +29,7 @@ def _run(schedule: str, args: dict):
     from megalite.models.stages import build_model_chunks
 
     torch.set_num_threads(1)
-    from megalite.pipeline_parallel.simulator import get_schedule
+    from megalite.config.pipeline_schedules import get_schedule
 
     vpp = 2 if get_schedule(schedule).virtual_stages else None
     cfg = MegaliteConfig(
@@ -70,9 +70,9 @@ def _run(schedule: str, args: dict):
 def compare(schedule: str, per_rank_events, m: int) -> dict:
     """Simulate the schedule's program with (a) each op's measured duration and (b) the
     mean duration per (rank, chunk, kind); p2p latency = the fastest batch observed."""
-    from megalite.pipeline_parallel import simulator
+    from megalite.config import pipeline_schedules
 
-    v = 2 if simulator.get_schedule(schedule).virtual_stages else 1
+    v = 2 if pipeline_schedules.get_schedule(schedule).virtual_stages else 1
     cost, actual = defaultdict(list), {}
     t_start = min(e[3] for ev in per_rank_events for e in ev)
     t_end = max(e[4] for ev in per_rank_events for e in ev)
@@ -88,10 +88,10 @@ def compare(schedule: str, per_rank_events, m: int) -> dict:
     mean = {k: sum(x) / len(x) for k, x in cost.items()}
     latency = min(comm) if comm else 0.0
     measured = t_end - t_start
-    program = simulator.plan(schedule, 2, m, v)
-    exact = simulator.simulate(program, lambda r, op: actual[(r, op.chunk, op.kind, op.mb)],
+    program = pipeline_schedules.plan(schedule, 2, m, v)
+    exact = pipeline_schedules.simulate(program, lambda r, op: actual[(r, op.chunk, op.kind, op.mb)],
                                comm_cost=latency)
-    planned = simulator.simulate(program, lambda r, op: mean[(r, op.chunk, op.kind)],
+    planned = pipeline_schedules.simulate(program, lambda r, op: mean[(r, op.chunk, op.kind)],
                                  comm_cost=latency)
     return dict(schedule=schedule, measured=measured, exact=exact.makespan,
                 planned=planned.makespan, ratio=exact.makespan / measured,

@@ -33,7 +33,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 from megalite.cli import compat_flags
 from megalite.cli.feature_coverage import (COVERAGE, PAIRS_TEST,  # noqa: F401 -- read here
                                            covering_tests)
-from megalite.pipeline_parallel.simulator import AUTO, SCHEDULES, resolve_schedule
+from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
 
 LAYOUT, STRATEGY, IMPLEMENTATION = "layout", "strategy", "implementation"
 

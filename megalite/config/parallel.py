@@ -7,7 +7,7 @@ from typing import Optional
 from megalite.config.fields import opt
 from megalite.config.megatron_fsdp import SHARDING_STRATEGIES
 from megalite.config.parallel_dims import ParallelDims
-from megalite.pipeline_parallel.simulator import AUTO, SCHEDULE_NAMES
+from megalite.config.pipeline_schedules import AUTO, SCHEDULE_NAMES
 
 
 @dataclass

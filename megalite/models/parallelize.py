@@ -39,7 +39,7 @@ from megalite.backends import compile as layer_compile   # a module: tests patch
 from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
                                multi_latent_attention_spec)
 from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
-from megalite.pipeline_parallel.simulator import resolve_schedule
+from megalite.config.pipeline_schedules import resolve_schedule
 from megalite.tensor_parallel.random import attach_rng_tracker, model_parallel_tracker
 from megalite.transformer.recompute import configure_layer_recompute, configure_recompute
 from megalite.transformer.spec import LayerSpec

@@ -5,7 +5,7 @@ state of one micro-batch, ``[s / cp / (tp if SP), b, h]`` -- with sequence paral
 only this rank's sequence shard travels (its TP peers send theirs on their own pp group).
 Each call is one blocking ``comm.batch_send_recv``: sends and receives posted together so
 two neighbours that both send and receive never deadlock.  Which messages go in which
-call is decided by ``simulator.plan``.
+call is decided by ``pipeline_schedules.plan``.
 """
 from __future__ import annotations
 

@@ -15,11 +15,11 @@ their p2p exchanges (the loop hands the events to ``timeline.record_iteration``)
 What a schedule needs of a model chunk: ``set_input_tensor(x)`` on non-first chunks,
 ``pre_process`` and, for zero bubble on the first chunk, ``register_stage_input_hook``.
 
-Pipelined schedules do not hand-code their order: ``simulator.plan`` builds the per-rank
+Pipelined schedules do not hand-code their order: ``pipeline_schedules.plan`` builds the per-rank
 program (F / BW / B / W ops and blocking p2p batches) and ``PipelineExecutor`` walks it,
 so the simulator's bubble and deadlock analysis is about exactly what runs.
 
-The schedules are ``simulator.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1); a
+The schedules are ``pipeline_schedules.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1); a
 registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it, splitting
 backward into B (input grads) and W (weight grads, ``weight_grad.py``) when the entry says
 ``split_backward``.
@@ -33,7 +33,8 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from megalite.diagnostics.flight_recorder import site
-from megalite.pipeline_parallel import fsdp_sync, simulator
+from megalite.config import pipeline_schedules
+from megalite.pipeline_parallel import fsdp_sync
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape
 from megalite.pipeline_parallel.weight_grad import backward_input
 
@@ -46,12 +47,12 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, c
     reports = []
     for i, batch in enumerate(batches):
         t0 = time.time()
-        site.step = forward = simulator.Op("F", i)      # the flight recorder's call site
+        site.step = forward = pipeline_schedules.Op("F", i)      # the flight recorder's call site
         output, loss_func = forward_step(batch, model)
         loss, report = loss_func(output)
         t1 = time.time()
         if not forward_only:
-            site.step = backward = simulator.Op("BW", i)
+            site.step = backward = pipeline_schedules.Op("BW", i)
             loss.backward()
         if events is not None:
             events += [(forward, t0, t1)] + (
@@ -117,7 +118,7 @@ class PipelineExecutor:
     # -- compute ---------------------------------------------------------------------------
     def _F(self, op):
         model = self.chunks[op.chunk]
-        need = simulator.needs(op, self.rank, self.p, self.v)
+        need = pipeline_schedules.needs(op, self.rank, self.p, self.v)
         x = None
         if need:
             x = self.received.pop(need[0])
@@ -139,7 +140,7 @@ class PipelineExecutor:
             output, report = loss_func(output)
             self.reports.append(report)
         else:
-            self.to_send[simulator.produces(op, self.rank, self.p, self.v)[0]] = output
+            self.to_send[pipeline_schedules.produces(op, self.rank, self.p, self.v)[0]] = output
             if not self.forward_only:
                 # Keep only the graph edge: the activation itself is freed once sent.
                 output = get_gradient_edge(output)
@@ -148,7 +149,7 @@ class PipelineExecutor:
 
     def _BW(self, op):
         x, out = self.stash.pop((op.mb, op.chunk))
-        need = simulator.needs(op, self.rank, self.p, self.v)
+        need = pipeline_schedules.needs(op, self.rank, self.p, self.v)
         grad = self.received.pop(need[0]) if need else None
         if op.kind == "BW":
             torch.autograd.backward([out], None if grad is None else [grad])
@@ -158,7 +159,7 @@ class PipelineExecutor:
             grads, pending = backward_input([out], [grad], [x], params)
             self.pending_w[(op.mb, op.chunk)] = pending
             gx = grads[0] if x is not None and x.is_leaf else None
-        out_msg = simulator.produces(op, self.rank, self.p, self.v)
+        out_msg = pipeline_schedules.produces(op, self.rank, self.p, self.v)
         if out_msg:
             self.to_send[out_msg[0]] = gx
 
@@ -177,8 +178,8 @@ NO_PIPELINING = "no-pipelining"     # PP = 1: the name the timeline records
 
 
 def pipeline_schedule_name(cfg, state) -> str:
-    """The registered schedule this rank runs (``simulator.resolve_schedule``)."""
-    return simulator.resolve_schedule(cfg.parallel.pipeline_schedule, state.vpp_size).name
+    """The registered schedule this rank runs (``pipeline_schedules.resolve_schedule``)."""
+    return pipeline_schedules.resolve_schedule(cfg.parallel.pipeline_schedule, state.vpp_size).name
 
 
 def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
@@ -187,10 +188,10 @@ def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
     peak in-flight micro-batches) -- tests and benchmarks read it."""
     if len(model_chunks) != max(state.vpp_size, 1):
         raise ValueError(f"{len(model_chunks)} model chunks for VPP={state.vpp_size}")
-    program = simulator.plan(schedule, state.pp.size, len(batches), len(model_chunks),
+    program = pipeline_schedules.plan(schedule, state.pp.size, len(batches), len(model_chunks),
                              forward_only)[state.pp.rank]
     ex = PipelineExecutor(forward_step, batches, model_chunks, state, cfg, forward_only,
-                          split_backward=simulator.get_schedule(schedule).split_backward)
+                          split_backward=pipeline_schedules.get_schedule(schedule).split_backward)
     return ex.run(program)
 
 
@@ -198,7 +199,7 @@ class PipelinedSchedule:
     """The schedule contract (module docstring) for one registered pipeline schedule."""
 
     def __init__(self, name: str):
-        self.name = simulator.get_schedule(name).name
+        self.name = pipeline_schedules.get_schedule(name).name
 
     def __call__(self, forward_step, batches, model_chunks, state, cfg,
                  forward_only: bool = False, events=None):

@@ -17,7 +17,7 @@ from megalite.planner import model_spec as ms
 from megalite.planner import report
 from megalite.planner.estimate import ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
-from megalite.pipeline_parallel.simulator import SCHEDULE_NAMES
+from megalite.config.pipeline_schedules import SCHEDULE_NAMES
 from megalite.planner.kernels import ATTENTION_KERNELS, FP8_RECIPES, fp8_unavailable
 from megalite.planner.search import RECOMPUTE_ORDER, SEARCHED_SCHEDULES, SearchSpace, search
 from megalite.planner.goodput import main as goodput

@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Dict, Optional
 
 from megalite.config import ModelConfig
-from megalite.pipeline_parallel.simulator import get_schedule
+from megalite.config.pipeline_schedules import get_schedule
 from megalite.planner import calibration
 from megalite.planner import comm_model as cm
 from megalite.planner import flops as fl

@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from megalite.config import MegaliteConfig, ModelConfig, ParallelDims
 from megalite.planner import model_spec as ms
-from megalite.pipeline_parallel.simulator import AUTO, SCHEDULE_NAMES, resolve_schedule
+from megalite.config.pipeline_schedules import AUTO, SCHEDULE_NAMES, resolve_schedule
 
 ZERO_NAMES = {0: "DDP", 1: "ZeRO-1 (distributed optimizer)", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
 
@@ -30,7 +30,7 @@ class Layout:
     recompute: str = "none"          # none | selective | full
     zero: int = 0                    # 0 DDP, 1 distributed optimizer, 2 +grads, 3 +weights
     sp: bool = False
-    schedule: str = SCHEDULE_NAMES[0]    # a name of pipeline_parallel.simulator.SCHEDULES
+    schedule: str = SCHEDULE_NAMES[0]    # a name of config.pipeline_schedules.SCHEDULES
     first_layers: Optional[int] = None
     last_layers: Optional[int] = None
     # Megatron's --account-for-embedding/loss-in-pipeline-split: the embedding / the loss

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from megalite.config import MegaliteConfig, ModelConfig
-from megalite.pipeline_parallel.simulator import get_schedule
+from megalite.config.pipeline_schedules import get_schedule
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
 from megalite.config.activations import activation_of

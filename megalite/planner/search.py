@@ -18,7 +18,7 @@ from megalite.config import ConfigError, ModelConfig, ParallelDims
 from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
-from megalite.pipeline_parallel.simulator import AUTO, SCHEDULES, resolve_schedule
+from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
 from megalite.cli import features
 from megalite.cli.validation import validate_layout
 

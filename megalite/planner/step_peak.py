@@ -37,7 +37,7 @@ from typing import Dict, Optional
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout, layout_from_config
-from megalite.pipeline_parallel.simulator import get_schedule
+from megalite.config.pipeline_schedules import get_schedule
 from megalite.planner.memory import (ActivationOptions, Precision, activation_bytes,
                                      in_flight, layout_state_bytes,
                                      local_head_bytes, local_layer_parts,

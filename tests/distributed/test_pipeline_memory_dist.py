@@ -14,7 +14,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from megalite.models.gpt import build_chunk, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.pipeline_parallel import simulator
+from megalite.config import pipeline_schedules
 from megalite.pipeline_parallel.schedules import PipelineExecutor
 from megalite.models.stages import build_model_chunks
 from megalite.transformer.activation_memory import layer_terms, measure_saved
@@ -48,7 +48,7 @@ def _in_flight(schedule, case):
         return t.detach()   # returning t itself would tie saved outputs in a ref cycle
 
     per_mb, peak_bytes, peak_count = None, 0, 0
-    program = simulator.plan(schedule, state.pp.size, m, len(chunks))[state.pp.rank]
+    program = pipeline_schedules.plan(schedule, state.pp.size, m, len(chunks))[state.pp.rank]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for op in program:
             getattr(ex, "_" + op.kind)(op)

@@ -115,7 +115,7 @@ def test_rules_name_known_features_and_say_which_flag():
 def test_rules_keyed_on_split_backward_cover_every_schedule_that_splits_it():
     """A schedule with ``split_backward`` inherits zero bubble's rules (TE, recomputed MoE)
     because the rules name the property, not the schedule."""
-    from megalite.pipeline_parallel.simulator import SCHEDULES
+    from megalite.config.pipeline_schedules import SCHEDULES
 
     splits = {f"pp-{n}" for n, s in SCHEDULES.items() if s.split_backward}
     assert splits and set(F.SPLIT_BACKWARD) == splits

@@ -225,7 +225,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
                      "megalite.testing")),
     ("configuration and torch-free registries", (
         "megalite.config", "megalite.config.activations",
-        "megalite.pipeline_parallel.simulator", "megalite.data.megatron_indices",
+        "megalite.config.pipeline_schedules", "megalite.data.megatron_indices",
         "megalite.checkpointing.dcp_format", "megalite.checkpointing.hf_files",
         "megalite.checkpointing.manifest")),
     ("groups and collectives", ("megalite.parallel_state", "megalite.comm",

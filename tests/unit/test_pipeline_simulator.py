@@ -3,7 +3,7 @@ from fractions import Fraction
 
 import pytest
 
-from megalite.pipeline_parallel import simulator as S
+from megalite.config import pipeline_schedules as S
 
 
 def _bubble(schedule, p, m, v=1, costs=S.UNIT_COSTS):

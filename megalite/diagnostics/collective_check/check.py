@@ -8,7 +8,7 @@ Ranks are grouped in classes whose programs are the same up to where their peers
 * with representatives (``mode="representatives"``) a class is a pipeline rank: its lowest
   and highest rank are traced, must agree, and stand for every rank of the class; a rank
   the test hook touches is a class of its own.  Why a pipeline rank: a rank's program is
-  ``simulator.plan(...)[pp rank]`` walked over the layers ``layers_of_stage(pp rank, v)``,
+  ``pipeline_schedules.plan(...)[pp rank]`` walked over the layers ``layers_of_stage(pp rank, v)``,
   with the embedding / loss / tied-embedding ops of the first and last stage; its other
   coordinates (TP, CP, DP, EP, expert-TP, expert-DP) choose which shard it holds and which
   peers it talks to, never how many ops or their shapes (validation refuses uneven splits;
