@@ -38,10 +38,10 @@ import torch.distributed as dist
 
 from megalite import comm
 from megalite.checkpointing import manifest as mf
-from megalite.checkpointing.dcp_format import (CheckpointIOError, ChunkedTensor, load_chunked,
+from megalite.state_format.dcp_format import (CheckpointIOError, ChunkedTensor, load_chunked,
                                                save_chunked, saved_tensors)
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
-from megalite.checkpointing.sharded_state import layout_chunks
+from megalite.state_format.sharded_state import layout_chunks
 from megalite.config import CheckpointConfig, ModelConfig
 from megalite.errors import CheckpointError, StorageError
 from megalite.checkpointing import checkpoint_io_policy as policy

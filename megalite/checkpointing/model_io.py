@@ -32,11 +32,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from megalite import comm
 from megalite.checkpointing.sharding import unshard_tensors
 from megalite.param_spec import ParamSpec, group_coords, param_table
-from megalite.checkpointing.dcp_format import ChunkedTensor, load_chunked
-from megalite.checkpointing.sharded_state import model_sharded_state_dict
+from megalite.state_format.dcp_format import ChunkedTensor, load_chunked
+from megalite.state_format.sharded_state import model_sharded_state_dict
 from megalite.moe.moe_layer import expert_bias_key, moe_layers
 from megalite.moe.moe_layer import expert_bias_entries
-from megalite.checkpointing.dcp_format import load_full, saved_tensors
+from megalite.state_format.dcp_format import load_full, saved_tensors
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT = "megalite-model-shards-v1"

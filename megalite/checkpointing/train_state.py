@@ -35,9 +35,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from megalite import comm
-from megalite.checkpointing.dcp_format import ChunkedTensor
+from megalite.state_format.dcp_format import ChunkedTensor
 from megalite.checkpointing.model_io import DCP_FORMAT as FORMAT
-from megalite.checkpointing.sharded_state import ModelState
+from megalite.state_format.sharded_state import ModelState
 from megalite.distributed.replicas import check_replicas
 from megalite.errors import CheckpointError
 from megalite.moe.moe_layer import ExpertBiasState

@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from megalite import comm
-from megalite.checkpointing.sharded_state import param_index
+from megalite.state_format.sharded_state import param_index
 from megalite.distributed.distributed_optimizer import DistributedOptimizer
 from megalite.distributed.grad_buckets import (Bucket, OverlapScheduler, bucket_size,
                                                split_into_buckets)

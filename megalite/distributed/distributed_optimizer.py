@@ -26,8 +26,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from megalite.checkpointing.dcp_format import ChunkedTensor
-from megalite.checkpointing.sharded_state import buffer_writer, flat_chunks
+from megalite.state_format.dcp_format import ChunkedTensor
+from megalite.state_format.sharded_state import buffer_writer, flat_chunks
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, make_inner_optimizer,
                                           param_groups, uses_decoupled_lr,

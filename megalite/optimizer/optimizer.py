@@ -23,8 +23,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch.distributed.tensor import DTensor
 
-from megalite.checkpointing.dcp_format import ChunkedTensor
-from megalite.checkpointing.sharded_state import fsdp_piece, param_writer, spec_chunks
+from megalite.state_format.dcp_format import ChunkedTensor
+from megalite.state_format.sharded_state import fsdp_piece, param_writer, spec_chunks
 from megalite.optimizer.lr_schedule import StepSettings
 from megalite.param_spec import group_coords
 

@@ -18,7 +18,7 @@ import torch
 
 from megalite.errors import CheckpointError
 from megalite.optimizer.optimizer import STATE_KEYS
-from megalite.checkpointing.sharded_state import fill_from
+from megalite.state_format.sharded_state import fill_from
 
 
 class OptimizerState:

@@ -16,7 +16,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megalite.checkpointing.dcp_format import ChunkedTensor
+from megalite.state_format.dcp_format import ChunkedTensor
 
 MATCHED = ("tp", "pp", "cp", "vpp", "cuda")       # coordinates that must be equal
 

@@ -24,7 +24,7 @@ from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite import comm
 from megalite.cli.arguments import parse_args
 from megalite.checkpointing.model_io import load_model_shards, save_model_shards
-from megalite.checkpointing.sharded_state import ShardedTensor, assemble, \
+from megalite.state_format.sharded_state import ShardedTensor, assemble, \
     model_sharded_state_dict
 from megalite.config import ConfigError
 from megalite.distributed.replicas import check_replicas

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as torch_dist
 
 from megalite.checkpointing.model_io import local_shards
-from megalite.checkpointing.sharded_state import assemble, model_sharded_state_dict
+from megalite.state_format.sharded_state import assemble, model_sharded_state_dict
 from megalite.checkpointing.sharding import unshard_tensors
 from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig, TrainingConfig
 from megalite.distributed.grad_sync import counts_toward_norm
@@ -150,7 +150,7 @@ def _meta_build_rank():
 
 
 def test_fully_shard_keeps_specs_init_sp_sync_norm_and_metadata(dist):
-    from megalite.checkpointing.sharded_state import ShardedTensor
+    from megalite.state_format.sharded_state import ShardedTensor
 
     results = dist.run(WORLD, _fsdp_rank)
     built = dist.run(WORLD, _meta_build_rank)

@@ -7,7 +7,7 @@ proves the writers: every element is written by exactly one rank."""
 import torch
 
 from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
-from megalite.checkpointing.sharded_state import (assemble, model_sharded_state_dict,
+from megalite.state_format.sharded_state import (assemble, model_sharded_state_dict,
                                                   optimizer_sharded_state_dict)
 
 MODEL = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "4",

@@ -226,11 +226,11 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("configuration and torch-free registries", (
         "megalite.config", "megalite.config.activations",
         "megalite.config.pipeline_schedules", "megalite.data.megatron_indices",
-        "megalite.checkpointing.dcp_format", "megalite.checkpointing.hf_files",
+        "megalite.state_format.dcp_format", "megalite.checkpointing.hf_files",
         "megalite.checkpointing.manifest")),
     ("groups and collectives", ("megalite.parallel_state", "megalite.comm",
                                 "megalite.param_spec", "megalite.diagnostics")),
-    ("data, state format", ("megalite.data", "megalite.checkpointing.sharded_state")),
+    ("data, state format", ("megalite.data", "megalite.state_format.sharded_state")),
     ("tensor parallel", ("megalite.tensor_parallel",)),
     ("layers", ("megalite.transformer", "megalite.context_parallel", "megalite.moe",
                 "megalite.backends")),

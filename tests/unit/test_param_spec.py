@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from megalite.checkpointing.sharded_state import ShardedTensor, assemble, flat_range_boxes
+from megalite.state_format.sharded_state import ShardedTensor, assemble, flat_range_boxes
 from megalite.param_spec import (ParamSpec, ParamTable, Split, is_first_replica, make_param,
                                  writes_chunk)
 from megalite.parallel_state import GROUP_TOKENS, RankGrid

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
 from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
-from megalite.checkpointing.dcp_format import ChunkedTensor, saved_tensors
+from megalite.state_format.dcp_format import ChunkedTensor, saved_tensors
 from megalite.checkpointing import checkpoint as ckpt
 from megalite.checkpointing import train_state as ts
 

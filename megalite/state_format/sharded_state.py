@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megalite.checkpointing.dcp_format import ChunkedTensor
+from megalite.state_format.dcp_format import ChunkedTensor
 from megalite.param_spec import ParamSpec, group_coords, param_table, writes_chunk
 from megalite.parallel_state import HYBRID_GROUPS
 
