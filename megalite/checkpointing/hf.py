@@ -15,7 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from megalite.checkpointing import hf_files
+from megalite.config import checkpoint_folders
 from megalite.checkpointing.hf_adapters import (HFAdapter, UnsupportedModelError,  # noqa: F401
                                                 adapter_for_hf, adapter_for_model)
 from megalite.errors import CheckpointError
@@ -48,7 +48,7 @@ def load_hf_checkpoint(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """config.json + model.safetensors (or a sharded safetensors index)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"Hugging Face directory '{directory}' does not exist")
-    cfg_path = os.path.join(directory, hf_files.CONFIG)
+    cfg_path = os.path.join(directory, checkpoint_folders.CONFIG)
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"'{directory}' has no config.json")
     try:
@@ -57,8 +57,8 @@ def load_hf_checkpoint(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
     except ValueError as exc:
         raise CheckpointError(f"'{cfg_path}' is not valid JSON ({exc}); download it again") \
             from None
-    single = os.path.join(directory, hf_files.WEIGHTS)
-    index = os.path.join(directory, hf_files.WEIGHTS_INDEX)
+    single = os.path.join(directory, checkpoint_folders.WEIGHTS)
+    index = os.path.join(directory, checkpoint_folders.WEIGHTS_INDEX)
     if os.path.isfile(single):
         files = [single]
     elif os.path.isfile(index):

@@ -11,16 +11,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from typing import Dict, List, Optional, Tuple
 
-MARKER = "latest_checkpointed_iteration.txt"
+from megalite.config.checkpoint_folders import ITERATION, MARKER, iteration_name
+
 MANIFEST = "manifest.json"
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
+    return os.path.join(root, iteration_name(iteration))
 
 
 def file_digest(path: str) -> Tuple[int, str]:
@@ -118,7 +117,7 @@ def saved_iterations(root: str) -> List[int]:
     """Every ``iter_NNNNNNN`` under ``root``, newest first."""
     if not os.path.isdir(root):
         return []
-    its = [int(m.group(1)) for m in map(_ITER_RE.match, os.listdir(root)) if m]
+    its = [int(m.group(1)) for m in map(ITERATION.match, os.listdir(root)) if m]
     return sorted(its, reverse=True)
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from typing import Callable, Optional
 
-from megalite.checkpointing.hf_files import not_converted_problem
+from megalite.config.checkpoint_folders import ITERATION, not_converted_problem
 from megalite.config.microbatches import rampup_values_problem, step_schedule_problem
-from megalite.data.megatron_indices import parse_data_path, parse_split_numbers
+from megalite.config.data_flags import parse_data_path, parse_split_numbers
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
 
 
@@ -146,7 +145,7 @@ def load_dir_problem(value, cfg) -> Optional[str]:
     if hf:
         return hf
     name = os.path.basename(os.path.normpath(value))
-    match = re.fullmatch(r"iter_(\d{7,})", name)
+    match = ITERATION.fullmatch(name)
     if match:
         parent = os.path.dirname(os.path.normpath(value)) or "."
         return f"--load: '{value}' is one checkpoint of a run; pass its parent folder: " \

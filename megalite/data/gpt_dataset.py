@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from megalite.data.indexed_dataset import IndexedDataset, bin_path
+from megalite.config.data_flags import normalize, parse_data_path, parse_split_numbers
 from megalite.data.megatron_indices import (MID_LEVEL_DATASET_SURPLUS, blend_sizes,
-                                            blending_indices, build_indices, normalize,
-                                            parse_data_path, parse_split_numbers, split_ranges)
+                                            blending_indices, build_indices, split_ranges)
 from megalite.data.samples import make_sample
 from megalite.data.random_windows import RandomWindowDataset
 from megalite.errors import ConfigError

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megalite.checkpointing.hf_files import not_converted_problem
+from megalite.config.checkpoint_folders import not_converted_problem
 from megalite.checkpointing.model_io import LATEST, load_model_shards, read_metadata
 from megalite.cli.arguments import OneLineErrorParser
 from megalite.cli.boundary import run_cli

@@ -44,7 +44,7 @@ from megalite.models.gpt_step import GPT_FAMILY
 from megalite.models.parallelize import attach_data_parallel
 from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.data.position import DataPosition
-from megalite.data.megatron_indices import blend_weight_note
+from megalite.config.data_flags import blend_weight_note
 from megalite.optimizer.lr_schedule import SchedulePosition
 from megalite.parallel_state import ParallelState, initialize, pick_device_and_backend
 from megalite.pipeline_parallel import get_forward_backward_func

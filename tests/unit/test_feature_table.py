@@ -328,7 +328,7 @@ USER_ERROR_PLACES = {
     "megalite/generate/__init__.py": "the checkpoint a generation loads",
     "megalite/data/gpt_dataset.py": "data files and the --data-path/--split they are read with",
     "megalite/data/indexed_dataset.py": "data file contents (token ids, .bin/.idx)",
-    "megalite/data/megatron_indices.py": "--split, parsed where the data splits are built",
+    "megalite/config/data_flags.py": "--data-path and --split, parsed for their domain checks and the dataset builder",
     "megalite/data/random_windows.py": "a data split too short for its windows",
     "megalite/data/tokenizers.py": "tokenizer files (their constructors' errors, one line)",
     "megalite/pipeline_parallel/timeline_records.py": "a timeline file's contents",

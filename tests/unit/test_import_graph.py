@@ -226,7 +226,7 @@ LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("configuration and torch-free registries", (
         "megalite.config", "megalite.config.activations",
         "megalite.config.pipeline_schedules", "megalite.data.megatron_indices",
-        "megalite.state_format.dcp_format", "megalite.checkpointing.hf_files",
+        "megalite.state_format.dcp_format", "megalite.config.checkpoint_folders",
         "megalite.checkpointing.manifest")),
     ("groups and collectives", ("megalite.parallel_state", "megalite.comm",
                                 "megalite.param_spec", "megalite.diagnostics")),

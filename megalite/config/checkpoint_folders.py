@@ -1,13 +1,22 @@
-"""What a Hugging Face checkpoint folder holds, without torch: its file names, and the one
-line that tells a user who passes one to ``--load`` to convert it first (the training
-format is DCP; ``tools/checkpoint/convert.py`` writes it)."""
+"""What a folder given to ``--load`` holds, without torch: the names of a megalite run's
+folder (the latest marker, ``iter_NNNNNNN`` iterations; ``checkpointing/manifest.py`` writes
+and checks them) and of a Hugging Face one (config.json + safetensors), with the one line
+that tells a user who passes a Hugging Face folder to ``--load`` to convert it first (the
+training format is DCP; ``tools/checkpoint/convert.py`` writes it).  The ``--load`` domain
+check reads it before any process group."""
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from typing import List, Optional
 
-from megalite.checkpointing.manifest import MARKER
+MARKER = "latest_checkpointed_iteration.txt"     # the latest complete iteration, written last
+ITERATION = re.compile(r"^iter_(\d{7,})$")      # one iteration's folder
+
+
+def iteration_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
