@@ -41,7 +41,7 @@ def per_op_seconds(n: int = 20000) -> float:
     """begin + end of one all-reduce entry and one module_site, as comm.py and a layer do."""
     import torch
 
-    from megalite.diagnostics import flight_recorder as fr
+    from megalite.comm import flight_recorder as fr
     from megalite.parallel_state import Group
 
     rec = fr.FlightRecorder()

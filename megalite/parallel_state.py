@@ -318,7 +318,7 @@ _LOCAL: Dict[int, object] = {}
 def dedicated_group(state: "ParallelState", name: str) -> Group:
     """This rank's ``name`` group on communicators of its own, shared with no other group
     of the same ranks (``_new_group`` shares one per rank set): FSDP2's meshes run on these,
-    so comm.py can tell their traffic apart by communicator.  A one-rank group gets a local
+    so megalite.comm can tell their traffic apart by communicator.  A one-rank group gets a local
     communicator (created by its rank alone).  Collective over the world on first use per
     (name, layout): every rank must ask for the same names in the same order."""
     import torch.distributed as dist  # start-up time: torch-free module (docstring)

@@ -442,7 +442,7 @@ RULES: Tuple[Rule, ...] = (
     Relation("--check-collectives excludes --use-torch-fsdp2", lambda c: (
         c.training.check_collectives and c.parallel.use_torch_fsdp2),
         "--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues its collectives "
-        "inside torch, not through megalite's comm.py"),
+        "inside torch, not through megalite's comm layer"),
     # the model
     Relation("multi-latent attention needs rope", lambda c: (
         c.model.multi_latent_attention and c.model.position_embedding_type != "rope"),

@@ -1,2 +1,2 @@
-"""Why a run hangs: the flight recorder comm.py writes, hang dumps, the diagnosis that
+"""Why a run hangs: the flight recorder megalite.comm writes, hang dumps, the diagnosis that
 names the rank the others wait on, and the pre-launch collective check."""

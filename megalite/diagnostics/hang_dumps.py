@@ -1,7 +1,7 @@
 """When a rank writes its flight recorder, where, and which rank prints the diagnosis.
 
 A rank writes ``rank00003.json`` into the run's dump folder
-* when a collective or p2p op fails or times out (``comm.CommError``, written by comm.py);
+* when a collective or p2p op fails or times out (``comm.CommError``, written by megalite.comm);
 * when the rank fails with any other error, before it ends every rank (its peers' diagnosis
   then reads why it left);
 * on SIGUSR2 (``kill -USR2 <pid>``), even while its main thread sits in a collective: the
@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megalite.diagnostics import flight_recorder as fr
+from megalite.comm import flight_recorder as fr
 from megalite import comm
 from megalite.comm import CommError
 from megalite.diagnostics.hang_diagnosis import diagnose_folder, wait_for_dumps

@@ -33,7 +33,7 @@ torchtitan's ``apply_fsdp_to_decoder`` does:
   ``set_force_sum_reduction_for_comms`` (gloo has no PREMUL_SUM, which a divide factor
   alone would pick).
 
-FSDP2 calls ``torch.distributed`` itself, not ``comm.py``; ``comm.count_external_group``
+FSDP2 calls ``torch.distributed`` itself, not ``megalite.comm``; ``comm.count_external_group``
 registers its groups under our names so the counters see its collectives.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ class FSDPMeshes:
 
 def _mesh(state, grid: str, device: str):
     """The grid's FSDP mesh on dedicated communicators (``parallel_state.dedicated_group``),
-    registered with comm.py under the groups' names."""
+    registered with megalite.comm under the groups' names."""
     shard, replicate = shard_group_names(grid, state.grid.dp_instances)
     key = ("fsdp", grid, device, tuple(state[shard].ranks),
            tuple(state[replicate].ranks) if replicate else ())

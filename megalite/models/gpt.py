@@ -29,7 +29,7 @@ from torch import nn
 from megalite.backends import get_layer_spec
 from megalite.backends.te_names import canonical_renames
 from megalite.config import MegaliteConfig
-from megalite.diagnostics.flight_recorder import module_site
+from megalite.comm.flight_recorder import module_site
 from megalite.models.parallelize import parallelize_chunk, spec_choices
 from megalite.param_spec import (TIED_COPY, TIED_OWNER, ParamSpec, ParamTable, group_coords,
                                  make_param)

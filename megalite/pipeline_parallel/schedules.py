@@ -32,7 +32,7 @@ from typing import List
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from megalite.diagnostics.flight_recorder import site
+from megalite.comm.flight_recorder import site
 from megalite.config import pipeline_schedules
 from megalite.pipeline_parallel import fsdp_sync
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape

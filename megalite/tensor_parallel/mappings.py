@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from megalite import comm
-from megalite.diagnostics.flight_recorder import captured_where, restored_site
+from megalite.comm.flight_recorder import captured_where, restored_site
 from megalite.parallel_state import Group
 
 

@@ -33,7 +33,7 @@ from megalite.data import (build_data_iterator, build_tokenizer_from_config,
                            build_train_valid_test_datasets)
 from megalite.data.device_prefetch import prefetch_to_device
 from megalite.diagnostics import hang_dumps
-from megalite.diagnostics.flight_recorder import site
+from megalite.comm.flight_recorder import site
 from megalite.distributed.data_parallel import build_data_parallel
 from megalite.elastic.resume import load_resume_state, resume_source
 from megalite.elastic.snapshot import Snapshotter, snapshot_interval

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.diagnostics.flight_recorder import module_site
+from megalite.comm.flight_recorder import module_site
 from megalite.transformer.spec import build_module
 
 

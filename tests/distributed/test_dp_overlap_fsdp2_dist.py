@@ -9,7 +9,7 @@ and without FSDP2, ~1e-7 without TP).  Communication of the last
 step against theory for Psi = this rank's parameters: DDP all-reduce Psi (+2 elements:
 the step's token count and loss); ZeRO-2
 reduce-scatter + all-gather Psi each (padded per bucket); FSDP2 (its collectives counted by
-comm.py under the mesh group's name) all-gather 2 Psi - root + reduce-scatter Psi per
+megalite.comm under the mesh group's name) all-gather 2 Psi - root + reduce-scatter Psi per
 micro-batch.  Bytes
 of weights / grads / optimizer states each rank keeps, measured on the tensors, equal the
 planner's state bytes for the layout (ZeRO-1: optimizer / DP, ZeRO-2: grads too, FSDP2:

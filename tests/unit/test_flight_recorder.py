@@ -1,4 +1,4 @@
-"""The flight recorder (what comm.py notes per op, with megalite call sites), the test hooks,
+"""The flight recorder (what megalite.comm notes per op, with megalite call sites), the test hooks,
 and the hang diagnosis on dumps built with the recorder itself (one process, no groups)."""
 import json
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalite import comm
-from megalite.diagnostics import flight_recorder as fr
+from megalite.comm import flight_recorder as fr
 from megalite.diagnostics.hang_diagnosis import diagnose_folder, load_dumps
 from megalite.parallel_state import Group
 from megalite.tensor_parallel.mappings import copy_to_tp_region

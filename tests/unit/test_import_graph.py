@@ -218,10 +218,10 @@ def describe(cycles: List[List[str]], edges: List[Edge], private: List[PrivateUs
 
 # ---- layers ------------------------------------------------------------------------------
 # Lowest first.  A module belongs to the longest entry that is it or a package above it, so
-# a package can keep a part in a lower layer (the flight recorder comm.py writes) or a
+# a package can keep a part in a lower layer (the flight recorder megalite.comm writes) or a
 # higher one (the planner's command line, which trains with --validate-run).
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("foundations", ("megalite.errors", "megalite.diagnostics.flight_recorder",
+    ("foundations", ("megalite.errors", "megalite.comm.flight_recorder",
                      "megalite.testing")),
     ("configuration and torch-free registries", (
         "megalite.config", "megalite.config.activations",

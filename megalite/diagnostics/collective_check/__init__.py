@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megalite.diagnostics.flight_recorder import FAULT_ENV, parse_faults
+from megalite.comm.flight_recorder import FAULT_ENV, parse_faults
 from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
 from megalite.diagnostics.collective_check.trace import trace_rank
 from megalite.parallel_state import RankGrid

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from megalite.diagnostics.collective_check.trace import Op
-from megalite.diagnostics.flight_recorder import ranks_text
+from megalite.comm.flight_recorder import ranks_text
 
 MAX_PROBLEMS = 10
 

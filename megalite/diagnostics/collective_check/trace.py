@@ -1,10 +1,10 @@
 """Trace one rank's collective program: its real training step, on meta tensors, with
-comm.py recording instead of communicating.
+megalite.comm recording instead of communicating.
 
 ``trace_rank(cfg, rank)`` builds that rank's ``ParallelState`` without process groups, its
 model chunks on the meta device (the model family's own builder), its data-parallel
 strategy and optimizer, and runs ``Trainer.train_step`` on mock batches under
-``MetaValues`` (``meta_values.py``).  Every call that reaches ``comm.py`` is noted by a
+``MetaValues`` (``meta_values.py``).  Every call that reaches ``megalite.comm`` is noted by a
 ``TraceRecorder`` -- the flight recorder with no size limit and ``fake`` set -- so the
 program is what the training loop, the schedules and the layers really issue, call site
 included.  The test hook ``MEGALITE_FAULT_INJECT`` applies here as in a run.
@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-from megalite.diagnostics import flight_recorder as fr
+from megalite.comm import flight_recorder as fr
 from megalite.diagnostics.collective_check.meta_values import MetaValues
 from megalite.data.gpt_dataset import MockGPTDataset
 from megalite.distributed.data_parallel import build_data_parallel

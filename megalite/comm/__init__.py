@@ -10,7 +10,7 @@ the all-to-all input, the p2p message -- so that an all-reduce counts the same a
 reduce-scatter + all-gather that implement it.  Calls on a group of size 1 are skipped
 and not counted.
 
-Every call is also noted in the flight recorder (``megalite.diagnostics.flight_recorder``: op, group,
+Every call is also noted in the flight recorder (``megalite.comm.flight_recorder``: op, group,
 shapes, times, call site) so that a hang can say which rank is missing and where it was.
 Under the pre-launch check (``megalite.diagnostics.collective_check``) the recorder is a tracer
 (``recorder.fake``): calls are recorded and not sent, and outputs hold what they would if
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from megalite.diagnostics import flight_recorder as fr
+from megalite.comm import flight_recorder as fr
 from megalite.parallel_state import Group
 
 
@@ -453,7 +453,7 @@ def batch_send_recv_async(sends: Sequence[tuple], recvs: Sequence[tuple],
 # -- collectives torch itself issues on our groups (FSDP2) ---------------------------------
 # FSDP2 calls torch.distributed directly; its all-gathers (output), reduce-scatters (input)
 # and HSDP all-reduces are counted here, under the megalite name of the group they run on,
-# with the convention above.  Only calls from outside this module are counted (comm.py's own
+# with the convention above.  Only calls from outside this module are counted (megalite.comm's own
 # go through the functions above and are counted there).
 _EXTERNAL_GROUPS: dict = {}        # id(ProcessGroup) -> (ProcessGroup, name, size, Group)
 _EXTERNAL_OPS = (("all_gather_single", "all_gather", "output_tensor"),

@@ -4,7 +4,7 @@ Why our own: torch 2.13's recorder (``TORCH_FR_BUFFER_SIZE``, ``_dump_fr_trace``
 group records collectives but no p2p op, never marks an entry started or completed, names
 groups by number with empty rank lists, knows no call site beyond a Python stack, and nothing
 writes it out when a gloo collective times out (docs/troubleshooting.md, "Reading a hang
-diagnosis", has the details).  Every megalite collective goes through ``comm.py``, which calls
+diagnosis", has the details).  Every megalite collective goes through ``megalite.comm``, which calls
 ``begin`` / ``end`` here, so this one sees every op with the group's ranks and the site.
 
 Call sites cost no stack walk: ``site`` is a thread-local that the loop writes (iteration and
@@ -198,7 +198,7 @@ class FlightRecorder:
         self.meta: dict = {}       # run id, grid, peers: written into every dump
         self.dumps = 0
 
-    # -- recording (comm.py) ----------------------------------------------------------------
+    # -- recording (megalite.comm) ----------------------------------------------------------------
     def group(self, group) -> GroupInfo:
         key = (group.name, id(group.handle), group.ranks[0])
         info = self.groups.get(key)
@@ -345,7 +345,7 @@ recorder = FlightRecorder(faults=parse_faults(os.environ.get(FAULT_ENV)))
 
 
 def install(rec: FlightRecorder) -> FlightRecorder:
-    """Make ``rec`` the recorder comm.py writes to (the pre-launch trace swaps in its own);
+    """Make ``rec`` the recorder megalite.comm writes to (the pre-launch trace swaps in its own);
     returns the previous one."""
     global recorder
     old, recorder = recorder, rec
