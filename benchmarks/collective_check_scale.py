@@ -57,9 +57,10 @@ def one(case: str, mode: str) -> dict:
     sys.path.insert(0, ROOT)
     from megalite.cli.arguments import parse_args
     from megalite.diagnostics.collective_check import check_collectives
+    from megalite.training.loop import Trainer
 
     cfg = parse_args([*CASES[case], "--dry-run", "--check-collectives"])
-    run = check_collectives(cfg, mode=mode)
+    run = check_collectives(cfg, Trainer, mode=mode)
     v = run.verdict
     return {"case": case, "mode": v.mode, "world": cfg.world_size, "ok": v.ok,
             "problems": v.problems, "traced": v.ranks_traced, "classes": len(v.ops_per_rank),

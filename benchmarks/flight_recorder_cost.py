@@ -63,10 +63,11 @@ def ops_per_iteration(a) -> dict:
     """Collectives and p2p batches each rank of the TP=2 run issues in one iteration."""
     from megalite.cli.arguments import parse_args
     from megalite.diagnostics.collective_check.trace import trace_rank
+    from megalite.training.loop import Trainer
 
     cfg = parse_args(["--world-size", "2", *model_flags(a), "--tensor-model-parallel-size",
                       "2"])
-    return {r: len(trace_rank(cfg, r)) for r in (0, 1)}
+    return {r: len(trace_rank(cfg, Trainer, r)) for r in (0, 1)}
 
 
 def run(a, mode: str, out_dir: str, tag: str) -> float:

@@ -13,7 +13,7 @@ import time
 
 from megalite.cli.arguments import parse_args
 from megalite.cli.recipes import read_recipe_info, recipe_files
-from megalite.training.dry_run import planner_estimate
+from megalite.planner.report import planner_estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1024 ** 3

@@ -454,3 +454,12 @@ class ModelCommGroups:
     def from_parallel_state(cls, state: ParallelState) -> "ModelCommGroups":
         return cls(tp=state["tp"], cp=state["cp"], ep=state["ep"],
                    expert_tp=state["expert-tp"], tp_ep=state.groups.get("tp-ep"))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under taskset or a SLURM
+    cgroup), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

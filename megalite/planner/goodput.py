@@ -32,6 +32,7 @@ from megalite.config import ConfigError
 from megalite.cli.arguments import OneLineErrorParser
 from megalite.cli.arguments import parse_args
 from megalite.cli.recipes import read_recipe_info
+from megalite.planner.report import planner_estimate
 
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 419, 54, 16384
 GB = 1e9
@@ -240,9 +241,6 @@ def inputs_from_args(argv: List[str]):
 
 def _planner(args):
     """The planner's estimate for the recipe at the requested size."""
-    # start-up time: the training side imports torch, which a plan never imports
-    from megalite.training.dry_run import planner_estimate
-
     info = read_recipe_info(args.recipe)
     flags = ["--config", args.recipe, "--dry-run", "--mock-data"]
     if args.num_gpus:

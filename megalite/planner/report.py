@@ -1,5 +1,7 @@
 """Plain-text and JSON presentation of a search: the ranked table, the winner's flags,
-and ``--explain``'s account of why the top layouts win."""
+and ``--explain``'s account of why the top layouts win; and the estimate of one run's own
+layout (``planner_estimate``), which ``--dry-run``, ``megalite plan --goodput`` and the
+recipe checks print."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,12 +9,12 @@ import json
 import shlex
 from typing import List
 
-from megalite.config import ModelConfig, field_flag
+from megalite.config import MegaliteConfig, ModelConfig, field_flag
 from megalite.planner import model_spec as ms
-from megalite.planner.estimate import Estimate
-from megalite.planner.hardware import GiB, Cluster
-from megalite.planner.layout import ZERO_NAMES
-from megalite.planner.search import SearchResult
+from megalite.planner.estimate import Estimate, ModelOptions
+from megalite.planner.hardware import GiB, Cluster, make_cluster
+from megalite.planner.layout import ZERO_NAMES, layout_from_config
+from megalite.planner.search import SearchResult, evaluate
 
 TIME_TERMS = ("compute", "imbalance", "bubble", "tp", "cp", "ep", "pp", "dp", "optimizer")
 TERM_NAMES = {"compute": "compute", "imbalance": "stage imbalance", "bubble": "pipeline bubble",
@@ -137,3 +139,34 @@ def to_json(res: SearchResult, m: ModelConfig, seq: int, global_batch: int, clus
         "candidates": [dict(e.to_dict(cluster), command=shlex.join(
             ["pretrain_gpt.py", *winner_flags(e, m, seq, fp32)])) for e in res.ranked[:top]],
     }, indent=2)
+
+
+def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
+    """The planner's Estimate for exactly this config's layout (no search)."""
+    layout = layout_from_config(cfg)
+    cluster = make_cluster(cfg.world_size, gpus_per_node, gpu)
+    opts = ModelOptions(fp32=not (cfg.optimizer.bf16 or cfg.optimizer.fp16),   # fp16: 2 B too
+                        local_layers=cfg.model.transformer_impl == "local",
+                        fp8="delayed" if cfg.model.fp8_format else None)  # TE's DelayedScaling
+    return evaluate(cfg.model, cfg.model.seq_length, layout, cluster, opts), cluster, opts
+
+
+def estimate_text(est, cluster, opts, seq: int) -> str:
+    m, t = est.memory, est.times
+    kernels = "megalite's local layers" if opts.local_layers else \
+        "Transformer Engine's fused kernels"
+    L = est.layout
+    mem = "  ".join(f"{k} {m[k] / GiB:.1f}" for k in ("weights", "grads", "optimizer",
+                                                      "activations") if k in m)
+    parts = "  ".join(f"{k} {t[k]:.3f}" for k in ("compute", "imbalance", "bubble", "tp", "cp",
+                                                  "ep", "pp", "dp", "optimizer") if t.get(k))
+    lines = [f"planner estimate ({cluster.gpu.name}, {kernels}, "
+             f"{'fp32' if opts.fp32 else 'bf16'}, "
+             f"{ZERO_NAMES[L.zero]}, recompute {L.recompute}):",
+             f"  memory per GPU (most loaded rank, GiB): {mem}  total {m['total'] / GiB:.1f} of "
+             f"{est.capacity / GiB:.1f} usable ({cluster.gpu.memory_bytes / GiB:.1f} per GPU, "
+             f"headroom {opts.headroom:.2f})",
+             f"  step time {est.step:.3f} s ({parts}); {est.tflops:.0f} TFLOP/s per GPU, "
+             f"MFU {100 * est.mfu(cluster):.1f}%, "
+             f"{L.global_batch * seq / est.step / 1e6:.2f} M tokens/s"]
+    return "\n".join(lines)

@@ -18,10 +18,8 @@ from megalite.cli.recipes import RecipeInfo, flag_value, read_recipe_info
 from megalite.data import build_tokenizer_from_config
 from megalite.diagnostics.collective_check import check_collectives, report_text
 from megalite.planner import model_spec as ms
-from megalite.planner.estimate import ModelOptions
-from megalite.planner.hardware import make_cluster
-from megalite.planner.layout import ZERO_NAMES, layout_from_config
-from megalite.planner.search import evaluate
+from megalite.planner.report import estimate_text, planner_estimate
+from megalite.training.loop import Trainer
 
 GiB = 1024 ** 3
 FULL_LISTING_MAX_WORLD = 64      # up to here every group of every kind is listed too
@@ -65,37 +63,6 @@ def layout_table(cfg: MegaliteConfig, gpus_per_node: int) -> str:
         span = len({r // gpus_per_node for r in first})
         lines.append(f"  {name:<10}{len(first):>6}{len(groups):>8}  {ranks_text(first):<34}"
                      f"{span} node{'s' if span > 1 else ''}")
-    return "\n".join(lines)
-
-
-def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
-    """The planner's Estimate for exactly this config's layout (no search)."""
-    layout = layout_from_config(cfg)
-    cluster = make_cluster(cfg.world_size, gpus_per_node, gpu)
-    opts = ModelOptions(fp32=not (cfg.optimizer.bf16 or cfg.optimizer.fp16),   # fp16: 2 B too
-                        local_layers=cfg.model.transformer_impl == "local",
-                        fp8="delayed" if cfg.model.fp8_format else None)  # TE's DelayedScaling
-    return evaluate(cfg.model, cfg.model.seq_length, layout, cluster, opts), cluster, opts
-
-
-def estimate_text(est, cluster, opts, seq: int) -> str:
-    m, t = est.memory, est.times
-    kernels = "megalite's local layers" if opts.local_layers else \
-        "Transformer Engine's fused kernels"
-    L = est.layout
-    mem = "  ".join(f"{k} {m[k] / GiB:.1f}" for k in ("weights", "grads", "optimizer",
-                                                      "activations") if k in m)
-    parts = "  ".join(f"{k} {t[k]:.3f}" for k in ("compute", "imbalance", "bubble", "tp", "cp",
-                                                  "ep", "pp", "dp", "optimizer") if t.get(k))
-    lines = [f"planner estimate ({cluster.gpu.name}, {kernels}, "
-             f"{'fp32' if opts.fp32 else 'bf16'}, "
-             f"{ZERO_NAMES[L.zero]}, recompute {L.recompute}):",
-             f"  memory per GPU (most loaded rank, GiB): {mem}  total {m['total'] / GiB:.1f} of "
-             f"{est.capacity / GiB:.1f} usable ({cluster.gpu.memory_bytes / GiB:.1f} per GPU, "
-             f"headroom {opts.headroom:.2f})",
-             f"  step time {est.step:.3f} s ({parts}); {est.tflops:.0f} TFLOP/s per GPU, "
-             f"MFU {100 * est.mfu(cluster):.1f}%, "
-             f"{L.global_batch * seq / est.step / 1e6:.2f} M tokens/s"]
     return "\n".join(lines)
 
 
@@ -146,7 +113,7 @@ def print_collective_check(cfg: MegaliteConfig, family=None) -> None:
             print(f"> collective check: traced {done}/{total} ranks", file=sys.stderr,
                   flush=True)
 
-    run = check_collectives(cfg, family=family, progress=progress)
+    run = check_collectives(cfg, Trainer, family=family, progress=progress)
     print(report_text(run, cfg.world_size))
     if not run.verdict.ok:
         raise ConfigError(f"the collective check found {len(run.verdict.problems)} "

@@ -46,7 +46,7 @@ from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.data.position import DataPosition
 from megalite.config.data_flags import blend_weight_note
 from megalite.optimizer.lr_schedule import SchedulePosition
-from megalite.parallel_state import ParallelState, initialize, pick_device_and_backend
+from megalite.parallel_state import ParallelState, initialize, pick_device_and_backend, usable_cores
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
 from megalite.pipeline_parallel.timeline import record_iteration
@@ -385,15 +385,6 @@ def peak_memory_bytes(device: str) -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask, e.g. under taskset or a SLURM
-    cgroup), not the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def set_cpu_threads(world_size: int) -> str:

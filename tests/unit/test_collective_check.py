@@ -8,6 +8,7 @@ from megalite.diagnostics.collective_check import check_collectives, report_text
 from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
 from megalite.diagnostics.collective_check.trace import Op, trace_rank
 from megalite.parallel_state import RankGrid
+from megalite.training.loop import Trainer
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--mock-data", "--vocab-size", "100", "--lr", "1e-3",
@@ -25,12 +26,12 @@ def test_every_rank_and_representatives_agree_on_a_tp_pp_vpp_cp_dp_layout(monkey
     cfg = _cfg(16, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                "--num-layers-per-virtual-pipeline-stage", "1", "--context-parallel-size", "2",
                "--sequence-parallel", "--use-distributed-optimizer", "--global-batch-size", "4")
-    kinds = {op.kind for op in trace_rank(cfg, 5)}
+    kinds = {op.kind for op in trace_rank(cfg, Trainer, 5)}
     assert {"tp", "cp", "pp", "dp-cp"} <= kinds, kinds
     monkeypatch.setenv("MEGALITE_FAULT_INJECT",
                        "skip:rank=5,iteration=1,group=tp,op=all_gather,nth=3")
-    full = check_collectives(cfg, mode="every-rank")
-    reps = check_collectives(cfg, mode="representatives")
+    full = check_collectives(cfg, Trainer, mode="every-rank")
+    reps = check_collectives(cfg, Trainer, mode="representatives")
     assert full.verdict.ranks_traced == 16 and reps.verdict.ranks_traced == 5
     assert full.verdict.problems and full.verdict.problems == reps.verdict.problems, \
         (full.verdict.problems, reps.verdict.problems)
@@ -45,9 +46,9 @@ def test_every_rank_and_representatives_agree_on_a_tp_pp_vpp_cp_dp_layout(monkey
 def test_moe_expert_parallel_layout_checks_out():
     cfg = _cfg(4, "--num-experts", "4", "--moe-router-topk", "2",
                "--expert-model-parallel-size", "2", "--global-batch-size", "4")
-    run = check_collectives(cfg)
+    run = check_collectives(cfg, Trainer)
     assert run.verdict.ok, run.verdict.problems
-    ops = trace_rank(cfg, 1)
+    ops = trace_rank(cfg, Trainer, 1)
     assert any(op.kind == "ep" and op.op == "all_to_all" for op in ops), \
         sorted({(op.kind, op.op) for op in ops})
 
@@ -56,7 +57,7 @@ def test_a_skipped_tp_collective_is_a_mismatch_naming_both_call_sites(monkeypatc
     monkeypatch.setenv("MEGALITE_FAULT_INJECT",
                        "skip:rank=1,iteration=2,group=tp,op=all_reduce,nth=1")
     cfg = _cfg(2, "--tensor-model-parallel-size", "2", "--global-batch-size", "1")
-    run = check_collectives(cfg)
+    run = check_collectives(cfg, Trainer)
     assert not run.verdict.ok and run.iteration == 2
     (problem,) = run.verdict.problems
     assert problem.startswith("tp[0,1] op #1: rank 0 issues all_reduce"), problem

@@ -15,7 +15,7 @@ from megalite.planner import model_spec as ms
 from megalite.planner.layout import Layout
 from megalite.planner.published_runs import BY_NAME
 from megalite.cli.recipes import min_world, read_recipe_info, recipe_files
-from megalite.training.dry_run import planner_estimate
+from megalite.planner.report import planner_estimate
 from megalite.training.entry import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

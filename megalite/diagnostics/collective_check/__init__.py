@@ -18,8 +18,7 @@ import torch
 from megalite.comm.flight_recorder import FAULT_ENV, parse_faults
 from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
 from megalite.diagnostics.collective_check.trace import trace_rank
-from megalite.parallel_state import RankGrid
-from megalite.training.loop import usable_cores
+from megalite.parallel_state import RankGrid, usable_cores
 
 EXHAUSTIVE_MAX_WORLD = 64      # up to here every rank is traced
 
@@ -42,10 +41,11 @@ def hooked_ranks() -> set:
     return {f.rank for f in parse_faults(os.environ.get(FAULT_ENV)) or []}
 
 
-def check_collectives(cfg, mode: Optional[str] = None, family=None,
+def check_collectives(cfg, trainer_class, mode: Optional[str] = None, family=None,
                       progress=None) -> CheckRun:
-    """Trace and check ``cfg``'s layout.  ``mode``: "every-rank" or "representatives"
-    (default: every rank up to ``EXHAUSTIVE_MAX_WORLD`` ranks)."""
+    """Trace and check ``cfg``'s layout, running ``trainer_class``'s step (the loop's
+    ``Trainer``).  ``mode``: "every-rank" or "representatives" (default: every rank up to
+    ``EXHAUSTIVE_MAX_WORLD`` ranks)."""
     assert not cfg.parallel.use_torch_fsdp2, (      # validation refused it
         "rule '--check-collectives excludes --use-torch-fsdp2' (megalite/cli/features.py)")
     if cfg.training.compile:     # same collectives; compiling meta graphs only costs time
@@ -59,7 +59,7 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
         by_pipeline_rank(grid, hooked_ranks() & set(range(grid.world_size)))
     iteration = iteration_to_trace()
     to_trace = sorted({r for reps in classes.reps.values() for r in reps})
-    programs = dict(_trace_all(cfg, to_trace, iteration, family, progress))
+    programs = dict(_trace_all(cfg, trainer_class, to_trace, iteration, family, progress))
     verdict = Checker(grid, classes, programs, exempt=hooked_ranks()).run()
     peak = max(resource.getrusage(who).ru_maxrss for who in
                (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
@@ -67,9 +67,8 @@ def check_collectives(cfg, mode: Optional[str] = None, family=None,
 
 
 def _trace_one(job):
-    cfg, rank, iteration, family = job
-
-    return rank, trace_rank(cfg, rank, iteration, family)
+    cfg, trainer_class, rank, iteration, family = job
+    return rank, trace_rank(cfg, trainer_class, rank, iteration, family)
 
 
 def _one_thread():
@@ -79,11 +78,11 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def _trace_all(cfg, ranks, iteration, family, progress):
+def _trace_all(cfg, trainer_class, ranks, iteration, family, progress):
     """(rank, program) for each rank; on several cores, traced by forked workers (tracing
     is single-threaded Python).  Only a single-threaded process forks: a child forked while
     another thread holds a lock (a logging handler, a store client) waits on it forever."""
-    jobs = [(cfg, r, iteration, family) for r in ranks]
+    jobs = [(cfg, trainer_class, r, iteration, family) for r in ranks]
     workers = min(usable_cores(), len(jobs))
     threads = torch.get_num_threads()
     if workers < 2 or len(jobs) < 4 or threading.active_count() > 1:

@@ -26,7 +26,6 @@ from megalite.models.gpt_step import GPT_FAMILY
 from megalite.models.parallelize import attach_data_parallel
 from megalite.optimizer import LRScheduler
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.training.loop import Trainer
 
 
 class TraceRecorder(fr.FlightRecorder):
@@ -80,9 +79,13 @@ def _runnable(cfg):
     return cfg
 
 
-def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
+def trace_rank(cfg, trainer_class, rank: int, iteration: int = 1, family=None) -> List[Op]:
     """The ordered collectives and p2p batches rank ``rank`` issues in training iteration
     ``iteration`` of ``cfg`` (its world size and layout), computed without data.
+
+    ``trainer_class`` is the training loop's ``Trainer`` (``training/loop.py``), whose real
+    ``train_step`` is traced; the caller passes it because the loop sits above this package
+    (the loop dumps hangs through ``diagnostics``).
 
     Every iteration issues the same program (same batch, same schedule), so only that one
     is run, from the position it starts at; a batch-size ramp changes the program from one
@@ -99,7 +102,7 @@ def trace_rank(cfg, rank: int, iteration: int = 1, family=None) -> List[Op]:
         with torch.random.fork_rng(devices=[]), MetaValues():
             with torch.device("meta"):
                 chunks = family.build_model_chunks(cfg, state, "meta")
-            trainer = Trainer(cfg, state, "meta", family)
+            trainer = trainer_class(cfg, state, "meta", family)
             trainer.model_chunks = chunks
             trainer.strategy = attach_data_parallel(chunks,
                                                     build_data_parallel(chunks, cfg, state))
