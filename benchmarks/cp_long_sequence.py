@@ -30,7 +30,7 @@ def measure(argv, iters: int) -> dict:
 
     from megalite.cli.arguments import parse_args
     from megalite.parallel_state import ParallelState, RankGrid
-    from megalite.planner.validate_run import LiveSaved
+    from megalite.commands.validate_run import LiveSaved
     from megalite.training.loop import Trainer
 
     cfg = parse_args(argv)

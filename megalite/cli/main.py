@@ -11,7 +11,7 @@ import sys
 from typing import Dict, List, Optional
 
 SUBCOMMANDS: Dict[str, str] = {
-    "plan": "megalite.planner.cli:main",
+    "plan": "megalite.commands.plan:main",
     "viz": "megalite.viz.timeline:main",
     "hangs": "megalite.diagnostics.hang_diagnosis:main",
 }

@@ -94,7 +94,7 @@ def attention_kernel_of(cfg, device: str) -> str:
     """The core-attention kernel a run of ``cfg`` (a ``MegaliteConfig``) runs on ``device``
     ("flash", "math" or "unfused", as ``core_attention_kernel`` says): megalite's local core
     attention follows --attention-backend; CP's and TE's run SDPA or their own fused kernels.
-    The planner's memory prediction asks it (planner/step_peak.py, planner/validate_run.py)."""
+    The planner's memory prediction asks it (planner/step_peak.py, commands/validate_run.py)."""
     local = cfg.model.transformer_impl != "transformer_engine"
     backend = cfg.model.attention_backend if local and cfg.parallel.cp == 1 else "flash"
     dtype = torch.bfloat16 if cfg.optimizer.bf16 else \

@@ -13,7 +13,7 @@ from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
 from megalite import comm
 from megalite.cli.arguments import parse_args
 from megalite.distributed.replicas import check_replicas
-from megalite.planner.validate_run import _storages_bytes, compare, measure_rank, predict, \
+from megalite.commands.validate_run import _storages_bytes, compare, measure_rank, predict, \
     run_argv
 
 LLAMA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -3,7 +3,7 @@ optimizer bytes equal what each rank holds, activations are within 10% of the pe
 for backward, and communication per group/op within 1% of ``megalite.comm.counter``."""
 import pytest
 
-from megalite.planner.validate_run import validate
+from megalite.commands.validate_run import validate
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size", "2",

@@ -93,7 +93,7 @@ def test_pipeline_rank_classes(world, pp):
 
 
 def test_megalite_plan_checks_its_best_layout(capsys):
-    from megalite.planner.cli import plan
+    from megalite.commands.plan import plan
 
     assert plan(["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
                  "--vocab-size", "1000", "--seq-length", "64", "--num-gpus", "8",

@@ -336,13 +336,13 @@ USER_ERROR_PLACES = {
     "megalite/cli/elastic_fit.py": "the launched world: no smaller world fits the layout",
     "megalite/training/dry_run.py": "what a --dry-run finds: the planner's memory verdict, the "
                                     "collective check's verdict, a tokenizer's vocabulary",
-    "megalite/planner/cli.py": "the planner's own command line",
+    "megalite/commands/plan.py": "the planner's own command line",
     "megalite/planner/goodput.py": "the planner's own flags (failure rates, checkpoint sizes)",
     "megalite/planner/hardware.py": "the planner's hardware files and names",
     "megalite/planner/model_spec.py": "the planner's model files and names",
     "megalite/planner/moe_cost.py": "the planner's MoE routing-statistics file",
     "megalite/planner/search.py": "re-raises validation's reason for a layout asked for",
-    "megalite/planner/validate_run.py": "the plan-validation command's own flags",
+    "megalite/commands/validate_run.py": "the plan-validation command's own flags",
 }
 
 

@@ -91,7 +91,7 @@ def test_usage_without_command():
 
 
 def test_model_flags_and_explicit_gpu(tmp_path):
-    from megalite.planner.cli import plan
+    from megalite.commands.plan import plan
     import io
     buf = io.StringIO()
     plan(["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -133,7 +133,7 @@ def test_plot_writes_png(tmp_path):
 
 
 def test_planner_imports_no_torch():
-    code = ("import sys, megalite.planner, megalite.planner.cli, megalite.cli; "
+    code = ("import sys, megalite.planner, megalite.commands.plan, megalite.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr

@@ -2,8 +2,8 @@
 says, and the exit status (the real runs are in tests/distributed)."""
 import io
 
-import megalite.planner.validate_run as vr
-from megalite.planner.cli import plan
+import megalite.commands.validate_run as vr
+from megalite.commands.plan import plan
 
 FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--vocab-size", "128", "--micro-batch-size", "2",

@@ -152,7 +152,7 @@ def test_model_preset_then_config_then_command_line(tmp_path):
 
 
 def test_planner_reads_a_recipe_file_as_its_model():
-    from megalite.planner.cli import plan
+    from megalite.commands.plan import plan
 
     out = io.StringIO()
     assert plan(["--recipe", os.path.join(RECIPES, "llama3-405b.yaml"), "--num-gpus", "16384",

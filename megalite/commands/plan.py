@@ -169,7 +169,7 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--validate-run" in argv:
         # start-up time: only --validate-run trains; a plan never imports torch
-        from megalite.planner.validate_run import main as validate_run
+        from megalite.commands.validate_run import main as validate_run
 
         return validate_run(argv, out)
     if "--goodput" in argv:
