@@ -19,7 +19,8 @@ selection (``--transformer-impl auto`` is resolved before the rules are read, so
 hold for it too; selection itself reports only what the machine lacks) and
 docs/compatibility.md (``tools/compatibility_matrix.py`` writes it from this table).
 A flag's own domain (type, range, choices) is declared beside its field
-(``megalite/config/domains.py``).  Model constructors assert what a rule here guarantees,
+(``megalite/config/domains.py``); so is a flag that needs another (``requires=``), and each
+such declaration is a rule of this table (``REQUIREMENTS``), checked with the others.  Model constructors assert what a rule here guarantees,
 naming the rule.
 
 Importing this module does not import torch (the planner reads it).
@@ -33,6 +34,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Un
 from megalite.cli import compat_flags
 from megalite.cli.feature_coverage import (COVERAGE, PAIRS_TEST,  # noqa: F401 -- read here
                                            covering_tests)
+from megalite.config import all_fields, field_flag, find_field
+from megalite.config.domains import requirement_problem, requirements
 from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
 
 LAYOUT, STRATEGY, IMPLEMENTATION = "layout", "strategy", "implementation"
@@ -475,6 +478,34 @@ RULES: Tuple[Rule, ...] = (
             "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "
             "hold the logits to cap; drop one of them"),
 )
+
+
+# A flag that means something only with another one set (``--kv-lora-rank`` without
+# ``--multi-latent-attention``) declares it beside its field (``requires=``); each such
+# declaration is a rule of this table, checked with the others.
+def _condition_words(section: str, condition: str) -> str:
+    ref, _, want = condition.partition("=")
+    flag = field_flag(find_field(ref, section)[1])
+    return f"{flag} {want}" if want else flag
+
+
+def _requirement_rule(section: str, f) -> Relation:
+    def problem(cfg) -> Optional[str]:
+        return requirement_problem(cfg, section, f)
+    needs = " and ".join(_condition_words(section, c) for c in requirements(f))
+    return Relation(f"{field_flag(f)} needs {needs}", problem, problem)
+
+
+REQUIREMENTS: Tuple[Relation, ...] = tuple(
+    _requirement_rule(section, f) for section, f in all_fields() if requirements(f))
+RULES += REQUIREMENTS
+
+
+def requirement_refusal(cfg) -> Optional[str]:
+    """The first flag set without the one it needs, or None: validation asks this right
+    after the domains, since its other checks read a feature's parameters only where the
+    feature is on."""
+    return next((r.when(cfg) for r in REQUIREMENTS if r.when(cfg)), None)
 
 
 # ---- reading the table ------------------------------------------------------------------------

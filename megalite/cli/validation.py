@@ -394,6 +394,9 @@ def check_resume_schedule(cfg: MegaliteConfig) -> None:
 
 def validate(cfg: MegaliteConfig) -> None:
     check_domains(cfg)       # every field against the domain declared beside it
+    problem = features.requirement_refusal(cfg)   # a flag set without the one it needs
+    if problem:
+        raise ConfigError(problem)
     if cfg.checkpoint.load:  # first: the model the flags describe is the checkpoint's
         # start-up time: the checkpoint readers import torch; only a run with --load needs them
         from megalite.checkpointing.checkpoint_args import check_model_matches_checkpoint

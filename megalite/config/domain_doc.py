@@ -9,7 +9,8 @@ import sys
 from megalite.config import SECTIONS, MegaliteConfig, all_fields, field_domain, field_flag, \
     find_field, \
     is_bool_flag
-from megalite.config.domains import base_type, field_problem, invalid_examples
+from megalite.config.domains import (base_type, field_problem, invalid_examples,
+                                     requirement_problem)
 
 # a small valid run for the examples (the walk test uses the same shape)
 EXAMPLE = {"model": dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
@@ -83,8 +84,7 @@ def render() -> str:
             lines += ["", f"## {section}", "", "| flag | domain | a value outside it says |",
                       "|---|---|---|"]
         if is_bool_flag(f):     # an on/off flag is out of its domain only by a relation
-            problem = field_problem(cfg, section, f, True) if "requires" in field_domain(f) \
-                else None
+            problem = requirement_problem(cfg, section, f, True)
             example = f"megalite: error: {problem}" if problem else ""
         else:
             example = example_line(cfg, section, f)

@@ -137,14 +137,29 @@ def field_problem(cfg, section: str, f, value) -> Optional[str]:
         problem = _path_problem(flag, dom["path"], value)
         if problem:
             return problem
-    requires = dom.get("requires")
-    if requires and _is_set(value, f.default):
-        for condition in ([requires] if isinstance(requires, str) else requires):
-            problem = _requirement_problem(cfg, section, flag, condition)
-            if problem:
-                return problem
     if "check" in dom:
         return dom["check"](value, cfg)
+    return None
+
+
+def requirements(f) -> List[str]:
+    """The conditions field ``f`` is declared to need (``requires=``): ``"field"`` or
+    ``"field=value"``."""
+    requires = field_domain(f).get("requires")
+    return [] if not requires else [requires] if isinstance(requires, str) else list(requires)
+
+
+def requirement_problem(cfg, section: str, f, value=None) -> Optional[str]:
+    """The one line saying that field ``f``, set (to ``value``, default its value in
+    ``cfg``), lacks a flag it is declared to need, or None.  The declaration sits beside the
+    field; the rule engine (megalite/cli/features.py) checks it with its other rules."""
+    value = getattr(getattr(cfg, section), f.name) if value is None else value
+    if not _is_set(value, f.default):
+        return None
+    for condition in requirements(f):
+        problem = _requirement_problem(cfg, section, field_flag(f), condition)
+        if problem:
+            return problem
     return None
 
 

@@ -144,7 +144,7 @@ def test_validation_refuses_each_exclusion_with_its_reason(rule, a, b):
 
 
 # Every rule that is not a pair exclusion (those are walked above): argv (added to BASE)
-# that break it, and argv that keep it; a dict {"model": {...}} sets ModelConfig fields
+# that break it, and argv that keep it; a dict {"model": {...}, ...} sets those sections' fields
 # after parsing (Transformer Engine and FP8, which a CPU run refuses).  A new rule without
 # a case here fails test_every_rule_has_a_refusal_case.
 _ZB_MOE = ["--pp", "2", "--pipeline-schedule", "zero-bubble", "--num-experts", "4"]
@@ -187,6 +187,42 @@ RULE_CASES = {
     "cp-a2a refuses --attn-logit-softcapping": (
         [["--cp", "2", "--cp-comm-type", "a2a", "--attn-logit-softcapping", "30"]],
         [["--cp", "2", "--cp-comm-type", "a2a"]]),
+    # the flags declared beside their fields to need another (requires=)
+    "--use-rope-scaling needs --position-embedding-type rope": (
+        [["--use-rope-scaling", "--position-embedding-type", "learned_absolute"]],
+        [["--use-rope-scaling", "--position-embedding-type", "rope"]]),
+    "--q-lora-rank needs --multi-latent-attention": (
+        [["--q-lora-rank", "8"]], [_MLA + ["--q-lora-rank", "8"]]),
+    "--rope-type needs --multi-latent-attention": (
+        [["--rope-type", "rope"]], [_MLA + ["--rope-type", "rope"]]),
+    "--moe-router-topk-scaling-factor needs --num-experts": (
+        [["--moe-router-topk-scaling-factor", "2"]],
+        [["--moe-router-topk-scaling-factor", "2", "--num-experts", "4"]]),
+    "--moe-router-num-groups needs --moe-router-group-topk": (
+        [["--num-experts", "4", "--moe-router-num-groups", "2"]],
+        [["--num-experts", "4", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"]]),
+    "--moe-router-group-topk needs --moe-router-num-groups": (
+        [["--num-experts", "4", "--moe-router-group-topk", "1"]], []),
+    "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size": (
+        [["--num-experts", "4", "--moe-shared-expert-gate"]],
+        [["--num-experts", "4", "--moe-shared-expert-gate",
+          "--moe-shared-expert-intermediate-size", "32"]]),
+    "--data-parallel-sharding-strategy needs --use-megatron-fsdp": (
+        [["--data-parallel-sharding-strategy", "optim"]],
+        [["--data-parallel-sharding-strategy", "optim", "--use-megatron-fsdp"]]),
+    "--elastic needs --global-batch-size": (
+        [["--elastic", {"training": {"global_batch_size": None}}]], [["--elastic"]]),
+    "--decoupled-min-lr needs --decoupled-lr": (
+        [["--decoupled-min-lr", "1e-5"]], [["--decoupled-min-lr", "1e-5", "--decoupled-lr", "1e-4"]]),
+    "--skip-train needs --load": ([["--skip-train"]], [["--skip-train", "--load", "."]]),
+    "--recompute-method needs --recompute-granularity full": (
+        [["--recompute-method", "uniform"]],
+        [["--recompute-method", "uniform", "--recompute-granularity", "full"]]),
+    "--check-collectives needs --dry-run": (
+        [["--check-collectives"]], [["--check-collectives", "--dry-run"]]),
+    "--loss-plot needs --metrics-file": (
+        [["--loss-plot", "loss.png"]], [["--loss-plot", "loss.png", "--metrics-file", "m.jsonl"]]),
+    "--ckpt-step needs --load": ([["--ckpt-step", "3"]], [["--ckpt-step", "3", "--load", "."]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
@@ -233,10 +269,11 @@ RULE_CASES = {
 
 def _build(case, validate):
     argv = [a for a in case if isinstance(a, str)]
-    model = next((a["model"] for a in case if isinstance(a, dict)), None)
-    cfg = parse_args(BASE + argv, validate_config=validate and not model)
-    if model:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model))
+    sections = next((a for a in case if isinstance(a, dict)), {})
+    cfg = parse_args(BASE + argv, validate_config=validate and not sections)
+    for section, fields in sections.items():
+        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                      **fields)})
     return cfg
 
 
