@@ -26,27 +26,19 @@ from megalite.checkpointing.manifest import iteration_dir, read_marker, saved_it
 from megalite.config import ConfigError, MegaliteConfig, ModelConfig, field_flag
 from megalite.config.activations import SWITCHES, activation_of
 
+# What each model field is to a checkpoint is declared beside it (``opt(checkpoint=...)``,
+# megalite/config/fields.py: ``CHECKPOINT_ROLES``); a field that says nothing is an
+# architecture switch.
+def _fields_with_role(role: str) -> Tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(ModelConfig)
+                 if f.metadata.get("checkpoint", "arch") == role)
+
+
 # Copied only where the command line left them unset (Megatron's non-forced _set_arg).
-SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "kv_channels", "seq_length", "max_position_embeddings", "vocab_size")
+SHAPE_FIELDS = _fields_with_role("shape")
 # Architecture switches: the checkpoint's value always wins (Megatron's force=True).
-ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "norm_epsilon",
-               "position_embedding_type", "rotary_base", "rotary_percent", "apply_layernorm_1p",
-               *SWITCHES, "activation", "untie_embeddings_and_output_weights", "add_bias_linear",
-               "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
-               "moe_router_score_function", "moe_router_pre_softmax",
-               "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
-               "add_qkv_bias", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor",
-               "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-               "rope_scaling_original_max_position_embeddings", "rotary_scaling_factor",
-               "yarn_original_max_position_embeddings", "yarn_beta_fast", "yarn_beta_slow",
-               "yarn_correction_range_round_to_int", "mscale", "mscale_all_dim",
-               "moe_shared_expert_gate", "moe_router_topk_scaling_factor",
-               "moe_router_num_groups", "moe_router_group_topk",
-               # Multi-Latent Attention and its rope part; Multi-Token Prediction
-               "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-               "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers",
-               "attn_logit_softcapping", "final_logit_softcapping")
+# Megatron's activation switches come first, so a dropped --swiglu is named as itself.
+ARCH_FIELDS = tuple(sorted(_fields_with_role("arch"), key=lambda name: name not in SWITCHES))
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",
@@ -59,20 +51,13 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
 # How the model was trained (regularisation, MoE balancing and token dropping): the
 # checkpoint's value unless the command line (or --config) gives the flag.  Without this a
 # fine-tune of an imported Llama would train with the default dropout of 0.1.
-TRAINED_FIELDS = ("init_method_std", "hidden_dropout", "attention_dropout",
-                  "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff",
-                  "moe_router_bias_update_rate", "moe_expert_capacity_factor",
-                  "moe_token_drop_policy", "mtp_loss_scaling_factor")
+TRAINED_FIELDS = _fields_with_role("trained")
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                     "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 # Run-time choices, not part of what the weights mean: never copied, never printed by
-# model_flags.  Every ModelConfig field is in exactly one of these four tuples (a test
-# holds every new field to it).
+# model_flags.
 NOT_MODEL = ("transformer_impl",)
-RUNTIME_FIELDS = ("make_vocab_size_divisible_by", "attention_backend",
-                  "moe_token_dispatcher_type", "transformer_impl", "fp8_format",
-                  "fp8_amax_history_len", "fp8_amax_compute_algo", "cross_entropy_loss_fusion",
-                  "cross_entropy_chunk_tokens")
+RUNTIME_FIELDS = _fields_with_role("runtime")
 
 _FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
 

@@ -34,6 +34,12 @@ from typing import Any, Callable, Optional
 
 DOMAIN_KEYS = ("gt", "ge", "lt", "le", "choices", "requires", "path", "check", "free", "length")
 PATH_KINDS = ("in", "in-file", "in-dir", "out", "out-dir")
+# What a ModelConfig field is to a checkpoint (``--use-checkpoint-args`` and the mismatch
+# check, megalite/checkpointing/checkpoint_args.py): a shape flag (copied where the command
+# line left it unset), an architecture switch (the checkpoint's value always wins), how the
+# model was trained (the checkpoint's unless the command line gives the flag), or a run-time
+# choice (never copied).  A new model field is an architecture switch unless it says so.
+CHECKPOINT_ROLES = ("arch", "shape", "trained", "runtime")
 
 
 def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
@@ -42,11 +48,14 @@ def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
         gt=None, ge=None, lt=None, le=None, requires: Optional[str] = None,
         path: Optional[str] = None, check: Optional[Callable] = None,
         free: Optional[str] = None, length: Optional[int] = None,
-        negation: Optional[str] = None):
+        negation: Optional[str] = None, checkpoint: str = "arch"):
     """A dataclass field that knows how to present itself on the command line
     (``type``: the flag's parser when the annotation alone does not say it; ``negation``: a
     boolean's ``--no-...`` flag, as Megatron spells some) and its domain (module
-    docstring)."""
+    docstring).  ``checkpoint``: what a model field is to a checkpoint (``CHECKPOINT_ROLES``;
+    the other sections ignore it)."""
+    if checkpoint not in CHECKPOINT_ROLES:
+        raise ValueError(f"opt(checkpoint={checkpoint!r}): choose from {CHECKPOINT_ROLES}")
     if path is not None and path not in PATH_KINDS:
         raise ValueError(f"opt(path={path!r}): choose from {PATH_KINDS}")
     domain = {k: v for k, v in (("gt", gt), ("ge", ge), ("lt", lt), ("le", le),
@@ -58,7 +67,7 @@ def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
     cli_choices = choices if nargs is None else None
     meta = {"help": help, "flag": flag, "choices": cli_choices, "action": action,
             "nargs": nargs, "aliases": aliases, "type": type, "domain": domain,
-            "negation": negation}
+            "negation": negation, "checkpoint": checkpoint}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: list(default) if isinstance(default, list)
                      else dict(default), metadata=meta)

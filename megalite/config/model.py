@@ -14,27 +14,30 @@ from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_fr
 @dataclass
 class ModelConfig:
     """Network shape and architecture switches (Megatron's 'network size' group)."""
-    num_layers: Optional[int] = opt(None, "Number of transformer layers.", gt=0)
-    hidden_size: Optional[int] = opt(None, "Transformer hidden size.", gt=0)
+    num_layers: Optional[int] = opt(None, "Number of transformer layers.", gt=0, checkpoint="shape")
+    hidden_size: Optional[int] = opt(None, "Transformer hidden size.", gt=0, checkpoint="shape")
     ffn_hidden_size: Optional[int] = opt(
         None, "MLP hidden size; default 4*hidden, or Llama's 8/3*hidden rounded with SwiGLU.",
-        gt=0)
-    num_attention_heads: Optional[int] = opt(None, "Number of attention heads.", gt=0)
+        gt=0, checkpoint="shape")
+    num_attention_heads: Optional[int] = opt(None, "Number of attention heads.", gt=0,
+        checkpoint="shape")
     group_query_attention: bool = opt(False, "Use grouped-query attention.", action="store_true")
     num_query_groups: Optional[int] = opt(
         None, "Number of key/value head groups with --group-query-attention.",
         gt=0, le="num_attention_heads")
     kv_channels: Optional[int] = opt(
         None, "Per-head dimension of q, k and v; default hidden/heads, and any other value "
-        "is allowed (Qwen3-0.6B: 128 with hidden 1024 and 16 heads).", gt=0)
-    seq_length: Optional[int] = opt(None, "Sequence length of each training sample.", gt=0)
+        "is allowed (Qwen3-0.6B: 128 with hidden 1024 and 16 heads).", gt=0, checkpoint="shape")
+    seq_length: Optional[int] = opt(None, "Sequence length of each training sample.", gt=0,
+        checkpoint="shape")
     max_position_embeddings: Optional[int] = opt(
-        None, "Size of the learned position table; default --seq-length.", gt=0)
+        None, "Size of the learned position table; default --seq-length.", gt=0, checkpoint="shape")
     vocab_size: Optional[int] = opt(
         None, "Vocabulary size (NullTokenizer / mock data); otherwise taken from the tokenizer.",
-        gt=0)
+        gt=0, checkpoint="shape")
     make_vocab_size_divisible_by: int = opt(
-        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.", gt=0)
+        128, "Pad the vocabulary to a multiple of this times the tensor-parallel size.", gt=0,
+        checkpoint="runtime")
     normalization: str = opt("LayerNorm", "Normalization layer.", choices=["LayerNorm", "RMSNorm"])
     norm_epsilon: float = opt(1e-5, "Epsilon of the normalization layers.", gt=0, lt=1)
     position_embedding_type: str = opt(
@@ -104,15 +107,18 @@ class ModelConfig:
         "--normalization kind, one weight of --kv-channels shared by all heads) before RoPE "
         "(Qwen3); with --multi-latent-attention, the q and kv latents instead (Megatron's "
         "meaning; DeepSeek's models have them).", action="store_true")
-    init_method_std: float = opt(0.02, "Std of the normal initialization.", gt=0)
-    hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.", ge=0, lt=1)
-    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.", ge=0, lt=1)
+    init_method_std: float = opt(0.02, "Std of the normal initialization.", gt=0,
+        checkpoint="trained")
+    hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.", ge=0, lt=1,
+        checkpoint="trained")
+    attention_dropout: float = opt(0.1, "Dropout on attention probabilities.", ge=0, lt=1,
+        checkpoint="trained")
     attention_backend: str = opt(
         "auto", "Core-attention kernel. Local layers: 'flash' / 'fused' (PyTorch SDPA), "
         "'unfused' / 'local' (explicit matmuls and softmax), 'auto' (unfused on CPU for short "
         "sequences, where it is faster; SDPA otherwise). Transformer Engine: its flash, fused "
         "or unfused kernel (NVTE_* switches, as Megatron), 'auto' = TE's choice.",
-        choices=["auto", "flash", "fused", "unfused", "local"])
+        choices=["auto", "flash", "fused", "unfused", "local"], checkpoint="runtime")
     # Gemma 2's soft-caps: x -> cap * tanh(x / cap), smooth and bounded by +-cap.
     attn_logit_softcapping: Optional[float] = opt(
         None, "Soft-cap the attention scores before the softmax at this value (Gemma 2: 50); "
@@ -144,12 +150,13 @@ class ModelConfig:
         "k-th predicting the token k+1 positions ahead (on the last pipeline stage).", gt=0)
     mtp_loss_scaling_factor: float = opt(
         0.1, "Weight of the MTP loss: the mean of the depths' losses times this joins the "
-        "objective.", ge=0)
+        "objective.", ge=0, checkpoint="trained")
     # Mixture of experts.
     num_experts: Optional[int] = opt(None, "Number of routed experts (MoE); none = dense.", gt=0)
     moe_router_topk: int = opt(2, "Experts each token is routed to.", gt=0, le="num_experts")
     moe_ffn_hidden_size: Optional[int] = opt(None, "Hidden size of each expert MLP.", gt=0)
-    moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient.", ge=0)
+    moe_aux_loss_coeff: float = opt(0.0, "Load-balancing loss coefficient.", ge=0,
+        checkpoint="trained")
     moe_layer_freq: Union[int, list] = opt(
         1, "MoE layers: every n-th layer from layer 0, or a 0/1 pattern with one entry per "
         "layer, e.g. '[1,0]*2' (Megatron's form).", type=parse_moe_layer_freq,
@@ -163,12 +170,14 @@ class ModelConfig:
         action="store_true")
     moe_router_load_balancing_type: str = opt(
         "aux_loss", "Load balancing: aux_loss (per micro-batch), seq_aux_loss (per sequence) or "
-        "none.", choices=["aux_loss", "seq_aux_loss", "none"])
-    moe_z_loss_coeff: Optional[float] = opt(None, "Router z-loss coefficient (none = off).", ge=0)
+        "none.", choices=["aux_loss", "seq_aux_loss", "none"], checkpoint="trained")
+    moe_z_loss_coeff: Optional[float] = opt(None, "Router z-loss coefficient (none = off).", ge=0,
+        checkpoint="trained")
     moe_router_enable_expert_bias: bool = opt(
         False, "DeepSeek-V3 aux-loss-free balancing: a per-expert bias added to the scores "
         "for top-k selection only, nudged after each step.", action="store_true")
-    moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert-bias update.", ge=0)
+    moe_router_bias_update_rate: float = opt(1e-3, "Step of the expert-bias update.", ge=0,
+        checkpoint="trained")
     moe_router_topk_scaling_factor: Optional[float] = opt(
         None, "Multiply each token's top-k routing weights by this factor after the score "
         "function and normalization (DeepSeek-V3's routed_scaling_factor 2.5; none = 1).",
@@ -183,10 +192,10 @@ class ModelConfig:
         gt=0, le="moe_router_num_groups", requires="moe_router_num_groups")
     moe_expert_capacity_factor: Optional[float] = opt(
         None, "Expert capacity = factor x tokens x topk / experts; extra tokens are dropped "
-        "(none = no dropping).", gt=0)
+        "(none = no dropping).", gt=0, checkpoint="trained")
     moe_token_drop_policy: str = opt("probs", "Which tokens an over-full expert drops: lowest "
                                      "probability (probs) or latest (position).",
-                                     choices=["probs", "position"])
+                                     choices=["probs", "position"], checkpoint="trained")
     moe_shared_expert_intermediate_size: Optional[int] = opt(
         None, "Hidden size of the shared expert (a dense MLP every token goes through).", gt=0)
     moe_shared_expert_gate: bool = opt(
@@ -195,25 +204,27 @@ class ModelConfig:
         "--moe-shared-expert-intermediate-size.", action="store_true",
         requires="moe_shared_expert_intermediate_size")
     moe_token_dispatcher_type: str = opt("alltoall", "Token dispatch over the EP group.",
-                                         choices=["alltoall", "allgather"])
+                                         choices=["alltoall", "allgather"], checkpoint="runtime")
     transformer_impl: str = opt(
         "auto", "Hot-layer implementation: 'local' (pure PyTorch), 'transformer_engine', or "
-        "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"])
+        "'auto' (TE when CUDA and TE are present).", choices=["auto", "local", "transformer_engine"],
+        checkpoint="runtime")
     fp8_format: Optional[str] = opt(
         None, "FP8 GEMMs through Transformer Engine: e4m3 (forward and backward) or hybrid "
         "(e4m3 forward, e5m2 gradients); needs TE on a CUDA GPU with FP8.",
-        choices=["e4m3", "hybrid"])
-    fp8_amax_history_len: int = opt(1, "FP8 delayed scaling: amax history length.", gt=0)
+        choices=["e4m3", "hybrid"], checkpoint="runtime")
+    fp8_amax_history_len: int = opt(1, "FP8 delayed scaling: amax history length.", gt=0,
+        checkpoint="runtime")
     fp8_amax_compute_algo: str = opt("most_recent", "FP8 delayed scaling: scale from the "
                                      "most recent amax or the max of the history.",
-                                     choices=["most_recent", "max"])
+                                     choices=["most_recent", "max"], checkpoint="runtime")
     # Fused output layer + cross entropy (tensor_parallel/fused_cross_entropy.py).
     cross_entropy_loss_fusion: bool = opt(
         False, "Compute the output layer and the vocab-parallel loss chunk by chunk over "
-        "tokens, never holding the whole fp32 logits.", action="store_true")
+        "tokens, never holding the whole fp32 logits.", action="store_true", checkpoint="runtime")
     cross_entropy_chunk_tokens: int = opt(
         0, "Tokens per chunk of --cross-entropy-loss-fusion (0: about 32 MiB of fp32 logits).",
-        ge=0)
+        ge=0, checkpoint="runtime")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:

@@ -11,6 +11,8 @@ import shutil
 import sys
 
 import pytest
+
+from megalite.config.fields import opt
 import torch
 
 from megalite.cli.arguments import parse_args
@@ -149,14 +151,26 @@ def test_use_checkpoint_args_keeps_dropout_unless_the_command_line_gives_it(impo
 
 def test_every_model_field_has_a_checkpoint_args_rule():
     """Each ModelConfig field is a shape flag, an architecture switch, a how-it-was-trained
-    flag or a run-time choice -- exactly one -- so a new field cannot be forgotten by
-    --use-checkpoint-args."""
+    flag or a run-time choice -- exactly one, declared beside the field (an architecture
+    switch when it says nothing) -- so a new field cannot be forgotten by
+    --use-checkpoint-args; the known ones keep their rule."""
     from megalite.checkpointing import checkpoint_args as ca
 
     rules = (ca.SHAPE_FIELDS, ca.ARCH_FIELDS, ca.TRAINED_FIELDS, ca.RUNTIME_FIELDS)
     for f in dataclasses.fields(ModelConfig):
         assert sum(f.name in r for r in rules) == 1, f.name
     assert set(ca.NOT_MODEL) <= set(ca.RUNTIME_FIELDS)
+    assert set(ca.SHAPE_FIELDS) == {"num_layers", "hidden_size", "ffn_hidden_size",
+                                    "num_attention_heads", "kv_channels", "seq_length",
+                                    "max_position_embeddings", "vocab_size"}
+    assert {"hidden_dropout", "attention_dropout", "moe_aux_loss_coeff"} <= set(
+        ca.TRAINED_FIELDS)
+    assert {"attention_backend", "fp8_format", "cross_entropy_loss_fusion"} <= set(
+        ca.RUNTIME_FIELDS)
+    assert {"rotary_base", "swiglu", "attn_logit_softcapping", "qk_layernorm"} <= set(
+        ca.ARCH_FIELDS)
+    with pytest.raises(ValueError, match="checkpoint='weights'"):
+        opt(1, "x", checkpoint="weights")
 
 
 def test_use_checkpoint_args_edge_cases(tmp_path, capsys):
