@@ -14,13 +14,13 @@ from typing import Optional, Sequence
 from megalite.cli import compat_flags
 from megalite.config import (SECTIONS, ConfigError, MegaliteConfig,  # noqa: F401 (re-export)
                              all_fields, field_flag)
-from megalite.config.domains import check_domains
 from megalite.config.megatron_fsdp import apply_megatron_fsdp
 from megalite.cli.presets import preset_fields
 from megalite.cli.recipes import RECIPE_SECTION, flag_value, load_yaml, read_recipe_info
 from megalite.checkpointing.checkpoint_args import apply_checkpoint_args
 from megalite.cli.elastic_fit import fit_world
-from megalite.cli.validation import validate, with_default_global_batch
+from megalite.cli.validation import check_flags, validate, with_default_global_batch
+from megalite.config.domains import check_domains
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -196,7 +196,12 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "pretrain_gpt.p
     cfg = MegaliteConfig(world_size=world, launched_world_size=world, accepted_flags=accepted,
                          **{s: SECTIONS[s](**kw) for s, kw in sections.items()})
     cfg = apply_megatron_fsdp(cfg)     # --use-megatron-fsdp: its ZeRO stage's strategy fields
-    check_domains(cfg)        # a bad --load or value fails here, before any file is read
+    # a bad --load or value fails here, before any file is read (and, validating, a flag
+    # set without the one it needs)
+    if validate_config:
+        check_flags(cfg)
+    else:
+        check_domains(cfg)
     if cfg.checkpoint.use_checkpoint_args:     # before validation, which needs the model flags
 
         cfg, notes = apply_checkpoint_args(cfg, set(from_file) | given_dests(parser, argv))

@@ -392,11 +392,18 @@ def check_resume_schedule(cfg: MegaliteConfig) -> None:
                                           os.path.dirname(os.path.dirname(found[0])))
 
 
-def validate(cfg: MegaliteConfig) -> None:
-    check_domains(cfg)       # every field against the domain declared beside it
-    problem = features.requirement_refusal(cfg)   # a flag set without the one it needs
+def check_flags(cfg: MegaliteConfig) -> None:
+    """Every field against the domain declared beside it, then every flag declared to need
+    another (the feature table's ``REQUIREMENTS``): what one flag says, before the checks
+    that read several."""
+    check_domains(cfg)
+    problem = features.requirement_refusal(cfg)
     if problem:
         raise ConfigError(problem)
+
+
+def validate(cfg: MegaliteConfig) -> None:
+    check_flags(cfg)
     if cfg.checkpoint.load:  # first: the model the flags describe is the checkpoint's
         # start-up time: the checkpoint readers import torch; only a run with --load needs them
         from megalite.checkpointing.checkpoint_args import check_model_matches_checkpoint

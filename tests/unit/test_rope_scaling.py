@@ -10,7 +10,7 @@ from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError, ModelConfig
 from megalite.transformer import rotary
 from megalite.config import MegaliteConfig
-from megalite.config.domains import check_domains
+from megalite.cli.validation import check_flags
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -102,7 +102,7 @@ def test_flags_parse_with_megatron_names_and_are_checked():
             m.yarn_beta_slow, m.mscale, m.mscale_all_dim) == (4.0, 16, 8.0, 2.0, 0.9, 0.5)
     assert not m.yarn_correction_range_round_to_int and m.qk_layernorm and m.add_qkv_bias
     llama3 = ModelConfig(**dict(BASE, use_rope_scaling=True))
-    check_domains(MegaliteConfig(model=llama3))
+    check_flags(MegaliteConfig(model=llama3))
     bad = [(dict(position_embedding_type="yarn"),
             "--use-rope-scaling needs --position-embedding-type rope"),
            (dict(rope_scaling_high_freq_factor=1.0), "--rope-scaling-high-freq-factor must be "
@@ -112,4 +112,4 @@ def test_flags_parse_with_megatron_names_and_are_checked():
                  rotary_scaling_factor=-1.0), "--rotary-scaling-factor must be a positive")]
     for change, msg in bad:
         with pytest.raises(ConfigError, match=msg):
-            check_domains(MegaliteConfig(model=dataclasses.replace(llama3, **change)))
+            check_flags(MegaliteConfig(model=dataclasses.replace(llama3, **change)))
