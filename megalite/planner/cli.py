@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--list-recipes", action="store_true", help="list built-in models and exit")
     c = p.add_argument_group("cluster")
     c.add_argument("--num-gpus", type=int, help="total GPUs (required)")
-    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default 8; 4 for the NVL72 presets' trays)")
     c.add_argument("--gpu", default=None, help=f"preset: {', '.join(GPU_PRESETS)} "
                    "(default h100-80gb unless all four figures below are given)")
     c.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")

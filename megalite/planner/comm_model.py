@@ -53,8 +53,9 @@ def group_geometry(L: Layout, group: str) -> tuple:
 
 
 def link_of(cluster: Cluster, size: int, stride: int) -> tuple:
-    """(bytes/s, alpha) for a group of ``size`` ranks ``stride`` apart."""
-    gpn = cluster.gpus_per_node
+    """(bytes/s, alpha) for a group of ``size`` ranks ``stride`` apart; "node" here is the
+    NVLink domain (an NVL72 rack's 72 GPUs, not its trays of 4)."""
+    gpn = cluster.nvlink_domain
     if stride * (size - 1) < gpn and (stride * size <= gpn):
         return cluster.link(stride * size)
     per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
@@ -64,9 +65,10 @@ def link_of(cluster: Cluster, size: int, stride: int) -> tuple:
 
 
 def leaves_node(L: Layout, cluster: Cluster, group: str) -> bool:
-    """Whether the ranks of ``group`` span more than one node (so its traffic uses NICs)."""
+    """Whether the ranks of ``group`` span more than one NVLink domain (so its traffic
+    uses NICs)."""
     size, stride = group_geometry(L, group)
-    return stride * size > cluster.gpus_per_node
+    return stride * size > cluster.nvlink_domain
 
 
 def collective_time(op: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
@@ -437,7 +439,7 @@ def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
     else:
         size, stride = group_geometry(L, e.group)
         bw, alpha = link_of(cluster, size, stride)
-        gpn = cluster.gpus_per_node
+        gpn = cluster.nvlink_domain
         if e.op == "all_to_all" and leaves_node(L, cluster, e.group):
             nic, alpha = cluster.link(stride * size)
             nvl, _ = cluster.link(1)
