@@ -23,7 +23,7 @@ from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
-from megalite.planner.moe_cost import Routing, routing_imbalance
+from megalite.planner.moe_cost import Routing, capacity_load, routing_imbalance
 
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
@@ -53,6 +53,8 @@ class ModelOptions:
     recompute_modules: tuple = ("core_attn",)   # selective recompute (+ "every_other_mm")
     moe_routing: Routing = "uniform"       # moe_cost.routing_imbalance
     ep_overlap: bool = False               # EP all-to-all behind another micro-batch's compute
+    moe_dispatcher: str = "alltoall"       # moe_cost.DISPATCHERS: NCCL, DeepEP, HybridEP
+    moe_pad_to_capacity: bool = False      # --moe-pad-expert-input-to-capacity
     # TP collectives pipelined with their GEMMs: "all" (Transformer Engine's userbuffers),
     # "forward" (PyTorch's async TP, 2024: the forward pass's all-gather + matmul and
     # matmul + reduce-scatter), "none"
@@ -248,7 +250,11 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     t_f, t_b = c["t_f"], c["t_b"]
     evts = cm.events(m, L, seq, r, 4 if opts.fp32 else opts.grad_bytes,
                      dtype_bytes=4 if opts.fp32 else 2, fsdp_reshard=opts.fsdp_reshard,
-                     param_gather_bytes=1 if opts.fp8_param_gather and opts.fp8 else None)
+                     param_gather_bytes=1 if opts.fp8_param_gather and opts.fp8 else None,
+                     dispatcher=opts.moe_dispatcher,
+                     # DeepEP's node is the host (an NVL72 tray); HybridEP's the NVLink domain
+                     dispatch_node=cluster.gpus_per_node if opts.moe_dispatcher == "deepep"
+                     else cluster.nvlink_domain)
     comm = cm.comm_seconds(evts, L, cluster, ep_load=imbalance)
     hidden = 0.0 if opts.tp_async_backward else comm.get("tp_hidden", 0.0)
     fwd, rest = comm.get("tp_fwd", 0.0) / mbs, (comm.get("tp", 0.0) + hidden) / mbs
@@ -351,7 +357,8 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     est = est or memory_of(m, L, seq, cluster, opts)
     mbs = L.num_micro_batches
     stages = _stages(m, L)
-    load = routing_imbalance(opts.moe_routing, m, L, seq)
+    load = capacity_load(m, routing_imbalance(opts.moe_routing, m, L, seq),
+                         opts.moe_pad_to_capacity)
     rows = [_stage_row(m, L, seq, r, cluster, opts, load) for r, _ in stages]
     weights = [w for _, w in stages]
     worst = max(rows, key=lambda x: x["slot"])

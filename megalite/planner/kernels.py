@@ -41,6 +41,20 @@ ATTENTION_KERNELS = tuple(ATTENTION_TFLOPS) + ("unfused",)
 FLASH_BWD_OVER_FWD = 2.5
 UNFUSED_BWD_OVER_FWD = 2.0
 GEMM_TILE = 128          # output tile edge of the Hopper / Ampere GEMMs (wave quantization)
+# A GEMM with a short inner dimension K pays each output tile's fixed cost (prologue, the
+# epilogue's write) over fewer MMA steps: K / (K + K0) of the ceiling, relative to K =
+# 16384 (where the MAMF sweep's best shapes sit).  K0 = 710 for FP8 is the least-squares
+# fit to DeepGEMM's measured dense FP8 GEMMs on H800 at M = 4096 (github.com/deepseek-ai/
+# DeepGEMM README, "Normal GEMMs for dense models": K 512 / 1536 / 2048 / 7168 / 16384 at
+# 590 / 990 / 1025 / 1304 / 1358 TFLOPS, fitted to 0.437 / 0.714 / 0.775 / 0.949 of the
+# K = 16384 rate against measured 0.434 / 0.729 / 0.755 / 0.960).  The fixed cost is
+# time, so it scales with the main loop's rate per K step: half for bf16 (half the FP8
+# rate), twice for FP4.  Applied to the grouped expert GEMMs only: the dense GEMMs' shapes
+# are those of the rows the sustained fractions were fitted on (calibration.py), so the
+# constant already holds their share; fine-grained experts (Qwen3-30B-A3B: 128 experts of
+# width 768, fc2's K) fall far outside those shapes.
+INNER_K0_FP8 = 710.0
+INNER_K_REF = 16384
 
 
 @dataclass(frozen=True)
@@ -165,12 +179,21 @@ def _unfused_attention_gemms(m: ModelConfig, L: Layout, seq: int) -> List[Gemm]:
     return [Gemm(sq, dqk, seq, heads), Gemm(sq, seq, dv, heads)]
 
 
+def inner_efficiency(k: int, op_bytes: float) -> float:
+    """Fraction of the ceiling a GEMM of inner dimension ``k`` keeps (INNER_K0_FP8)."""
+    k0 = INNER_K0_FP8 / max(op_bytes, 0.5) if op_bytes < 4 else INNER_K0_FP8 / 2
+    return (k / (k + k0)) / (INNER_K_REF / (INNER_K_REF + k0)) if k < INNER_K_REF else 1.0
+
+
 def _gemm_seconds(gs: List[Gemm], rate: float, hbm: float, sms: int, op_bytes: float) -> float:
-    """Roofline per GEMM: the slower of its compute (at ``rate`` x wave efficiency) and
-    streaming its operands once (``op_bytes`` per input element, 2 per output element)."""
+    """Roofline per GEMM: the slower of its compute (at ``rate`` x wave efficiency x the
+    inner dimension's efficiency) and streaming its operands once (``op_bytes`` per input
+    element, 2 per output element)."""
     total = 0.0
     for gm in gs:
         eff = gemm_efficiency(gm.rows, gm.n, gm.groups, sms)
+        if gm.expert:
+            eff *= inner_efficiency(gm.k, op_bytes)
         byts = gm.groups * (op_bytes * (gm.rows * gm.k + gm.k * gm.n) + 2 * gm.rows * gm.n)
         total += max(gm.flops / (rate * eff), byts / hbm)
     return total

@@ -2,10 +2,20 @@
 datasheet figures, the NVL72 NVLink domain in the comm model, NVFP4 / MXFP8 GEMMs, the MoE
 dispatchers (NCCL all-to-all, DeepEP, HybridEP), token dropping, and the small-width
 expert GEMM efficiency."""
+from dataclasses import replace
+
+import pytest
+
+from megalite.config import ConfigError
 from megalite.planner import comm_model as cm
+from megalite.planner import kernels, moe_cost
+from megalite.planner import model_spec as ms
+from megalite.planner.estimate import ModelOptions, estimate
 from megalite.planner.hardware import (DATASHEET_BF16_TFLOPS, GPU_PRESETS, datasheet_peak_flops,
                                        make_cluster)
 from megalite.planner.layout import Layout
+
+MIXTRAL = ms.recipe("mixtral-8x7b")
 
 
 def test_blackwell_presets_and_device_names():
@@ -36,3 +46,54 @@ def test_nvl72_domain_keeps_groups_on_nvlink_across_trays():
     # past the rack (144 GPUs = 2 racks), a DP group leaves the domain
     big = make_cluster(144, None, "gb200-nvl72")
     assert cm.leaves_node(Layout(world=144, micro_batch=1, global_batch=144), big, "dp")
+
+
+def test_deepep_sends_once_per_node_and_moves_only_the_ep_term():
+    """DeepSeek-V3 at EP 64 over 8 nodes, top-4 of 8 node groups: NCCL's all-to-all sends 7
+    of 8 copies over the NIC, DeepEP at most 4 x 7/8 node copies."""
+    m = ms.recipe("deepseek-v3")
+    L = Layout(world=64, ep=64, micro_batch=1, global_batch=64, pp=1)
+    nccl = moe_cost.dispatch_fanout(m, L, "alltoall", 8)
+    deepep = moe_cost.dispatch_fanout(m, L, "deepep", 8)
+    assert nccl[0] == pytest.approx(8 * 56 / 64)
+    assert deepep[0] == pytest.approx(4 * 7 / 8) and deepep[0] <= nccl[0] / 2
+    cl = make_cluster(64, 8, "h100-80gb")
+    small = replace(m, num_layers=4, moe_layer_freq=1, mtp_num_layers=None)
+    a = estimate(small, L, 4096, cl, ModelOptions())
+    d = estimate(small, L, 4096, cl, ModelOptions(moe_dispatcher="deepep"))
+    assert d.times["ep"] < 0.6 * a.times["ep"]            # half the NIC bytes
+    assert d.times["compute"] == pytest.approx(a.times["compute"])
+    # HybridEP spans the NVL72 domain; DeepEP stops at the tray (4 GPUs)
+    rack = make_cluster(64, None, "gb200-nvl72")
+    h = estimate(small, L, 4096, rack, ModelOptions(moe_dispatcher="hybridep"))
+    e = estimate(small, L, 4096, rack, ModelOptions(moe_dispatcher="deepep"))
+    assert h.times["ep"] < e.times["ep"]
+    with pytest.raises(ConfigError, match="dispatcher"):
+        moe_cost.dispatch_fanout(m, L, "nvshmem", 8)
+
+
+def test_capacity_factor_caps_or_pads_the_expert_load():
+    m = replace(MIXTRAL, moe_expert_capacity_factor=1.1)
+    assert moe_cost.capacity_load(m, 1.3, pad=False) == pytest.approx(1.1)
+    assert moe_cost.capacity_load(m, 1.05, pad=False) == pytest.approx(1.05)
+    assert moe_cost.capacity_load(m, 1.05, pad=True) == pytest.approx(1.1)
+    assert moe_cost.capacity_load(MIXTRAL, 1.3, pad=False) == 1.3       # dropless
+    L = Layout(world=8, ep=8, micro_batch=1, global_batch=64)
+    drop = estimate(m, L, 4096, make_cluster(8), ModelOptions(moe_routing=1.5))
+    assert drop.moe_load == pytest.approx(1.1)
+
+
+def test_small_inner_dimension_slows_fine_grained_experts():
+    """The DeepGEMM-fitted curve: K = 512 keeps ~44% of the FP8 rate, 7168 ~95%."""
+    assert kernels.inner_efficiency(512, 1.0) == pytest.approx(0.437, abs=0.005)
+    assert kernels.inner_efficiency(7168, 1.0) == pytest.approx(0.949, abs=0.005)
+    assert kernels.inner_efficiency(768, 2.0) > kernels.inner_efficiency(768, 1.0)
+    assert kernels.inner_efficiency(16384, 1.0) == 1.0
+    # an expert of width 768 (Qwen3-30B-A3B) loses more than Mixtral's 14336
+    fine = replace(MIXTRAL, num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768)
+    L = Layout(world=8, ep=8, micro_batch=1, global_batch=64)
+    cl = make_cluster(8)
+    gs = [g for g in kernels.layer_gemms(fine, L, True, 4096) if g.expert]
+    assert min(g.k for g in gs) == 768
+    assert kernels.inner_efficiency(768, 2.0) < kernels.inner_efficiency(14336, 2.0)
+    assert estimate(fine, L, 4096, cl, ModelOptions()).step > 0
