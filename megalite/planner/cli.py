@@ -12,13 +12,15 @@ from typing import List, Optional
 
 from megalite.cli.arguments import OneLineErrorParser, parse_args
 from megalite.cli.boundary import run_cli
-from megalite.config import ConfigError
+from megalite.config import RECOMPUTE_MODULES, ConfigError
 from megalite.planner import model_spec as ms
 from megalite.planner import report
-from megalite.planner.estimate import ModelOptions
+from megalite.planner.estimate import PLANNER_ONLY_RECOMPUTE, ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
 from megalite.pipeline_parallel.simulator import SCHEDULE_NAMES
-from megalite.planner.kernels import ATTENTION_KERNELS, FP8_RECIPES, fp8_unavailable
+from megalite.planner.kernels import (ATTENTION_KERNELS, FP4_RECIPES, FP8_ONLY_RECIPES,
+                                      fp8_unavailable)
+from megalite.planner.moe_cost import DISPATCHERS
 from megalite.planner.search import RECOMPUTE_ORDER, SEARCHED_SCHEDULES, SearchSpace, search
 from megalite.planner.goodput import main as goodput
 from megalite.planner.plot import plot_plan
@@ -81,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--global-batch-size", type=int, help="samples per step")
     b.add_argument("--global-batch-tokens", type=int, help="tokens per step (/ seq length)")
     s = p.add_argument_group("search space (comma lists pin a dimension)")
-    for name in ("tp", "pp", "cp", "ep", "vpp"):
-        s.add_argument(f"--{name}", type=_ints, metavar="N[,N]")
+    for name in ("tp", "pp", "cp", "ep", "etp", "vpp"):
+        s.add_argument(f"--{name}", type=_ints, metavar="N[,N]",
+                       help="expert-TP (--expert-tensor-parallel-size): default 1 or TP"
+                       if name == "etp" else None)
     s.add_argument("--micro-batch-sizes", type=_ints, metavar="N[,N]")
     s.add_argument("--recompute", type=_words(RECOMPUTE_ORDER), default=list(RECOMPUTE_ORDER))
     s.add_argument("--zero-stages", type=_ints, default=[0, 1], metavar="S[,S]",
@@ -111,9 +115,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force this fraction of DP communication to be exposed")
     o.add_argument("--tp-overlap", type=float, default=0.0,
                    help="fraction of TP communication hidden behind GEMMs")
-    o.add_argument("--fp8-recipe", choices=list(FP8_RECIPES),
+    o.add_argument("--fp8-recipe", choices=list(FP8_ONLY_RECIPES),
                    help="FP8 GEMMs with this recipe (megalite's --fp8-format runs 'delayed'; "
-                   "Transformer Engine's current scaling is 'tensorwise')")
+                   "Transformer Engine's current scaling is 'tensorwise'; Blackwell's "
+                   "MXFP8 'mxfp8')")
+    o.add_argument("--fp4-recipe", choices=list(FP4_RECIPES),
+                   help="FP4 GEMMs (Megatron's --fp4-format e2m1 --fp4-recipe nvfp4; "
+                   "Blackwell presets)")
+    o.add_argument("--recompute-modules", nargs="+", metavar="MODULE",
+                   choices=list(RECOMPUTE_MODULES) + list(PLANNER_ONLY_RECOMPUTE),
+                   default=["core_attn"],
+                   help="what selective recomputation repeats (training's "
+                   "--recompute-modules; planner-only: " + ", ".join(PLANNER_ONLY_RECOMPUTE)
+                   + ")")
+    o.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "flex"],
+                   default="alltoall", help="EP dispatch: NCCL all-to-all, or Megatron's "
+                   "flex dispatcher with --moe-flex-dispatcher-backend")
+    o.add_argument("--moe-flex-dispatcher-backend", choices=list(DISPATCHERS[1:]),
+                   default="deepep", help="flex backend: deepep (once per node, NVLink "
+                   "inside a host) or hybridep (also across an NVL72 rack)")
+    o.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with --moe-expert-capacity-factor: every expert runs its capacity")
     o.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="cudnn",
                    help="core-attention kernel whose measured rate the model uses "
                    "(cudnn = Transformer Engine's fused attention)")
@@ -203,7 +225,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         raise ConfigError(f"--zero-stages: unknown stage(s) {bad}; use 0-3")
     if not 0 < args.headroom <= 1:
         raise ConfigError("--headroom must be in (0, 1]")
-    space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp,
+    space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
+                        vpp=args.vpp,
                         micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
                         zero=tuple(args.zero_stages), schedules=tuple(args.schedules),
                         cp_min_seq=args.cp_min_seq_length,
@@ -215,10 +238,19 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         local_layers=args.local_layers, fp8=args.fp8_recipe,
                         attention_kernel=args.attention_kernel,
                         tp_comm_overlap=args.tp_comm_overlap, ep_overlap=args.ep_overlap,
-                        moe_routing=moe_routing(args.moe_routing))
+                        moe_routing=moe_routing(args.moe_routing),
+                        recompute_modules=tuple(args.recompute_modules),
+                        moe_dispatcher=args.moe_flex_dispatcher_backend
+                        if args.moe_token_dispatcher_type == "flex" else "alltoall",
+                        moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+    if args.fp4_recipe:
+        if args.fp8_recipe:
+            raise ConfigError("--fp4-recipe and --fp8-recipe: pick one low precision")
+        opts = dataclasses.replace(opts, fp8=args.fp4_recipe)
     warn = fp8_unavailable(cluster, opts)
     if warn:
-        raise ConfigError(f"--fp8-recipe: {warn}; drop the flag or pick an FP8 GPU")
+        flag = "--fp4-recipe" if args.fp4_recipe else "--fp8-recipe"
+        raise ConfigError(f"{flag}: {warn}; drop the flag or pick a GPU that has them")
     res = search(m, seq, gbs, cluster, space, opts)
     if args.json:
         print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32), file=out)

@@ -25,6 +25,10 @@ from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
 from megalite.planner.moe_cost import Routing, capacity_load, routing_imbalance
 
+# Selective-recompute modules the cost model knows beyond training's (config.RECOMPUTE_
+# MODULES): Megatron's MLA up-projections, torchtitan's op-level SAC (every other matmul).
+PLANNER_ONLY_RECOMPUTE = ("mla_up_proj", "every_other_mm")
+
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
 OPTIMIZER_BYTES_PER_PARAM = 30

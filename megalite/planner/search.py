@@ -34,6 +34,7 @@ class SearchSpace:
     pp: Optional[Sequence[int]] = None
     cp: Optional[Sequence[int]] = None
     ep: Optional[Sequence[int]] = None
+    etp: Optional[Sequence[int]] = None           # expert-TP; None: 1 or TP
     vpp: Optional[Sequence[int]] = None
     micro_batch: Optional[Sequence[int]] = None
     recompute: Sequence[str] = RECOMPUTE_ORDER
@@ -176,8 +177,9 @@ def _expert_options(m: ModelConfig, tp: int, pp: int, world: int, space: SearchS
     if not m.num_experts:
         yield 1, tp
         return
+    etps = sorted({1, tp}) if space.etp is None else sorted(set(space.etp))
     for ep in _pick(divisors(m.num_experts), space.ep):
-        for etp in sorted({1, tp}):
+        for etp in etps:
             if world % (etp * ep * pp) == 0:
                 yield ep, etp
 
