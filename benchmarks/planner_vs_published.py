@@ -37,9 +37,50 @@ def layout_text(L) -> str:
     return " ".join(parts + extra)
 
 
+def group_by(rows, key) -> dict:
+    out: dict = {}
+    for c in rows:
+        out.setdefault(key(c), []).append(c)
+    return out
+
+
+def explain(c) -> str:
+    """The step-time terms of a row's published layout (seconds per step), and the same
+    layout with the row's MoE switch turned back (NCCL all-to-all for a flex dispatcher;
+    the expert GEMMs' inner-dimension curve off for a fine-grained row): which term moved."""
+    import dataclasses
+
+    from megalite.planner import kernels
+    from megalite.planner.published import as_run
+    base = c.as_run.times
+    if c.opts.moe_dispatcher != "alltoall":
+        what = f"{c.opts.moe_dispatcher} -> alltoall (per-copy NCCL)"
+        other = as_run(c.run, c.model, c.cluster,
+                       dataclasses.replace(c.opts, moe_dispatcher="alltoall"))
+    else:
+        what = "inner-dimension curve off (K0 = 0)"
+        saved = kernels.INNER_K0_FP8
+        kernels.INNER_K0_FP8 = 0.0
+        try:
+            other = as_run(c.run, c.model, c.cluster, c.opts)
+        finally:
+            kernels.INNER_K0_FP8 = saved
+    keys = ("compute", "imbalance", "tp", "cp", "ep", "pp", "bubble", "dp", "optimizer",
+            "fp8_cast", "step")
+    lines = [f"{c.run.name} ({what}):", "| term | as modelled | switched | moved |",
+             "|---|---|---|---|"]
+    for k in keys:
+        a, b = base.get(k, 0.0), other.times.get(k, 0.0)
+        lines.append(f"| {k} | {a:.3f} s | {b:.3f} s | {b - a:+.3f} s |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-search", action="store_true", help="skip the planner's own picks")
+    ap.add_argument("--explain", action="append", default=[], metavar="ROW",
+                    help="print a row's step-time terms and which term its MoE switch moves "
+                    "(repeatable)")
     args = ap.parse_args(argv)
     cal = set(calibration.calibration_row_names())
     rows = compare_all(with_search=not args.no_search)
@@ -69,6 +110,13 @@ def main(argv=None) -> int:
         group = [c for c in held if (c.model.num_experts if key is None
                                      else c.run.name.startswith(key))]
         summary(f"held out, {tag}", group)
+    for tag, groups in (("hardware", group_by(held, lambda c: c.run.gpu)),
+                        ("dispatcher", group_by([c for c in held if c.model.num_experts],
+                                                lambda c: c.opts.moe_dispatcher))):
+        for key, group in groups.items():
+            summary(f"held out, {tag} {key}", group)
+    for name in args.explain:
+        print("\n" + explain(next(c for c in rows if c.run.name == name)))
     print("\nconstants (planner/calibration.py), each fitted on its rows:")
     for keys, names in calibration.CALIBRATION_ROWS.items():
         vals = ", ".join(f"{k} = {getattr(calibration, k):g}" for k in keys)

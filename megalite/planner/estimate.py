@@ -29,6 +29,9 @@ from megalite.planner.moe_cost import Routing, capacity_load, routing_imbalance
 # MODULES): Megatron's MLA up-projections, torchtitan's op-level SAC (every other matmul).
 PLANNER_ONLY_RECOMPUTE = ("mla_up_proj", "every_other_mm")
 
+# SMs the flex dispatchers' kernels hold while a dispatch / combine is in flight.
+FLEX_DISPATCH_SMS = 20
+
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
 OPTIMIZER_BYTES_PER_PARAM = 30
@@ -52,6 +55,7 @@ class ModelOptions:
     eager: bool = False                    # eager PyTorch (no fusion): torchtitan uncompiled
     local_layers: bool = False             # megalite's local layers (memory.local_layer_bytes)
     fp8: Optional[str] = None              # FP8 GEMMs: kernels.FP8_RECIPES key, None = bf16
+    fp4_gemm: Optional[float] = None       # NVFP4 GEMMs' share of FP4's ceiling (calibration)
     attention_kernel: str = "cudnn"        # kernels.ATTENTION_TFLOPS key (flash kernels)
     causal: bool = True                    # causal mask: flash kernels skip half the scores
     recompute_modules: tuple = ("core_attn",)   # selective recompute (+ "every_other_mm")
@@ -295,7 +299,14 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             # PXN sends what is bound for rail j through NIC j.  Where the all-to-all keeps
             # that NIC busy, the p2p's bytes add to its time.
             nic_shared = pp
-        ep = alone * ep + (1 - alone) * max(0.0, ep + nic_shared - beside)
+        stolen = 0.0
+        if opts.moe_dispatcher != "alltoall":
+            # DeepEP / HybridEP kernels move the tokens on SMs of their own (Megatron's
+            # moe_flex_dispatcher_num_sms: "historical default 20", transformer_config.py),
+            # so the compute beside them runs on the rest while they are in flight.
+            s = min(FLEX_DISPATCH_SMS, cluster.gpu.sms - 1) / cluster.gpu.sms
+            stolen = (1 - alone) * min(ep, beside) * s / (1 - s)
+        ep = alone * ep + (1 - alone) * max(0.0, ep + nic_shared - beside) + stolen
     # p2p: 1F1B's sends block in the steady state; interleaving overlaps them with the
     # next chunk (Megatron's --overlap-p2p-communication, 2023; ``pp_overlap``), leaving
     # what a message takes beyond a chunk (nothing more when it shares the NIC above).

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config import ModelConfig
+from megalite.planner import calibration
 from megalite.planner import flops as fl
 from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
@@ -271,7 +272,9 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     if opts.fp32:
         rate = gpu.matmul_tflops * 0.5 * 1e12 * sustain     # TF32 tensor cores: half rate
     elif fp8:
-        rate = low_precision_tflops(gpu, fp8) * fp8.gemm * 1e12 * sustain
+        gemm = fp8.gemm if fp8.bits == 8 else (opts.fp4_gemm if opts.fp4_gemm is not None
+                                                else calibration.NVFP4_GEMM)
+        rate = low_precision_tflops(gpu, fp8) * gemm * 1e12 * sustain
     else:
         rate = gpu.matmul_tflops * 1e12 * sustain
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
