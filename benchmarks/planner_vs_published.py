@@ -45,33 +45,37 @@ def group_by(rows, key) -> dict:
 
 
 def explain(c) -> str:
-    """The step-time terms of a row's published layout (seconds per step), and the same
-    layout with the row's MoE switch turned back (NCCL all-to-all for a flex dispatcher;
-    the expert GEMMs' inner-dimension curve off for a fine-grained row): which term moved."""
+    """The step-time terms of a row's published layout (seconds per step) next to the same
+    layout with one MoE switch flipped each: NCCL's all-to-all against a flex dispatcher
+    (DeepEP for a row modelled with NCCL), and the expert GEMMs without the small-inner-dimension curve (K0 = 0) --
+    which term moved."""
     import dataclasses
 
     from megalite.planner import kernels
     from megalite.planner.published import as_run
-    base = c.as_run.times
-    if c.opts.moe_dispatcher != "alltoall":
-        what = f"{c.opts.moe_dispatcher} -> alltoall (per-copy NCCL)"
+    cols = [("as modelled", c.as_run.times)]
+    if c.model.num_experts and c.as_run.layout.ep > 1:
+        flip = "alltoall" if c.opts.moe_dispatcher != "alltoall" else "deepep"
         other = as_run(c.run, c.model, c.cluster,
-                       dataclasses.replace(c.opts, moe_dispatcher="alltoall"))
-    else:
-        what = "inner-dimension curve off (K0 = 0)"
-        saved = kernels.INNER_K0_FP8
-        kernels.INNER_K0_FP8 = 0.0
-        try:
-            other = as_run(c.run, c.model, c.cluster, c.opts)
-        finally:
-            kernels.INNER_K0_FP8 = saved
+                       dataclasses.replace(c.opts, moe_dispatcher=flip))
+        cols.append((f"{c.opts.moe_dispatcher} -> {flip}", other.times))
+    saved = kernels.INNER_K0_FP8
+    kernels.INNER_K0_FP8 = 0.0
+    try:
+        cols.append(("K-curve off", as_run(c.run, c.model, c.cluster, c.opts).times))
+    finally:
+        kernels.INNER_K0_FP8 = saved
     keys = ("compute", "imbalance", "tp", "cp", "ep", "pp", "bubble", "dp", "optimizer",
             "fp8_cast", "step")
-    lines = [f"{c.run.name} ({what}):", "| term | as modelled | switched | moved |",
-             "|---|---|---|---|"]
+    base = cols[0][1]
+    lines = [f"{c.run.name}: step-time terms (s per step; moved = switched - modelled)",
+             "| term | " + " | ".join(n for n, _ in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
     for k in keys:
-        a, b = base.get(k, 0.0), other.times.get(k, 0.0)
-        lines.append(f"| {k} | {a:.3f} s | {b:.3f} s | {b - a:+.3f} s |")
+        cells = [f"{base.get(k, 0.0):.3f}"] + [
+            f"{t.get(k, 0.0):.3f} ({t.get(k, 0.0) - base.get(k, 0.0):+.3f})"
+            for _, t in cols[1:]]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

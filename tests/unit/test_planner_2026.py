@@ -97,3 +97,36 @@ def test_small_inner_dimension_slows_fine_grained_experts():
     assert min(g.k for g in gs) == 768
     assert kernels.inner_efficiency(768, 2.0) < kernels.inner_efficiency(14336, 2.0)
     assert estimate(fine, L, 4096, cl, ModelOptions()).step > 0
+
+
+def _plan(*args):
+    import os
+    import shutil
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    exe = shutil.which("megalite", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "megalite.cli"]
+    return subprocess.run(cmd + ["plan"] + list(args), capture_output=True, text=True,
+                          cwd=root, timeout=120)
+
+
+def test_plan_on_an_nvl72_rack_with_nvfp4_hybridep_and_etp():
+    """The flags docs/planner.md shows, as a user runs them: one launch checks the preset's
+    trays of 4, NVFP4, the flex dispatcher, --etp and --recompute-modules together."""
+    import json
+    out = _plan("--recipe", "mixtral-8x7b", "--num-gpus", "64", "--gpu", "gb300-nvl72",
+                "--global-batch-size", "256", "--fp4-recipe", "nvfp4",
+                "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend",
+                "hybridep", "--tp", "2", "--etp", "1", "--ep", "8", "--pp", "1",
+                "--recompute-modules", "core_attn", "mlp", "--ep-overlap", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["cluster"]["gpus_per_node"] == 4
+    best = got["candidates"][0]["layout"]
+    assert (best["tp"], best["etp"], best["ep"]) == (2, 1, 8)
+    bad = _plan("--recipe", "mixtral-8x7b", "--num-gpus", "8", "--gpu", "h100-80gb",
+                "--global-batch-size", "64", "--fp4-recipe", "nvfp4")
+    assert bad.returncode == 2 and bad.stdout == ""
+    line, = bad.stderr.strip().splitlines()
+    assert "--fp4-recipe" in line and "FP4 tensor cores" in line

@@ -189,6 +189,6 @@ def test_benchmark_prints_every_row_and_both_error_groups():
     for group in ("hardware gb300-nvl72", "hardware b200", "dispatcher hybridep"):
         assert f"- held out, {group}:" in out.stdout
     # the DeepEP-style row's terms: only the EP term (and what waits on it) moves
-    assert "bridge26-dsv3-gb200 (hybridep -> alltoall" in out.stdout
+    assert "| term | as modelled | hybridep -> alltoall | K-curve off |" in out.stdout
     assert "| compute | " in out.stdout and "| ep | " in out.stdout
     assert "| titan-70b-256gpu-2d | 71.9 GiB |" in out.stdout
