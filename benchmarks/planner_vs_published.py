@@ -1,14 +1,17 @@
 #!/usr/bin/env python
 """The planner against published training runs (megalite/planner/published_runs.py):
 Narayanan et al. 2021 Table 1, Llama 3 405B (Table 4), Megatron-Bridge's DGX-H100 FP8 rows
-(Llama 3 8B / 70B / 3.1 405B, Qwen3-235B, DeepSeek-V3), Megatron-Core's Mixtral 8x7B, and
-torchtitan's Llama 3.1 8B / 70B / 405B on 500 W H100s.
+(Llama 3 8B / 70B / 3.1 405B, Qwen3-235B, DeepSeek-V3), Megatron-Core's Mixtral 8x7B,
+torchtitan's Llama 3.1 8B / 70B / 405B on 500 W H100s, and Megatron-Bridge's Blackwell rows
+(GB300 / GB200 / B200 / B300, FP8 / MXFP8 / NVFP4, HybridEP).
 
 For each row it estimates the published layout with the run's software switches and
 prints the predicted throughput in the source's unit and FLOP convention next to the
 published figure; the rows that fitted calibration.py's constants are marked "cal", and
-the error is summarised separately for them and for the held-out rest.  Then the memory
-figures the sources state, and the planner's own pick for each published setting with the
+the error is summarised separately for them and for the held-out rest, and for the held-out
+rows per hardware and per MoE dispatcher.  ``--explain ROW`` prints a row's step-time
+terms next to the same layout with its dispatcher flipped and the expert GEMMs' small-K
+curve off.  Then the memory figures the sources state, and the planner's own pick for each published setting with the
 published layout's rank among its candidates.  The Markdown output goes into
 docs/planner.md.   Run: python benchmarks/planner_vs_published.py [--no-search]
 """
@@ -65,8 +68,8 @@ def explain(c) -> str:
         cols.append(("K-curve off", as_run(c.run, c.model, c.cluster, c.opts).times))
     finally:
         kernels.INNER_K0_FP8 = saved
-    keys = ("compute", "imbalance", "tp", "cp", "ep", "pp", "bubble", "dp", "optimizer",
-            "fp8_cast", "step")
+    keys = ("compute", "imbalance", "tp", "cp", "ep", "pp", "offload", "bubble", "dp",
+            "optimizer", "fp8_cast", "step")
     base = cols[0][1]
     lines = [f"{c.run.name}: step-time terms (s per step; moved = switched - modelled)",
              "| term | " + " | ".join(n for n, _ in cols) + " |",

@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--moe-flex-dispatcher-backend", choices=list(DISPATCHERS[1:]),
                    default="deepep", help="flex backend: deepep (once per node, NVLink "
                    "inside a host) or hybridep (also across an NVL72 rack)")
+    o.add_argument("--cpu-offloading", action="store_true",
+                   help="offload activations to host memory (Megatron's flag; with "
+                   "--cpu-offloading-num-layers)")
+    o.add_argument("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
+                   help="layers per model chunk whose activations go to the host")
     o.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="with --moe-expert-capacity-factor: every expert runs its capacity")
     o.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="cudnn",
@@ -242,7 +247,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         recompute_modules=tuple(args.recompute_modules),
                         moe_dispatcher=args.moe_flex_dispatcher_backend
                         if args.moe_token_dispatcher_type == "flex" else "alltoall",
-                        moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity)
+                        moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+                        cpu_offload_layers=cpu_offload_layers(args))
     if args.fp4_recipe:
         if args.fp8_recipe:
             raise ConfigError("--fp4-recipe and --fp8-recipe: pick one low precision")
@@ -275,6 +281,19 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}", file=out)
     return 0
+
+
+def cpu_offload_layers(args) -> int:
+    n = args.cpu_offloading_num_layers
+    if n < 0:
+        raise ConfigError(f"--cpu-offloading-num-layers must be >= 0, got {n}")
+    if n and not args.cpu_offloading:
+        raise ConfigError("--cpu-offloading-num-layers needs --cpu-offloading (Megatron's "
+                          "pair); add it")
+    if args.cpu_offloading and not n:
+        raise ConfigError("--cpu-offloading: give --cpu-offloading-num-layers N (layers "
+                          "per model chunk to offload)")
+    return n
 
 
 def moe_routing(text: str):

@@ -63,6 +63,9 @@ class ModelOptions:
     ep_overlap: bool = False               # EP all-to-all behind another micro-batch's compute
     moe_dispatcher: str = "alltoall"       # moe_cost.DISPATCHERS: NCCL, DeepEP, HybridEP
     moe_pad_to_capacity: bool = False      # --moe-pad-expert-input-to-capacity
+    # Megatron's --cpu-offloading --cpu-offloading-num-layers N: the activations of the
+    # first N layers of each model chunk go to host memory in forward, back in backward
+    cpu_offload_layers: int = 0
     # TP collectives pipelined with their GEMMs: "all" (Transformer Engine's userbuffers),
     # "forward" (PyTorch's async TP, 2024: the forward pass's all-gather + matmul and
     # matmul + reduce-scatter), "none"
@@ -142,6 +145,11 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         act = share * full["activations"] + (1 - share) * (none["activations"])
         peak = dict(full, activations=int(act))
         peak["total"] = peak["weights"] + peak["grads"] + peak["optimizer"] + peak["activations"]
+    if opts.cpu_offload_layers:
+        share = offloaded_share(m, L, peak["pp_rank"], opts.cpu_offload_layers)
+        gone = int(share * peak["activations"])
+        peak = dict(peak, activations=peak["activations"] - gone)
+        peak["total"] -= gone
     if opts.fp8 and cluster.gpu.fp8_matmul_tflops:
         # Transformer Engine keeps each weight's FP8 copy and its transpose between
         # micro-batches (the cast once per step that kernels.weight_cast_seconds counts),
@@ -158,6 +166,27 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         peak = dict(peak, weights=peak["weights"] + unsharded)
         peak["total"] += unsharded
     return Estimate(L, peak, int(cluster.gpu.memory_bytes * opts.headroom))
+
+
+def offloaded_share(m: ModelConfig, L: Layout, pp_rank: int, layers: int) -> float:
+    """Share of a stage's layers whose activations CPU offloading moves to the host."""
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    return min(1.0, layers * L.vpp / max(1, sum(kinds)))
+
+
+def offload_seconds(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
+                    opts: ModelOptions, t_f: float, t_b: float) -> float:
+    """Exposed host-transfer time of one micro-batch: the offloaded layers' activations go
+    out during forward and come back during backward, each hidden behind that pass's
+    compute as far as it reaches (Megatron's offload runs on its own stream)."""
+    if not opts.cpu_offload_layers:
+        return 0.0
+    kinds = ms.stage_layer_kinds(m, L.pp, r, L.vpp, *L.stage_split)
+    per = sum(n * mem.layer_activation_bytes(m, L, moe, seq, opts.activations, L.recompute)
+              for n, moe in zip(kinds, (False, True)) if n)
+    moved = offloaded_share(m, L, r, opts.cpu_offload_layers) * per
+    bw = cluster.gpu.host_gbps * 1e9 * cluster.eff.link
+    return max(0.0, moved / bw - t_f) + max(0.0, moved / bw - t_b)
 
 
 def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
@@ -314,11 +343,12 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         pp = 0.0
     elif interleaved_p2p:
         pp = max(0.0, pp - (t_f + t_b))
-    row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp,
+    offload = offload_seconds(m, L, seq, r, cluster, opts, t_f, t_b)
+    row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp, offload=offload,
                cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden), ep=ep, pp=pp,
                pp_hop=comm.get("pp", 0.0) / mbs / max(1, L.vpp), dp=comm.get("dp", 0.0),
                cast=c["cast"])
-    row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"]
+    row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"] + offload
     return row
 
 
@@ -390,7 +420,8 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     est.times = {"compute": mbs * mean_compute,
                  "imbalance": mbs * (worst["t_f"] + worst["t_b"] - mean_compute),
                  "tp": mbs * worst["tp"], "cp": mbs * worst["cp"], "ep": mbs * worst["ep"],
-                 "pp": mbs * worst["pp"], "bubble": bubble, "dp": dp, "optimizer": optim,
+                 "pp": mbs * worst["pp"], "offload": mbs * worst["offload"],
+                 "bubble": bubble, "dp": dp, "optimizer": optim,
                  "dp_total": max(r["dp"] for r in rows), "fp8_cast": mbs * worst["cast"]}
     est.moe_load = load
     est.times["step"] = mbs * worst["slot"] + bubble + dp + optim

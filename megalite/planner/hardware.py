@@ -110,6 +110,11 @@ class GPU:
     # whose "nodes" (compute trays) hold 4.  A group inside the domain uses NVLink even
     # across nodes (comm_model.link_of); 0 = the node.
     nvlink_domain: int = 0
+    # GB/s one way between the GPU and its host's memory, for CPU offloading: PCIe Gen4 x16
+    # 32 (A100), Gen5 x16 64 (H100, H200, HGX B200), Gen6 x16 128 (B300: glennklockwood.com,
+    # B300, "Upgrade to PCIe Gen6"); Grace's NVLink-C2C, 900 GB/s both ways per Grace and
+    # its two GPUs (GB200 / GB300 superchips) = 225 one way per GPU.
+    host_gbps: float = 64.0
     # The sustained clock relative to the one the kernel tables were measured at: < 1
     # for a power-capped part (torchtitan's 500 W H100s, planner/published_runs.py).
     clock: float = 1.0
@@ -164,8 +169,10 @@ _PEAK, _FP8, _FP4 = DATASHEET_BF16_TFLOPS, DATASHEET_FP8_TFLOPS, DATASHEET_FP4_T
 #     nvidia-launches-blackwell-ultra-gb300: "each GPU has ConnectX-8 SuperNIC at 800 Gb/s").
 GB = 10 ** 9
 GPU_PRESETS = {
-    "a100-40gb": GPU("a100-40gb", 40960 * MiB, _PEAK["A100"], 300.0, 25.0, 1555.0, "A100"),
-    "a100-80gb": GPU("a100-80gb", 81920 * MiB, _PEAK["A100"], 300.0, 25.0, 2039.0, "A100"),
+    "a100-40gb": GPU("a100-40gb", 40960 * MiB, _PEAK["A100"], 300.0, 25.0, 1555.0, "A100",
+                     host_gbps=32.0),
+    "a100-80gb": GPU("a100-80gb", 81920 * MiB, _PEAK["A100"], 300.0, 25.0, 2039.0, "A100",
+                     host_gbps=32.0),
     "h100-80gb": GPU("h100-80gb", 81559 * MiB, _PEAK["H100"], 450.0, 50.0, 3350.0, "H100",
                      _FP8["H100"]),
     "h200-141gb": GPU("h200-141gb", 143771 * MiB, _PEAK["H200"], 450.0, 50.0, 4800.0, "H200",
@@ -173,11 +180,11 @@ GPU_PRESETS = {
     "b200": GPU("b200", 183359 * MiB, _PEAK["B200"], 900.0, 50.0, 8000.0, "B200", _FP8["B200"],
                 _FP4["B200"]),
     "b300": GPU("b300", 270 * GB, _PEAK["B300"], 900.0, 100.0, 8000.0, "B300", _FP8["B300"],
-                _FP4["B300"]),
+                _FP4["B300"], host_gbps=128.0),
     "gb200-nvl72": GPU("gb200-nvl72", 186 * GB, _PEAK["GB200"], 900.0, 50.0, 8000.0, "GB200",
-                       _FP8["GB200"], _FP4["GB200"], nvlink_domain=72),
+                       _FP8["GB200"], _FP4["GB200"], nvlink_domain=72, host_gbps=225.0),
     "gb300-nvl72": GPU("gb300-nvl72", 279 * GB, _PEAK["GB300"], 900.0, 100.0, 8000.0,
-                       "GB300", _FP8["GB300"], _FP4["GB300"], nvlink_domain=72),
+                       "GB300", _FP8["GB300"], _FP4["GB300"], nvlink_domain=72, host_gbps=225.0),
 }
 # GPUs per node (compute tray) a preset implies when --gpus-per-node is not given.
 PRESET_GPUS_PER_NODE = {"gb200-nvl72": 4, "gb300-nvl72": 4}

@@ -130,3 +130,22 @@ def test_plan_on_an_nvl72_rack_with_nvfp4_hybridep_and_etp():
     assert bad.returncode == 2 and bad.stdout == ""
     line, = bad.stderr.strip().splitlines()
     assert "--fp4-recipe" in line and "FP4 tensor cores" in line
+
+
+def test_cpu_offloading_frees_memory_and_costs_only_what_the_host_link_cannot_hide():
+    m = ms.recipe("llama3-70b")
+    L = Layout(world=64, zero=3, micro_batch=2, global_batch=256)
+    # the recipe's 20 layers hide over NVLink-C2C (and PCIe); all 80 over PCIe do not
+    for gpu, layers, hidden in (("gb300-nvl72", 20, True), ("h100-80gb", 80, False),
+                                ("h100-80gb", 20, True)):
+        cl = make_cluster(64, None, gpu)
+        base = estimate(m, L, 8192, cl, ModelOptions())
+        off = estimate(m, L, 8192, cl, ModelOptions(cpu_offload_layers=layers))
+        share = layers / 80
+        assert off.memory["activations"] == pytest.approx(
+            (1 - share) * base.memory["activations"], rel=1e-6)
+        assert (off.times["offload"] == 0.0) is hidden, (gpu, layers)
+        assert off.step == pytest.approx(base.step + off.times["offload"], rel=1e-6)
+    bad = _plan("--recipe", "llama3-8b", "--num-gpus", "8", "--global-batch-size", "64",
+                "--cpu-offloading-num-layers", "4")
+    assert bad.returncode == 2 and "--cpu-offloading" in bad.stderr
