@@ -147,10 +147,10 @@ def dispatch_fanout(m: ModelConfig, L: Layout, dispatcher: str, node: int) -> tu
     if groups and group_topk and groups >= islands:
         nodes = min(nodes, group_topk * islands / groups)
     remote = nodes * (islands - 1) / islands              # islands other than this one
-    # NVLink: every destination GPU but the one the token arrived on over the network
-    # (its own island: all destination GPUs but this rank)
+    # NVLink: every destination GPU once, less this rank when it holds one of the experts
+    # and the arrival GPU on each remote island when it does (1 in ``local``)
     own = gpus / ep                                        # P(this rank holds one)
-    return remote, max(0.0, gpus - remote * 1.0 / local - own)
+    return remote, max(0.0, gpus - own - remote / local)
 
 
 def capacity_load(m: ModelConfig, imbalance: float, pad: bool) -> float:
