@@ -12,13 +12,15 @@ from typing import List, Optional
 
 from megalite.cli.arguments import OneLineErrorParser, parse_args
 from megalite.cli.boundary import run_cli
-from megalite.config import ConfigError
+from megalite.config import RECOMPUTE_MODULES, ConfigError
 from megalite.planner import model_spec as ms
 from megalite.planner import report
-from megalite.planner.estimate import ModelOptions
+from megalite.planner.estimate import PLANNER_ONLY_RECOMPUTE, ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
 from megalite.config.pipeline_schedules import SCHEDULE_NAMES
-from megalite.planner.kernels import ATTENTION_KERNELS, FP8_RECIPES, fp8_unavailable
+from megalite.planner.kernels import (ATTENTION_KERNELS, FP4_RECIPES, FP8_ONLY_RECIPES,
+                                      fp8_unavailable)
+from megalite.planner.moe_cost import DISPATCHERS
 from megalite.planner.search import RECOMPUTE_ORDER, SEARCHED_SCHEDULES, SearchSpace, search
 from megalite.planner.goodput import main as goodput
 from megalite.planner.plot import plot_plan
@@ -65,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--list-recipes", action="store_true", help="list built-in models and exit")
     c = p.add_argument_group("cluster")
     c.add_argument("--num-gpus", type=int, help="total GPUs (required)")
-    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default 8; 4 for the NVL72 presets' trays)")
     c.add_argument("--gpu", default=None, help=f"preset: {', '.join(GPU_PRESETS)} "
                    "(default h100-80gb unless all four figures below are given)")
     c.add_argument("--gpu-memory-gb", type=float, help="GiB per GPU")
@@ -80,8 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--global-batch-size", type=int, help="samples per step")
     b.add_argument("--global-batch-tokens", type=int, help="tokens per step (/ seq length)")
     s = p.add_argument_group("search space (comma lists pin a dimension)")
-    for name in ("tp", "pp", "cp", "ep", "vpp"):
-        s.add_argument(f"--{name}", type=_ints, metavar="N[,N]")
+    for name in ("tp", "pp", "cp", "ep", "etp", "vpp"):
+        s.add_argument(f"--{name}", type=_ints, metavar="N[,N]",
+                       help="expert-TP (--expert-tensor-parallel-size): default 1 or TP"
+                       if name == "etp" else None)
     s.add_argument("--micro-batch-sizes", type=_ints, metavar="N[,N]")
     s.add_argument("--recompute", type=_words(RECOMPUTE_ORDER), default=list(RECOMPUTE_ORDER))
     s.add_argument("--zero-stages", type=_ints, default=[0, 1], metavar="S[,S]",
@@ -110,9 +115,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force this fraction of DP communication to be exposed")
     o.add_argument("--tp-overlap", type=float, default=0.0,
                    help="fraction of TP communication hidden behind GEMMs")
-    o.add_argument("--fp8-recipe", choices=list(FP8_RECIPES),
+    o.add_argument("--fp8-recipe", choices=list(FP8_ONLY_RECIPES),
                    help="FP8 GEMMs with this recipe (megalite's --fp8-format runs 'delayed'; "
-                   "Transformer Engine's current scaling is 'tensorwise')")
+                   "Transformer Engine's current scaling is 'tensorwise'; Blackwell's "
+                   "MXFP8 'mxfp8')")
+    o.add_argument("--fp4-recipe", choices=list(FP4_RECIPES),
+                   help="FP4 GEMMs (Megatron's --fp4-format e2m1 --fp4-recipe nvfp4; "
+                   "Blackwell presets)")
+    o.add_argument("--recompute-modules", nargs="+", metavar="MODULE",
+                   choices=list(RECOMPUTE_MODULES) + list(PLANNER_ONLY_RECOMPUTE),
+                   default=["core_attn"],
+                   help="what selective recomputation repeats (training's "
+                   "--recompute-modules; planner-only: " + ", ".join(PLANNER_ONLY_RECOMPUTE)
+                   + ")")
+    o.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "flex"],
+                   default="alltoall", help="EP dispatch: NCCL all-to-all, or Megatron's "
+                   "flex dispatcher with --moe-flex-dispatcher-backend")
+    o.add_argument("--moe-flex-dispatcher-backend", choices=list(DISPATCHERS[1:]),
+                   default="deepep", help="flex backend: deepep (once per node, NVLink "
+                   "inside a host) or hybridep (also across an NVL72 rack)")
+    o.add_argument("--cpu-offloading", action="store_true",
+                   help="offload activations to host memory (Megatron's flag; with "
+                   "--cpu-offloading-num-layers)")
+    o.add_argument("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
+                   help="layers per model chunk whose activations go to the host")
+    o.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with --moe-expert-capacity-factor: every expert runs its capacity")
     o.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="cudnn",
                    help="core-attention kernel whose measured rate the model uses "
                    "(cudnn = Transformer Engine's fused attention)")
@@ -202,7 +230,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         raise ConfigError(f"--zero-stages: unknown stage(s) {bad}; use 0-3")
     if not 0 < args.headroom <= 1:
         raise ConfigError("--headroom must be in (0, 1]")
-    space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, vpp=args.vpp,
+    space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
+                        vpp=args.vpp,
                         micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
                         zero=tuple(args.zero_stages), schedules=tuple(args.schedules),
                         cp_min_seq=args.cp_min_seq_length,
@@ -214,10 +243,20 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         local_layers=args.local_layers, fp8=args.fp8_recipe,
                         attention_kernel=args.attention_kernel,
                         tp_comm_overlap=args.tp_comm_overlap, ep_overlap=args.ep_overlap,
-                        moe_routing=moe_routing(args.moe_routing))
+                        moe_routing=moe_routing(args.moe_routing),
+                        recompute_modules=tuple(args.recompute_modules),
+                        moe_dispatcher=args.moe_flex_dispatcher_backend
+                        if args.moe_token_dispatcher_type == "flex" else "alltoall",
+                        moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
+                        cpu_offload_layers=cpu_offload_layers(args))
+    if args.fp4_recipe:
+        if args.fp8_recipe:
+            raise ConfigError("--fp4-recipe and --fp8-recipe: pick one low precision")
+        opts = dataclasses.replace(opts, fp8=args.fp4_recipe)
     warn = fp8_unavailable(cluster, opts)
     if warn:
-        raise ConfigError(f"--fp8-recipe: {warn}; drop the flag or pick an FP8 GPU")
+        flag = "--fp4-recipe" if args.fp4_recipe else "--fp8-recipe"
+        raise ConfigError(f"{flag}: {warn}; drop the flag or pick a GPU that has them")
     res = search(m, seq, gbs, cluster, space, opts)
     if args.json:
         print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32), file=out)
@@ -242,6 +281,19 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}", file=out)
     return 0
+
+
+def cpu_offload_layers(args) -> int:
+    n = args.cpu_offloading_num_layers
+    if n < 0:
+        raise ConfigError(f"--cpu-offloading-num-layers must be >= 0, got {n}")
+    if n and not args.cpu_offloading:
+        raise ConfigError("--cpu-offloading-num-layers needs --cpu-offloading (Megatron's "
+                          "pair); add it")
+    if args.cpu_offloading and not n:
+        raise ConfigError("--cpu-offloading: give --cpu-offloading-num-layers N (layers "
+                          "per model chunk to offload)")
+    return n
 
 
 def moe_routing(text: str):

@@ -34,15 +34,36 @@ CALIBRATION_ROWS = {
     ("SUSTAINED_H100",): ("bridge-llama3-70b",),
     ("H100_500W_CLOCK",): ("titan-8b-8gpu-compile",),
     ("EAGER_PASSES",): ("titan-8b-8gpu-fsdp",),
+    # Blackwell: 1 of GB200's 8 rows (B200: none of its 2); Blackwell Ultra: 2 of GB300's 8
+    # (B300: none of its 2) -- the dense FP8 8B rows, then NVFP4's 405B.
+    ("SUSTAINED_B200",): ("bridge25-8b-gb200",),
+    ("SUSTAINED_B300",): ("bridge25-8b-gb300",),
+    ("NVFP4_GEMM",): ("bridge26-405b-gb300-nvfp4",),
 }
 
 CONSTANTS = ("SUSTAINED_A100", "SUSTAINED_H100", "FUSED_PASSES", "EAGER_PASSES",
-             "H100_500W_CLOCK")
+             "H100_500W_CLOCK", "SUSTAINED_B200", "SUSTAINED_B300", "NVFP4_GEMM")
+
+
+# Blackwell (B200, GB200) and Blackwell Ultra (B300, GB300): one constant per chip, its
+# parts at other clocks and power share it.
+SUSTAINED_B200 = 0.6843
+SUSTAINED_B300 = 0.8518
+# NVFP4's GEMMs (TE NVFP4BlockScaling) as a fraction of the FP4 ceiling (hardware.py: the
+# FP8 measured fraction of the FP4 peak): no FP4 kernel measurement is published, and the
+# recipe's GEMMs are the two-level-scaled, Hadamard-transformed ones.
+NVFP4_GEMM = 0.5797
+_GENERATION = {"A100": "A100", "B200": "B200", "GB200": "B200", "B300": "B300",
+               "GB300": "B300"}
+
+
+def sustained_key(family: str) -> str:
+    """The SUSTAINED_ constant of a GPU family (H100's for Hopper and custom GPUs)."""
+    return f"SUSTAINED_{_GENERATION.get(family, 'H100')}"
 
 
 def sustained(family: str) -> float:
-    """SUSTAINED_<family>, H100's for the generations no published row calibrates."""
-    return SUSTAINED_A100 if family == "A100" else SUSTAINED_H100
+    return globals()[sustained_key(family)]
 
 
 def calibration_row_names() -> tuple:

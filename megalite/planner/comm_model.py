@@ -27,6 +27,7 @@ from megalite.parallel_state import shard_group_names
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout, layout_from_config
+from megalite.planner.moe_cost import dispatch_fanout
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Event:
     calls: float      # per iteration on this rank
     dtype_bytes: int = 2
     kind: str = "tp"  # which time bucket: tp, cp, ep, pp, dp, embedding
+    # op "dispatch" (DeepEP / HybridEP): copies of each element over the network and over
+    # NVLink (moe_cost.dispatch_fanout)
+    fanout: tuple = ()
 
 
 def group_geometry(L: Layout, group: str) -> tuple:
@@ -53,8 +57,9 @@ def group_geometry(L: Layout, group: str) -> tuple:
 
 
 def link_of(cluster: Cluster, size: int, stride: int) -> tuple:
-    """(bytes/s, alpha) for a group of ``size`` ranks ``stride`` apart."""
-    gpn = cluster.gpus_per_node
+    """(bytes/s, alpha) for a group of ``size`` ranks ``stride`` apart; "node" here is the
+    NVLink domain (an NVL72 rack's 72 GPUs, not its trays of 4)."""
+    gpn = cluster.nvlink_domain
     if stride * (size - 1) < gpn and (stride * size <= gpn):
         return cluster.link(stride * size)
     per_node = max(1, min(size, gpn // stride)) if stride < gpn else 1
@@ -64,9 +69,10 @@ def link_of(cluster: Cluster, size: int, stride: int) -> tuple:
 
 
 def leaves_node(L: Layout, cluster: Cluster, group: str) -> bool:
-    """Whether the ranks of ``group`` span more than one node (so its traffic uses NICs)."""
+    """Whether the ranks of ``group`` span more than one NVLink domain (so its traffic
+    uses NICs)."""
     size, stride = group_geometry(L, group)
-    return stride * size > cluster.gpus_per_node
+    return stride * size > cluster.nvlink_domain
 
 
 def collective_time(op: str, nbytes: float, n: int, bw: float, alpha: float) -> float:
@@ -86,13 +92,16 @@ def collective_time(op: str, nbytes: float, n: int, bw: float, alpha: float) -> 
 
 def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 4,
            sp_regather: bool = True, dtype_bytes: int = 2, *, fsdp_reshard: bool = True,
-           param_gather_bytes: int | None = None) -> List[Event]:
+           param_gather_bytes: int | None = None, dispatcher: str = "alltoall",
+           dispatch_node: int = 8) -> List[Event]:
     """Every collective rank ``pp_rank`` of the pipeline issues in one iteration.
 
     ``dtype_bytes``: an activation or weight element (2 under bf16, 4 in fp32 training).
     ``fsdp_reshard=False``: ZeRO-3 keeps the gathered weights from forward to backward
     (with PP it always does: one gather and one reduction per step, ``fsdp_events``).
     ``param_gather_bytes``: ZeRO's parameter gathers in another dtype (1 with FP8 weights).
+    ``dispatcher``: the EP token dispatch (moe_cost.DISPATCHERS), ``dispatch_node`` the
+    ranks it counts as one node.
     """
     out: List[Event] = []
     a = dtype_bytes
@@ -224,7 +233,12 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     if L.ep > 1 and n_moe:
         copies = T // (t if L.sp else 1) * m.moe_router_topk
         calls = n_moe * mbs * ((4 if full else 2) + 2)
-        out.append(Event("ep", "all_to_all", copies * h, calls, a, kind="ep"))
+        if dispatcher == "alltoall":
+            out.append(Event("ep", "all_to_all", copies * h, calls, a, kind="ep"))
+        else:                              # once per destination node / GPU, not per copy
+            fan = dispatch_fanout(m, L, dispatcher, dispatch_node)
+            out.append(Event("ep", "dispatch", T // (t if L.sp else 1) * h, calls, a,
+                             kind="ep", fanout=fan))
         out.append(Event("ep", "all_gather", L.ep * m.num_experts, fwd, 8, kind="ep"))
     if L.etp > 1 and n_moe:
         out.append(Event("expert-tp", "all_gather", L.etp * m.num_experts, fwd, 8, kind="ep"))
@@ -428,6 +442,14 @@ def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
 
     An all-to-all whose group leaves the node sends the share bound for the other nodes
     over the rank's own NIC while the in-node share takes NVLink at the same time."""
+    if e.op == "dispatch":                           # DeepEP / HybridEP: NIC and NVLink
+        size, stride = group_geometry(L, e.group)     # at once, each its own copies
+        nic, alpha = cluster.link(cluster.num_gpus + 1)
+        nvl, _ = cluster.link(1)
+        nbytes = e.elements * e.dtype_bytes
+        net, local = e.fanout
+        t = max(nbytes * net / nic, nbytes * local / nvl)
+        return e.calls * (t + (size - 1) * (alpha if net else cluster.eff.intra_latency_s))
     if e.group in ("pp", "embedding"):               # stage neighbours: other nodes unless
         size = 2                                      # the whole job fits in one node
         bw, alpha = cluster.link(L.world)
@@ -437,7 +459,7 @@ def event_seconds(e: Event, L: Layout, cluster: Cluster) -> float:
     else:
         size, stride = group_geometry(L, e.group)
         bw, alpha = link_of(cluster, size, stride)
-        gpn = cluster.gpus_per_node
+        gpn = cluster.nvlink_domain
         if e.op == "all_to_all" and leaves_node(L, cluster, e.group):
             nic, alpha = cluster.link(stride * size)
             nvl, _ = cluster.link(1)
@@ -461,6 +483,6 @@ def comm_seconds(evts: List[Event], L: Layout, cluster: Cluster,
     for e in evts:
         if e.op == "recv" or e.kind == "misc":
             continue
-        scale = ep_load if (e.group == "ep" and e.op == "all_to_all") else 1.0
+        scale = ep_load if (e.group == "ep" and e.op in ("all_to_all", "dispatch")) else 1.0
         out[e.kind] += scale * event_seconds(e, L, cluster)
     return dict(out)

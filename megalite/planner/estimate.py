@@ -23,7 +23,14 @@ from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
-from megalite.planner.moe_cost import Routing, routing_imbalance
+from megalite.planner.moe_cost import Routing, capacity_load, routing_imbalance
+
+# Selective-recompute modules the cost model knows beyond training's (config.RECOMPUTE_
+# MODULES): Megatron's MLA up-projections, torchtitan's op-level SAC (every other matmul).
+PLANNER_ONLY_RECOMPUTE = ("mla_up_proj", "every_other_mm")
+
+# SMs the flex dispatchers' kernels hold while a dispatch / combine is in flight.
+FLEX_DISPATCH_SMS = 20
 
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
@@ -48,11 +55,17 @@ class ModelOptions:
     eager: bool = False                    # eager PyTorch (no fusion): torchtitan uncompiled
     local_layers: bool = False             # megalite's local layers (memory.local_layer_bytes)
     fp8: Optional[str] = None              # FP8 GEMMs: kernels.FP8_RECIPES key, None = bf16
+    fp4_gemm: Optional[float] = None       # NVFP4 GEMMs' share of FP4's ceiling (calibration)
     attention_kernel: str = "cudnn"        # kernels.ATTENTION_TFLOPS key (flash kernels)
     causal: bool = True                    # causal mask: flash kernels skip half the scores
     recompute_modules: tuple = ("core_attn",)   # selective recompute (+ "every_other_mm")
     moe_routing: Routing = "uniform"       # moe_cost.routing_imbalance
     ep_overlap: bool = False               # EP all-to-all behind another micro-batch's compute
+    moe_dispatcher: str = "alltoall"       # moe_cost.DISPATCHERS: NCCL, DeepEP, HybridEP
+    moe_pad_to_capacity: bool = False      # --moe-pad-expert-input-to-capacity
+    # Megatron's --cpu-offloading --cpu-offloading-num-layers N: the activations of the
+    # first N layers of each model chunk go to host memory in forward, back in backward
+    cpu_offload_layers: int = 0
     # TP collectives pipelined with their GEMMs: "all" (Transformer Engine's userbuffers),
     # "forward" (PyTorch's async TP, 2024: the forward pass's all-gather + matmul and
     # matmul + reduce-scatter), "none"
@@ -132,6 +145,11 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         act = share * full["activations"] + (1 - share) * (none["activations"])
         peak = dict(full, activations=int(act))
         peak["total"] = peak["weights"] + peak["grads"] + peak["optimizer"] + peak["activations"]
+    if opts.cpu_offload_layers:
+        share = offloaded_share(m, L, peak["pp_rank"], opts.cpu_offload_layers)
+        gone = int(share * peak["activations"])
+        peak = dict(peak, activations=peak["activations"] - gone)
+        peak["total"] -= gone
     if opts.fp8 and cluster.gpu.fp8_matmul_tflops:
         # Transformer Engine keeps each weight's FP8 copy and its transpose between
         # micro-batches (the cast once per step that kernels.weight_cast_seconds counts),
@@ -148,6 +166,27 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         peak = dict(peak, weights=peak["weights"] + unsharded)
         peak["total"] += unsharded
     return Estimate(L, peak, int(cluster.gpu.memory_bytes * opts.headroom))
+
+
+def offloaded_share(m: ModelConfig, L: Layout, pp_rank: int, layers: int) -> float:
+    """Share of a stage's layers whose activations CPU offloading moves to the host."""
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    return min(1.0, layers * L.vpp / max(1, sum(kinds)))
+
+
+def offload_seconds(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
+                    opts: ModelOptions, t_f: float, t_b: float) -> float:
+    """Exposed host-transfer time of one micro-batch: the offloaded layers' activations go
+    out during forward and come back during backward, each hidden behind that pass's
+    compute as far as it reaches (Megatron's offload runs on its own stream)."""
+    if not opts.cpu_offload_layers:
+        return 0.0
+    kinds = ms.stage_layer_kinds(m, L.pp, r, L.vpp, *L.stage_split)
+    per = sum(n * mem.layer_activation_bytes(m, L, moe, seq, opts.activations, L.recompute)
+              for n, moe in zip(kinds, (False, True)) if n)
+    moved = offloaded_share(m, L, r, opts.cpu_offload_layers) * per
+    bw = cluster.gpu.host_gbps * 1e9 * cluster.eff.link
+    return max(0.0, moved / bw - t_f) + max(0.0, moved / bw - t_b)
 
 
 def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
@@ -248,7 +287,11 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     t_f, t_b = c["t_f"], c["t_b"]
     evts = cm.events(m, L, seq, r, 4 if opts.fp32 else opts.grad_bytes,
                      dtype_bytes=4 if opts.fp32 else 2, fsdp_reshard=opts.fsdp_reshard,
-                     param_gather_bytes=1 if opts.fp8_param_gather and opts.fp8 else None)
+                     param_gather_bytes=1 if opts.fp8_param_gather and opts.fp8 else None,
+                     dispatcher=opts.moe_dispatcher,
+                     # DeepEP's node is the host (an NVL72 tray); HybridEP's the NVLink domain
+                     dispatch_node=cluster.gpus_per_node if opts.moe_dispatcher == "deepep"
+                     else cluster.nvlink_domain)
     comm = cm.comm_seconds(evts, L, cluster, ep_load=imbalance)
     hidden = 0.0 if opts.tp_async_backward else comm.get("tp_hidden", 0.0)
     fwd, rest = comm.get("tp_fwd", 0.0) / mbs, (comm.get("tp", 0.0) + hidden) / mbs
@@ -285,7 +328,14 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             # PXN sends what is bound for rail j through NIC j.  Where the all-to-all keeps
             # that NIC busy, the p2p's bytes add to its time.
             nic_shared = pp
-        ep = alone * ep + (1 - alone) * max(0.0, ep + nic_shared - beside)
+        stolen = 0.0
+        if opts.moe_dispatcher != "alltoall":
+            # DeepEP / HybridEP kernels move the tokens on SMs of their own (Megatron's
+            # moe_flex_dispatcher_num_sms: "historical default 20", transformer_config.py),
+            # so the compute beside them runs on the rest while they are in flight.
+            s = min(FLEX_DISPATCH_SMS, cluster.gpu.sms - 1) / cluster.gpu.sms
+            stolen = (1 - alone) * min(ep, beside) * s / (1 - s)
+        ep = alone * ep + (1 - alone) * max(0.0, ep + nic_shared - beside) + stolen
     # p2p: 1F1B's sends block in the steady state; interleaving overlaps them with the
     # next chunk (Megatron's --overlap-p2p-communication, 2023; ``pp_overlap``), leaving
     # what a message takes beyond a chunk (nothing more when it shares the NIC above).
@@ -293,11 +343,12 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         pp = 0.0
     elif interleaved_p2p:
         pp = max(0.0, pp - (t_f + t_b))
-    row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp,
+    offload = offload_seconds(m, L, seq, r, cluster, opts, t_f, t_b)
+    row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp, offload=offload,
                cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden), ep=ep, pp=pp,
                pp_hop=comm.get("pp", 0.0) / mbs / max(1, L.vpp), dp=comm.get("dp", 0.0),
                cast=c["cast"])
-    row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"]
+    row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"] + offload
     return row
 
 
@@ -351,7 +402,8 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     est = est or memory_of(m, L, seq, cluster, opts)
     mbs = L.num_micro_batches
     stages = _stages(m, L)
-    load = routing_imbalance(opts.moe_routing, m, L, seq)
+    load = capacity_load(m, routing_imbalance(opts.moe_routing, m, L, seq),
+                         opts.moe_pad_to_capacity)
     rows = [_stage_row(m, L, seq, r, cluster, opts, load) for r, _ in stages]
     weights = [w for _, w in stages]
     worst = max(rows, key=lambda x: x["slot"])
@@ -368,7 +420,8 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     est.times = {"compute": mbs * mean_compute,
                  "imbalance": mbs * (worst["t_f"] + worst["t_b"] - mean_compute),
                  "tp": mbs * worst["tp"], "cp": mbs * worst["cp"], "ep": mbs * worst["ep"],
-                 "pp": mbs * worst["pp"], "bubble": bubble, "dp": dp, "optimizer": optim,
+                 "pp": mbs * worst["pp"], "offload": mbs * worst["offload"],
+                 "bubble": bubble, "dp": dp, "optimizer": optim,
                  "dp_total": max(r["dp"] for r in rows), "fp8_cast": mbs * worst["cast"]}
     est.moe_load = load
     est.times["step"] = mbs * worst["slot"] + bubble + dp + optim

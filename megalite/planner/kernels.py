@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config import ModelConfig
+from megalite.planner import calibration
 from megalite.planner import flops as fl
 from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
@@ -41,6 +42,20 @@ ATTENTION_KERNELS = tuple(ATTENTION_TFLOPS) + ("unfused",)
 FLASH_BWD_OVER_FWD = 2.5
 UNFUSED_BWD_OVER_FWD = 2.0
 GEMM_TILE = 128          # output tile edge of the Hopper / Ampere GEMMs (wave quantization)
+# A GEMM with a short inner dimension K pays each output tile's fixed cost (prologue, the
+# epilogue's write) over fewer MMA steps: K / (K + K0) of the ceiling, relative to K =
+# 16384 (where the MAMF sweep's best shapes sit).  K0 = 710 for FP8 is the least-squares
+# fit to DeepGEMM's measured dense FP8 GEMMs on H800 at M = 4096 (github.com/deepseek-ai/
+# DeepGEMM README, "Normal GEMMs for dense models": K 512 / 1536 / 2048 / 7168 / 16384 at
+# 590 / 990 / 1025 / 1304 / 1358 TFLOPS, fitted to 0.437 / 0.714 / 0.775 / 0.949 of the
+# K = 16384 rate against measured 0.434 / 0.729 / 0.755 / 0.960).  The fixed cost is
+# time, so it scales with the main loop's rate per K step: half for bf16 (half the FP8
+# rate), twice for FP4.  Applied to the grouped expert GEMMs only: the dense GEMMs' shapes
+# are those of the rows the sustained fractions were fitted on (calibration.py), so the
+# constant already holds their share; fine-grained experts (Qwen3-30B-A3B: 128 experts of
+# width 768, fc2's K) fall far outside those shapes.
+INNER_K0_FP8 = 710.0
+INNER_K_REF = 16384
 
 
 @dataclass(frozen=True)
@@ -51,12 +66,18 @@ class Fp8Recipe:
     (the forward inputs, the backward output gradients): reading the bf16 tensor and writing
     the fp8 copy and its transpose (Hopper's FP8 GEMMs take only the TN layout) is 4 bytes;
     current ("tensorwise") scaling reads the tensor once more for its amax first, 6.
-    ``gemm`` is the fraction of the FP8 matmul ceiling the GEMMs run at.
+    ``gemm`` is the fraction of the FP8 matmul ceiling the GEMMs run at.  ``bits`` 4: the
+    GEMMs run on the FP4 tensor cores (hardware.GPU.fp4_matmul_tflops); ``operand_bytes``:
+    an operand element with its share of the block scales, as the GEMM streams it.
+    What stays in BF16 under every recipe: core attention, the router, norms, the
+    embedding, and optimizer / gradient reduction (fp32 or bf16 as configured).
     """
     name: str
     cast_bytes: float
     gemm: float = 1.0
     source: str = ""
+    bits: int = 8
+    operand_bytes: float = 1.0
 
 
 FP8_RECIPES = {
@@ -66,9 +87,27 @@ FP8_RECIPES = {
                             "dynamic tensorwise: an amax pass, then the cast"),
     "blockwise": Fp8Recipe("blockwise", 4.0, source="TE Float8BlockScaling (1x128 "
                            "activations, 128x128 weights): block amax inside the cast"),
-    "mxfp8": Fp8Recipe("mxfp8", 4.0, source="TE MXFP8BlockScaling (Blackwell): 32-element "
-                       "blocks scaled in hardware"),
+    "mxfp8": Fp8Recipe("mxfp8", 4.0 + 2 / 32, source="TE MXFP8BlockScaling (Blackwell): "
+                       "32-element blocks, one E8M0 scale each, applied by the tensor cores; "
+                       "a rowwise and a columnwise copy (the block runs along K for each "
+                       "GEMM) instead of a transpose: read 2 + write 2 + 2/32 scale bytes",
+                       operand_bytes=1 + 1 / 32),
+    # NVFP4 (TE NVFP4BlockScaling; Megatron --fp4-format e2m1 --fp4-recipe nvfp4; NVIDIA,
+    # "Pretraining Large Language Models with NVFP4", arXiv 2509.25149): 16-element blocks
+    # with an E4M3 scale each and one FP32 scale per tensor -- so an amax pass first (2),
+    # then read (2) and write a rowwise and a columnwise FP4 copy with their scales
+    # (2 x (0.5 + 1/16)); the wgrad operands go through a 16-point random Hadamard
+    # transform whose amax is taken again (2 more).  Stochastic rounding of the gradients
+    # happens inside the cast.  Megatron keeps optionally the first / last layers in BF16
+    # (--first-last-layers-bf16): not modelled (Bridge's benchmark recipes leave it off).
+    "nvfp4": Fp8Recipe("nvfp4", 2 + 2 + 2 * (0.5 + 1 / 16) + 2,
+                       source="TE NVFP4BlockScaling: 16-element blocks, E4M3 block scales "
+                       "plus an FP32 tensor scale, RHT on the wgrad operands",
+                       bits=4, operand_bytes=0.5 + 1 / 16),
 }
+# Megatron's --fp8-recipe values the planner knows; NVFP4 is --fp4-recipe.
+FP4_RECIPES = tuple(k for k, r in FP8_RECIPES.items() if r.bits == 4)
+FP8_ONLY_RECIPES = tuple(k for k, r in FP8_RECIPES.items() if r.bits == 8)
 
 
 def attention_rate(cluster: Cluster, kernel: str, kv_len: int) -> Tuple[float, float]:
@@ -165,12 +204,21 @@ def _unfused_attention_gemms(m: ModelConfig, L: Layout, seq: int) -> List[Gemm]:
     return [Gemm(sq, dqk, seq, heads), Gemm(sq, seq, dv, heads)]
 
 
+def inner_efficiency(k: int, op_bytes: float) -> float:
+    """Fraction of the ceiling a GEMM of inner dimension ``k`` keeps (INNER_K0_FP8)."""
+    k0 = INNER_K0_FP8 / max(op_bytes, 0.5) if op_bytes < 4 else INNER_K0_FP8 / 2
+    return (k / (k + k0)) / (INNER_K_REF / (INNER_K_REF + k0)) if k < INNER_K_REF else 1.0
+
+
 def _gemm_seconds(gs: List[Gemm], rate: float, hbm: float, sms: int, op_bytes: float) -> float:
-    """Roofline per GEMM: the slower of its compute (at ``rate`` x wave efficiency) and
-    streaming its operands once (``op_bytes`` per input element, 2 per output element)."""
+    """Roofline per GEMM: the slower of its compute (at ``rate`` x wave efficiency x the
+    inner dimension's efficiency) and streaming its operands once (``op_bytes`` per input
+    element, 2 per output element)."""
     total = 0.0
     for gm in gs:
         eff = gemm_efficiency(gm.rows, gm.n, gm.groups, sms)
+        if gm.expert:
+            eff *= inner_efficiency(gm.k, op_bytes)
         byts = gm.groups * (op_bytes * (gm.rows * gm.k + gm.k * gm.n) + 2 * gm.rows * gm.n)
         total += max(gm.flops / (rate * eff), byts / hbm)
     return total
@@ -219,16 +267,18 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     gpu, eff = cluster.gpu, cluster.eff
     sustain = eff.compute
     fp8 = FP8_RECIPES.get(opts.fp8) if opts.fp8 else None
-    if fp8 and not gpu.fp8_matmul_tflops:
-        fp8 = None                      # no FP8 tensor cores: bf16 (the caller warns)
+    if fp8 and not low_precision_tflops(gpu, fp8):
+        fp8 = None                      # no FP8 / FP4 tensor cores: bf16 (the caller warns)
     if opts.fp32:
         rate = gpu.matmul_tflops * 0.5 * 1e12 * sustain     # TF32 tensor cores: half rate
     elif fp8:
-        rate = gpu.fp8_matmul_tflops * fp8.gemm * 1e12 * sustain
+        gemm = fp8.gemm if fp8.bits == 8 else (opts.fp4_gemm if opts.fp4_gemm is not None
+                                                else calibration.NVFP4_GEMM)
+        rate = low_precision_tflops(gpu, fp8) * gemm * 1e12 * sustain
     else:
         rate = gpu.matmul_tflops * 1e12 * sustain
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
-    op_bytes = 1.0 if fp8 else (4.0 if opts.fp32 else 2.0)
+    op_bytes = fp8.operand_bytes if fp8 else (4.0 if opts.fp32 else 2.0)
     kernel = opts.attention_kernel if opts.flash_attention else "unfused"
     kv = seq if L.cp_comm != "p2p" else seq // L.cp     # a ring step attends to one block
     r_f, r_b = attention_rate(cluster, kernel, kv)
@@ -322,15 +372,21 @@ def _quantized_elements(gs: List[Gemm]) -> float:
     return sum(gm.groups * (gm.rows * gm.k + gm.rows * gm.n) for gm in gs)
 
 
+def low_precision_tflops(gpu, recipe: Fp8Recipe) -> Optional[float]:
+    """The GEMM ceiling a recipe runs at: FP8's, or FP4's for NVFP4 (None: no such cores)."""
+    return gpu.fp4_matmul_tflops if recipe.bits == 4 else gpu.fp8_matmul_tflops
+
+
 def weight_cast_seconds(params: int, cluster: Cluster, opts) -> float:
     """FP8: each weight is quantized once per step (cached across micro-batches)."""
-    if not opts.fp8 or not cluster.gpu.fp8_matmul_tflops:
+    if not opts.fp8 or not low_precision_tflops(cluster.gpu, FP8_RECIPES[opts.fp8]):
         return 0.0
     return params * FP8_RECIPES[opts.fp8].cast_bytes / (cluster.gpu.hbm_gbps * 1e9 *
                                                        cluster.eff.hbm)
 
 
 def fp8_unavailable(cluster: Cluster, opts) -> Optional[str]:
-    if opts.fp8 and not cluster.gpu.fp8_matmul_tflops:
-        return f"{cluster.gpu.name} has no FP8 tensor cores"
+    if opts.fp8 and not low_precision_tflops(cluster.gpu, FP8_RECIPES[opts.fp8]):
+        kind = "FP4" if FP8_RECIPES[opts.fp8].bits == 4 else "FP8"
+        return f"{cluster.gpu.name} has no {kind} tensor cores"
     return None

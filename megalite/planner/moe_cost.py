@@ -100,3 +100,64 @@ def routing_imbalance(routing: Routing, m: ModelConfig, L: Layout, seq: int) -> 
     if routing == "uniform":
         return uniform_imbalance(m, L, seq)
     return measured_imbalance(routing, m, L) if L.ep > 1 else 1.0
+
+
+# ---- token dispatch over the EP group ---------------------------------------------------
+
+# Megatron-Core's dispatchers as the cost model sees them (--moe-token-dispatcher-type
+# alltoall, or flex with --moe-flex-dispatcher-backend deepep | hybridep):
+# - "alltoall": NCCL all-to-all of every (token, expert) pair: top-k copies per token, the
+#   share bound for other nodes over the rank's NIC, the rest over NVLink;
+# - "deepep": DeepEP's normal kernels (github.com/deepseek-ai/DeepEP, "internode" kernels):
+#   a token crosses the network once per destination *node* (to the GPU of the same local
+#   rank there), which forwards it over NVLink to each of that node's GPUs holding one of
+#   its experts (once per GPU, not per expert); a node is the host's NVLink island -- on an
+#   NVL72 rack the compute tray (DeepEP does not span multi-node NVLink);
+# - "hybridep": the same once-per-node / once-per-GPU fan-out, with the NVLink domain as the
+#   node (Megatron's transformer_config.py: "only hybridep backend supports the MNNVL case").
+DISPATCHERS = ("alltoall", "deepep", "hybridep")
+
+
+def _miss(pool: int, picked: int, avoid: int) -> float:
+    """P(none of ``picked`` distinct draws from ``pool`` lands in a set of ``avoid``)."""
+    p = 1.0
+    for i in range(picked):
+        p *= max(0.0, (pool - avoid - i) / (pool - i))
+    return p
+
+
+def dispatch_fanout(m: ModelConfig, L: Layout, dispatcher: str, node: int) -> tuple:
+    """(copies over the network, copies over NVLink) one token costs per dispatch, with the
+    top-k experts drawn uniformly without replacement; ``node``: the ranks of one NVLink
+    island (the EP group's members on it: ``node // etp``).  Group-limited routing
+    (--moe-router-num-groups / --moe-router-group-topk, groups = nodes) caps the nodes a
+    token reaches at group-topk."""
+    E, k, ep = m.num_experts, m.moe_router_topk, L.ep
+    local = max(1, min(ep, node // max(1, L.etp)))       # EP ranks per island
+    islands = -(-ep // local)
+    if dispatcher not in DISPATCHERS:
+        raise ConfigError(f"--moe-flex-dispatcher-backend: unknown dispatcher '{dispatcher}'; "
+                          f"choose from {', '.join(DISPATCHERS)}")
+    if dispatcher == "alltoall":
+        return k * (ep - local) / ep, k * (local - 1) / ep
+    per_rank, per_island = E // ep, E // islands
+    gpus = ep * (1 - _miss(E, k, per_rank))               # distinct destination GPUs
+    nodes = islands * (1 - _miss(E, k, per_island))       # distinct destination islands
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups and group_topk and groups >= islands:
+        nodes = min(nodes, group_topk * islands / groups)
+    remote = nodes * (islands - 1) / islands              # islands other than this one
+    # NVLink: every destination GPU once, less this rank when it holds one of the experts
+    # and the arrival GPU on each remote island when it does (1 in ``local``)
+    own = gpus / ep                                        # P(this rank holds one)
+    return remote, max(0.0, gpus - own - remote / local)
+
+
+def capacity_load(m: ModelConfig, imbalance: float, pad: bool) -> float:
+    """The most loaded rank's expert rows over the mean with token dropping: an expert
+    keeps at most capacity-factor x its mean share (--moe-expert-capacity-factor), and with
+    --moe-pad-expert-input-to-capacity every expert runs exactly that many rows."""
+    cf = m.moe_expert_capacity_factor
+    if not m.num_experts or cf is None:
+        return imbalance
+    return float(cf) if pad else min(imbalance, float(cf))

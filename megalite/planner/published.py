@@ -63,7 +63,7 @@ def constants(**over) -> Dict[str, float]:
 
 
 def cluster_for(run: PublishedRun, const: Dict[str, float]) -> Cluster:
-    base = make_cluster(run.num_gpus, 8, run.gpu)
+    base = make_cluster(run.num_gpus, None, run.gpu)
     gpu = base.gpu
     over = dict(run.gpu_overrides)
     if "memory_gib" in over:
@@ -71,13 +71,14 @@ def cluster_for(run: PublishedRun, const: Dict[str, float]) -> Cluster:
     if "clock" in over:
         gpu = replace(gpu, clock=const[over.pop("clock")])
     gpu = replace(gpu, **over)
-    fam = "A100" if gpu.family == "A100" else "H100"
     return Cluster(base.num_gpus, base.gpus_per_node, gpu,
-                   Efficiency(compute=const[f"SUSTAINED_{fam}"]))
+                   Efficiency(compute=const[calibration.sustained_key(gpu.family)]))
 
 
 def options_for(run: PublishedRun, const: Dict[str, float]) -> ModelOptions:
     o = dict(run.options)
+    if o.get("fp8") == "nvfp4":
+        o["fp4_gemm"] = const["NVFP4_GEMM"]
     if o.pop("eager", False):
         o["elementwise_passes"] = const["EAGER_PASSES"]
     else:
@@ -213,7 +214,8 @@ def fit_constants(rounds: int = 4) -> dict:
 
     ranges = {"SUSTAINED_A100": (0.3, 1.0), "SUSTAINED_H100": (0.3, 1.0),
               "FUSED_PASSES": (0.0, 40.0), "EAGER_PASSES": (0.0, 80.0),
-              "H100_500W_CLOCK": (0.3, 1.0)}
+              "H100_500W_CLOCK": (0.3, 1.0), "SUSTAINED_B200": (0.3, 1.0),
+              "SUSTAINED_B300": (0.3, 1.0), "NVFP4_GEMM": (0.1, 1.0)}
     for _ in range(rounds):
         for keys, rows in calibration.CALIBRATION_ROWS.items():
             for key, row in zip(keys, rows):

@@ -205,3 +205,106 @@ RUNS += [
 ]
 
 BY_NAME = {r.name: r for r in RUNS}
+
+# ---- Megatron-Bridge on Blackwell (and the 26.06 H100 rows), model TFLOP/s per GPU -------
+# Sources: Megatron-Bridge commit 067f987d (2026-08-22): docs/performance-summary.md (26.08
+# container, "current") and docs/performance-summary-archive.md (26.06 and 25.11 tables),
+# each row with its line.  Software from the benchmark recipes beside them
+# (src/megatron/bridge/perf_recipes/<family>/<system>/*.py): MoE rows dispatch with HybridEP
+# (moe_token_dispatcher_type "flex", backend "hybridep"; the rack's 72-GPU NVLink domain on
+# GB200 / GB300, 8 on B300 and H100) with overlap_moe_expert_parallel_comm; routing force-
+# balanced, dropless (the page's footnote); FP8 rows are current scaling, TE attention.
+BRIDGE26 = "Megatron-Bridge docs/performance-summary.md (26.08), commit 067f987d"
+BRIDGE26_ARCHIVE = "Megatron-Bridge docs/performance-summary-archive.md, commit 067f987d"
+BF_DENSE = dict(attention_kernel="cudnn", grad_bytes=2)
+BF_MOE = dict(BF_DENSE, moe_routing="uniform", ep_overlap=True, moe_dispatcher="hybridep")
+DSV3_SPLIT = dict(account_embedding=True, account_loss=True, account_mtp=True)
+EMB_LOSS = dict(account_embedding=True, account_loss=True)
+# Qwen3-30B-A3B (its Hugging Face config.json): 48 layers of hidden 2048, 32 heads of 128
+# with 4 KV groups, 128 experts of width 768, top-8 -- Qwen3-235B's family.
+QWEN3_30B = dict(num_layers=48, hidden_size=2048, num_attention_heads=32,
+                 num_query_groups=4, kv_channels=128, ffn_hidden_size=6144,
+                 moe_ffn_hidden_size=768)
+_FP8 = {"FP8": "tensorwise", "MXFP8": "mxfp8", "NVFP4": "nvfp4"}
+
+
+def _bridge26(name, model, gpu, gpus, gbs, seq, layout, value, precision, line, moe=False,
+              source=BRIDGE26_ARCHIVE, overrides=None, opts=None, assumed=""):
+    o = dict(BF_MOE if moe else BF_DENSE, **(opts or {}))
+    if precision != "BF16":
+        o["fp8"] = _FP8[precision]
+    if not moe and layout.get("tp", 1) > 1:
+        o.setdefault("tp_comm_overlap", "all")         # TE userbuffers (the recipes)
+    return PublishedRun(name, model, f"{source}, line {line}", gpu, gpus, seq, gbs,
+                        dict(dict(zero=1, sp=layout.get("tp", 1) > 1), **layout),
+                        "model_tflops", value, "causal", precision.lower(), o,
+                        model_overrides=dict(overrides or {}), assumed=assumed)
+
+
+_405 = dict(micro_batch=1, **EMB_LOSS)
+RUNS += [
+    # 26.06 container: Llama 3.1 405B, 1536 x 8192 tokens
+    _bridge26("bridge26-405b-gb300-fp8", "llama3-405b", "gb300-nvl72", 256, 1536, 8192,
+              dict(tp=4, pp=8, vpp=4, **_405), 2646, "FP8", 100),
+    _bridge26("bridge26-405b-gb300-mxfp8", "llama3-405b", "gb300-nvl72", 256, 1536, 8192,
+              dict(tp=2, pp=8, cp=2, vpp=4, **_405), 2403, "MXFP8", 101),
+    _bridge26("bridge26-405b-gb300-nvfp4", "llama3-405b", "gb300-nvl72", 256, 1536, 8192,
+              dict(tp=4, pp=8, vpp=4, **_405), 3575, "NVFP4", 102),
+    _bridge26("bridge26-405b-gb200-fp8", "llama3-405b", "gb200-nvl72", 256, 1536, 8192,
+              dict(tp=4, pp=16, vpp=4, **_405), 2129, "FP8", 103),
+    _bridge26("bridge26-405b-gb200-mxfp8", "llama3-405b", "gb200-nvl72", 256, 1536, 8192,
+              dict(tp=4, pp=16, vpp=8, **_405), 1976, "MXFP8", 104),
+    _bridge26("bridge26-405b-gb200-nvfp4", "llama3-405b", "gb200-nvl72", 256, 1536, 8192,
+              dict(tp=4, pp=16, vpp=8, **_405), 2944, "NVFP4", 105),
+    _bridge26("bridge26-405b-h100-fp8", "llama3-405b", "h100-80gb", 1024, 1536, 8192,
+              dict(tp=8, pp=8, cp=2, vpp=8, **_405), 822, "FP8", 106),
+    # 25.11 container: Llama 3 8B / 70B and 3.1 405B on B200, 8B / 70B on GB200 / GB300
+    _bridge26("bridge25-8b-gb300", "llama3-8b", "gb300-nvl72", 8, 128, 8192,
+              dict(micro_batch=2), 1933, "FP8", 552),
+    _bridge26("bridge25-70b-gb300-fsdp", "llama3-70b", "gb300-nvl72", 64, 256, 8192,
+              dict(micro_batch=2, zero=3), 2030, "FP8", 553, opts=dict(cpu_offload_layers=20),
+              assumed="FSDP 64 = Megatron-FSDP (ZeRO-3), no recomputation; activations of "
+              "20 layers offloaded to the CPU (the gb300 llama3.py recipe)"),
+    _bridge26("bridge25-8b-gb200", "llama3-8b", "gb200-nvl72", 8, 128, 8192,
+              dict(micro_batch=2), 1622, "FP8", 565),
+    _bridge26("bridge25-70b-gb200-fsdp", "llama3-70b", "gb200-nvl72", 64, 256, 8192,
+              dict(micro_batch=2, zero=3), 1937, "FP8", 566, opts=dict(cpu_offload_layers=40),
+              assumed="FSDP 64 = Megatron-FSDP (ZeRO-3), no recomputation; activations of "
+              "40 layers offloaded to the CPU (the gb200 llama3.py recipe)"),
+    _bridge26("bridge25-8b-b200", "llama3-8b", "b200", 8, 128, 8192,
+              dict(micro_batch=2), 1576, "FP8", 578),
+    _bridge26("bridge25-405b-b200", "llama3-405b", "b200", 128, 64, 8192,
+              dict(tp=4, pp=8, cp=2, vpp=8, **_405), 1667, "FP8", 579),
+    # MoE, 26.08 container (current page) on GB200 / GB300, 26.06 on B300 / H100
+    _bridge26("bridge26-dsv3-gb300", "deepseek-v3", "gb300-nvl72", 256, 4096, 4096,
+              dict(tp=1, pp=2, vpp=8, ep=32, etp=1, micro_batch=1, **DSV3_SPLIT), 1635,
+              "MXFP8", 45, moe=True, source=BRIDGE26, opts=dict(recompute_modules=()),
+              assumed="recompute_modules [] (recipe)"),
+    _bridge26("bridge26-dsv3-gb200", "deepseek-v3", "gb200-nvl72", 256, 4096, 4096,
+              dict(tp=1, pp=4, vpp=4, ep=64, etp=1, micro_batch=1, recompute="selective",
+                   **DSV3_SPLIT), 1276, "MXFP8", 46, moe=True, source=BRIDGE26,
+              opts=dict(recompute_modules=("mla_up_proj",))),
+    _bridge26("bridge26-dsv3-b300", "deepseek-v3", "b300", 256, 4096, 4096,
+              dict(tp=1, pp=8, ep=8, etp=1, micro_batch=2, recompute="selective",
+                   **DSV3_SPLIT), 920, "MXFP8", 115, moe=True,
+              opts=dict(recompute_modules=("mla_up_proj",))),
+    _bridge26("bridge26-qwen3-30b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 8, 512, 4096,
+              dict(ep=8, etp=1, micro_batch=8), 1029, "MXFP8", 66, moe=True,
+              source=BRIDGE26, overrides=QWEN3_30B),
+    _bridge26("bridge26-qwen3-30b-gb200", "qwen3-235b-a22b", "gb200-nvl72", 8, 512, 4096,
+              dict(ep=8, etp=1, micro_batch=4), 923, "MXFP8", 67, moe=True,
+              source=BRIDGE26, overrides=QWEN3_30B),
+    _bridge26("bridge26-qwen3-30b-b300", "qwen3-235b-a22b", "b300", 8, 512, 4096,
+              dict(ep=8, etp=1, micro_batch=8), 938, "MXFP8", 131, moe=True,
+              overrides=QWEN3_30B),
+    _bridge26("bridge26-qwen3-30b-h100", "qwen3-235b-a22b", "h100-80gb", 16, 1024, 4096,
+              dict(ep=16, etp=1, micro_batch=1), 203, "FP8", 132, moe=True,
+              overrides=QWEN3_30B),
+    _bridge26("bridge26-qwen3-235b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 256, 8192, 4096,
+              dict(tp=1, pp=4, vpp=12, ep=32, etp=1, micro_batch=2, **EMB_LOSS), 1306,
+              "MXFP8", 73, moe=True, source=BRIDGE26),
+    _bridge26("bridge26-qwen3-235b-gb200", "qwen3-235b-a22b", "gb200-nvl72", 256, 8192, 4096,
+              dict(tp=1, pp=8, vpp=3, ep=32, etp=1, micro_batch=1, **EMB_LOSS), 1077,
+              "MXFP8", 74, moe=True, source=BRIDGE26),
+]
+BY_NAME = {r.name: r for r in RUNS}

