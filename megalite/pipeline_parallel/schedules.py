@@ -19,10 +19,11 @@ Pipelined schedules do not hand-code their order: ``simulator.plan`` builds the 
 program (F / BW / B / W ops and blocking p2p batches) and ``PipelineExecutor`` walks it,
 so the simulator's bubble and deadlock analysis is about exactly what runs.
 
-The schedules are ``simulator.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1); a
-registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it, splitting
-backward into B (input grads) and W (weight grads, ``weight_grad.py``) when the entry says
-``split_backward``.
+The schedules are ``simulator.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1,
+DualPipeV); a registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it,
+splitting backward into B (input grads) and W (weight grads, ``weight_grad.py``) when the
+entry says ``split_backward``.  A message whose producer and consumer are chunks of this
+rank (the bottom of DualPipeV's V) is handed over without p2p.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from torch.autograd.graph import get_gradient_edge
 from megalite.diagnostics.flight_recorder import site
 from megalite.pipeline_parallel import fsdp_sync, simulator
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape
+from megalite.pipeline_parallel.simulator import stage_index
 from megalite.pipeline_parallel.weight_grad import backward_input
 
 
@@ -65,11 +67,12 @@ class PipelineExecutor:
     """Runs one rank's program; keeps stored activations, messages and a wall-clock log."""
 
     def __init__(self, forward_step, batches, model_chunks, state, cfg, forward_only: bool,
-                 split_backward: bool = False):
+                 split_backward: bool = False, vshape: bool = False):
         self.forward_step, self.batches, self.chunks = forward_step, batches, model_chunks
         self.state, self.forward_only = state, forward_only
         self.split_backward = split_backward and not forward_only
         self.p, self.v, self.rank = state.pp.size, len(model_chunks), state.pp.rank
+        self.vshape = vshape
         ref = next(model_chunks[0].parameters())
         self.link = StageLink(state, activation_shape(cfg, state), ref.dtype, ref.device)
         self.received, self.to_send = {}, {}
@@ -112,12 +115,24 @@ class PipelineExecutor:
         return self
 
     def _is_last(self, op) -> bool:
-        return self.rank == self.p - 1 and op.chunk == self.v - 1
+        return stage_index(self.rank, op.chunk, self.p, self.vshape) == self.p * self.v - 1
+
+    def _needs(self, op):
+        return simulator.needs(op, self.rank, self.p, self.v, self.vshape)
+
+    def _deliver(self, op, tensor) -> None:
+        """What ``op`` produced: to the next p2p batch, or straight to this rank's other
+        chunk when it consumes it (detached, as a received message would be)."""
+        msg, dst = simulator.produces(op, self.rank, self.p, self.v, self.vshape)
+        if dst == self.rank:
+            self.received[msg] = None if tensor is None else tensor.detach()
+        else:
+            self.to_send[msg] = tensor
 
     # -- compute ---------------------------------------------------------------------------
     def _F(self, op):
         model = self.chunks[op.chunk]
-        need = simulator.needs(op, self.rank, self.p, self.v)
+        need = self._needs(op)
         x = None
         if need:
             x = self.received.pop(need[0])
@@ -139,7 +154,7 @@ class PipelineExecutor:
             output, report = loss_func(output)
             self.reports.append(report)
         else:
-            self.to_send[simulator.produces(op, self.rank, self.p, self.v)[0]] = output
+            self._deliver(op, output)
             if not self.forward_only:
                 # Keep only the graph edge: the activation itself is freed once sent.
                 output = get_gradient_edge(output)
@@ -148,7 +163,7 @@ class PipelineExecutor:
 
     def _BW(self, op):
         x, out = self.stash.pop((op.mb, op.chunk))
-        need = simulator.needs(op, self.rank, self.p, self.v)
+        need = self._needs(op)
         grad = self.received.pop(need[0]) if need else None
         if op.kind == "BW":
             torch.autograd.backward([out], None if grad is None else [grad])
@@ -158,9 +173,8 @@ class PipelineExecutor:
             grads, pending = backward_input([out], [grad], [x], params)
             self.pending_w[(op.mb, op.chunk)] = pending
             gx = grads[0] if x is not None and x.is_leaf else None
-        out_msg = simulator.produces(op, self.rank, self.p, self.v)
-        if out_msg:
-            self.to_send[out_msg[0]] = gx
+        if simulator.produces(op, self.rank, self.p, self.v, self.vshape):
+            self._deliver(op, gx)
 
     _B = _BW  # input-gradient half (zero bubble): same bookkeeping, split inside
 
@@ -189,8 +203,9 @@ def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
         raise ValueError(f"{len(model_chunks)} model chunks for VPP={state.vpp_size}")
     program = simulator.plan(schedule, state.pp.size, len(batches), len(model_chunks),
                              forward_only)[state.pp.rank]
+    spec = simulator.get_schedule(schedule)
     ex = PipelineExecutor(forward_step, batches, model_chunks, state, cfg, forward_only,
-                          split_backward=simulator.get_schedule(schedule).split_backward)
+                          split_backward=spec.split_backward, vshape=spec.vshape)
     return ex.run(program)
 
 
