@@ -37,7 +37,8 @@ def _run(schedule: str, args: dict):
                           num_attention_heads=8, seq_length=args["seq"], vocab_size=1000,
                           hidden_dropout=0.0, attention_dropout=0.0,
                           normalization="RMSNorm", position_embedding_type="rope",
-                          swiglu=True, add_bias_linear=False),
+                          swiglu=True, add_bias_linear=False,
+                          untie_embeddings_and_output_weights=True),   # DualPipeV needs it
         parallel=ParallelConfig(pipeline_model_parallel_size=2,
                                 num_virtual_stages_per_pipeline_rank=vpp,
                                 pipeline_schedule=schedule),
@@ -45,7 +46,7 @@ def _run(schedule: str, args: dict):
     cfg.training.micro_batch_size = args["mbs"]
     m = args["micro_batches"]
     cfg.training.global_batch_size = args["mbs"] * m
-    grid = RankGrid(2, pp=2, vpp=vpp or 1)
+    grid = RankGrid.from_config(cfg)
     state = ParallelState.build(grid, dist.get_rank())
     chunks = build_model_chunks(cfg, state)
     g = torch.Generator().manual_seed(0)
@@ -109,7 +110,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5, help="measured iterations (best kept)")
-    ap.add_argument("--schedules", default="1f1b,interleaved,zero-bubble")
+    ap.add_argument("--schedules", default="1f1b,interleaved,zero-bubble,dualpipev")
     a = ap.parse_args(argv)
     from megalite.testing import WorkerPool
 
