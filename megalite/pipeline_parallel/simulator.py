@@ -54,6 +54,8 @@ class Op:
     chunk: int = 0
     sends: Tuple[Tuple[Msg, int], ...] = ()   # (message, destination pp rank)
     recvs: Tuple[Tuple[Msg, int], ...] = ()   # (message, source pp rank)
+    paired: bool = False   # one half of an F&B pair (DualPipeV): the forward of one
+    #                        micro-batch and the backward of another, run side by side
 
     def __str__(self):
         if self.kind == "comm":
@@ -220,14 +222,14 @@ class _DualPipeVRank:
     def send_b(self, c):
         self._message("BW", c, False)
 
-    def _compute_f(self, c):
-        self.program.append(Op("F", self._next("F", c), c))
+    def _compute_f(self, c, paired=False):
+        self.program.append(Op("F", self._next("F", c), c, paired=paired))
 
-    def _compute_b(self, c, split=False):
+    def _compute_b(self, c, split=False, paired=False):
         if self.forward_only:
             return
         mb = self._next("B", c)
-        self.program.append(Op("B" if split else "BW", mb, c))
+        self.program.append(Op("B" if split else "BW", mb, c, paired=paired))
         if split:
             self.deferred.append((mb, c))
 
@@ -253,8 +255,8 @@ class _DualPipeVRank:
             self.recv_f(c0)
         self.recv_b(c1)
         self.commit()
-        self._compute_f(c0)
-        self._compute_b(c1)
+        self._compute_f(c0, paired=not self.forward_only)
+        self._compute_b(c1, paired=True)
         self.send_f(c0)
         self.send_b(c1)
 
@@ -653,6 +655,10 @@ class Schedule:
     bubble_time: Callable
     # (p, m, v, pp_rank) -> micro-batches whose activations ``pp_rank`` holds at its peak
     in_flight: Callable
+    # (p, m, v, pp_rank) -> chunk forwards with no backward beside them (warm-up; the
+    # cool-down mirrors it): what an overlap of one micro-batch's all-to-all with another's
+    # compute cannot hide (the planner's EP overlap)
+    unpaired_forwards: Callable
     program: Optional[Callable] = None   # (p, m, v, forward_only) -> programs, when the
     #                                      generic placement (``build_program``) is not used
     searched: bool = True      # the planner's --schedules default includes it
@@ -693,6 +699,22 @@ def _dualpipev_in_flight(p, m, v, rank):
     return (2 * p + 1) / 2
 
 
+def _dualpipev_unpaired(p, m, v, rank):
+    """Phases 1-3 run 2(p-r-1) + 2(r+1) + (p-r-1) chunk forwards alone; DeepSeek leaves the
+    last rank's first steady F0 unpaired too."""
+    return min(3 * (p - rank - 1) + 2 * (rank + 1) + (rank == p - 1), 2 * m)
+
+
+def _1f1b_unpaired(p, m, v, rank):
+    """Megatron's p - r - 1 warm-up forwards."""
+    return min(p - rank - 1, m)
+
+
+def _interleaved_unpaired(p, m, v, rank):
+    """Megatron's 2(p - r - 1) + (v - 1)p warm-up chunk forwards."""
+    return min(2 * (p - rank - 1) + (v - 1) * p, m * v)
+
+
 def _interleaved_in_flight(p, m, v, rank):
     """Megatron's warm-up of 2(p - i - 1) + (v - 1)p + 1 chunks, in micro-batches."""
     return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
@@ -702,22 +724,25 @@ SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
     Schedule("1f1b", "1F1B: p-rank-1 warm-up forwards, one forward one backward, cool-down",
              virtual_stages=False, split_backward=False, orders=_orders_1f1b,
              bubble_time=lambda p, v, work, hop, fwd: (p - 1) * (work + hop),
-             in_flight=lambda p, m, v, rank: float(min(p - rank, m))),
+             in_flight=lambda p, m, v, rank: float(min(p - rank, m)),
+             unpaired_forwards=_1f1b_unpaired),
     Schedule("interleaved", "interleaved 1F1B over v model chunks per rank (VPP): bubble "
              "(p-1)/(v m)", virtual_stages=True, split_backward=False,
              orders=_orders_interleaved, program=interleaved_program,
              bubble_time=lambda p, v, work, hop, fwd: (p - 1) * (work / v + hop),
-             in_flight=_interleaved_in_flight),
+             in_flight=_interleaved_in_flight, unpaired_forwards=_interleaved_unpaired),
     Schedule("zero-bubble", "ZB-H1: backward split into B and W, W placed in the bubbles",
              virtual_stages=False, split_backward=True, orders=_orders_zero_bubble,
              bubble_time=lambda p, v, work, hop, fwd: (p - 1) * fwd,
-             in_flight=lambda p, m, v, rank: float(min(p, m)), searched=False),
+             in_flight=lambda p, m, v, rank: float(min(p, m)),
+             unpaired_forwards=_1f1b_unpaired, searched=False),
     Schedule("dualpipev", "DualPipeV: V-shaped 2 chunks per rank (first and last layers on "
              "rank 0), forward and backward of different micro-batches paired, W deferred "
              "into the bubbles", virtual_stages=True, split_backward=True,
              orders=_orders_dualpipev, program=dualpipev_program,
              bubble_time=_dualpipev_bubble,
-             in_flight=_dualpipev_in_flight, searched=False, chunks_per_rank=2, vshape=True,
+             in_flight=_dualpipev_in_flight, unpaired_forwards=_dualpipev_unpaired,
+             searched=False, chunks_per_rank=2, vshape=True,
              min_micro_batches=lambda p: 2 * p),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)

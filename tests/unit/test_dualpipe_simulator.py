@@ -95,3 +95,18 @@ def test_the_flag_implies_two_chunks_and_rank_0_holds_the_loss():
 def test_too_few_micro_batches_is_one_line_naming_the_flag():
     with pytest.raises(ConfigError, match="needs at least 8 micro-batches.*--global-batch-size"):
         parse_args(_FLAGS + ["--global-batch-size", "4"])
+
+
+@pytest.mark.parametrize("p,m", CASES)
+def test_f_and_b_pairs_and_the_unpaired_forwards_the_planner_reads(p, m):
+    """Every F&B pair is a forward of one micro-batch next to the backward of another (two
+    chunks), and the forwards outside a pair are the registry's ``unpaired_forwards``."""
+    spec = S.get_schedule("dualpipev")
+    for r, prog in enumerate(S.plan("dualpipev", p, m, 2)):
+        ops = [op for op in prog if op.kind != "comm"]
+        pairs = [(a, b) for a, b in zip(ops, ops[1:]) if a.paired and a.kind == "F"]
+        assert pairs and all(b.paired and b.kind == "BW" and b.chunk != a.chunk
+                             for a, b in pairs)
+        assert sum(op.paired for op in ops) == 2 * len(pairs)
+        alone = sum(op.kind == "F" and not op.paired for op in ops)
+        assert alone == spec.unpaired_forwards(p, m, 2, r)
