@@ -139,9 +139,9 @@ COVERAGE: Dict[str, Sequence[str]] = {
                                              "overlap-grad-reduce", "recompute-selective"),
     f"{_DV}[moe-cp2-a2a-pp2-etp2-allgather-fsdp2]": ("pp-dualpipev", "moe", "cp-a2a",
                                                      "expert-tp", "moe-allgather", "fsdp2"),
-    f"{_DV}[fsdp2-hsdp-pp2-full-compile]": ("pp-dualpipev", "fsdp2", "hsdp", "recompute-full",
-                                            "compile"),
-    f"{_DV}[cp2-pp2-full]": ("pp-dualpipev", "cp-p2p", "recompute-full"),
+    f"{_DV}[fsdp2-hsdp-pp2-full-compile-tied]": ("pp-dualpipev", "fsdp2", "hsdp",
+                                                 "recompute-full", "compile"),
+    f"{_DV}[cp2-pp2-full-tied]": ("pp-dualpipev", "cp-p2p", "recompute-full"),
 }
 
 

@@ -318,9 +318,9 @@ CP_A2A_COMPILE = ("--compile with --cp-comm-type a2a: a compiled all-to-all (Uly
                   "--cp-comm-type p2p or drop --compile")
 VSHAPE = tuple(f"pp-{n}" for n, s in SCHEDULES.items() if s.vshape)
 _VSHAPE_FLAGS = " / ".join(f"--pipeline-schedule {n[3:]}" for n in VSHAPE)
-VSHAPE_TIED = (f"{_VSHAPE_FLAGS} puts the embedding and the output layer on two chunks of "
-               "pipeline rank 0, whose tied copies are not summed on one rank: add "
-               "--untie-embeddings-and-output-weights (and no --mtp-num-layers)")
+VSHAPE_MTP = (f"{_VSHAPE_FLAGS} with --mtp-num-layers: the V puts the output layer and the "
+              "MTP heads on pipeline rank 0's second chunk, whose embedding copy is not "
+              "wired; drop --mtp-num-layers or use another schedule")
 VSHAPE_UNEVEN = (f"{_VSHAPE_FLAGS} splits the layers into 2 x PP equal chunks: drop "
                  "--decoder-first/last-pipeline-num-layers, balance rank 0 with "
                  "--account-for-embedding/loss-in-pipeline-split")
@@ -427,8 +427,7 @@ RULES: Tuple[Rule, ...] = (
     Refuses(SPLIT_BACKWARD, "a recomputed MoE layer", _recomputes_moe_layers,
             _split_moe_recompute_reason),
     Excludes("pp-uneven", VSHAPE, VSHAPE_UNEVEN),
-    Refuses(VSHAPE, "tied embeddings", lambda c: not c.model.untie_embeddings_and_output_weights
-            or bool(c.model.mtp_num_layers), VSHAPE_TIED),
+    Refuses(VSHAPE, "--mtp-num-layers", lambda c: bool(c.model.mtp_num_layers), VSHAPE_MTP),
     Refuses(("cp-p2p", "cp-a2a"), "--attention-dropout > 0",
             lambda c: c.model.attention_dropout > 0, CP_DROPOUT, dry_run=False),
     Relation("Megatron FP8 flags megalite does not wire", _unwired_fp8, lambda c: (

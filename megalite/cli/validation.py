@@ -16,9 +16,9 @@ import os
 from megalite.cli import features
 from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
-from megalite.pipeline_parallel.simulator import resolve_schedule
 from megalite.config.microbatches import (parse_step_schedule, rampup_problem,
                                           step_schedule_batch_problem)
+from megalite.pipeline_parallel.simulator import resolve_schedule
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                    ("num_attention_heads", "--num-attention-heads"),

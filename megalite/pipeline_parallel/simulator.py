@@ -665,6 +665,9 @@ class Schedule:
     chunks_per_rank: Optional[int] = None   # model chunks the schedule fixes (None: --vpp)
     vshape: bool = False       # chunk 1 runs back up the ranks (``stage_index``)
     min_micro_batches: Callable = lambda p: 1   # p -> fewest micro-batches it can run
+    # the executor posts each batch's messages and waits only where one is read (so an F&B
+    # pair's second op receives while the first computes); ``simulate`` stays blocking
+    async_p2p: bool = False
 
 
 def _orders_1f1b(p, m, v, forward_only):
@@ -743,7 +746,7 @@ SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
              bubble_time=_dualpipev_bubble,
              in_flight=_dualpipev_in_flight, unpaired_forwards=_dualpipev_unpaired,
              searched=False, chunks_per_rank=2, vshape=True,
-             min_micro_batches=lambda p: 2 * p),
+             min_micro_batches=lambda p: 2 * p, async_p2p=True),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 AUTO = "auto"     # --pipeline-schedule auto: interleaved with virtual stages, else 1F1B

@@ -22,8 +22,9 @@ config-only code such as the planner imports it freely.
   chunks hold one transformer layer fewer.
 
 The embedding always lives on (rank 0, chunk 0) and the final norm + output layer on the
-last block's chunk: (rank P-1, chunk V-1), or (rank 0, chunk 1) in the V shape; with tied embeddings and P > 1 the latter also holds the copy of the
-word embedding.
+last block's chunk: (rank P-1, chunk V-1), or (rank 0, chunk 1) in the V shape; with
+tied embeddings and P > 1 the latter also holds the copy of the word embedding (in the V
+shape it reads chunk 0's instead: one rank, one matrix).
 """
 from __future__ import annotations
 

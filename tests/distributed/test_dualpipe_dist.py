@@ -3,6 +3,7 @@
 at step 1, 1e-4 after), one 4-rank launch per configuration on the pool's ranks.
 
 The configurations turn on many features at once (PP 2 and PP 4, dense and MoE with EP 2,
+tied embeddings (both ends on pp rank 0, one parameter) with FSDP2 and with CP,
 full and selective recompute, FSDP2 and HSDP, the distributed optimizer, CP, TP + SP, the
 embedding and loss counted in the split, the fused loss, compile), so that every feature
 the table lets DualPipeV combine with is run with it (``megalite.cli.features.COVERAGE``
@@ -18,6 +19,7 @@ from megalite.cli import features
 DV, GBS = ["--pipeline-schedule", "dualpipev"], ["--global-batch-size", "8"]
 PP4 = ["--pp", "4"]
 DENSE, MOE = pairs.DENSE + GBS, pairs.MOE + GBS
+TIED = [a for a in DENSE if a != "--untie-embeddings-and-output-weights"]
 DENSE8 = DENSE + ["--num-layers", "8"]          # 2 x PP4 chunks of one layer
 DENSE6 = DENSE + ["--num-layers", "6"]          # + embedding + loss = 2 x PP2 chunks of 2
 P = pairs
@@ -28,11 +30,11 @@ CONFIGS = {
     "moe-ep2-pp2-ddp-overlap-attn": (MOE, P.EP2 + P.PP2 + DV + P.OGR + P.SEL_ATTN),
     "moe-cp2-a2a-pp2-etp2-allgather-fsdp2": (MOE, P.CP2 + P.A2A + P.PP2 + DV + P.ETP2 +
                                              P.ALLGATHER + P.FSDP2),
-    "fsdp2-hsdp-pp2-full-compile": (DENSE, P.FSDP2 + P.HSDP + P.PP2 + DV + P.FULL +
-                                    P.COMPILE),
-    "cp2-pp2-full": (DENSE, P.CP2 + P.PP2 + DV + P.FULL),
+    "fsdp2-hsdp-pp2-full-compile-tied": (TIED, P.FSDP2 + P.HSDP + P.PP2 + DV + P.FULL +
+                                         P.COMPILE),
+    "cp2-pp2-full-tied": (TIED, P.CP2 + P.PP2 + DV + P.FULL),
 }
-_MODELS = {"dense": DENSE, "dense8": DENSE8, "dense6": DENSE6, "moe": MOE}
+_MODELS = {"dense": DENSE, "dense8": DENSE8, "dense6": DENSE6, "moe": MOE, "tied": TIED}
 
 
 def _run_one(name):

@@ -1,7 +1,8 @@
 """``pretrain_gpt.py --pipeline-schedule dualpipev`` as a user runs it: torchrun, 2 CPU
 processes, PP 2.  One launch checks the training losses and grad norms and the evaluation
 loss (the forward-only program) against a single-process run of the same flags, the
-metrics writer sitting on pp rank 0 (where the V ends) and the pipeline timeline trace;
+metrics writer sitting on pp rank 0 (where the V ends, tied embeddings: one matrix there)
+and the pipeline timeline trace;
 a too-small global batch is refused in one line, exit 2."""
 import json
 import os
@@ -12,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PY = sys.executable
 FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--mock-data", "--vocab-size", "100", "--lr", "1e-3",
-         "--untie-embeddings-and-output-weights", "--global-batch-size", "4",
+         "--global-batch-size", "4",
          "--micro-batch-size", "1", "--train-iters", "2", "--eval-interval", "2",
          "--eval-iters", "1", "--log-interval", "1", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--device", "cpu"]
