@@ -34,15 +34,18 @@ CONFIGS = {
                                          P.COMPILE),
     "cp2-pp2-full-tied": (TIED, P.CP2 + P.PP2 + DV + P.FULL),
 }
+# PP 4 x EP 2 needs 8 ranks (long tier: it repeats PP 4 and EP 2 of the launches above)
+MOE8 = pairs.MOE + ["--num-layers", "8", "--global-batch-size", "16"]
+CONFIGS8 = {"moe-pp4-ep2-attn": (MOE8, PP4 + DV + P.EP2 + P.SEL_ATTN)}
 _MODELS = {"dense": DENSE, "dense8": DENSE8, "dense6": DENSE6, "moe": MOE, "tied": TIED}
 
 
-def _run_one(name):
-    model, flags = CONFIGS[name]
+def _run_one(name, world=pairs.WORLD):
+    model, flags = {**CONFIGS, **CONFIGS8}[name]
     backend, pairs.compile_mod.BACKEND = pairs.compile_mod.BACKEND, "aot_eager"
     try:
-        cfg = pairs._config(model, flags, False, False, pairs.WORLD)
-        return pairs._train(cfg, pairs.WORLD, torch_dist.get_rank())
+        cfg = pairs._config(model, flags, False, False, world)
+        return pairs._train(cfg, world, torch_dist.get_rank())
     finally:
         pairs.compile_mod.BACKEND = backend
 
@@ -62,6 +65,15 @@ def test_dualpipev_matches_single_process(dist, references, name):
                                  f"test_dualpipev_matches_single_process[{name}]"]
     assert "pp-dualpipev" in got["features"]
     assert sorted(got["features"]) == sorted(declared), (got["features"], declared)
+    for key in ("loss", "norm"):
+        assert pairs._close(got[key][:1], ref[key][:1], 1e-5), (key, got[key], ref[key])
+        assert pairs._close(got[key], ref[key], 1e-4), (key, got[key], ref[key])
+
+
+def test_dualpipev_pp4_moe_ep2_on_8_ranks(dist):
+    ref = pairs._train(pairs._config(MOE8, [], False, False, 1), 1, 0)
+    got = next(r for r in dist.run(8, _run_one, "moe-pp4-ep2-attn", 8) if r["writer"])
+    assert {"pp-dualpipev", "ep", "moe"} <= set(got["features"])
     for key in ("loss", "norm"):
         assert pairs._close(got[key][:1], ref[key][:1], 1e-5), (key, got[key], ref[key])
         assert pairs._close(got[key], ref[key], 1e-4), (key, got[key], ref[key])
