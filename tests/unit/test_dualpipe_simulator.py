@@ -110,3 +110,17 @@ def test_f_and_b_pairs_and_the_unpaired_forwards_the_planner_reads(p, m):
         assert sum(op.paired for op in ops) == 2 * len(pairs)
         alone = sum(op.kind == "F" and not op.paired for op in ops)
         assert alone == spec.unpaired_forwards(p, m, 2, r)
+
+
+def test_the_planner_searches_dualpipev_only_with_2p_micro_batches():
+    from megalite.cli.validation import validate_layout
+    from megalite.planner import model_spec as ms
+    from megalite.planner.hardware import make_cluster
+    from megalite.planner.search import SearchSpace, search
+
+    m = ms.recipe("llama3-8b")
+    res = search(m, 4096, 64, make_cluster(32), SearchSpace(pp=[4], schedules=("dualpipev",)))
+    ranked = [e.layout for e in res.ranked if e.layout.schedule == "dualpipev"]
+    assert ranked and all(L.vpp == 2 for L in ranked)       # (other VPPs: auto's schedule)
+    assert {L.num_micro_batches for L in ranked} == {8, 16, 32, 64}     # never below 2p
+    validate_layout(ranked[0].to_config(m, 4096))
