@@ -113,9 +113,12 @@ def orthogonal_groups(sizes: List[int], mask: List[bool]) -> List[List[int]]:
 
 class RankGrid:
     """Pure-Python rank arithmetic for the dense and the expert grid of one ``ParallelDims``
-    (``RankGrid(dims)``; ``RankGrid(world_size, tp=2, ...)`` builds the dims from sizes)."""
+    (``RankGrid(dims)``; ``RankGrid(world_size, tp=2, ...)`` builds the dims from sizes).
+    ``pipeline_vshape``: the schedule's second chunk runs back up the ranks (DualPipeV,
+    ``pipeline_parallel/split.py``), so the first and the last stage are both pp rank 0."""
 
-    def __init__(self, world_size, **sizes):
+    def __init__(self, world_size, pipeline_vshape: bool = False, **sizes):
+        self.pipeline_vshape = pipeline_vshape
         dims = world_size if isinstance(world_size, ParallelDims) else \
             ParallelDims(world=world_size, **sizes)
         problem = dims.problem()
@@ -131,8 +134,9 @@ class RankGrid:
 
     def groups(self, name: str) -> List[List[int]]:
         if name not in self._cache:
-            if name == "embedding":
-                self._cache[name] = [sorted({g[0], g[-1]}) for g in self.groups("pp")]
+            if name == "embedding":       # the first and the last stage's ranks
+                self._cache[name] = [sorted({g[0], g[0 if self.pipeline_vshape else -1]})
+                                     for g in self.groups("pp")]
             elif name in HYBRID_GROUPS:
                 base, part = HYBRID_GROUPS[name]
                 self._cache[name] = [
@@ -186,7 +190,7 @@ class RankGrid:
 
     @classmethod
     def from_config(cls, cfg) -> "RankGrid":
-        return cls(ParallelDims.from_config(cfg))
+        return cls(ParallelDims.from_config(cfg), pipeline_vshape=cfg.parallel.pipeline_vshape)
 
 
 @dataclass
@@ -288,6 +292,8 @@ class ParallelState:
         return self.pp.rank == 0
 
     def is_last_stage(self, ignore_virtual: bool = False) -> bool:
+        if self.grid.pipeline_vshape:     # the V's last block: rank 0's chunk 1
+            return self.pp.rank == 0 and (ignore_virtual or self.virtual_pipeline_rank == 1)
         if not ignore_virtual and self.vpp_size > 1 and \
                 self.virtual_pipeline_rank != self.vpp_size - 1:
             return False

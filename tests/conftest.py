@@ -60,6 +60,9 @@ LONG_TESTS = (
     # the full reshard matrix (the default run keeps the layout-change resumes of
     # test_pretrain_e2e.py, test_checkpoint_args_e2e.py and test_sharded_state_dist.py)
     "tests/distributed/test_checkpoint_reshard_dist.py::test_reshard_matrix_continues_with_opt",
+    # DualPipeV at PP 4 x EP 2 on 8 ranks (the default run keeps PP 4 and EP 2 on 4 ranks,
+    # tests/distributed/test_dualpipe_dist.py::test_dualpipev_matches_single_process)
+    "tests/distributed/test_dualpipe_dist.py::test_dualpipev_pp4_moe_ep2_on_8_ranks",
     # --compile pairs: the default run keeps two compile launches
     f"{_PAIRS}[cp2-zb-uneven-full-compile]",
     f"{_PAIRS}[fsdp2-hsdp-overlap-selective-fused-compile]",

@@ -19,6 +19,7 @@ _DP2 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp
 _DP4 = "tests/distributed/test_dp_overlap_fsdp2_dist.py::test_overlap_zero2_fsdp2_world4"
 _FC = "tests/distributed/test_fsdp2_compose_dist.py::test_fsdp2_composes"
 PAIRS_TEST = "tests/distributed/test_feature_pairs_dist.py::test_combination_matches_single_process"
+_DV = "tests/distributed/test_dualpipe_dist.py::test_dualpipev_matches_single_process"
 COVERAGE: Dict[str, Sequence[str]] = {
     f"{_PE}[tp2-pp2-sp-full-uniform1]": ("tp", "sp", "pp-1f1b", "recompute-full"),
     f"{_PE}[tp2-pp2-sp-selective-attn]": ("tp", "sp", "pp-1f1b", "recompute-selective"),
@@ -129,6 +130,18 @@ COVERAGE: Dict[str, Sequence[str]] = {
     f"{PAIRS_TEST}[te-fp8-cp2-a2a-pp2-fused]":
         ("pp-1f1b", "cp-a2a", "te", "fp8", "fused-loss"),
     f"{PAIRS_TEST}[te-fp8-vpp2-compile]": ("pp-interleaved", "te", "fp8", "compile"),
+    # DualPipeV with every feature the table lets it combine with
+    f"{_DV}[pp4-full-distopt]": ("pp-dualpipev", "recompute-full", "distopt",
+                                 "overlap-grad-reduce", "overlap-param-gather"),
+    f"{_DV}[tp2-pp2-account-fused-selective]": ("pp-dualpipev", "tp", "sp", "pp-account",
+                                                "fused-loss", "recompute-selective"),
+    f"{_DV}[moe-ep2-pp2-ddp-overlap-attn]": ("pp-dualpipev", "moe", "ep", "moe-alltoall",
+                                             "overlap-grad-reduce", "recompute-selective"),
+    f"{_DV}[moe-cp2-a2a-pp2-etp2-allgather-fsdp2]": ("pp-dualpipev", "moe", "cp-a2a",
+                                                     "expert-tp", "moe-allgather", "fsdp2"),
+    f"{_DV}[fsdp2-hsdp-pp2-full-compile-tied]": ("pp-dualpipev", "fsdp2", "hsdp",
+                                                 "recompute-full", "compile"),
+    f"{_DV}[cp2-pp2-full-tied]": ("pp-dualpipev", "cp-p2p", "recompute-full"),
 }
 
 

@@ -248,8 +248,10 @@ def a2a_heads_split(heads: int, groups: int, tp: int, cp: int) -> bool:
 
 
 def schedule_fits(schedule, vpp: int) -> bool:
-    """A schedule runs v > 1 model chunks per rank exactly when it has virtual stages."""
-    return schedule.virtual_stages == (vpp > 1)
+    """A schedule runs v > 1 model chunks per rank exactly when it has virtual stages (as
+    many as it fixes, if it does: DualPipeV's 2)."""
+    return schedule.virtual_stages == (vpp > 1) and \
+        schedule.chunks_per_rank in (None, vpp)
 
 
 def hsdp_group_sizes(cfg) -> List[Tuple[int, str]]:
@@ -292,10 +294,14 @@ def _unwired_fp8(cfg) -> List[str]:
 CP_DROPOUT = ("--context-parallel-size > 1 has no attention dropout (ring and all-to-all "
               "attention draw none): set --attention-dropout 0")
 _SPLIT_FLAGS = " / ".join(f"--pipeline-schedule {n[3:]}" for n in SPLIT_BACKWARD)
-ZB_MOE_RECOMPUTE = (f"{_SPLIT_FLAGS} with a recomputed MoE layer "
-                    "(--recompute-granularity full, or selective with --recompute-modules mlp): "
-                    "under the B/W split its recomputation saves other tensors than its forward "
-                    "(torch.utils.checkpoint refuses); use 1f1b, or recompute core_attn only")
+def _split_moe_recompute_reason(cfg) -> str:
+    """Names the schedule the run asked for (each split-backward schedule refuses it)."""
+    return (f"--pipeline-schedule {cfg.parallel.pipeline_schedule} with a recomputed MoE "
+            "layer (--recompute-granularity full, or selective with --recompute-modules mlp): "
+            "under the B/W split its recomputation saves other tensors than its forward "
+            "(torch.utils.checkpoint refuses); use 1f1b, or recompute core_attn only")
+
+
 TE_SPLIT_BACKWARD = (f"{_SPLIT_FLAGS} splits each linear's backward into B and W passes, which "
                      "TE's fused linears do not; use 1f1b / interleaved or --transformer-impl "
                      "local")
@@ -313,6 +319,14 @@ MOE_COMPILE = ("--compile with --num-experts: the MoE layers' routing gives ever
 CP_A2A_COMPILE = ("--compile with --cp-comm-type a2a: a compiled all-to-all (Ulysses) "
                   "attention run did not finish two tiny steps in 150 s on CPU; use "
                   "--cp-comm-type p2p or drop --compile")
+VSHAPE = tuple(f"pp-{n}" for n, s in SCHEDULES.items() if s.vshape)
+_VSHAPE_FLAGS = " / ".join(f"--pipeline-schedule {n[3:]}" for n in VSHAPE)
+VSHAPE_MTP = (f"{_VSHAPE_FLAGS} with --mtp-num-layers: the V puts the output layer and the "
+              "MTP heads on pipeline rank 0's second chunk, whose embedding copy is not "
+              "wired; drop --mtp-num-layers or use another schedule")
+VSHAPE_UNEVEN = (f"{_VSHAPE_FLAGS} splits the layers into 2 x PP equal chunks: drop "
+                 "--decoder-first/last-pipeline-num-layers, balance rank 0 with "
+                 "--account-for-embedding/loss-in-pipeline-split")
 FP8_RECOMPUTE = ("--fp8-format with --recompute-granularity: a recomputed forward would run "
                  "outside the FP8 autocast; drop one of them")
 
@@ -335,6 +349,10 @@ def _a2a_reason(cfg) -> str:
 
 def _schedule_reason(cfg) -> str:
     flag = cfg.parallel.pipeline_schedule
+    fixed = SCHEDULES[flag].chunks_per_rank
+    if fixed:
+        return (f"--pipeline-schedule {flag} runs exactly {fixed} model chunks per rank; drop "
+                f"--num-virtual-stages-per-pipeline-rank (or give {fixed})")
     if SCHEDULES[flag].virtual_stages:
         return (f"--pipeline-schedule {flag} needs --num-virtual-stages-per-pipeline-rank > 1 "
                 "(or --num-layers-per-virtual-pipeline-stage)")
@@ -409,7 +427,10 @@ RULES: Tuple[Rule, ...] = (
     Excludes(MOE_FEATURES, "compile", MOE_COMPILE, dry_run=False),
     Excludes("cp-a2a", "compile", CP_A2A_COMPILE, dry_run=False),
     Excludes("fp8", ("recompute-full", "recompute-selective"), FP8_RECOMPUTE, dry_run=False),
-    Refuses(SPLIT_BACKWARD, "a recomputed MoE layer", _recomputes_moe_layers, ZB_MOE_RECOMPUTE),
+    Refuses(SPLIT_BACKWARD, "a recomputed MoE layer", _recomputes_moe_layers,
+            _split_moe_recompute_reason),
+    Excludes("pp-uneven", VSHAPE, VSHAPE_UNEVEN),
+    Refuses(VSHAPE, "--mtp-num-layers", lambda c: bool(c.model.mtp_num_layers), VSHAPE_MTP),
     Refuses(("cp-p2p", "cp-a2a"), "--attention-dropout > 0",
             lambda c: c.model.attention_dropout > 0, CP_DROPOUT, dry_run=False),
     Relation("Megatron FP8 flags megalite does not wire", _unwired_fp8, lambda c: (

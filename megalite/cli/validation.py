@@ -18,6 +18,7 @@ from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
 from megalite.config.microbatches import (parse_step_schedule, rampup_problem,
                                           step_schedule_batch_problem)
+from megalite.config.pipeline_schedules import resolve_schedule
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
                    ("num_attention_heads", "--num-attention-heads"),
@@ -246,9 +247,17 @@ def check_batch_sizes(cfg: MegaliteConfig) -> None:
     if t.step_batch_size_schedule:   # every batch of the schedule
         sizes = [b for _, b in parse_step_schedule(t.step_batch_size_schedule,
                                                    cfg.model.seq_length)]
+    schedule = resolve_schedule(p.pipeline_schedule, p.virtual_stages(cfg.model.num_layers))
     for size in sizes:
         num_micro = size // (t.micro_batch_size * dp)
-        if p.virtual_stages(cfg.model.num_layers) > 1 and num_micro % p.pp:
+        fewest = schedule.min_micro_batches(p.pp)
+        if p.pp > 1 and num_micro < fewest:
+            raise ConfigError(
+                f"--pipeline-schedule {schedule.name} needs at least {fewest} micro-batches "
+                f"per step ({num_micro} = global batch {size} / (micro batch x DP)); raise "
+                "--global-batch-size or lower --micro-batch-size")
+        if p.virtual_stages(cfg.model.num_layers) > 1 and not p.pipeline_vshape and \
+                num_micro % p.pp:
             raise ConfigError(
                 f"the interleaved schedule needs the number of micro-batches ({num_micro} = "
                 f"global batch {size} / (micro batch x DP)) to be a multiple of "

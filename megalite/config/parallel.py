@@ -7,7 +7,7 @@ from typing import Optional
 from megalite.config.fields import opt
 from megalite.config.megatron_fsdp import SHARDING_STRATEGIES
 from megalite.config.parallel_dims import ParallelDims
-from megalite.config.pipeline_schedules import AUTO, SCHEDULE_NAMES
+from megalite.config.pipeline_schedules import AUTO, SCHEDULE_NAMES, SCHEDULES
 
 
 @dataclass
@@ -147,10 +147,20 @@ class ParallelConfig:
             int(self.account_for_loss_in_pipeline_split)
 
     def virtual_stages(self, num_layers: Optional[int]) -> int:
-        """VPP size (1 when not interleaving)."""
+        """VPP size (1 when not interleaving; a schedule with fixed chunks per rank, such as
+        DualPipeV's 2, sets it unless a flag gives it)."""
         if self.num_virtual_stages_per_pipeline_rank:
             return self.num_virtual_stages_per_pipeline_rank
         if self.num_layers_per_virtual_pipeline_stage and num_layers:
             return self.pipeline_slots(num_layers) // (
                 self.pp * self.num_layers_per_virtual_pipeline_stage)
+        if self.pp > 1 and self.pipeline_schedule in SCHEDULES:
+            return SCHEDULES[self.pipeline_schedule].chunks_per_rank or 1
         return 1
+
+    @property
+    def pipeline_vshape(self) -> bool:
+        """The schedule places each rank's second chunk on the way back up (DualPipeV), so
+        the embedding and the loss are both on pipeline rank 0."""
+        return self.pp > 1 and self.pipeline_schedule in SCHEDULES and \
+            SCHEDULES[self.pipeline_schedule].vshape

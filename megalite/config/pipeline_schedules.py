@@ -4,7 +4,9 @@ The real executor (``schedules.py``) walks exactly the programs built here, so w
 simulator predicts (order, bubbles, deadlock freedom, p2p pairing) is what runs.
 
 Vocabulary: ``p`` pipeline ranks, ``v`` model chunks per rank (virtual stages), ``m``
-micro-batches.  Chunk ``c`` of rank ``r`` is global virtual stage ``s = c*p + r``.
+micro-batches.  Chunk ``c`` of rank ``r`` is global virtual stage ``s = c*p + r``, or in
+the V shape (``vshape``, DualPipeV) ``r`` for chunk 0 and ``2p-1-r`` for chunk 1
+(``stage_index``); a message between two chunks of one rank is handed over locally.
 Compute ops are ``F`` (forward), ``BW`` (full backward), ``B`` (input-gradient only) and
 ``W`` (weight-gradient only; zero bubble).  A ``comm`` op is one blocking
 ``comm.batch_send_recv`` call: its sends and receives are posted together and it returns
@@ -23,6 +25,7 @@ With unit costs it is exactly (p-1)/m for 1F1B and (p-1)/(v*m) for interleaved 1
 """
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
@@ -51,6 +54,8 @@ class Op:
     chunk: int = 0
     sends: Tuple[Tuple[Msg, int], ...] = ()   # (message, destination pp rank)
     recvs: Tuple[Tuple[Msg, int], ...] = ()   # (message, source pp rank)
+    paired: bool = False   # one half of an F&B pair (DualPipeV): the forward of one
+    #                        micro-batch and the backward of another, run side by side
 
     def __str__(self):
         if self.kind == "comm":
@@ -58,6 +63,21 @@ class Op:
             r = ",".join(f"{m.kind}{m.mb}<{r}" for m, r in self.recvs)
             return f"comm[{s}|{r}]"
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def stage_index(pp_rank: int, chunk: int, pp: int, vshape: bool = False) -> int:
+    """The block (global virtual stage) chunk ``chunk`` of rank ``pp_rank`` holds:
+    Megatron's interleaving c*P + r, or in the V shape r going down and 2P-1-r back up."""
+    if vshape:
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
+    return chunk * pp + pp_rank
+
+
+def stage_place(stage: int, pp: int, vshape: bool = False) -> Tuple[int, int]:
+    """(pp_rank, chunk) holding block ``stage``: the inverse of ``stage_index``."""
+    if vshape:
+        return (stage, 0) if stage < pp else (2 * pp - 1 - stage, 1)
+    return stage % pp, stage // pp
 
 
 Costs = Union[Dict[str, float], Callable[[int, Op], float]]
@@ -158,6 +178,172 @@ def _zb_ready(op: Op, r: int, p: int, done_at, t) -> bool:
     return done_at.get(need, t + 1) <= t
 
 
+class _DualPipeVRank:
+    """One rank's DualPipeV program, emitted as DeepSeek's ``dualpipev.py`` runs it: each
+    compute op first commits the pending sends and receives as one blocking batch (its
+    ``_commit_and_wait_comm``), receives are posted before the op that needs them (some a
+    step early) and a result is sent after the op that made it.  Hand-overs between the
+    two chunks of the last rank are local and need no message."""
+
+    def __init__(self, p: int, m: int, rank: int, forward_only: bool):
+        self.p, self.m, self.rank, self.forward_only = p, m, rank, forward_only
+        self.count = {}                       # (what, chunk) -> how many so far
+        self.deferred = collections.deque()   # (mb, chunk) whose W is still to run
+        self.sends, self.recvs, self.program = [], [], []
+
+    def _next(self, what: str, chunk: int) -> int:
+        n = self.count.get((what, chunk), 0)
+        self.count[(what, chunk)] = n + 1
+        return n
+
+    def _message(self, kind: str, chunk: int, inbound: bool):
+        if kind == "BW" and self.forward_only:
+            return
+        what = ("recv " if inbound else "send ") + kind
+        op = Op(kind, self._next(what, chunk), chunk)
+        found = (needs if inbound else produces)(op, self.rank, self.p, 2, vshape=True)
+        if found and found[1] != self.rank:
+            (self.recvs if inbound else self.sends).append(found)
+
+    def commit(self):
+        if self.sends or self.recvs:
+            self.program.append(Op("comm", sends=tuple(self.sends), recvs=tuple(self.recvs)))
+        self.sends, self.recvs = [], []
+
+    def recv_f(self, c):
+        self._message("F", c, True)
+
+    def send_f(self, c):
+        self._message("F", c, False)
+
+    def recv_b(self, c):
+        self._message("BW", c, True)
+
+    def send_b(self, c):
+        self._message("BW", c, False)
+
+    def _compute_f(self, c, paired=False):
+        self.program.append(Op("F", self._next("F", c), c, paired=paired))
+
+    def _compute_b(self, c, split=False, paired=False):
+        if self.forward_only:
+            return
+        mb = self._next("B", c)
+        self.program.append(Op("B" if split else "BW", mb, c, paired=paired))
+        if split:
+            self.deferred.append((mb, c))
+
+    def forward(self, c, recv=True, send=True):
+        if recv:
+            self.recv_f(c)
+        self.commit()
+        self._compute_f(c)
+        if send:
+            self.send_f(c)
+
+    def backward(self, c, split=False, recv=True, send=True):
+        if recv:
+            self.recv_b(c)
+        self.commit()
+        self._compute_b(c, split)
+        if send:
+            self.send_b(c)
+
+    def forward_backward(self, c0, c1, recv0=True):
+        """An F&B pair: the forward of one micro-batch beside the backward of another."""
+        if recv0:
+            self.recv_f(c0)
+        self.recv_b(c1)
+        self.commit()
+        self._compute_f(c0, paired=not self.forward_only)
+        self._compute_b(c1, paired=True)
+        self.send_f(c0)
+        self.send_b(c1)
+
+    def weight(self):
+        if self.forward_only:
+            return
+        self.commit()
+        mb, c = self.deferred.popleft()
+        self.program.append(Op("W", mb, c))
+
+
+def dualpipev_rank_program(p: int, m: int, rank: int, forward_only: bool = False) -> List[Op]:
+    """DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab): the V shape's two chunks per
+    rank, chunk 0 going down the ranks and chunk 1 coming back up; needs m >= 2p.
+
+    The eight phases of DeepSeek's ``dualpipev.py``: chunk-0 warm-up forwards, F0 F1,
+    B1 W1 F1 (zero bubble), the steady state of F0&B1 and F1&B0 pairs (a forward of one
+    micro-batch beside the backward of another: the pairs the overlapped execution
+    overlaps), B1 + F1&B0, the B1 B0 drain whose second half defers W, then the deferred
+    W's (oldest first) between the last B0's.  A backward that defers its W is a ``B``
+    followed later by its ``W``; the others are full ``BW``.
+    """
+    if m < 2 * p:
+        raise ValueError(f"dualpipev: micro-batches ({m}) must be at least 2 x pipeline size "
+                         f"({2 * p})")
+    e, last = _DualPipeVRank(p, m, rank, forward_only), rank == p - 1
+    down = p - rank - 1                             # ranks below this one
+    for _ in range(2 * down):                       # 1: chunk-0 warm-up
+        e.forward(0)
+    e.recv_f(0)                                     # 2: F0 F1
+    for i in range(rank + 1):
+        e.forward(0, recv=False, send=False)
+        e.recv_f(0)
+        e.forward(1, send=not last or i < rank)
+        e.send_f(0)
+    for _ in range(down):                           # 3: B1 W1 F1
+        e.backward(1, split=True)
+        e.recv_f(1)
+        e.weight()
+        e.forward(1, recv=False)
+    for i in range(m - 2 * p + rank + 1):           # 4: steady state, F0&B1 then F1&B0
+        if i == 0 and last:     # DeepSeek: not paired, to shorten the bubble
+            e.forward(0, recv=False, send=False)
+            e.send_f(1)
+            e.backward(1, send=False)
+            e.send_f(0)
+            e.send_b(1)
+        else:
+            e.forward_backward(0, 1, recv0=i > 0)
+        e.forward_backward(1, 0)
+    for _ in range(down):                           # 5: B1, F1&B0
+        e.backward(1)
+        e.forward_backward(1, 0)
+    split = False
+    for i in range(rank + 1):                       # 6: B1 B0, the second half deferring W
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        e.backward(1, split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        e.backward(0, split)
+    for _ in range(down):                           # 7: W, B0
+        e.weight()
+        e.backward(0, split=True)
+    for _ in range(rank + 1):                       # 8: the last W's
+        e.weight()
+    e.commit()
+    if e.deferred:
+        raise AssertionError("dualpipev program left weight gradients undone")
+    return e.program
+
+
+def dualpipev_program(p: int, m: int, v: int = 2, forward_only: bool = False):
+    """Every rank's DualPipeV program; checked: FIFO per rank pair, every message received
+    before the op that consumes it."""
+    program = [dualpipev_rank_program(p, m, r, forward_only) for r in range(p)]
+    check_fifo(program, p)
+    for r, prog in enumerate(program):
+        have = set()
+        for op in prog:
+            have.update(msg for msg, _ in op.recvs)
+            need = needs(op, r, p, 2, vshape=True) if op.kind != "comm" else None
+            if need and need[1] != r and need[0] not in have:
+                raise DeadlockError(f"rank {r} runs {op} before receiving {need[0]}")
+    return program
+
+
 def compute_orders(schedule: str, p: int, m: int, v: int = 1,
                    forward_only: bool = False) -> List[List[Op]]:
     """Every rank's compute order of ``schedule`` (a name of ``SCHEDULES``)."""
@@ -166,27 +352,31 @@ def compute_orders(schedule: str, p: int, m: int, v: int = 1,
 
 # -- messages -------------------------------------------------------------------------------
 
-def needs(op: Op, rank: int, p: int, v: int) -> Optional[Tuple[Msg, int]]:
-    """The message ``op`` consumes and the rank it comes from (None if local)."""
-    s, last = op.chunk * p + rank, p * v - 1
+def needs(op: Op, rank: int, p: int, v: int,
+          vshape: bool = False) -> Optional[Tuple[Msg, int]]:
+    """The message ``op`` consumes and the rank it comes from (None if none: the first
+    stage's forward, the last stage's backward)."""
+    s, last = stage_index(rank, op.chunk, p, vshape), p * v - 1
     if op.kind == "F" and s > 0:
-        return Msg("act", op.mb, s), (s - 1) % p
+        return Msg("act", op.mb, s), stage_place(s - 1, p, vshape)[0]
     if op.kind in ("B", "BW") and s < last:
-        return Msg("grad", op.mb, s), (s + 1) % p
+        return Msg("grad", op.mb, s), stage_place(s + 1, p, vshape)[0]
     return None
 
 
-def produces(op: Op, rank: int, p: int, v: int) -> Optional[Tuple[Msg, int]]:
+def produces(op: Op, rank: int, p: int, v: int,
+             vshape: bool = False) -> Optional[Tuple[Msg, int]]:
     """The message ``op`` sends and its destination rank (None if nothing)."""
-    s, last = op.chunk * p + rank, p * v - 1
+    s, last = stage_index(rank, op.chunk, p, vshape), p * v - 1
     if op.kind == "F" and s < last:
-        return Msg("act", op.mb, s + 1), (s + 1) % p
+        return Msg("act", op.mb, s + 1), stage_place(s + 1, p, vshape)[0]
     if op.kind in ("B", "BW") and s > 0:
-        return Msg("grad", op.mb, s - 1), (s - 1) % p
+        return Msg("grad", op.mb, s - 1), stage_place(s - 1, p, vshape)[0]
     return None
 
 
-def ideal_times(orders: List[List[Op]], p: int, v: int, costs: Costs = UNIT_COSTS):
+def ideal_times(orders: List[List[Op]], p: int, v: int, costs: Costs = UNIT_COSTS,
+                vshape: bool = False):
     """Dependency-only timing (sends never block): [(start, end)] per rank and op."""
     times = [[None] * len(o) for o in orders]
     ready: Dict[Msg, float] = {}
@@ -197,13 +387,13 @@ def ideal_times(orders: List[List[Op]], p: int, v: int, costs: Costs = UNIT_COST
         for r in range(p):
             while pos[r] < len(orders[r]):
                 op = orders[r][pos[r]]
-                need = needs(op, r, p, v)
+                need = needs(op, r, p, v, vshape)
                 if need and need[0] not in ready:
                     break
                 start = max(clock[r], ready[need[0]] if need else 0)
                 end = start + _cost(costs, r, op)
                 times[r][pos[r]] = (start, end)
-                out = produces(op, r, p, v)
+                out = produces(op, r, p, v, vshape)
                 if out:
                     ready[out[0]] = end
                 clock[r], pos[r], progress = end, pos[r] + 1, True
@@ -214,23 +404,23 @@ def ideal_times(orders: List[List[Op]], p: int, v: int, costs: Costs = UNIT_COST
 
 # -- programs: compute ops with blocking p2p batches ----------------------------------------
 
-def build_program(orders: List[List[Op]], p: int, v: int,
-                  costs: Costs = UNIT_COSTS) -> List[List[Op]]:
-    times = ideal_times(orders, p, v, costs)
+def build_program(orders: List[List[Op]], p: int, v: int, costs: Costs = UNIT_COSTS,
+                  vshape: bool = False) -> List[List[Op]]:
+    times = ideal_times(orders, p, v, costs, vshape)
     recv_slot: Dict[Msg, int] = {}
     slot_recvs = [dict() for _ in range(p)]         # rank -> slot -> [(msg, src)]
     for r, order in enumerate(orders):
         for j, op in enumerate(order):
-            need = needs(op, r, p, v)
-            if need:
+            need = needs(op, r, p, v, vshape)
+            if need and need[1] != r:                # local hand-overs need no batch
                 recv_slot[need[0]] = j
                 slot_recvs[r].setdefault(j, []).append(need)
     # Sends, per (src, dst) pair in the receiver's order so FIFO matching holds.
     per_pair: Dict[Tuple[int, int], list] = {}
     for r, order in enumerate(orders):
         for a, op in enumerate(order):
-            out = produces(op, r, p, v)
-            if out:
+            out = produces(op, r, p, v, vshape)
+            if out and out[1] != r:
                 per_pair.setdefault((r, out[1]), []).append((out[0], a))
     slot_sends = [dict() for _ in range(p)]
     for (src, dst), msgs in per_pair.items():
@@ -436,7 +626,7 @@ def plan(schedule: str, p: int, m: int, v: int = 1, forward_only: bool = False):
     spec = get_schedule(schedule)
     if spec.program is not None:
         return spec.program(p, m, v, forward_only)
-    return build_program(spec.orders(p, m, v, forward_only), p, v)
+    return build_program(spec.orders(p, m, v, forward_only), p, v, vshape=spec.vshape)
 
 
 def bubble(schedule: str, p: int, m: int, v: int = 1, costs: Costs = UNIT_COSTS,
@@ -465,9 +655,19 @@ class Schedule:
     bubble_time: Callable
     # (p, m, v, pp_rank) -> micro-batches whose activations ``pp_rank`` holds at its peak
     in_flight: Callable
+    # (p, m, v, pp_rank) -> chunk forwards with no backward beside them (warm-up; the
+    # cool-down mirrors it): what an overlap of one micro-batch's all-to-all with another's
+    # compute cannot hide (the planner's EP overlap)
+    unpaired_forwards: Callable
     program: Optional[Callable] = None   # (p, m, v, forward_only) -> programs, when the
     #                                      generic placement (``build_program``) is not used
     searched: bool = True      # the planner's --schedules default includes it
+    chunks_per_rank: Optional[int] = None   # model chunks the schedule fixes (None: --vpp)
+    vshape: bool = False       # chunk 1 runs back up the ranks (``stage_index``)
+    min_micro_batches: Callable = lambda p: 1   # p -> fewest micro-batches it can run
+    # the executor posts each batch's messages and waits only where one is read (so an F&B
+    # pair's second op receives while the first computes); ``simulate`` stays blocking
+    async_p2p: bool = False
 
 
 def _orders_1f1b(p, m, v, forward_only):
@@ -482,6 +682,42 @@ def _orders_zero_bubble(p, m, v, forward_only):
     return _orders_1f1b(p, m, v, True) if forward_only else orders_zero_bubble(p, m)
 
 
+def _orders_dualpipev(p, m, v, forward_only):
+    return [[op for op in prog if op.kind != "comm"]
+            for prog in dualpipev_program(p, m, v, forward_only)]
+
+
+def _dualpipev_bubble(p, v, work, hop, fwd):
+    """DeepSeek's (S/2 - 1)(F&B + B - 3W) over S = 2p stages, per chunk: F&B = F + B (not
+    overlapped), a chunk is half of the rank's ``work``, B (full) is its non-forward part
+    and W half of that; plus one hop per warm-up step."""
+    full_b = (work - fwd) / 2
+    return (p - 1) * (work / 2 + full_b - 3 * full_b / 2 + hop)
+
+
+def _dualpipev_in_flight(p, m, v, rank):
+    """Chunk-micro-batches held at the peak (forwarded, weight gradient not yet done), in
+    micro-batches of the rank's two chunks: every rank holds 2p + 1 = DeepSeek's PP + 1
+    (PP there counts the 2p stages)."""
+    return (2 * p + 1) / 2
+
+
+def _dualpipev_unpaired(p, m, v, rank):
+    """Phases 1-3 run 2(p-r-1) + 2(r+1) + (p-r-1) chunk forwards alone; DeepSeek leaves the
+    last rank's first steady F0 unpaired too."""
+    return min(3 * (p - rank - 1) + 2 * (rank + 1) + (rank == p - 1), 2 * m)
+
+
+def _1f1b_unpaired(p, m, v, rank):
+    """Megatron's p - r - 1 warm-up forwards."""
+    return min(p - rank - 1, m)
+
+
+def _interleaved_unpaired(p, m, v, rank):
+    """Megatron's 2(p - r - 1) + (v - 1)p warm-up chunk forwards."""
+    return min(2 * (p - rank - 1) + (v - 1) * p, m * v)
+
+
 def _interleaved_in_flight(p, m, v, rank):
     """Megatron's warm-up of 2(p - i - 1) + (v - 1)p + 1 chunks, in micro-batches."""
     return min(2 * (p - rank - 1) + (v - 1) * p + 1, m * v) / v
@@ -491,16 +727,26 @@ SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
     Schedule("1f1b", "1F1B: p-rank-1 warm-up forwards, one forward one backward, cool-down",
              virtual_stages=False, split_backward=False, orders=_orders_1f1b,
              bubble_time=lambda p, v, work, hop, fwd: (p - 1) * (work + hop),
-             in_flight=lambda p, m, v, rank: float(min(p - rank, m))),
+             in_flight=lambda p, m, v, rank: float(min(p - rank, m)),
+             unpaired_forwards=_1f1b_unpaired),
     Schedule("interleaved", "interleaved 1F1B over v model chunks per rank (VPP): bubble "
              "(p-1)/(v m)", virtual_stages=True, split_backward=False,
              orders=_orders_interleaved, program=interleaved_program,
              bubble_time=lambda p, v, work, hop, fwd: (p - 1) * (work / v + hop),
-             in_flight=_interleaved_in_flight),
+             in_flight=_interleaved_in_flight, unpaired_forwards=_interleaved_unpaired),
     Schedule("zero-bubble", "ZB-H1: backward split into B and W, W placed in the bubbles",
              virtual_stages=False, split_backward=True, orders=_orders_zero_bubble,
              bubble_time=lambda p, v, work, hop, fwd: (p - 1) * fwd,
-             in_flight=lambda p, m, v, rank: float(min(p, m)), searched=False),
+             in_flight=lambda p, m, v, rank: float(min(p, m)),
+             unpaired_forwards=_1f1b_unpaired, searched=False),
+    Schedule("dualpipev", "DualPipeV: V-shaped 2 chunks per rank (first and last layers on "
+             "rank 0), forward and backward of different micro-batches paired, W deferred "
+             "into the bubbles", virtual_stages=True, split_backward=True,
+             orders=_orders_dualpipev, program=dualpipev_program,
+             bubble_time=_dualpipev_bubble,
+             in_flight=_dualpipev_in_flight, unpaired_forwards=_dualpipev_unpaired,
+             searched=False, chunks_per_rank=2, vshape=True,
+             min_micro_batches=lambda p: 2 * p, async_p2p=True),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 AUTO = "auto"     # --pipeline-schedule auto: interleaved with virtual stages, else 1F1B

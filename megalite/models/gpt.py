@@ -107,8 +107,13 @@ class GPTModel(DrawsFromTracker, nn.Module):
     def __init__(self, cfg, state, pre_process: bool = True, post_process: bool = True,
                  layer_numbers: Optional[Sequence[int]] = None, *,
                  spec: Optional[LayerSpec] = None, device=None,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32,
+                 embedding_of: Optional[nn.Module] = None):
         super().__init__()
+        # A V-shaped pipeline (DualPipeV) puts the output layer on the first stage's rank:
+        # a tied output layer then reads that chunk's word embedding itself (one parameter,
+        # as at PP = 1) instead of holding a copy.  A tuple, so it is not a submodule.
+        self._embedding_of = (embedding_of,) if embedding_of is not None else ()
         m = cfg.model
         self.model_cfg = m
         self.tp_group = state.tp
@@ -142,7 +147,8 @@ class GPTModel(DrawsFromTracker, nn.Module):
                 m.hidden_size, m.vocab_size, tp_group=state.tp, bias=False, gather_output=False,
                 sequence_parallel=sp, init_std=m.init_method_std,
                 pad_multiple=m.make_vocab_size_divisible_by,
-                skip_weight_param=self.tied and hasattr(self, "embedding"), **kw)
+                skip_weight_param=self.tied and (hasattr(self, "embedding") or
+                                                 bool(self._embedding_of)), **kw)
             # --cross-entropy-loss-fusion: the output layer computes the loss chunk by chunk
             # (``loss_head``); a spec whose output layer cannot is refused, never ignored
             self.fused_loss = bool(m.cross_entropy_loss_fusion)
@@ -166,7 +172,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
         elif self.embeds_for_mtp:
             for name, _ in self.embedding.named_parameters(prefix="embedding"):
                 tied[name] = TIED_COPY
-        elif self.tied and post_process:
+        elif self.tied and post_process and not self._embedding_of:
             canonical[OUTPUT_WEIGHT], tied[OUTPUT_WEIGHT] = WORD_EMBEDDING, TIED_COPY
         self.param_table = ParamTable.from_module(self, canonical, tied)
         self.input_tensor: Optional[torch.Tensor] = None
@@ -192,7 +198,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
             return None
         if self.pre_process or self.embeds_for_mtp:
             return self.embedding.word_embeddings.weight
-        if self.post_process:
+        if self.post_process and not self._embedding_of:
             return self.output_layer.weight
         return None
 
@@ -231,6 +237,8 @@ class GPTModel(DrawsFromTracker, nn.Module):
             return hidden
         weight = self.embedding.word_embeddings.weight \
             if (self.tied and hasattr(self, "embedding")) else None
+        if self.tied and self._embedding_of:
+            weight = self._embedding_of[0].embedding.word_embeddings.weight
         if labels is not None and self.mtp is not None and self.training:
             self._mtp_losses(hidden, input_ids, position_ids, labels, loss_mask, rotary, weight)
         with OUTPUT_SITE:
@@ -277,7 +285,8 @@ class GPTModel(DrawsFromTracker, nn.Module):
 def build_chunk(cfg, state, pre_process: bool = True, post_process: bool = True,
                 layer_numbers: Optional[Sequence[int]] = None, *, rng_tracker=None,
                 device=None, dtype: Optional[torch.dtype] = None,
-                params_dtype: torch.dtype = torch.float32) -> GPTModel:
+                params_dtype: torch.dtype = torch.float32,
+                embedding_of: Optional[nn.Module] = None) -> GPTModel:
     """The one GPT builder: a chunk's structure from the run's spec choices, then the
     parallelize step (``models/parallelize.py``) into ``dtype`` on ``device`` (unchanged
     when None).  With --use-torch-fsdp2 the structure is built on the meta device and only
@@ -288,7 +297,7 @@ def build_chunk(cfg, state, pre_process: bool = True, post_process: bool = True,
         device = torch.empty(0).device          # where the chunk would have been built
     chunk = GPTModel(cfg, state, pre_process, post_process, layer_numbers,
                      spec=spec_choices(cfg, state), device="meta" if fsdp else device,
-                     params_dtype=params_dtype)
+                     params_dtype=params_dtype, embedding_of=embedding_of)
     return parallelize_chunk(chunk, cfg, state, rng_tracker=rng_tracker, device=device,
                              dtype=dtype)
 

@@ -19,7 +19,8 @@ def build_model_chunks(cfg, state, device=None, dtype=None) -> list:
     PP > 1 the first stage's word embedding (the owner) and the last stage's output-layer
     copy are both tied in the chunks' ``param_table`` (grads summed over the 'embedding'
     group; the copy is not counted in the grad norm); both start from the same parameter
-    name's values, and the parallelize step broadcasts the owner's.
+    name's values, and the parallelize step broadcasts the owner's.  In DualPipeV's V both
+    ends are chunks of pp rank 0: its output layer reads chunk 0's embedding (one parameter).
     """
     dtype = dtype or model_dtype(cfg.optimizer)
     tracker = stage_rng_tracker(cfg, state)    # one per rank, shared by its chunks
@@ -28,10 +29,12 @@ def build_model_chunks(cfg, state, device=None, dtype=None) -> list:
     try:
         for vr in range(state.vpp_size):
             state.virtual_pipeline_rank = vr
-            chunks.append(build_chunk(cfg, state, state.is_first_stage(),
-                                      state.is_last_stage(),
+            last = state.is_last_stage()
+            same_rank = last and chunks and chunks[0].pre_process   # the V's two ends
+            chunks.append(build_chunk(cfg, state, state.is_first_stage(), last,
                                       layers_of_stage(cfg, state.pp.rank, vr),
-                                      rng_tracker=tracker, device=device, dtype=dtype))
+                                      rng_tracker=tracker, device=device, dtype=dtype,
+                                      embedding_of=chunks[0] if same_rank else None))
     finally:
         state.virtual_pipeline_rank = old
     return chunks

@@ -3,9 +3,10 @@
 Shapes are known ahead, so no shape handshake is needed: every message is the hidden
 state of one micro-batch, ``[s / cp / (tp if SP), b, h]`` -- with sequence parallelism
 only this rank's sequence shard travels (its TP peers send theirs on their own pp group).
-Each call is one blocking ``comm.batch_send_recv``: sends and receives posted together so
-two neighbours that both send and receive never deadlock.  Which messages go in which
-call is decided by ``pipeline_schedules.plan``.
+Each call is one ``comm.batch_send_recv``: sends and receives posted together so two
+neighbours that both send and receive never deadlock.  Which messages go in which call is
+decided by ``pipeline_schedules.plan``; ``exchange`` waits for the batch, ``exchange_async`` leaves
+the waiting to the caller (the executor's asynchronous p2p).
 """
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ class StageLink:
     def exchange(self, sends: Sequence[Tuple[object, torch.Tensor, int]],
                  recvs: Sequence[Tuple[object, int]]) -> Dict[object, torch.Tensor]:
         """Send ``(key, tensor, peer)`` and receive ``(key, peer)``; returns key -> tensor."""
+        buffers, pending = self.exchange_async(sends, recvs)
+        pending.wait()
+        return buffers
+
+    def exchange_async(self, sends: Sequence[Tuple[object, torch.Tensor, int]],
+                       recvs: Sequence[Tuple[object, int]]):
+        """``exchange`` that returns at once: (key -> receive buffer, ``PendingP2P``); the
+        buffers are valid after ``wait()``."""
         ranks = self.group.ranks
         out_sends: List[tuple] = []
         for _, tensor, peer in sends:
@@ -44,7 +53,7 @@ class StageLink:
             out_sends.append((tensor.detach().to(self.dtype), ranks[peer]))
         buffers = {key: torch.empty(self.shape, dtype=self.dtype, device=self.device)
                    for key, _ in recvs}
-        comm.batch_send_recv(out_sends, [(buffers[key], ranks[peer]) for key, peer in recvs],
-                             self.group, keys=[key for key, _, _ in sends] +
-                             [key for key, _ in recvs])
-        return buffers
+        pending = comm.batch_send_recv_async(
+            out_sends, [(buffers[key], ranks[peer]) for key, peer in recvs], self.group,
+            keys=[key for key, _, _ in sends] + [key for key, _ in recvs])
+        return buffers, pending

@@ -19,10 +19,11 @@ Pipelined schedules do not hand-code their order: ``pipeline_schedules.plan`` bu
 program (F / BW / B / W ops and blocking p2p batches) and ``PipelineExecutor`` walks it,
 so the simulator's bubble and deadlock analysis is about exactly what runs.
 
-The schedules are ``pipeline_schedules.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1); a
-registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it, splitting
-backward into B (input grads) and W (weight grads, ``weight_grad.py``) when the entry says
-``split_backward``.
+The schedules are ``pipeline_schedules.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1,
+DualPipeV); a registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it,
+splitting backward into B (input grads) and W (weight grads, ``weight_grad.py``) when the
+entry says ``split_backward``.  A message whose producer and consumer are chunks of this
+rank (the bottom of DualPipeV's V) is handed over without p2p.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from megalite.comm.flight_recorder import site
 from megalite.config import pipeline_schedules
+from megalite.config.pipeline_schedules import stage_index
 from megalite.pipeline_parallel import fsdp_sync
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape
 from megalite.pipeline_parallel.weight_grad import backward_input
@@ -66,11 +68,17 @@ class PipelineExecutor:
     """Runs one rank's program; keeps stored activations, messages and a wall-clock log."""
 
     def __init__(self, forward_step, batches, model_chunks, state, cfg, forward_only: bool,
-                 split_backward: bool = False):
+                 split_backward: bool = False, vshape: bool = False,
+                 async_p2p: bool = False):
         self.forward_step, self.batches, self.chunks = forward_step, batches, model_chunks
         self.state, self.forward_only = state, forward_only
         self.split_backward = split_backward and not forward_only
         self.p, self.v, self.rank = state.pp.size, len(model_chunks), state.pp.rank
+        self.vshape = vshape
+        # asynchronous p2p: each message posted on its own at its batch, a receive waited
+        # for only by the op that reads it, the sends at the next batch (they hold memory)
+        self.async_p2p, self.arriving, self.sending = async_p2p, {}, []
+        self.p2p_wait_s = 0.0   # time spent waiting for messages (exposed p2p)
         ref = next(model_chunks[0].parameters())
         self.link = StageLink(state, activation_shape(cfg, state), ref.dtype, ref.device)
         self.received, self.to_send = {}, {}
@@ -105,23 +113,36 @@ class PipelineExecutor:
             self.events.append((op, t0, self._now()))
             self.max_in_flight = max(self.max_in_flight, len(self.stash) + len(self.pending_w))
         site.step = None
+        self._finish_sends()
         if self.forward_only:
             for chunk in fsdp:
                 fsdp_sync.reshard(chunk)
-        if self.stash or self.pending_w or self.to_send or self.received:
+        if self.stash or self.pending_w or self.to_send or self.received or self.arriving:
             raise RuntimeError("pipeline program ended with work left over")
         return self
 
     def _is_last(self, op) -> bool:
-        return self.rank == self.p - 1 and op.chunk == self.v - 1
+        return stage_index(self.rank, op.chunk, self.p, self.vshape) == self.p * self.v - 1
+
+    def _needs(self, op):
+        return pipeline_schedules.needs(op, self.rank, self.p, self.v, self.vshape)
+
+    def _deliver(self, op, tensor) -> None:
+        """What ``op`` produced: to the next p2p batch, or straight to this rank's other
+        chunk when it consumes it (detached, as a received message would be)."""
+        msg, dst = pipeline_schedules.produces(op, self.rank, self.p, self.v, self.vshape)
+        if dst == self.rank:
+            self.received[msg] = None if tensor is None else tensor.detach()
+        else:
+            self.to_send[msg] = tensor
 
     # -- compute ---------------------------------------------------------------------------
     def _F(self, op):
         model = self.chunks[op.chunk]
-        need = pipeline_schedules.needs(op, self.rank, self.p, self.v)
+        need = self._needs(op)
         x = None
         if need:
-            x = self.received.pop(need[0])
+            x = self._take(need[0])
             if not self.forward_only:
                 x.requires_grad_(True)
             model.set_input_tensor(x)
@@ -140,7 +161,7 @@ class PipelineExecutor:
             output, report = loss_func(output)
             self.reports.append(report)
         else:
-            self.to_send[pipeline_schedules.produces(op, self.rank, self.p, self.v)[0]] = output
+            self._deliver(op, output)
             if not self.forward_only:
                 # Keep only the graph edge: the activation itself is freed once sent.
                 output = get_gradient_edge(output)
@@ -149,19 +170,22 @@ class PipelineExecutor:
 
     def _BW(self, op):
         x, out = self.stash.pop((op.mb, op.chunk))
-        need = pipeline_schedules.needs(op, self.rank, self.p, self.v)
-        grad = self.received.pop(need[0]) if need else None
+        need = self._needs(op)
+        grad = self._take(need[0]) if need else None
         if op.kind == "BW":
             torch.autograd.backward([out], None if grad is None else [grad])
             gx = x.grad if x is not None and x.is_leaf else None
-        else:   # the chunk's parameters now: FSDP2 registers its gathered ones in forward
-            params = [p for p in self.chunks[op.chunk].parameters() if p.requires_grad]
+        else:   # the chunk's parameters now: FSDP2 registers its gathered ones in forward;
+            # in the V the last chunk's tied output layer reads chunk 0's embedding, so
+            # every chunk's (``backward_input`` skips those this graph does not reach)
+            chunks = self.chunks if self.vshape else [self.chunks[op.chunk]]
+            params = list({id(p): p for c in chunks for p in c.parameters()
+                           if p.requires_grad}.values())
             grads, pending = backward_input([out], [grad], [x], params)
             self.pending_w[(op.mb, op.chunk)] = pending
             gx = grads[0] if x is not None and x.is_leaf else None
-        out_msg = pipeline_schedules.produces(op, self.rank, self.p, self.v)
-        if out_msg:
-            self.to_send[out_msg[0]] = gx
+        if pipeline_schedules.produces(op, self.rank, self.p, self.v, self.vshape):
+            self._deliver(op, gx)
 
     _B = _BW  # input-gradient half (zero bubble): same bookkeeping, split inside
 
@@ -171,7 +195,35 @@ class PipelineExecutor:
     # -- communication ---------------------------------------------------------------------
     def _comm(self, op):
         sends = [(msg, self.to_send.pop(msg), peer) for msg, peer in op.sends]
-        self.received.update(self.link.exchange(sends, list(op.recvs)))
+        if not self.async_p2p:
+            t0 = time.perf_counter()
+            self.received.update(self.link.exchange(sends, list(op.recvs)))
+            self.p2p_wait_s += time.perf_counter() - t0
+            return
+        self._finish_sends()
+        # one message a call, in the batch's order: FIFO per rank pair as in one batch
+        for send in sends:
+            self.sending.append(self.link.exchange_async([send], [])[1])
+        for recv in op.recvs:
+            buffers, pending = self.link.exchange_async([], [recv])
+            self.received.update(buffers)
+            self.arriving[recv[0]] = pending
+
+    def _take(self, msg):
+        """A received message, waiting for it only now (asynchronous p2p)."""
+        pending = self.arriving.pop(msg, None)
+        if pending is not None:
+            t0 = time.perf_counter()
+            pending.wait()
+            self.p2p_wait_s += time.perf_counter() - t0
+        return self.received.pop(msg)
+
+    def _finish_sends(self):
+        t0 = time.perf_counter()
+        for pending in self.sending:
+            pending.wait()
+        self.sending = []
+        self.p2p_wait_s += time.perf_counter() - t0
 
 
 NO_PIPELINING = "no-pipelining"     # PP = 1: the name the timeline records
@@ -183,15 +235,18 @@ def pipeline_schedule_name(cfg, state) -> str:
 
 
 def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
-                 forward_only: bool = False) -> PipelineExecutor:
+                 forward_only: bool = False, async_p2p=None) -> PipelineExecutor:
     """Walk this rank's program of ``schedule``; returns the executor (reports, events,
-    peak in-flight micro-batches) -- tests and benchmarks read it."""
+    peak in-flight micro-batches, p2p wait) -- tests and benchmarks read it.
+    ``async_p2p``: None = what the schedule's entry says."""
     if len(model_chunks) != max(state.vpp_size, 1):
         raise ValueError(f"{len(model_chunks)} model chunks for VPP={state.vpp_size}")
     program = pipeline_schedules.plan(schedule, state.pp.size, len(batches), len(model_chunks),
                              forward_only)[state.pp.rank]
+    spec = pipeline_schedules.get_schedule(schedule)
     ex = PipelineExecutor(forward_step, batches, model_chunks, state, cfg, forward_only,
-                          split_backward=pipeline_schedules.get_schedule(schedule).split_backward)
+                          split_backward=spec.split_backward, vshape=spec.vshape,
+                          async_p2p=spec.async_p2p if async_p2p is None else async_p2p)
     return ex.run(program)
 
 

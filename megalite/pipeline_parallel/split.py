@@ -11,15 +11,20 @@ config-only code such as the planner imports it freely.
   other layers split evenly over the middle ranks.
 * V virtual stages: the layers form P*V equal blocks and chunk c of rank r holds block
   c*P + r (Megatron's interleaving), so a micro-batch visits every rank V times.
+* V shape (``vshape``, DualPipeV): two chunks per rank, chunk 0 of rank r holds block r and
+  chunk 1 block 2P-1-r, so a micro-batch goes down the ranks and comes back up, and the
+  embedding and the output layer are both on rank 0 (``simulator.stage_index``, which the
+  schedules share).
 * ``account_for_embedding`` / ``account_for_loss`` (Megatron's
   ``--account-for-embedding/loss-in-pipeline-split``) count the embedding / the loss as one
   more layer: the L' = L (+1) (+1) slots form P*V equal blocks as above, the embedding
   takes the first slot of block 0 and the loss the last slot of block P*V-1, so those two
   chunks hold one transformer layer fewer.
 
-The embedding always lives on (rank 0, chunk 0) and the final norm + output layer on
-(rank P-1, chunk V-1); with tied embeddings and P > 1 the latter also holds the copy of the
-word embedding.
+The embedding always lives on (rank 0, chunk 0) and the final norm + output layer on the
+last block's chunk: (rank P-1, chunk V-1), or (rank 0, chunk 1) in the V shape; with
+tied embeddings and P > 1 the latter also holds the copy of the word embedding (in the V
+shape it reads chunk 0's instead: one rank, one matrix).
 """
 from __future__ import annotations
 
@@ -27,12 +32,15 @@ import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from megalite.config.pipeline_schedules import stage_index, stage_place
+
 
 @dataclass(frozen=True)
 class PipelineSplit:
     """Layer numbers per (pipeline rank, virtual stage): ``chunks[pp_rank][vpp_rank]``."""
     num_layers: int
     chunks: Tuple[Tuple[Tuple[int, ...], ...], ...]
+    vshape: bool = False
 
     @property
     def pp(self) -> int:
@@ -50,7 +58,7 @@ class PipelineSplit:
     @property
     def output_stage(self) -> Tuple[int, int]:
         """(pp_rank, vpp_rank) of the chunk with the final norm, output layer and loss."""
-        return self.pp - 1, self.vpp - 1
+        return stage_place(self.pp * self.vpp - 1, self.pp, self.vshape)
 
     def holds_embedding(self, pp_rank: int, vpp_rank: int = 0) -> bool:
         return (pp_rank, vpp_rank) == self.embedding_stage
@@ -85,7 +93,7 @@ class PipelineSplit:
 @functools.lru_cache(maxsize=4096)
 def split_layers(num_layers: int, pp: int = 1, vpp: int = 1, first: Optional[int] = None,
                  last: Optional[int] = None, account_for_embedding: bool = False,
-                 account_for_loss: bool = False) -> PipelineSplit:
+                 account_for_loss: bool = False, vshape: bool = False) -> PipelineSplit:
     """The split of ``num_layers`` layers over ``pp`` ranks x ``vpp`` virtual stages.
 
     Raises ``ValueError`` for a layout the rule cannot split (the user-facing checks with
@@ -93,6 +101,8 @@ def split_layers(num_layers: int, pp: int = 1, vpp: int = 1, first: Optional[int
     if pp < 1 or vpp < 1:
         raise ValueError(f"pipeline sizes must be positive (PP={pp}, VPP={vpp})")
     uneven = first is not None or last is not None
+    if vshape and vpp != 2:
+        raise ValueError(f"the V shape runs 2 chunks per rank, not VPP={vpp}")
     emb, loss = int(bool(account_for_embedding)), int(bool(account_for_loss))
     if uneven and (vpp > 1 or emb or loss):
         raise ValueError("first/last pipeline layer counts with virtual stages or with the "
@@ -117,10 +127,9 @@ def split_layers(num_layers: int, pp: int = 1, vpp: int = 1, first: Optional[int
         counts = _contiguous_counts(num_layers, pp, first, last)
         starts = [sum(counts[:r]) for r in range(pp)]
         bounds = [(s, s + n) for s, n in zip(starts, counts)]
-    # block b = c * pp + r belongs to chunk c of rank r
-    chunks = tuple(tuple(tuple(range(*bounds[c * pp + r])) for c in range(vpp))
-                   for r in range(pp))
-    return PipelineSplit(num_layers, chunks)
+    chunks = tuple(tuple(tuple(range(*bounds[stage_index(r, c, pp, vshape)]))
+                         for c in range(vpp)) for r in range(pp))
+    return PipelineSplit(num_layers, chunks, vshape)
 
 
 def _contiguous_counts(num_layers: int, pp: int, first: Optional[int],
@@ -145,4 +154,4 @@ def pipeline_split(cfg) -> PipelineSplit:
     return split_layers(m.num_layers, p.pp, p.virtual_stages(m.num_layers),
                         p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
                         bool(p.account_for_embedding_in_pipeline_split),
-                        bool(p.account_for_loss_in_pipeline_split))
+                        bool(p.account_for_loss_in_pipeline_split), p.pipeline_vshape)

@@ -270,13 +270,12 @@ def overlapped(comm: float, gemm: float, chunks: int) -> float:
 
 def _unpaired_share(L: Layout, r: int) -> float:
     """Share of a stage's chunk forwards with no backward beside them (warm-up; the
-    cool-down mirrors it): Megatron's p - r - 1 micro-batches for 1F1B, 2(p - r - 1) +
-    (v - 1)p chunks interleaved, of m * v."""
+    cool-down mirrors it), of m * v: the schedule's ``unpaired_forwards`` (Megatron's
+    p - r - 1 for 1F1B, 2(p - r - 1) + (v - 1)p chunks interleaved, DualPipeV's phases)."""
     p, v, m = L.pp, L.vpp, L.num_micro_batches
     if p == 1:
         return 1.0 / max(1, m)              # the first forward and the last backward
-    warm = 2 * (p - r - 1) + (v - 1) * p if v > 1 else p - r - 1
-    return min(1.0, warm / (m * v))
+    return get_schedule(L.schedule).unpaired_forwards(p, m, v, r) / (m * v)
 
 
 def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,

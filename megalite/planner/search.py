@@ -139,8 +139,10 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                         scheds = [resolve_schedule(AUTO, 1).name]
                     for sched in scheds:
                         for ep, etp in _expert_options(m, tp, pp, world, space):
+                            fewest = SCHEDULES[sched].min_micro_batches(pp)
                             mbs = [b for b in _pow2_upto(space.max_micro_batch)
-                                   if (global_batch // dp) % b == 0]
+                                   if (global_batch // dp) % b == 0 and
+                                   (global_batch // dp) // b >= fewest]   # DualPipeV: 2p
                             for sp in ([False, True] if tp > 1 else [False]):
                                 if space.sequence_parallel is not None and tp > 1 and \
                                         sp != space.sequence_parallel:

@@ -131,6 +131,7 @@ def _main(argv=None) -> int:
         virtual = get_schedule(a.schedule).virtual_stages
         if virtual and a.vpp < 2:
             a.vpp = 2
+        a.vpp = get_schedule(a.schedule).chunks_per_rank or a.vpp   # DualPipeV: always 2
         costs = _costs(a.costs)
         if virtual:  # a chunk holds 1/v of a stage's layers
             costs = {k: c / a.vpp for k, c in costs.items()}

@@ -27,6 +27,8 @@ TURN_ON = {
     "tp": ["--tp", "2"], "sp": ["--tp", "2", "--sequence-parallel"], "pp-1f1b": ["--pp", "2"],
     "pp-interleaved": ["--pp", "2", "--num-virtual-stages-per-pipeline-rank", "2"],
     "pp-zero-bubble": ["--pp", "2", "--pipeline-schedule", "zero-bubble"],
+    "pp-dualpipev": ["--pp", "2", "--pipeline-schedule", "dualpipev", "--global-batch-size",
+                     "64"],
     "pp-uneven": ["--pp", "2", "--decoder-first-pipeline-num-layers", "2"],
     "pp-account": ["--pp", "2", "--account-for-loss-in-pipeline-split",
                    "--account-for-embedding-in-pipeline-split"],
@@ -148,6 +150,7 @@ def test_validation_refuses_each_exclusion_with_its_reason(rule, a, b):
 # after parsing (Transformer Engine and FP8, which a CPU run refuses).  A new rule without
 # a case here fails test_every_rule_has_a_refusal_case.
 _ZB_MOE = ["--pp", "2", "--pipeline-schedule", "zero-bubble", "--num-experts", "4"]
+_DV = ["--pp", "2", "--pipeline-schedule", "dualpipev", "--global-batch-size", "64"]
 _MLA = ["--multi-latent-attention", "--position-embedding-type", "rope"]
 _TE = {"transformer_impl": "transformer_engine"}
 RULE_CASES = {
@@ -168,7 +171,8 @@ RULE_CASES = {
         [["--num-distributed-optimizer-instances", "2"]],
         [["--num-distributed-optimizer-instances", "2", "--use-distributed-optimizer"],
          ["--num-distributed-optimizer-instances", "2", "--use-torch-fsdp2"]]),
-    "pp-zero-bubble refuses a recomputed MoE layer": (
+    "pp-dualpipev refuses --mtp-num-layers": ([_DV + ["--mtp-num-layers", "1"]], [_DV]),
+    "pp-zero-bubble|pp-dualpipev refuses a recomputed MoE layer": (
         [_ZB_MOE + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
          _ZB_MOE + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]],
         [_ZB_MOE + ["--recompute-granularity", "selective"],
@@ -229,9 +233,11 @@ RULE_CASES = {
     "schedule matches virtual stages": (
         [["--pp", "2", "--pipeline-schedule", "interleaved"],
          ["--pp", "2", "--pipeline-schedule", "1f1b",
-          "--num-virtual-stages-per-pipeline-rank", "2"]],
+          "--num-virtual-stages-per-pipeline-rank", "2"],
+         _DV + ["--num-virtual-stages-per-pipeline-rank", "4"]],
         [["--pp", "2", "--pipeline-schedule", "interleaved",
-          "--num-virtual-stages-per-pipeline-rank", "2"], ["--pp", "2"]]),
+          "--num-virtual-stages-per-pipeline-rank", "2"], ["--pp", "2"],
+         _DV + ["--num-virtual-stages-per-pipeline-rank", "2"]]),
     "heads split over TP": (
         [["--tp", "16"], ["--tp", "4", "--group-query-attention", "--num-query-groups", "2"]],
         [["--tp", "8"], ["--tp", "4", "--group-query-attention", "--num-query-groups", "4"]]),

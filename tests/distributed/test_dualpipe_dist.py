@@ -1,0 +1,79 @@
+"""DualPipeV (``--pipeline-schedule dualpipev``) equals the single-process run: the real
+``Trainer`` over 2 iterations, losses and gradient norms within fp32 tolerances (rel 1e-5
+at step 1, 1e-4 after), one 4-rank launch per configuration on the pool's ranks.
+
+The configurations turn on many features at once (PP 2 and PP 4, dense and MoE with EP 2,
+tied embeddings (both ends on pp rank 0, one parameter) with FSDP2 and with CP,
+full and selective recompute, FSDP2 and HSDP, the distributed optimizer, CP, TP + SP, the
+embedding and loss counted in the split, the fused loss, compile), so that every feature
+the table lets DualPipeV combine with is run with it (``megalite.cli.features.COVERAGE``
+names these ids).  DualPipeV needs at least 2 x PP micro-batches per step, hence a global
+batch of 8; the references run once per model in the parent.
+"""
+import pytest
+import torch.distributed as torch_dist
+
+import test_feature_pairs_dist as pairs
+from megalite.cli import features
+
+DV, GBS = ["--pipeline-schedule", "dualpipev"], ["--global-batch-size", "8"]
+PP4 = ["--pp", "4"]
+DENSE, MOE = pairs.DENSE + GBS, pairs.MOE + GBS
+TIED = [a for a in DENSE if a != "--untie-embeddings-and-output-weights"]
+DENSE8 = DENSE + ["--num-layers", "8"]          # 2 x PP4 chunks of one layer
+DENSE6 = DENSE + ["--num-layers", "6"]          # + embedding + loss = 2 x PP2 chunks of 2
+P = pairs
+CONFIGS = {
+    "pp4-full-distopt": (DENSE8, PP4 + DV + P.FULL + P.DO),
+    "tp2-pp2-account-fused-selective": (DENSE6, P.TP2 + P.PP2 + DV + P.ACCOUNT + P.FUSED +
+                                        P.SEL),
+    "moe-ep2-pp2-ddp-overlap-attn": (MOE, P.EP2 + P.PP2 + DV + P.OGR + P.SEL_ATTN),
+    "moe-cp2-a2a-pp2-etp2-allgather-fsdp2": (MOE, P.CP2 + P.A2A + P.PP2 + DV + P.ETP2 +
+                                             P.ALLGATHER + P.FSDP2),
+    "fsdp2-hsdp-pp2-full-compile-tied": (TIED, P.FSDP2 + P.HSDP + P.PP2 + DV + P.FULL +
+                                         P.COMPILE),
+    "cp2-pp2-full-tied": (TIED, P.CP2 + P.PP2 + DV + P.FULL),
+}
+# PP 4 x EP 2 needs 8 ranks (long tier: it repeats PP 4 and EP 2 of the launches above)
+MOE8 = pairs.MOE + ["--num-layers", "8", "--global-batch-size", "16"]
+CONFIGS8 = {"moe-pp4-ep2-attn": (MOE8, PP4 + DV + P.EP2 + P.SEL_ATTN)}
+_MODELS = {"dense": DENSE, "dense8": DENSE8, "dense6": DENSE6, "moe": MOE, "tied": TIED}
+
+
+def _run_one(name, world=pairs.WORLD):
+    model, flags = {**CONFIGS, **CONFIGS8}[name]
+    backend, pairs.compile_mod.BACKEND = pairs.compile_mod.BACKEND, "aot_eager"
+    try:
+        cfg = pairs._config(model, flags, False, False, world)
+        return pairs._train(cfg, world, torch_dist.get_rank())
+    finally:
+        pairs.compile_mod.BACKEND = backend
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {key: pairs._train(pairs._config(model, [], False, False, 1), 1, 0)
+            for key, model in _MODELS.items()}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_dualpipev_matches_single_process(dist, references, name):
+    model = CONFIGS[name][0]
+    ref = references[next(k for k, m in _MODELS.items() if m is model)]
+    got = next(r for r in dist.run(pairs.WORLD, _run_one, name) if r["writer"])
+    declared = features.COVERAGE[f"tests/distributed/test_dualpipe_dist.py::"
+                                 f"test_dualpipev_matches_single_process[{name}]"]
+    assert "pp-dualpipev" in got["features"]
+    assert sorted(got["features"]) == sorted(declared), (got["features"], declared)
+    for key in ("loss", "norm"):
+        assert pairs._close(got[key][:1], ref[key][:1], 1e-5), (key, got[key], ref[key])
+        assert pairs._close(got[key], ref[key], 1e-4), (key, got[key], ref[key])
+
+
+def test_dualpipev_pp4_moe_ep2_on_8_ranks(dist):
+    ref = pairs._train(pairs._config(MOE8, [], False, False, 1), 1, 0)
+    got = next(r for r in dist.run(8, _run_one, "moe-pp4-ep2-attn", 8) if r["writer"])
+    assert {"pp-dualpipev", "ep", "moe"} <= set(got["features"])
+    for key in ("loss", "norm"):
+        assert pairs._close(got[key][:1], ref[key][:1], 1e-5), (key, got[key], ref[key])
+        assert pairs._close(got[key], ref[key], 1e-4), (key, got[key], ref[key])
