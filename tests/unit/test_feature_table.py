@@ -150,6 +150,7 @@ def test_validation_refuses_each_exclusion_with_its_reason(rule, a, b):
 _ZB_MOE = ["--pp", "2", "--pipeline-schedule", "zero-bubble", "--num-experts", "4"]
 _MLA = ["--multi-latent-attention", "--position-embedding-type", "rope"]
 _TE = {"transformer_impl": "transformer_engine"}
+_DOCS = ["--reset-attention-mask", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
 RULE_CASES = {
     "ep needs moe": ([["--ep", "2"]], [["--ep", "2", "--num-experts", "4"]]),
     "overlap-param-gather needs distopt": (
@@ -187,6 +188,12 @@ RULE_CASES = {
     "cp-a2a refuses --attn-logit-softcapping": (
         [["--cp", "2", "--cp-comm-type", "a2a", "--attn-logit-softcapping", "30"]],
         [["--cp", "2", "--cp-comm-type", "a2a"]]),
+    "documents need a tokenizer": (
+        [["--reset-attention-mask"], ["--reset-position-ids"]],
+        [_DOCS]),
+    "te refuses --reset-attention-mask with CP": (
+        [["--cp", "2", *_DOCS, {"model": dict(_TE)}]],
+        [["--cp", "2", *_DOCS], [*_DOCS, {"model": dict(_TE)}]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
