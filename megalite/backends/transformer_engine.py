@@ -168,6 +168,9 @@ class TECoreAttention(DrawsFromTracker, nn.Module):
         te = te_pytorch()
         # Multi-Latent Attention: k/v head dims differ and the softmax scale is its own
         extra = {} if softmax_scale is None else {"softmax_scale": softmax_scale}
+        window = model_cfg.layer_window(layer_number)     # --window-size: TE's own window
+        if window is not None:
+            extra["window_size"] = (window, 0)
         kv_channels = model_cfg.resolved_kv_channels() if k_channels is None else \
             (k_channels, v_channels or k_channels)
         os.environ.update(TE_ATTENTION_ENV.get(getattr(model_cfg, "attention_backend", "auto"),

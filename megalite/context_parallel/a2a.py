@@ -10,8 +10,9 @@ own adjoint), so there are 2 all-to-alls forward and 2 backward per attention.
 Tokens arrive as the rank-ordered concatenation of the load-balanced chunks
 (``load_balance.py``); they are put in sequence order for the causal mask and back after.
 Needs the (TP-local) head and K/V-head counts divisible by CP (``validation.py``).
-Packed documents (``--reset-attention-mask``): the whole sequence is here, so the document
-mask (``transformer/attention_masks.keep``) is one boolean SDPA mask, as without CP.
+Packed documents (``--reset-attention-mask``) and sliding windows (``--window-size``): the
+whole sequence is here, so the mask (``transformer/attention_masks.keep``) is one boolean
+SDPA mask, as without CP.
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class UlyssesAttention(nn.Module):
             f"heads ({heads}) and query groups ({groups}), CP {self.group.size}")
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
+        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self._order = None
@@ -100,10 +102,9 @@ class UlyssesAttention(nn.Module):
         qy, ky, vy = y.split(sizes, dim=-1)
         qf, kf, vf = whole_sequence(qy, hq, d), whole_sequence(ky, hk, d), \
             whole_sequence(vy, hk, dv)
-        mask = None
-        if document_ids is not None:
-            pos = torch.arange(cp * s, device=q.device)
-            mask = keep(pos, pos, self.is_causal, document_ids, document_ids)    # [b, S, S]
+        pos = torch.arange(cp * s, device=q.device)
+        mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
+                    self.window)                                       # [b|1, S, S] or None
         work.add(qf, kf, self.is_causal, mask)
         if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
             kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))

@@ -15,10 +15,11 @@ Causal masking with the 2CP chunk layout needs only three kinds of block pair:
     (the local first chunk precedes them both and is skipped).
 Every rank computes the same amount: 2 chunk-pairs per step.
 
-Packed documents (``--reset-attention-mask``, ``document_ids`` of the whole sequence): each
-block pair above is masked to same-document pairs (``transformer/attention_masks.keep``, on
-the true sequence positions of both sides), and a pair none of whose queries shares a
-document with its keys is skipped, forward and backward (``work.skipped`` counts them).  The
+Packed documents (``--reset-attention-mask``, ``document_ids`` of the whole sequence) and
+sliding windows (``--window-size``): each block pair above is masked to the pairs kept
+(``transformer/attention_masks.keep``, on the true sequence positions of both sides), and a
+pair with none kept (no shared document, or keys all outside the window) is skipped,
+forward and backward (``work.skipped`` counts them).  The
 chunk layout is unchanged, so the causal load balance holds as before; the work skipped
 depends on where the documents end.
 
@@ -87,17 +88,18 @@ def _pairs(step: int, rank: int, cp: int, causal: bool, c: int):
     return slice(c, None), every, False
 
 
-def _block_mask(step: int, rank: int, cp: int, causal: bool, c: int, docs):
+def _block_mask(step: int, rank: int, cp: int, causal: bool, c: int, docs, window, device):
     """(query slice, key slice, causal, keep-mask) of the block pair at ``step``, or None
-    when no pair of it is kept.  ``docs`` [b, S]: the documents of the whole sequence
-    (None: no document mask, keep-mask None)."""
+    when no pair of it is kept.  ``docs`` [b, S]: the documents of the whole sequence;
+    ``window``: this layer's sliding window (both None: keep-mask None, the plain rule)."""
     qs, ks, masked = _pairs(step, rank, cp, causal, c)
-    if docs is None:
+    if docs is None and window is None:
         return qs, ks, masked, None
-    s = docs.shape[-1]
-    q_pos = token_indices(s, cp, rank, docs.device)[qs]
-    k_pos = token_indices(s, cp, (rank - step) % cp, docs.device)[ks]
-    mask = keep(q_pos, k_pos, causal, docs[:, q_pos], docs[:, k_pos])
+    s = 2 * c * cp
+    q_pos = token_indices(s, cp, rank, device)[qs]
+    k_pos = token_indices(s, cp, (rank - step) % cp, device)[ks]
+    mask = keep(q_pos, k_pos, causal, None if docs is None else docs[:, q_pos],
+                None if docs is None else docs[:, k_pos], window)
     return (qs, ks, masked, mask) if bool(mask.any()) else None
 
 
@@ -111,7 +113,7 @@ class RingAttentionFunction(torch.autograd.Function):
     [b, np, s, dv].  K and V travel as one message, concatenated along the head dim."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, causal: bool, docs=None):
+    def forward(ctx, q, k, v, group, scale: float, causal: bool, docs=None, window=None):
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -125,7 +127,7 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            block = _block_mask(step, rank, cp, causal, c, docs)
+            block = _block_mask(step, rank, cp, causal, c, docs, window, q.device)
             if block is None:
                 work.skipped += 1
             else:
@@ -140,13 +142,15 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.causal, ctx.docs = group, scale, causal, docs
+        ctx.group, ctx.scale, ctx.causal, ctx.docs, ctx.window = group, scale, causal, docs, \
+            window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, causal, docs = ctx.group, ctx.scale, ctx.causal, ctx.docs
+        group, scale, causal, docs, window = ctx.group, ctx.scale, ctx.causal, ctx.docs, \
+            ctx.window
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -162,7 +166,7 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 kv_pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            block = _block_mask(step, rank, cp, causal, c, docs)
+            block = _block_mask(step, rank, cp, causal, c, docs, window, q.device)
             if block is not None:
                 qs, ks, masked, mask = block
                 k_now, v_now = _split_kv(kv, dk_dim)
@@ -187,7 +191,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = incoming
         dkv_pending.wait()                                          # our own K/V's grads
         dk, dv = _split_kv(dkv_in, dk_dim)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 class RingAttention(nn.Module):
@@ -205,19 +209,18 @@ class RingAttention(nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
+        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``document_ids`` [b, S]: the whole sequence's documents (``--reset-attention-mask``)."""
         if self.group.size == 1:
-            mask = None
-            if document_ids is not None:
-                pos = torch.arange(q.shape[2], device=q.device)
-                mask = keep(pos, pos, self.is_causal, document_ids, document_ids)
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = keep(pos, pos, self.is_causal, document_ids, document_ids, self.window)
             out, _ = block_forward(q, k, v, self.scale, self.is_causal, mask)
             return out
         return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal,
-                                           document_ids)
+                                           document_ids, self.window)
 
 
 def check_cp_attention_args(model_cfg, attn_mask_type, what: str) -> None:

@@ -51,7 +51,8 @@ def split_qkv(qkv: torch.Tensor, r: int, dim: int):
 
 class DotProductAttention(DrawsFromTracker, nn.Module):
     """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked, inside documents
-    with ``--reset-attention-mask``; the scores soft-capped with ``--attn-logit-softcapping`` (the unfused kernel, then).
+    with ``--reset-attention-mask``, inside a sliding window with ``--window-size``; the
+    scores soft-capped with ``--attn-logit-softcapping`` (the unfused kernel, then).
 
     The kernel is SDPA or the unfused path, by ``--attention-backend`` and, for ``auto``,
     by the device, dtype and length of each call (``attention_kernels.py``).
@@ -81,17 +82,20 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.softcap = getattr(model_cfg, "attn_logit_softcapping", None)
+        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``document_ids`` [b, s] (``--reset-attention-mask``): a query attends only to keys
-        of its own document (``attention_masks.keep``), as a boolean mask for SDPA and an
-        additive one for the unfused kernel."""
+        of its own document; ``self.window``: only to the last w + 1 keys
+        (``attention_masks.keep``), as a boolean mask for SDPA and an additive one for the
+        unfused kernel."""
         p = self.dropout if self.training else 0.0
         mask = None
-        if document_ids is not None:
+        if document_ids is not None or self.window is not None:
             pos = torch.arange(q.shape[2], device=q.device)
-            mask = keep(pos, pos, self.is_causal, document_ids, document_ids)   # [b, s, s]
+            mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
+                        self.window)                                     # [b|1, s, s]
         causal = self.is_causal and mask is None
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,

@@ -65,8 +65,8 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     """softmax(q k^T * scale) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d]
     (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).  ``softcap``:
     Gemma 2's soft-cap, scores -> softcap * tanh(scores / softcap) before the mask.
-    ``keep_mask`` [b, s, s_k] (boolean, every head; ``transformer/attention_masks.py``)
-    replaces the causal mask: a document mask.
+    ``keep_mask`` [b|1, s, s_k] (boolean, every head; ``transformer/attention_masks.py``)
+    replaces the causal mask: a document mask, a sliding window.
 
     The query heads of one group are stacked along the sequence, so each group is one
     batched matmul against its shared k / v (no copies of k, v).  Scale and causal mask go

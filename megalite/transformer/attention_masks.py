@@ -1,5 +1,6 @@
 """Which (query, key) pairs attention keeps beyond causality: the documents of a packed
-sequence (``--reset-attention-mask``).
+sequence (``--reset-attention-mask``) and a sliding window (``--window-size``: query i sees
+keys i-w .. i, on the layers ``ModelConfig.layer_window`` names).
 
 A packed sample holds several documents separated by the tokenizer's end-of-document token
 (EOD).  Megatron's ``get_ltor_masks_and_position_ids`` semantics: the EOD belongs to the
@@ -39,16 +40,22 @@ def document_position_ids(docs: torch.Tensor) -> torch.Tensor:
 
 
 def keep(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
-         q_docs: Optional[torch.Tensor] = None,
-         k_docs: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+         q_docs: Optional[torch.Tensor] = None, k_docs: Optional[torch.Tensor] = None,
+         window: Optional[int] = None) -> Optional[torch.Tensor]:
     """Boolean [b|1, sq, sk]: True where query (sequence position ``q_pos`` [sq], document
-    ``q_docs`` [b, sq]) may attend key (``k_pos`` [sk], ``k_docs`` [b, sk]).  None when
-    nothing beyond the plain causal / unmasked rule applies (the caller's fast path)."""
-    if q_docs is None:
+    ``q_docs`` [b, sq]) may attend key (``k_pos`` [sk], ``k_docs`` [b, sk]), the key at most
+    ``window`` positions back.  None when nothing beyond the plain causal / unmasked rule
+    applies (the caller's fast path)."""
+    if q_docs is None and window is None:
         return None
-    ok = q_docs[:, :, None] == k_docs[:, None, :]
+    back = q_pos[None, :, None] - k_pos[None, None, :]                   # [1, sq, sk]
+    ok = torch.ones(back.shape, dtype=torch.bool, device=back.device)
     if causal:
-        ok = ok & (k_pos[None, None, :] <= q_pos[None, :, None])
+        ok = back >= 0
+    if window is not None:
+        ok = ok & (back <= window)
+    if q_docs is not None:
+        ok = ok & (q_docs[:, :, None] == k_docs[:, None, :])
     return ok
 
 

@@ -1,7 +1,8 @@
-"""Document masking (--reset-attention-mask --reset-position-ids --eod-mask-loss) on real
-gloo ranks equals the single-process run: TP2+SP, CP2 (ring and all-to-all), CP4 ring,
-PP2 interleaved with full recomputation, CP2 with FSDP2 -- one launch, three iterations
-each.  A small vocabulary makes NullTokenizer's EOD (vocab - 1) frequent: about four
+"""Document masking (--reset-attention-mask --reset-position-ids --eod-mask-loss) and
+sliding windows (--window-size 7,0 on every other layer) on real gloo ranks equal the
+single-process run: documents at TP2+SP, CP2 (ring and all-to-all), CP4 ring, PP2
+interleaved with full recomputation, CP2 with FSDP2; windows at CP2 / CP4 ring and CP4
+all-to-all, and both at CP4 -- one launch, three iterations each.  A small vocabulary makes NullTokenizer's EOD (vocab - 1) frequent: about four
 documents per 64-token sample, so the mask changes the loss and ring blocks are skipped.
 """
 import pytest
@@ -32,6 +33,13 @@ CASES = {
                           "--recompute-granularity", "full", "--recompute-method", "uniform"],
     "cp2-fsdp2": CP2 + ["--use-torch-fsdp2"],
 }
+WINDOW = ["--window-size", "7,0", "--window-attn-skip-freq", "2"]
+WINDOW_CASES = {
+    "window-cp2-p2p": CP2,
+    "window-cp4-p2p": ["--context-parallel-size", "4"],
+    "window-cp4-a2a": ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+}
+BOTH_CASES = {"both-cp4-p2p": ["--context-parallel-size", "4"]}
 
 
 def _train(cases):
@@ -60,20 +68,26 @@ def _train(cases):
 
 @pytest.fixture(scope="module")
 def results(dist):
-    cases = {"ref": (1, DOCS), "ref-unmasked": (1, ["--eod-mask-loss"])}
+    cases = {"ref": (1, DOCS), "ref-unmasked": (1, ["--eod-mask-loss"]),
+             "ref-window": (1, WINDOW), "ref-both": (1, DOCS + WINDOW)}
     cases.update({name: (WORLD, DOCS + argv) for name, argv in CASES.items()})
+    cases.update({name: (WORLD, WINDOW + argv) for name, argv in WINDOW_CASES.items()})
+    cases.update({name: (WORLD, DOCS + WINDOW + argv) for name, argv in BOTH_CASES.items()})
     return dist.run(WORLD, _train, cases)
 
 
-def test_the_document_mask_changes_the_loss(results):
-    ref, plain = results[0]["ref"], results[0]["ref-unmasked"]
-    assert abs(ref["loss"][0] - plain["loss"][0]) > 1e-4 * plain["loss"][0]
-    assert len(set(ref["loss"])) == ITERS                      # the weights move
+def test_the_masks_change_the_loss(results):
+    plain = results[0]["ref-unmasked"]
+    for name in ("ref", "ref-window", "ref-both"):
+        ref = results[0][name]
+        assert abs(ref["loss"][0] - plain["loss"][0]) > 1e-4 * plain["loss"][0], name
+        assert len(set(ref["loss"])) == ITERS                  # the weights move
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *WINDOW_CASES, *BOTH_CASES])
 def test_every_layout_gives_the_single_process_losses(results, name):
-    ref = results[0]["ref"]
+    ref = results[0]["ref-window" if name in WINDOW_CASES else
+                     "ref-both" if name in BOTH_CASES else "ref"]
     (got,) = [r[name] for r in results if r[name]["writer"]]
     assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-5 * ref["loss"][0], (name, got, ref)
     for a, b in zip(got["loss"], ref["loss"]):
@@ -82,10 +96,14 @@ def test_every_layout_gives_the_single_process_losses(results, name):
         assert abs(a - b) <= 1e-4 * b, (name, got["norm"], ref["norm"])
 
 
-def test_ring_skips_block_pairs_without_a_shared_document(results):
-    """CP4: 4 block pairs per attention per rank; with ~4 documents per sample some pairs of
-    chunks 16 tokens apart share no document and are skipped (printed for the report)."""
-    skipped = [r["cp4-p2p"]["skipped"] for r in results]
-    blocks = [r["cp4-p2p"]["blocks"] for r in results]
-    print(f"cp4 ring: block pairs computed per rank {blocks}, skipped {skipped}")
+@pytest.mark.parametrize("name", ["cp4-p2p", "window-cp4-p2p", "both-cp4-p2p"])
+def test_ring_skips_block_pairs_with_nothing_kept(results, name):
+    """4 block pairs per attention per rank at CP4 (2 at CP2); with ~4 documents per sample
+    some pairs of chunks share no document, and with a window of 7 a pair of 8-token chunks
+    (CP4) more than one chunk apart is outside it: skipped (printed for the report).  The
+    windowed layers are half of them: 2 of 4 layers.  (At CP2 every pair the causal rule
+    leaves holds two adjacent chunks, so a window skips none there.)"""
+    skipped = [r[name]["skipped"] for r in results]
+    blocks = [r[name]["blocks"] for r in results]
+    print(f"{name} ring: block pairs computed per rank {blocks}, skipped {skipped}")
     assert sum(skipped) > 0

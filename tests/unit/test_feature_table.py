@@ -191,8 +191,9 @@ RULE_CASES = {
     "documents need a tokenizer": (
         [["--reset-attention-mask"], ["--reset-position-ids"]],
         [_DOCS]),
-    "te refuses --reset-attention-mask with CP": (
-        [["--cp", "2", *_DOCS, {"model": dict(_TE)}]],
+    "te refuses --reset-attention-mask or --window-size with CP": (
+        [["--cp", "2", *_DOCS, {"model": dict(_TE)}],
+         ["--cp", "2", {"model": dict(_TE, window_size=(8, 0))}]],
         [["--cp", "2", *_DOCS], [*_DOCS, {"model": dict(_TE)}]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
