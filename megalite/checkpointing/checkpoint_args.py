@@ -46,7 +46,8 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                # Multi-Latent Attention and its rope part; Multi-Token Prediction
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers",
-               "attn_logit_softcapping", "final_logit_softcapping")
+               "attn_logit_softcapping", "final_logit_softcapping",
+               "window_size", "window_attn_skip_freq")
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",
@@ -110,6 +111,8 @@ def _resolved(name: str) -> Callable[[ModelConfig], Any]:
         "max_position_embeddings": lambda m: m.max_position_embeddings or m.seq_length,
         "moe_ffn_hidden_size": ModelConfig.resolved_moe_ffn_hidden_size,
         "moe_layer_freq": lambda m: [m.is_moe_layer(i) for i in range(m.num_layers)],
+        "window_size": lambda m: [m.layer_window(i) for i in range(m.num_layers)],
+        "window_attn_skip_freq": lambda m: [m.layer_window(i) for i in range(m.num_layers)],
         "activation": lambda m: activation_of(m).name,
     }
     return special.get(name, lambda m: getattr(m, name))

@@ -70,3 +70,54 @@ def test_windowed_attention_is_transformers_mask(backend):
     assert torch.allclose(full(q, k, v), F.scaled_dot_product_attention(q, k, v,
                                                                          is_causal=True),
                           atol=1e-5)
+
+
+SWA = {   # transformers config class, model class, config: windows 6 < the 40 positions
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=6)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True,
+                                                      sliding_window=6, max_window_layers=1,
+                                                      num_hidden_layers=3)),
+}
+
+
+def _swa_model(family):
+    transformers = pytest.importorskip("transformers")
+    from hf_families import COMMON
+    config_cls, model_cls, extra = SWA[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config._attn_implementation = "eager"
+    return getattr(transformers, model_cls)(config).eval()
+
+
+@pytest.mark.parametrize("family", list(SWA))
+def test_hf_sliding_windows_import_exactly_and_export_back(tmp_path, family):
+    """Mistral (every layer) and Qwen2 (from max_window_layers on): transformers' logits on
+    40 positions past the window of 6, and the exported config slides the same layers."""
+    from hf_families import VOCAB, rel
+    from megalite.checkpointing import hf
+    from megalite.checkpointing.model_io import load_full_state_dict
+    from megalite.config import MegaliteConfig
+    from megalite.models.gpt import build_model, single_rank_state
+
+    ref = _swa_model(family)
+    ref.save_pretrained(str(tmp_path))
+    model_cfg, full = hf.import_hf(str(tmp_path))
+    assert tuple(model_cfg["window_size"]) == (5, 0)
+    m = ModelConfig(**model_cfg)
+    types = getattr(ref.config, "layer_types", None) or ["sliding_attention"] * m.num_layers
+    want = [t == "sliding_attention" for t in types]                 # Mistral: every layer
+    assert [m.layer_window(i) is not None for i in range(m.num_layers)] == want
+    assert any(want) and (family == "mistral") == all(want)
+    model = build_model(MegaliteConfig(model=m), single_rank_state())
+    load_full_state_dict(model.eval(), full, single_rank_state())
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, expected = model(ids)[..., :VOCAB], ref(ids).logits
+    assert rel(got, expected) <= 1e-5
+    back = hf.model_config_to_hf_config(model_cfg)
+    assert back["architectures"] == [SWA[family][1]]
+    assert back["sliding_window"] == 6
+    if family == "qwen2":
+        assert back["use_sliding_window"] and back["max_window_layers"] == 1
+        assert back["layer_types"] == ref.config.layer_types
