@@ -121,3 +121,24 @@ def test_hf_sliding_windows_import_exactly_and_export_back(tmp_path, family):
     if family == "qwen2":
         assert back["use_sliding_window"] and back["max_window_layers"] == 1
         assert back["layer_types"] == ref.config.layer_types
+
+
+@pytest.mark.parametrize("seq,window,documents", [(64, None, 4), (64, 7, 1), (64, 7, 4),
+                                                  (60, 100, 3)])
+def test_planner_counts_the_pairs_the_mask_keeps(seq, window, documents):
+    """The planner's closed form (attention_work_fraction) is the share of causal pairs the
+    real mask keeps; a windowed layer's core FLOPs scale by it, a full layer's do not."""
+    from megalite.planner.flops import attention_work_fraction, kind_forward_flops
+    pos = torch.arange(seq)
+    docs = (pos // (seq // documents))[None]
+    mask = keep(pos, pos, True, docs, docs, window)
+    assert attention_work_fraction(seq, window, documents) == \
+        pytest.approx(float(mask.sum()) / (seq * (seq + 1) / 2))
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=seq,
+                vocab_size=64)
+    full = kind_forward_flops(ModelConfig(**base), False, seq)
+    windowed = kind_forward_flops(ModelConfig(**base, window_size=(7, 0),
+                                              window_attn_skip_freq=2), False, seq)
+    assert windowed["linear"] == full["linear"]
+    assert windowed["core"] == pytest.approx(
+        full["core"] * (1 + attention_work_fraction(seq, 7)) / 2)   # half the layers slide
