@@ -1,9 +1,10 @@
 """Document masking (--reset-attention-mask --reset-position-ids --eod-mask-loss) and
 sliding windows (--window-size 7,0 on every other layer) on real gloo ranks equal the
-single-process run: documents at TP2+SP, CP2 (ring and all-to-all), CP4 ring, PP2
-interleaved with full recomputation, CP2 with FSDP2; windows at CP2 / CP4 ring and CP4
-all-to-all, and both at CP4 -- one launch, three iterations each.  A small vocabulary makes NullTokenizer's EOD (vocab - 1) frequent: about four
-documents per 64-token sample, so the mask changes the loss and ring blocks are skipped.
+single-process run: documents at TP2+SP (core attention recomputed), CP2 (ring and
+all-to-all), CP4 ring, PP2 interleaved with full recomputation, CP2 with FSDP2; windows at
+CP2 / CP4 ring and CP4 all-to-all, and both at CP4 -- one launch, three iterations each.
+A small vocabulary makes NullTokenizer's EOD (vocab - 1) frequent: about four documents
+per 64-token sample, so the mask changes the loss and ring blocks are skipped.
 """
 import pytest
 import torch.distributed as torch_dist
@@ -23,7 +24,9 @@ RUN = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "8",
 DOCS = ["--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
 CP2 = ["--context-parallel-size", "2"]
 CASES = {
-    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "tp2-sp-selective": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                         "--recompute-granularity", "selective",
+                         "--recompute-modules", "core_attn"],
     "cp2-p2p": CP2,
     "cp2-a2a-tp2": CP2 + ["--cp-comm-type", "a2a", "--tensor-model-parallel-size", "2"],
     "cp4-p2p": ["--context-parallel-size", "4"],
