@@ -7,7 +7,7 @@
    the pairs the real mask keeps (``transformer/attention_masks.keep``).
 2. Ring attention (``context_parallel/ring.py``): the block pairs each CP rank computes and
    skips for that mask at CP 2, 4, 8 (the rule ring attention applies, forward and backward:
-   ``_block_mask``), with the kept pairs per rank (the load balance).
+   ``_blocks``: chunk pairs), with the kept pairs per rank (the load balance).
 3. The local kernel on this CPU: forward + backward of SDPA causal vs SDPA with the boolean
    document mask vs one causal SDPA call per document (varlen-style), at 2k tokens.
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megalite.context_parallel.ring import _block_mask  # noqa: E402
+from megalite.context_parallel.ring import _blocks  # noqa: E402
 from megalite.planner.flops import attention_work_fraction  # noqa: E402
 from megalite.transformer.attention_masks import keep  # noqa: E402
 
@@ -68,12 +68,10 @@ def ring_table(seq: int, documents: int):
             for rank in range(cp):
                 done = skipped = pairs = 0
                 for step in range(cp):
-                    block = _block_mask(step, rank, cp, True, c, d, window, "cpu")
-                    if block is None:
-                        skipped += 1
-                    else:
-                        done += 1
-                        pairs += int(block[3].sum())
+                    blocks, skip = _blocks(step, rank, cp, True, c, d, window, "cpu")
+                    skipped += skip
+                    done += len(blocks)
+                    pairs += sum(int(b[3].sum()) for b in blocks)
                 rows.append(f"{done}/{skipped}")
                 kept.append(pairs)
             spread = max(kept) / max(1, min(kept))

@@ -77,10 +77,12 @@ def block_forward(q, k, v, scale: float, causal: bool,
 def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
           blk_lse: torch.Tensor) -> None:
     """Fold a block's (output, LSE) into the running ones, in place (log-sum-exp rule):
-    lse' = log(e^lse + e^blk_lse), out' = out e^(lse-lse') + blk_out e^(blk_lse-lse')."""
+    lse' = log(e^lse + e^blk_lse), out' = out e^(lse-lse') + blk_out e^(blk_lse-lse').
+    A row that no key reached yet (both -inf: a masked block pair) stays 0 and -inf."""
     new = torch.logaddexp(lse, blk_lse)
-    out.mul_(torch.exp(lse - new)[..., None].to(out.dtype))
-    out.add_(blk_out * torch.exp(blk_lse - new)[..., None].to(out.dtype))
+    shift = new.masked_fill(torch.isneginf(new), 0.0)
+    out.mul_(torch.exp(lse - shift)[..., None].to(out.dtype))
+    out.add_(blk_out * torch.exp(blk_lse - shift)[..., None].to(out.dtype))
     lse.copy_(new)
 
 

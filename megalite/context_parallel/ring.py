@@ -16,10 +16,11 @@ Causal masking with the 2CP chunk layout needs only three kinds of block pair:
 Every rank computes the same amount: 2 chunk-pairs per step.
 
 Packed documents (``--reset-attention-mask``, ``document_ids`` of the whole sequence) and
-sliding windows (``--window-size``): each block pair above is masked to the pairs kept
-(``transformer/attention_masks.keep``, on the true sequence positions of both sides), and a
-pair with none kept (no shared document, or keys all outside the window) is skipped,
-forward and backward (``work.skipped`` counts them).  The
+sliding windows (``--window-size``): each (local chunk, received chunk) pair the causal
+rule leaves is its own block, masked to the pairs kept (``transformer/attention_masks.keep``,
+on the true sequence positions of both sides); a block with none kept (no shared document,
+or keys all outside the window) is skipped, forward and backward (``work.skipped`` counts
+them).  The
 chunk layout is unchanged, so the causal load balance holds as before; the work skipped
 depends on where the documents end.
 
@@ -88,19 +89,30 @@ def _pairs(step: int, rank: int, cp: int, causal: bool, c: int):
     return slice(c, None), every, False
 
 
-def _block_mask(step: int, rank: int, cp: int, causal: bool, c: int, docs, window, device):
-    """(query slice, key slice, causal, keep-mask) of the block pair at ``step``, or None
-    when no pair of it is kept.  ``docs`` [b, S]: the documents of the whole sequence;
-    ``window``: this layer's sliding window (both None: keep-mask None, the plain rule)."""
-    qs, ks, masked = _pairs(step, rank, cp, causal, c)
+def _blocks(step: int, rank: int, cp: int, causal: bool, c: int, docs, window, device):
+    """([(query slice, key slice, causal, keep-mask)] computed at ``step``, block pairs
+    skipped).  Without a mask (``docs`` and ``window`` None) the one pair of ``_pairs``,
+    keep-mask None.  With one (``docs`` [b, S]: the documents of the whole sequence;
+    ``window``: this layer's sliding window) each (local chunk, received chunk) pair the
+    causal rule leaves is its own block, skipped when its mask keeps nothing."""
     if docs is None and window is None:
-        return qs, ks, masked, None
+        return [(*_pairs(step, rank, cp, causal, c), None)], 0
     s = 2 * c * cp
-    q_pos = token_indices(s, cp, rank, device)[qs]
-    k_pos = token_indices(s, cp, (rank - step) % cp, device)[ks]
-    mask = keep(q_pos, k_pos, causal, None if docs is None else docs[:, q_pos],
-                None if docs is None else docs[:, k_pos], window)
-    return (qs, ks, masked, mask) if bool(mask.any()) else None
+    q_idx = token_indices(s, cp, rank, device)
+    k_idx = token_indices(s, cp, (rank - step) % cp, device)
+    blocks, skipped = [], 0
+    for qs in (slice(0, c), slice(c, 2 * c)):
+        for ks in (slice(0, c), slice(c, 2 * c)):
+            q_pos, k_pos = q_idx[qs], k_idx[ks]
+            if causal and k_pos[0] > q_pos[-1]:
+                continue                            # after every query: not a causal pair
+            mask = keep(q_pos, k_pos, causal, None if docs is None else docs[:, q_pos],
+                        None if docs is None else docs[:, k_pos], window)
+            if bool(mask.any()):
+                blocks.append((qs, ks, causal, mask))
+            else:
+                skipped += 1
+    return blocks, skipped
 
 
 def _split_kv(kv: torch.Tensor, dk: int):
@@ -127,11 +139,9 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            block = _block_mask(step, rank, cp, causal, c, docs, window, q.device)
-            if block is None:
-                work.skipped += 1
-            else:
-                qs, ks, masked, mask = block
+            blocks, skipped = _blocks(step, rank, cp, causal, c, docs, window, q.device)
+            work.skipped += skipped
+            for qs, ks, masked, mask in blocks:
                 k_now, v_now = _split_kv(kv, dk)
                 qb, kb, vb = q[:, :, qs], k_now[:, :, ks], v_now[:, :, ks]
                 work.add(qb, kb, masked, mask)
@@ -166,22 +176,23 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 kv_pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            block = _block_mask(step, rank, cp, causal, c, docs, window, q.device)
-            if block is not None:
-                qs, ks, masked, mask = block
+            blocks, _ = _blocks(step, rank, cp, causal, c, docs, window, q.device)
+            grads = []
+            for qs, ks, masked, mask in blocks:
                 k_now, v_now = _split_kv(kv, dk_dim)
                 dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_now[:, :, ks],
                                                   v_now[:, :, ks], lse[:, :, qs],
                                                   delta[:, :, qs], scale, masked, mask)
                 dq[:, :, qs] += dq_b
+                grads.append((ks, dk_b, dv_b))
             # the dK/dV accumulator of the K/V held now arrives from the previous rank
             if dkv_pending is not None:
                 dkv_pending.wait()
                 dkv = dkv_in
             else:
                 dkv = torch.zeros_like(kv)
-            if block is not None:
-                dk_acc, dv_acc = _split_kv(dkv, dk_dim)
+            dk_acc, dv_acc = _split_kv(dkv, dk_dim)
+            for ks, dk_b, dv_b in grads:
                 dk_acc[:, :, ks] += dk_b
                 dv_acc[:, :, ks] += dv_b
             dkv_in = torch.empty_like(dkv)

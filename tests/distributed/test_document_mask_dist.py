@@ -99,13 +99,14 @@ def test_every_layout_gives_the_single_process_losses(results, name):
         assert abs(a - b) <= 1e-4 * b, (name, got["norm"], ref["norm"])
 
 
-@pytest.mark.parametrize("name", ["cp4-p2p", "window-cp4-p2p", "both-cp4-p2p"])
+@pytest.mark.parametrize("name", ["cp4-p2p", "window-cp2-p2p", "window-cp4-p2p",
+                                  "both-cp4-p2p"])
 def test_ring_skips_block_pairs_with_nothing_kept(results, name):
-    """4 block pairs per attention per rank at CP4 (2 at CP2); with ~4 documents per sample
-    some pairs of chunks share no document, and with a window of 7 a pair of 8-token chunks
-    (CP4) more than one chunk apart is outside it: skipped (printed for the report).  The
-    windowed layers are half of them: 2 of 4 layers.  (At CP2 every pair the causal rule
-    leaves holds two adjacent chunks, so a window skips none there.)"""
+    """With a mask each (local chunk, received chunk) pair the causal rule leaves is a block
+    (3 at step 0, 2 at each other step); with ~4 documents per sample some pairs share no
+    document, and with a window of 7 a pair of chunks (16 tokens at CP2, 8 at CP4) more
+    than the window apart is outside it: skipped (printed for the report).  The windowed
+    layers are half of them: 2 of 4 layers."""
     skipped = [r[name]["skipped"] for r in results]
     blocks = [r[name]["blocks"] for r in results]
     print(f"{name} ring: block pairs computed per rank {blocks}, skipped {skipped}")
