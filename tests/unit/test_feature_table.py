@@ -325,11 +325,12 @@ USER_ERROR_PLACES = {
     "megalite/checkpointing/hf_adapters/base.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/deepseek_v3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/llama.py": "a Hugging Face checkpoint's contents",
-    "megalite/checkpointing/hf_adapters/mistral.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/mixtral.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen_moe.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/rope.py": "a Hugging Face checkpoint's rope settings",
+    "megalite/checkpointing/hf_adapters/sliding_window.py":
+        "a Hugging Face checkpoint's sliding windows",
     "megalite/optimizer/optimizer_state.py": "checkpoint contents (optimizer state)",
     "megalite/checkpointing/checkpoint.py": "checkpoint contents and the filesystem under --save",
     "megalite/checkpointing/train_state.py": "checkpoint contents (training state)",
