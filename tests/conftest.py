@@ -50,6 +50,10 @@ LONG_TESTS = (
     # tests/unit/test_hf_export_families.py its export, tests/distributed/test_mla_mtp_dist.py
     # its MLA/MTP layouts)
     "tests/e2e/test_deepseek_v3_hf_e2e.py",
+    # a sliding-window Qwen2 through convert.py (tests/unit/test_sliding_window.py keeps its
+    # import and export against transformers, tests/distributed/test_document_mask_dist.py
+    # the windows under CP)
+    "tests/e2e/test_sliding_window_e2e.py",
     # pretrain_moe.py at EP2 (the default run keeps test_user_paths_e2e.py's EP2 Mixtral)
     "tests/e2e/test_pretrain_moe_e2e.py",
     # README rows also run by the docs commands and the distributed equivalence tests

@@ -43,6 +43,7 @@ from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norms import (SEQUENCE_PARALLEL_GROUP, IdentityNorm, build_norm,
                                        build_qk_norm)
+from megalite.transformer.attention_masks import document_offsets
 from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, ModuleSpec,
                                        SelfAttentionSubmodules, TransformerLayerSubmodules)
 from megalite.tensor_parallel.random import AttachedTracker, DrawsFromTracker
@@ -167,6 +168,9 @@ class TECoreAttention(DrawsFromTracker, nn.Module):
         te = te_pytorch()
         # Multi-Latent Attention: k/v head dims differ and the softmax scale is its own
         extra = {} if softmax_scale is None else {"softmax_scale": softmax_scale}
+        window = model_cfg.layer_window(layer_number)     # --window-size: TE's own window
+        if window is not None:
+            extra["window_size"] = (window, 0)
         kv_channels = model_cfg.resolved_kv_channels() if k_channels is None else \
             (k_channels, v_channels or k_channels)
         os.environ.update(TE_ATTENTION_ENV.get(getattr(model_cfg, "attention_backend", "auto"),
@@ -190,9 +194,25 @@ class TECoreAttention(DrawsFromTracker, nn.Module):
         before the parallelize step attaches the rank's tracker -- so a forwarder."""
         return AttachedTracker(self)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if document_ids is not None:
+            return self._packed(q, k, v, document_ids)
         # q/k/v are views into the grouped qkv output; TE's kernels want plain sbhd tensors
         return self.attention(q.contiguous(), k.contiguous(), v.contiguous())
+
+    def _packed(self, q, k, v, document_ids: torch.Tensor) -> torch.Tensor:
+        """``--reset-attention-mask`` in TE's own packed format: the micro-batch's documents
+        back to back (THD), ``cu_seqlens`` their boundaries, mask ``padding_causal``.  Only
+        without CP (TE's THD ring wants its own per-document split: refused in
+        ``cli/features.py``)."""
+        s, b = q.shape[:2]
+        thd = [t.transpose(0, 1).reshape(b * s, *t.shape[2:]).contiguous() for t in (q, k, v)]
+        cu, longest = document_offsets(document_ids)
+        out = self.attention(*thd, qkv_format="thd", attn_mask_type="padding_causal",
+                             cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                             max_seqlen_kv=longest)                # [b*s, heads*d]
+        return out.view(b, s, -1).transpose(0, 1)                 # [s, b, heads*d]
 
 
 _CP_STREAMS = {}
@@ -217,11 +237,11 @@ class TETransformerLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         self.fp8 = fp8
 
-    def forward(self, hidden: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary=None, document_ids=None) -> torch.Tensor:
         if self.fp8 is None:
-            return super().forward(hidden, rotary)
+            return super().forward(hidden, rotary, document_ids)
         with fp8_autocast(self.fp8):
-            return super().forward(hidden, rotary)
+            return super().forward(hidden, rotary, document_ids)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -95,6 +95,8 @@ def _resolved(name: str) -> Callable[[ModelConfig], Any]:
         "max_position_embeddings": lambda m: m.max_position_embeddings or m.seq_length,
         "moe_ffn_hidden_size": ModelConfig.resolved_moe_ffn_hidden_size,
         "moe_layer_freq": lambda m: [m.is_moe_layer(i) for i in range(m.num_layers)],
+        "window_size": lambda m: [m.layer_window(i) for i in range(m.num_layers)],
+        "window_attn_skip_freq": lambda m: [m.layer_window(i) for i in range(m.num_layers)],
         "activation": lambda m: activation_of(m).name,
     }
     return special.get(name, lambda m: getattr(m, name))

@@ -494,6 +494,19 @@ RULES: Tuple[Rule, ...] = (
               "before the softmax; drop it or use the local unfused core attention")
       for f, how in (("te", "Transformer Engine layers"), ("cp-p2p", "ring attention (CP)"),
                      ("cp-a2a", "all-to-all attention (CP)"))),
+    Relation("documents need a tokenizer", lambda c: (
+        (c.data.reset_position_ids or c.data.reset_attention_mask) and not c.data.tokenizer_type),
+        "--reset-position-ids / --reset-attention-mask find the documents by the tokenizer's "
+        "end-of-document token: give --tokenizer-type (NullTokenizer's is vocab size - 1)"),
+    # packed documents: TE maps the mask onto its THD format without CP only (its THD ring
+    # splits each document itself, a layout get_batch does not make); TE's ring has no
+    # sliding window
+    Refuses("te", "--reset-attention-mask or --window-size with CP",
+            lambda c: (c.data.reset_attention_mask or c.model.window_size) and c.parallel.cp > 1,
+            "--reset-attention-mask / --window-size with Transformer Engine and "
+            "--context-parallel-size > 1: TE's packed (THD) ring needs its own per-document "
+            "split and its ring has no window; use --transformer-impl local (ring or "
+            "all-to-all CP apply both masks) or CP 1"),
     Refuses("fused-loss", "--final-logit-softcapping",
             lambda c: c.model.final_logit_softcapping is not None,
             "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "

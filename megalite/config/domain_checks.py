@@ -162,3 +162,25 @@ def softcap_kernel_problem(value, cfg) -> Optional[str]:
                "cannot cap the scores before the softmax; use --attention-backend unfused " \
                "(or auto)"
     return None
+
+
+@domain_check((5, 3), (-2, 0))
+def window_size_problem(value, cfg) -> Optional[str]:
+    """left >= 0 (or -1: no window), right 0 (the models are causal)"""
+    if value is None:
+        return None
+    left, right = value
+    if left < -1 or right != 0:
+        return f"--window-size {left},{right}: give 'left,0' with left >= 0 (keys i-left .. i " \
+               "of a causal model; -1 for no window)"
+    return None
+
+
+@domain_check([1, 0, 1])
+def window_skip_freq_problem(value, cfg) -> Optional[str]:
+    """an int N >= 1 or a 0/1 pattern with one entry per layer"""
+    layers = cfg.model.num_layers
+    if isinstance(value, list) and layers is not None and len(value) != layers:
+        return f"--window-attn-skip-freq pattern has {len(value)} entries for --num-layers " \
+               f"{layers}; give one 0/1 per layer"
+    return None

@@ -5,10 +5,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from megalite.config.domain_checks import moe_layer_freq_problem, softcap_kernel_problem
+from megalite.config.domain_checks import (moe_layer_freq_problem, softcap_kernel_problem,
+                                           window_size_problem, window_skip_freq_problem)
 from megalite.config.fields import opt
 from megalite.config.activations import ACTIVATIONS, activation_of, choice_problem
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq  # noqa: F401
+from megalite.config.window import parse_window_size, parse_window_skip_freq
 
 
 @dataclass
@@ -125,6 +127,16 @@ class ModelConfig:
         "the unfused core attention only.", gt=0, check=softcap_kernel_problem)
     final_logit_softcapping: Optional[float] = opt(
         None, "Soft-cap the output layer's logits at this value (Gemma 2: 30).", gt=0)
+    # Sliding-window attention (Megatron's flags): query i sees keys i-left .. i
+    window_size: Optional[tuple] = opt(
+        None, "Sliding-window attention 'left,right' (Megatron's form): query i attends keys "
+        "i-left .. i (right must be 0: causal; Hugging Face's sliding_window W is W-1,0).",
+        type=parse_window_size, check=window_size_problem)
+    window_attn_skip_freq: Union[int, list, None] = opt(
+        None, "Which layers use --window-size: an int N, every N-th layer (1-based) full "
+        "attention and the others windowed (gpt-oss 2, Gemma 3 6), or a pattern with one 0/1 "
+        "per layer, 1 = windowed ('[1,1,1,0]*3'); default every layer.",
+        type=parse_window_skip_freq, check=window_skip_freq_problem)
     # Multi-Latent Attention (DeepSeek-V2/V3; transformer/mla.py), Megatron's MLA flags.
     multi_latent_attention: bool = opt(
         False, "Multi-Latent Attention: q and k/v through low-rank projections, a decoupled "
@@ -242,6 +254,23 @@ class ModelConfig:
             raise ValueError(f"--moe-layer-freq pattern has {len(freq)} entries for "
                              f"{self.num_layers} layers")
         return bool(freq[layer])
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The sliding window (keys i-w .. i) of global layer ``layer`` (0-based), None for
+        full attention: Megatron's ``is_layer_window_attention`` (1-based layer numbers).
+        The one rule every core attention, the FLOP count and the HF adapters read."""
+        if not self.window_size or self.window_size[0] < 0:
+            return None
+        if layer >= self.num_layers:      # an MTP module's layer: like the model's last
+            return self.layer_window(self.num_layers - 1)
+        freq = parse_window_skip_freq(self.window_attn_skip_freq)
+        if freq is None:
+            windowed = True
+        elif isinstance(freq, int):
+            windowed = (layer + 1) % freq != 0
+        else:
+            windowed = bool(freq[layer])
+        return int(self.window_size[0]) if windowed else None
 
     def num_transformer_layers(self) -> int:
         """Decoder layers plus the MTP modules' layers (global numbers L .. L+D-1)."""

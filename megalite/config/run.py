@@ -49,6 +49,12 @@ class DataConfig:
         path="out-dir")
     eod_mask_loss: bool = opt(False, "Mask the loss on end-of-document tokens.",
                               action="store_true")
+    reset_position_ids: bool = opt(False, "Restart position ids at 0 after each "
+                                   "end-of-document token (packed documents).",
+                                   action="store_true")
+    reset_attention_mask: bool = opt(False, "Attend only inside each document of a packed "
+                                     "sequence (documents end at the end-of-document token).",
+                                     action="store_true")
     sample_windows: str = opt(
         "packed", "How training samples are cut: packed (Megatron: consecutive windows of the "
         "shuffled document stream, each token once per epoch) or random (nanoGPT: windows at "

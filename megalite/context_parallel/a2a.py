@@ -10,6 +10,9 @@ own adjoint), so there are 2 all-to-alls forward and 2 backward per attention.
 Tokens arrive as the rank-ordered concatenation of the load-balanced chunks
 (``load_balance.py``); they are put in sequence order for the causal mask and back after.
 Needs the (TP-local) head and K/V-head counts divisible by CP (``validation.py``).
+Packed documents (``--reset-attention-mask``) and sliding windows (``--window-size``): the
+whole sequence is here, so the mask (``transformer/attention_masks.keep``) is one boolean
+SDPA mask, as without CP.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from torch import nn
 from megalite import comm
 from megalite.context_parallel.load_balance import gathered_order
 from megalite.context_parallel.ring import check_cp_attention_args, work
+from megalite.transformer.attention_masks import keep
 from megalite.transformer.spec import AttnMaskType
 
 # SDPA's enable_gqa arrived in torch 2.5 (transformer/attention.py has the same fallback)
@@ -66,6 +70,7 @@ class UlyssesAttention(nn.Module):
             f"heads ({heads}) and query groups ({groups}), CP {self.group.size}")
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
+        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self._order = None
@@ -76,7 +81,9 @@ class UlyssesAttention(nn.Module):
             self._order = (order, torch.argsort(order))
         return self._order
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``document_ids`` [b, S]: the whole sequence's documents (``--reset-attention-mask``)."""
         cp = self.group.size
         b, h, s, d = q.shape
         g, dv = k.shape[1], v.shape[-1]
@@ -95,12 +102,16 @@ class UlyssesAttention(nn.Module):
         qy, ky, vy = y.split(sizes, dim=-1)
         qf, kf, vf = whole_sequence(qy, hq, d), whole_sequence(ky, hk, d), \
             whole_sequence(vy, hk, dv)
-        work.add(qf, kf, self.is_causal)
+        pos = torch.arange(cp * s, device=q.device)
+        mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
+                    self.window)                                       # [b|1, S, S] or None
+        work.add(qf, kf, self.is_causal, mask)
         if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
             kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
         gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}
-        o = F.scaled_dot_product_attention(qf, kf, vf, is_causal=self.is_causal,
-                                           scale=self.scale, **gqa)   # [b, h/cp, S, dv]
+        masks = {"is_causal": self.is_causal} if mask is None else {"attn_mask": mask[:, None]}
+        o = F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale, **masks,
+                                           **gqa)                   # [b, h/cp, S, dv]
         o = o.index_select(2, order)                               # rank order again
         o = o.reshape(b, hq, cp, s, dv).permute(2, 0, 1, 3, 4)      # [cp (dst), b, h/cp, s, dv]
         o = AllToAll.apply(o, self.group)                          # [cp (head block), ...]

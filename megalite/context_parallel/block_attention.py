@@ -40,28 +40,35 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     return q.reshape(b, groups, (h // groups) * s, d)
 
 
-def _scores(q, k, scale: float, causal: bool, row0: int) -> torch.Tensor:
+def _scores(q, k, scale: float, causal: bool, row0: int, keep=None) -> torch.Tensor:
     """Scaled scores [b, ng, rep*rows, sk] of query rows ``row0``.. (a tile); ``causal``
-    masks key j > query i, both counted from the block's origin."""
+    masks key j > query i, both counted from the block's origin; ``keep`` [b, sq, sk]
+    (a document mask, ``transformer/attention_masks.py``) replaces it."""
     g, rows, sk = k.shape[1], q.shape[2], k.shape[2]
     s = torch.matmul(_grouped(q, g), k.transpose(-1, -2)).mul_(scale)
-    if causal:
+    if keep is not None:
+        tile = keep[:, None, None, row0:row0 + rows]                 # [b, 1, 1, rows, sk]
+        s.view(s.shape[0], g, -1, rows, sk).masked_fill_(~tile, float("-inf"))
+    elif causal:
         i = torch.arange(row0, row0 + rows, device=q.device)[:, None]
         keep = torch.arange(sk, device=q.device)[None, :] <= i
         s.view(s.shape[0], g, -1, rows, sk).masked_fill_(~keep, float("-inf"))
     return s.to(accum_dtype(s.dtype))
 
 
-def block_forward(q, k, v, scale: float, causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(softmax(q k^T * scale) v [b, np, sq, dv], LSE [b, np, sq] in ``accum_dtype``)."""
+def block_forward(q, k, v, scale: float, causal: bool,
+                  keep=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T * scale) v [b, np, sq, dv], LSE [b, np, sq] in ``accum_dtype``).
+    A row whose keys are all masked (possible with ``keep``) gives output 0, LSE -inf."""
     b, h, sq, d = q.shape
     out = torch.empty((b, h, sq, v.shape[-1]), dtype=v.dtype, device=q.device)
     lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
     for r0, r1 in query_tiles(q, k.shape[2]):
         qt = q[:, :, r0:r1]
-        s = _scores(qt, k, scale, causal, r0)
+        s = _scores(qt, k, scale, causal, r0, keep)
         tile_lse = torch.logsumexp(s, dim=-1)
-        p = s.sub_(tile_lse[..., None]).exp_().to(v.dtype)       # in place: one tile alive
+        shift = tile_lse if keep is None else tile_lse.masked_fill(tile_lse == float("-inf"), 0)
+        p = s.sub_(shift[..., None]).exp_().to(v.dtype)          # in place: one tile alive
         out[:, :, r0:r1] = torch.matmul(p, v).view(b, h, r1 - r0, v.shape[-1])
         lse[:, :, r0:r1] = tile_lse.view(qt.shape[:3])
     return out, lse
@@ -70,14 +77,16 @@ def block_forward(q, k, v, scale: float, causal: bool) -> Tuple[torch.Tensor, to
 def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
           blk_lse: torch.Tensor) -> None:
     """Fold a block's (output, LSE) into the running ones, in place (log-sum-exp rule):
-    lse' = log(e^lse + e^blk_lse), out' = out e^(lse-lse') + blk_out e^(blk_lse-lse')."""
+    lse' = log(e^lse + e^blk_lse), out' = out e^(lse-lse') + blk_out e^(blk_lse-lse').
+    A row that no key reached yet (both -inf: a masked block pair) stays 0 and -inf."""
     new = torch.logaddexp(lse, blk_lse)
-    out.mul_(torch.exp(lse - new)[..., None].to(out.dtype))
-    out.add_(blk_out * torch.exp(blk_lse - new)[..., None].to(out.dtype))
+    shift = new.masked_fill(torch.isneginf(new), 0.0)
+    out.mul_(torch.exp(lse - shift)[..., None].to(out.dtype))
+    out.add_(blk_out * torch.exp(blk_lse - shift)[..., None].to(out.dtype))
     lse.copy_(new)
 
 
-def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool):
+def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool, keep=None):
     """(dq, dk, dv) of one block pair given the *final* LSE and delta = rowsum(dout * out):
     p = exp(s - lse), dv = p^T dout, ds = p (dout v^T - delta), dq = ds k, dk = ds^T q."""
     b, h, sq, d = q.shape
@@ -87,7 +96,7 @@ def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool):
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     for r0, r1 in query_tiles(q, k.shape[2]):
         qt = q[:, :, r0:r1]
-        s = _scores(qt, k, scale, causal, r0)
+        s = _scores(qt, k, scale, causal, r0, keep)
         p = s.sub_(lse[:, :, r0:r1].reshape(b, g, -1)[..., None]).exp_().to(q.dtype)
         do = _grouped(dout[:, :, r0:r1], g)
         dv += torch.matmul(p.transpose(-1, -2), do)                  # [b, ng, sk, d]

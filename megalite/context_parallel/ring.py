@@ -15,6 +15,15 @@ Causal masking with the 2CP chunk layout needs only three kinds of block pair:
     (the local first chunk precedes them both and is skipped).
 Every rank computes the same amount: 2 chunk-pairs per step.
 
+Packed documents (``--reset-attention-mask``, ``document_ids`` of the whole sequence) and
+sliding windows (``--window-size``): each (local chunk, received chunk) pair the causal
+rule leaves is its own block, masked to the pairs kept (``transformer/attention_masks.keep``,
+on the true sequence positions of both sides); a block with none kept (no shared document,
+or keys all outside the window) is skipped, forward and backward (``work.skipped`` counts
+them).  The
+chunk layout is unchanged, so the causal load balance holds as before; the work skipped
+depends on where the documents end.
+
 Backward sends K/V around the ring again (CP - 1 transfers), with a dK/dV accumulator that
 travels with them and is back at its owner after CP transfers.  Forward keeps only q, k, v,
 the output and the LSE (fp32 for 16-bit inputs).
@@ -30,6 +39,8 @@ from torch import nn
 from megalite import comm
 from megalite.context_parallel.block_attention import (accum_dtype, block_backward,
                                                        block_flops, block_forward, merge)
+from megalite.context_parallel.load_balance import token_indices
+from megalite.transformer.attention_masks import keep
 from megalite.transformer.spec import AttnMaskType
 
 
@@ -41,15 +52,19 @@ class AttentionWork:
         self.reset()
 
     def reset(self):
-        self.computed = self.useful = self.blocks = 0
+        self.computed = self.useful = self.blocks = self.skipped = 0
 
-    def add(self, q, k, causal: bool):
+    def add(self, q, k, causal: bool, mask=None):
+        """``mask``: the block's boolean keep-mask [b, sq, sk] when documents mask it."""
         flops = block_flops(q, k)
         self.blocks += 1
         self.computed += flops
         sq, sk = q.shape[2], k.shape[2]
-        self.useful += flops * (sk * (sk + 1) // 2 + (sq - sk) * sk) // (sq * sk) \
-            if causal else flops
+        if mask is not None:
+            self.useful += flops * int(mask.sum()) // mask.numel()
+        else:
+            self.useful += flops * (sk * (sk + 1) // 2 + (sq - sk) * sk) // (sq * sk) \
+                if causal else flops
 
 
 work = AttentionWork()
@@ -74,6 +89,32 @@ def _pairs(step: int, rank: int, cp: int, causal: bool, c: int):
     return slice(c, None), every, False
 
 
+def _blocks(step: int, rank: int, cp: int, causal: bool, c: int, docs, window, device):
+    """([(query slice, key slice, causal, keep-mask)] computed at ``step``, block pairs
+    skipped).  Without a mask (``docs`` and ``window`` None) the one pair of ``_pairs``,
+    keep-mask None.  With one (``docs`` [b, S]: the documents of the whole sequence;
+    ``window``: this layer's sliding window) each (local chunk, received chunk) pair the
+    causal rule leaves is its own block, skipped when its mask keeps nothing."""
+    if docs is None and window is None:
+        return [(*_pairs(step, rank, cp, causal, c), None)], 0
+    s = 2 * c * cp
+    q_idx = token_indices(s, cp, rank, device)
+    k_idx = token_indices(s, cp, (rank - step) % cp, device)
+    blocks, skipped = [], 0
+    for qs in (slice(0, c), slice(c, 2 * c)):
+        for ks in (slice(0, c), slice(c, 2 * c)):
+            q_pos, k_pos = q_idx[qs], k_idx[ks]
+            if causal and k_pos[0] > q_pos[-1]:
+                continue                            # after every query: not a causal pair
+            mask = keep(q_pos, k_pos, causal, None if docs is None else docs[:, q_pos],
+                        None if docs is None else docs[:, k_pos], window)
+            if bool(mask.any()):
+                blocks.append((qs, ks, causal, mask))
+            else:
+                skipped += 1
+    return blocks, skipped
+
+
 def _split_kv(kv: torch.Tensor, dk: int):
     """The K and V parts of a ring message [b, ng, s, dk + dv] (views)."""
     return kv[..., :dk], kv[..., dk:]
@@ -84,7 +125,7 @@ class RingAttentionFunction(torch.autograd.Function):
     [b, np, s, dv].  K and V travel as one message, concatenated along the head dim."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, causal: bool):
+    def forward(ctx, q, k, v, group, scale: float, causal: bool, docs=None, window=None):
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -98,24 +139,28 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            qs, ks, masked = _pairs(step, rank, cp, causal, c)
-            k_now, v_now = _split_kv(kv, dk)
-            qb, kb, vb = q[:, :, qs], k_now[:, :, ks], v_now[:, :, ks]
-            work.add(qb, kb, masked)
-            blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked)
-            merge(out[:, :, qs], lse[:, :, qs], blk_out.to(acc), blk_lse)
+            blocks, skipped = _blocks(step, rank, cp, causal, c, docs, window, q.device)
+            work.skipped += skipped
+            for qs, ks, masked, mask in blocks:
+                k_now, v_now = _split_kv(kv, dk)
+                qb, kb, vb = q[:, :, qs], k_now[:, :, ks], v_now[:, :, ks]
+                work.add(qb, kb, masked, mask)
+                blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked, mask)
+                merge(out[:, :, qs], lse[:, :, qs], blk_out.to(acc), blk_lse)
             if pending is not None:
                 pending.wait()
                 kv = incoming
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.causal = group, scale, causal
+        ctx.group, ctx.scale, ctx.causal, ctx.docs, ctx.window = group, scale, causal, docs, \
+            window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, causal = ctx.group, ctx.scale, ctx.causal
+        group, scale, causal, docs, window = ctx.group, ctx.scale, ctx.causal, ctx.docs, \
+            ctx.window
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -131,12 +176,15 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 kv_pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            qs, ks, masked = _pairs(step, rank, cp, causal, c)
-            k_now, v_now = _split_kv(kv, dk_dim)
-            dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_now[:, :, ks],
-                                              v_now[:, :, ks], lse[:, :, qs],
-                                              delta[:, :, qs], scale, masked)
-            dq[:, :, qs] += dq_b
+            blocks, _ = _blocks(step, rank, cp, causal, c, docs, window, q.device)
+            grads = []
+            for qs, ks, masked, mask in blocks:
+                k_now, v_now = _split_kv(kv, dk_dim)
+                dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_now[:, :, ks],
+                                                  v_now[:, :, ks], lse[:, :, qs],
+                                                  delta[:, :, qs], scale, masked, mask)
+                dq[:, :, qs] += dq_b
+                grads.append((ks, dk_b, dv_b))
             # the dK/dV accumulator of the K/V held now arrives from the previous rank
             if dkv_pending is not None:
                 dkv_pending.wait()
@@ -144,8 +192,9 @@ class RingAttentionFunction(torch.autograd.Function):
             else:
                 dkv = torch.zeros_like(kv)
             dk_acc, dv_acc = _split_kv(dkv, dk_dim)
-            dk_acc[:, :, ks] += dk_b
-            dv_acc[:, :, ks] += dv_b
+            for ks, dk_b, dv_b in grads:
+                dk_acc[:, :, ks] += dk_b
+                dv_acc[:, :, ks] += dv_b
             dkv_in = torch.empty_like(dkv)
             dkv_pending = comm.batch_send_recv_async([(dkv, nxt)], [(dkv_in, prv)], group)
             if kv_pending is not None:
@@ -153,7 +202,7 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = incoming
         dkv_pending.wait()                                          # our own K/V's grads
         dk, dv = _split_kv(dkv_in, dk_dim)
-        return dq.to(q.dtype), dk, dv, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 
 class RingAttention(nn.Module):
@@ -171,12 +220,18 @@ class RingAttention(nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
+        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``document_ids`` [b, S]: the whole sequence's documents (``--reset-attention-mask``)."""
         if self.group.size == 1:
-            out, _ = block_forward(q, k, v, self.scale, self.is_causal)
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = keep(pos, pos, self.is_causal, document_ids, document_ids, self.window)
+            out, _ = block_forward(q, k, v, self.scale, self.is_causal, mask)
             return out
-        return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal)
+        return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal,
+                                           document_ids, self.window)
 
 
 def check_cp_attention_args(model_cfg, attn_mask_type, what: str) -> None:

@@ -5,7 +5,9 @@ style (LayerNorm, learned positions, GeLU, biases, tied) models, selected by
 ``cfg.model`` flags.  A pipeline chunk holds ``layer_numbers`` (global indices), the
 embedding when ``pre_process`` and the final norm + output layer when ``post_process``.
 
-Forward contract (``forward(input_ids, position_ids=None, labels=None, loss_mask=None)``):
+Forward contract (``forward(input_ids, position_ids=None, labels=None, loss_mask=None,
+document_ids=None)``; ``document_ids`` [b, s], the packed documents of
+``--reset-attention-mask``, reach every core attention):
   * post_process and labels given -> fp32 per-token loss [b, s] (``loss_mask``, how the
     caller weights the tokens, lets the fused loss form its gradients in forward)
   * post_process, no labels       -> logits, this rank's vocabulary shard [b, s, v_pad/tp]
@@ -220,7 +222,8 @@ class GPTModel(DrawsFromTracker, nn.Module):
     def forward(self, input_ids: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None,
                 labels: Optional[torch.Tensor] = None,
-                loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                loss_mask: Optional[torch.Tensor] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.pre_process:
             with EMBEDDING_SITE:
                 hidden = self.embedding(input_ids, position_ids)
@@ -232,7 +235,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
         if self.rotary is not None:
             seq = hidden.shape[0] * (self.tp_group.size if self.sequence_parallel else 1)
             rotary = self.rotary(seq, position_ids, device=hidden.device)
-        hidden = self.decoder(hidden, rotary)
+        hidden = self.decoder(hidden, rotary, document_ids)
         if not self.post_process:
             return hidden
         weight = self.embedding.word_embeddings.weight \
@@ -240,7 +243,8 @@ class GPTModel(DrawsFromTracker, nn.Module):
         if self.tied and self._embedding_of:
             weight = self._embedding_of[0].embedding.word_embeddings.weight
         if labels is not None and self.mtp is not None and self.training:
-            self._mtp_losses(hidden, input_ids, position_ids, labels, loss_mask, rotary, weight)
+            self._mtp_losses(hidden, input_ids, position_ids, labels, loss_mask, rotary, weight,
+                             document_ids)
         with OUTPUT_SITE:
             if labels is None:
                 return self._capped(self.output_layer(hidden, weight=weight)).transpose(0, 1)
@@ -267,7 +271,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
         return loss.t()
 
     def _mtp_losses(self, hidden, input_ids, position_ids, labels, loss_mask, rotary,
-                    weight) -> None:
+                    weight, document_ids=None) -> None:
         """Each MTP depth's mean loss over its micro-batch tokens, into the extra-loss
         channel (``transformer/mtp.py``): depth k's target of position i is labels[i + k]."""
         m = self.model_cfg
@@ -275,7 +279,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
             else loss_mask.float()
         share = mtp_depth_weight(m.mtp_loss_scaling_factor, m.mtp_num_layers)
         for depth, h in enumerate(self.mtp(hidden, input_ids, position_ids, self.embedding,
-                                           rotary), start=1):
+                                           rotary, document_ids), start=1):
             labels, mask = roll_left(labels), roll_left(mask)
             per_token = self._token_loss(h, weight, labels, mask)
             loss = (per_token.float() * mask).sum() / mask.sum().clamp_min(1.0)

@@ -30,7 +30,8 @@ def get_batch(batch: dict, state, device) -> dict:
     rank r keeps chunks r and 2CP-1-r of 2CP), before the loop counts loss tokens: the
     loop sums ``loss_mask`` of what this returns and all-reduces over dp-cp, so each token
     is counted exactly once.  Counting the unsliced batch would make the denominator CP x
-    too large.
+    too large.  ``document_ids`` (``--reset-attention-mask``) stay whole: CP attention
+    needs the documents of every rank's tokens.
     """
     if state.cp.size > 1:  # chunks r and 2CP-1-r, with their true position ids
         batch = slice_batch(batch, state.cp.size, state.cp.rank)
@@ -50,8 +51,10 @@ def loss_func(loss_mask: torch.Tensor, num_loss_tokens: torch.Tensor,
 def forward_step(batch: dict, model, ctx: StepContext):
     """Run one chunk on one micro-batch; any stage may add extra loss terms."""
     with collect_extra_losses(ctx.extra_loss_names) as extra:
+        docs = {} if "document_ids" not in batch else {"document_ids": batch["document_ids"]}
         output = model(batch["tokens"], batch.get("position_ids"), labels=batch["labels"],
-                       loss_mask=batch["loss_mask"])   # the fused loss's token weights
+                       loss_mask=batch["loss_mask"],   # the fused loss's token weights
+                       **docs)                         # --reset-attention-mask
     if extra.terms:
         extra.accumulate(ctx.extra_loss_sums)
         output = extra.attach(output, extra_term_backward_scale(ctx.extra_loss_scale,

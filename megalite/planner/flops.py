@@ -14,6 +14,11 @@ twice the forward, so training is 3x --
 the same total as Megatron-LM's ``num_floating_point_operations`` (docs/planner.md).
 Recomputation re-runs forwards: full adds one layer forward (4x instead of 3x, Narayanan
 et al. 2021's 96*B*s*l*h^2 formula), selective adds the attention core only.
+
+Masks that remove work scale the attention core by the causal (query, key) pairs they keep
+(``attention_work_fraction``): a sliding window (``--window-size``, per layer) in every
+count; packed documents (``--reset-attention-mask``) depend on the data, so only a caller
+that knows the documents per sequence passes them (benchmarks/attention_masks.py).
 """
 from __future__ import annotations
 
@@ -32,9 +37,25 @@ def mla_projection_flops(m: ModelConfig, split: Optional[str] = None) -> float:
                      if split is None or how == split))
 
 
+def causal_pairs_kept(seq: int, window: Optional[int] = None, documents: int = 1) -> float:
+    """(query, key) pairs a causal mask keeps over ``seq`` tokens cut into ``documents``
+    equal documents, each query seeing at most ``window`` keys back (None: all)."""
+    n = seq / documents
+    if window is None or window >= n - 1:
+        return documents * n * (n + 1) / 2
+    return documents * ((window + 1) * n - window * (window + 1) / 2)
+
+
+def attention_work_fraction(seq: int, window: Optional[int] = None,
+                            documents: int = 1) -> float:
+    """The share of the causal attention core a window and / or a document mask keep."""
+    return causal_pairs_kept(seq, window, documents) / causal_pairs_kept(seq)
+
+
 def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     """Per-token forward FLOPs of one dense or MoE layer, split into GEMMs and the
-    attention core (MLA: scores over q/k heads of qk + rope, values of v_head_dim)."""
+    attention core (MLA: scores over q/k heads of qk + rope, values of v_head_dim); the
+    core scaled by the mean share of it the sliding windows of that kind's layers keep."""
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
     gate = activation_of(m).matmuls
@@ -51,6 +72,9 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
         linear += 2 * h * m.resolved_ffn_hidden_size() * gate
     _, _, dqk, dv = ms.attention_head_dims(m)
     core = 2 * seq * a * (dqk + dv)                # q k^T and p v
+    if m.window_size:
+        same = [i for i in range(m.num_layers) if ms.is_moe_layer(m, i) == moe] or [0]
+        core *= sum(attention_work_fraction(seq, m.layer_window(i)) for i in same) / len(same)
     return {"linear": float(linear), "core": float(core)}
 
 

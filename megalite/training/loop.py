@@ -52,6 +52,7 @@ from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedul
 from megalite.pipeline_parallel.timeline import record_iteration
 from megalite.planner.model_spec import active_params, total_params
 from megalite.checkpointing import checkpoint, train_state
+from megalite.transformer.attention_masks import mark_documents
 from megalite.training.faults import ExitWatcher, check_finite
 from megalite.transformer.loss_reduction import (extra_term_scale, global_loss_tokens,
                                                  reduce_extra_terms, reduce_lm_loss)
@@ -182,6 +183,11 @@ class Trainer:
         """This rank's micro-batches of one iteration, as the model family's ``get_batch``
         shapes them (where CP slices the sequence)."""
         raw = [next(iterator) for _ in range(num_micro_batches or self.cfg.num_micro_batches)]
+        d = self.cfg.data
+        if d.reset_position_ids or d.reset_attention_mask:   # documents of packed samples
+            # rule "documents need a tokenizer" (cli/features.py): every tokenizer has an eod
+            raw = [mark_documents(b, self.tokenizer.eod, d.reset_position_ids,
+                                  d.reset_attention_mask) for b in raw]
         return [self.family.get_batch(b, self.state, self.device) for b in raw]
 
     def _step_context(self, batches) -> StepContext:

@@ -32,6 +32,7 @@ from torch import nn
 
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
+from megalite.transformer.attention_masks import keep
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
 
@@ -49,8 +50,9 @@ def split_qkv(qkv: torch.Tensor, r: int, dim: int):
 
 
 class DotProductAttention(DrawsFromTracker, nn.Module):
-    """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked; the scores
-    soft-capped with ``--attn-logit-softcapping`` (the unfused kernel, then).
+    """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked, inside documents
+    with ``--reset-attention-mask``, inside a sliding window with ``--window-size``; the
+    scores soft-capped with ``--attn-logit-softcapping`` (the unfused kernel, then).
 
     The kernel is SDPA or the unfused path, by ``--attention-backend`` and, for ``auto``,
     by the device, dtype and length of each call (``attention_kernels.py``).
@@ -80,36 +82,46 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.softcap = getattr(model_cfg, "attn_logit_softcapping", None)
+        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``document_ids`` [b, s] (``--reset-attention-mask``): a query attends only to keys
+        of its own document; ``self.window``: only to the last w + 1 keys
+        (``attention_masks.keep``), as a boolean mask for SDPA and an additive one for the
+        unfused kernel."""
         p = self.dropout if self.training else 0.0
-        causal = self.is_causal
+        mask = None
+        if document_ids is not None or self.window is not None:
+            pos = torch.arange(q.shape[2], device=q.device)
+            mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
+                        self.window)                                     # [b|1, s, s]
+        causal = self.is_causal and mask is None
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,
                                        softcap=self.softcap is not None)
         scale = self.softmax_scale
+        sdpa = dict(dropout_p=p, is_causal=causal, scale=scale)
+        if mask is not None:
+            sdpa["attn_mask"] = mask[:, None]                       # [b, 1, s, s]: all heads
         with fork:
             if kernel == "unfused":
                 return unfused_attention(q, k, v, causal=causal, dropout_p=p, scale=scale,
-                                         softcap=self.softcap)
+                                         softcap=self.softcap, keep_mask=mask)
             if v.shape[-1] != q.shape[-1]:
-                return self._padded_value(q, k, v, p, causal, scale)
+                return self._padded_value(q, k, v, sdpa)
             if k.shape[1] == q.shape[1]:
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                                      scale=scale)
+                return F.scaled_dot_product_attention(q, k, v, **sdpa)
             if _SDPA_GQA:  # query heads share k/v heads inside the kernel: no copies
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                                      enable_gqa=True, scale=scale)
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **sdpa)
             rep = q.shape[1] // k.shape[1]
             b, g, s, d = k.shape
             k = k[:, :, None].expand(b, g, rep, s, d).reshape(b, g * rep, s, d)
             v = v[:, :, None].expand(b, g, rep, s, v.shape[-1]).reshape(b, g * rep, s, -1)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                                  scale=scale)
-
+            return F.scaled_dot_product_attention(q, k, v, **sdpa)
 
     @staticmethod
-    def _padded_value(q, k, v, p, causal, scale):
+    def _padded_value(q, k, v, sdpa: dict):
         """SDPA's flash kernel needs one head dim for q, k and v; Multi-Latent Attention's
         values are narrower.  Zero columns make v as wide as q (the extra output columns
         are zero and dropped), so the fused kernel -- O(s) memory, where its math fallback
@@ -117,8 +129,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         dv = v.shape[-1]
         v = F.pad(v, (0, q.shape[-1] - dv))
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] and _SDPA_GQA else {}
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
-                                             scale=scale, **gqa)
+        out = F.scaled_dot_product_attention(q, k, v, **sdpa, **gqa)
         return out[..., :dv]
 
 
@@ -168,10 +179,14 @@ class SelfAttention(nn.Module):
             **kw)  # Megatron's scaled output init
 
     def forward(self, hidden: torch.Tensor,
-                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``document_ids`` [b, s] (whole sequence): core attention keeps each query inside
+        its document (``transformer/attention_masks.py``); None: plain causal."""
         qkv = self.linear_qkv(hidden)                                  # [s, b, groups*(r+2)*d]
+        docs = {} if document_ids is None else {"document_ids": document_ids}
         if self.qkv_format == "sbhd":
-            return self.linear_proj(self._attend_sbhd(qkv, rotary))
+            return self.linear_proj(self._attend_sbhd(qkv, rotary, docs))
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d).permute(1, 2, 3, 0, 4)      # [b, g, r+2, s, d]
@@ -182,7 +197,7 @@ class SelfAttention(nn.Module):
             q = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
             k = apply_rotary(k, cos, sin)
         q = q.reshape(b, g * r, s, d)                                  # [b, heads, s, d]
-        ctx = self.core_attention(q, k, v)                             # [b, heads, s, d]
+        ctx = self.core_attention(q, k, v, **docs)                     # [b, heads, s, d]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
         return self.linear_proj(ctx)
 
@@ -192,7 +207,7 @@ class SelfAttention(nn.Module):
             return q, k
         return self.q_layernorm(q), self.k_layernorm(k)
 
-    def _attend_sbhd(self, qkv, rotary) -> torch.Tensor:
+    def _attend_sbhd(self, qkv, rotary, docs: dict) -> torch.Tensor:
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d)
@@ -202,5 +217,5 @@ class SelfAttention(nn.Module):
             cos, sin = (t.permute(2, 0, 1, 3) for t in rotary)         # [s, b|1, 1, d]
             q = apply_rotary(q, cos.unsqueeze(2), sin.unsqueeze(2))
             k = apply_rotary(k, cos, sin)
-        ctx = self.core_attention(q.reshape(s, b, g * r, d), k, v)     # [s, b, heads, d]
+        ctx = self.core_attention(q.reshape(s, b, g * r, d), k, v, **docs)   # [s, b, heads, d]
         return ctx.reshape(s, b, g * r * d)

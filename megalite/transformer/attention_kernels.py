@@ -26,6 +26,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megalite.transformer.attention_masks import additive
+
 # Longest sequence at which ``auto`` runs the unfused kernel on CPU, per dtype (above).
 UNFUSED_MAX_SEQ = {torch.bfloat16: 256, torch.float32: 128}
 
@@ -58,10 +60,13 @@ def causal_bias(rows: int, s_q: int, s_k: int, dtype: torch.dtype, device) -> to
 
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                       dropout_p: float = 0.0, scale: Optional[float] = None,
-                      softcap: Optional[float] = None) -> torch.Tensor:
+                      softcap: Optional[float] = None,
+                      keep_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d]
     (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).  ``softcap``:
     Gemma 2's soft-cap, scores -> softcap * tanh(scores / softcap) before the mask.
+    ``keep_mask`` [b|1, s, s_k] (boolean, every head; ``transformer/attention_masks.py``)
+    replaces the causal mask: a document mask, a sliding window.
 
     The query heads of one group are stacked along the sequence, so each group is one
     batched matmul against its shared k / v (no copies of k, v).  Scale and causal mask go
@@ -74,12 +79,17 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     alpha = d ** -0.5 if scale is None else scale
     q3 = q.reshape(b * groups, rows * s, d)
     k3 = k.reshape(b * groups, s_k, d).transpose(1, 2)
-    if softcap is not None:
-        capped = torch.bmm(q3, k3).mul_(alpha / softcap).tanh()
-        scores = torch.add(causal_bias(rows, s, s_k, q.dtype, q.device), capped,
-                           alpha=softcap) if causal else capped.mul(softcap)
+    bias = None
+    if keep_mask is not None:   # each group's stacked query heads share the sample's mask
+        bias = additive(keep_mask, q.dtype)[:, None, None].expand(b, groups, rows, s, s_k)
+        bias = bias.reshape(b * groups, rows * s, s_k)
     elif causal:
         bias = causal_bias(rows, s, s_k, q.dtype, q.device)
+    if softcap is not None:
+        capped = torch.bmm(q3, k3).mul_(alpha / softcap).tanh()
+        scores = torch.add(bias, capped, alpha=softcap) if bias is not None \
+            else capped.mul(softcap)
+    elif bias is not None:
         scores = torch.baddbmm(bias, q3, k3, alpha=alpha)      # [b*g, r*s, s_k]
     else:
         scores = torch.bmm(q3, k3).mul_(alpha)

@@ -5,7 +5,7 @@ names (``layers.7.mlp.linear_fc1.weight``) do not depend on how the model is spl
 pipeline stages -- init seeds and checkpoints rely on that.
 
 ``recompute``: a hook for activation recomputation.  When set, it is called as
-``recompute(layers, hidden, rotary) -> hidden`` with this block's layers in order, so a
+``recompute(layers, hidden, rotary, document_ids) -> hidden`` with this block's layers in order, so a
 policy can checkpoint groups of layers (``transformer/recompute.py``, full recompute).
 
 ``spec`` is a backend's ``LayerSpec``: ``spec.layer`` builds each layer, ``spec.norm`` the
@@ -37,16 +37,17 @@ class TransformerBlock(DrawsFromTracker, nn.Module):
                                          device=device, dtype=dtype) if post_layer_norm else None
         self.recompute: Optional[Callable] = None
 
-    def forward(self, hidden: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary=None, document_ids=None) -> torch.Tensor:
         # Sequence shards differ per TP rank, so their dropout must too.
         fork = self.rng_tracker.fork() if (self.sequence_parallel and self.training) \
             else contextlib.nullcontext()
         with fork:
             if self.recompute is not None:  # [pipeline/recompute wiring] whole list: groups
-                hidden = self.recompute(list(self.layers.values()), hidden, rotary)
+                hidden = self.recompute(list(self.layers.values()), hidden, rotary,
+                                        document_ids)
             else:
                 for layer in self.layers.values():
-                    hidden = layer(hidden, rotary)
+                    hidden = layer(hidden, rotary, document_ids)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

@@ -44,10 +44,13 @@ class TransformerLayer(nn.Module):
             return F.dropout(x, self.hidden_dropout, training=True)
         return x
 
-    def forward(self, hidden: torch.Tensor, rotary=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary=None, document_ids=None) -> torch.Tensor:
+        """``document_ids``: the packed sequence's documents, for core attention's mask
+        (``transformer/attention_masks.py``); None: plain causal."""
         attention, mlp = self._sites
+        docs = {} if document_ids is None else {"document_ids": document_ids}
         with attention:
             hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden),
-                                                                rotary))
+                                                                rotary, **docs))
         with mlp:
             return hidden + self._dropout(self.mlp(self.pre_mlp_layernorm(hidden)))

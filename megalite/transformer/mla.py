@@ -120,7 +120,9 @@ class MLASelfAttention(nn.Module):
         return copy_to_tp_region(k_pe, self.tp_group)
 
     def forward(self, hidden: torch.Tensor,
-                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        docs = {} if document_ids is None else {"document_ids": document_ids}
         if self.linear_q_proj is not None:
             q = self.linear_q_proj(hidden)
         else:
@@ -149,7 +151,7 @@ class MLASelfAttention(nn.Module):
         query = torch.cat([q_nope, q_pe], dim=-1)
         key = torch.cat([k_nope, k_pe.expand(b, lh, s, self.rope_dim)], dim=-1)
         if self.qkv_format == "sbhd":
-            ctx = self.core_attention(*(t.permute(2, 0, 1, 3) for t in (query, key, v)))
+            ctx = self.core_attention(*(t.permute(2, 0, 1, 3) for t in (query, key, v)), **docs)
             return self.linear_proj(ctx.reshape(s, b, lh * self.v_dim))
-        ctx = self.core_attention(query, key, v)                         # [b, lh, s, v]
+        ctx = self.core_attention(query, key, v, **docs)                 # [b, lh, s, v]
         return self.linear_proj(ctx.permute(2, 0, 1, 3).reshape(s, b, lh * self.v_dim))

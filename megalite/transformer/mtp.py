@@ -71,13 +71,14 @@ class MultiTokenPredictionLayer(nn.Module):
             sequence_parallel=sp, **kw)
         self.final_layernorm = norm(m, h, sp, **kw)
 
-    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary=None):
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rotary=None,
+                document_ids=None):
         """``hidden`` h^{k-1} and ``embedded`` Emb(t_{i+k}), both [s(/tp), b, h]."""
         x = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1))
         x = gather_from_tp_region(x, self.tp_group)                  # [s, b, h]
         if self.sequence_parallel:
             x = scatter_to_sp_region(x, self.tp_group)               # [s/tp, b, h]
-        return self.final_layernorm(self.transformer_layer(x, rotary))
+        return self.final_layernorm(self.transformer_layer(x, rotary, document_ids))
 
 
 class MultiTokenPrediction(DrawsFromTracker, nn.Module):
@@ -94,8 +95,8 @@ class MultiTokenPrediction(DrawsFromTracker, nn.Module):
             for k in range(1, model_cfg.mtp_num_layers + 1)])
 
     def forward(self, hidden: torch.Tensor, input_ids: torch.Tensor,
-                position_ids: Optional[torch.Tensor], embedding, rotary=None
-                ) -> List[torch.Tensor]:
+                position_ids: Optional[torch.Tensor], embedding, rotary=None,
+                document_ids=None) -> List[torch.Tensor]:
         ids = input_ids
         pos = position_ids if position_ids is not None else \
             torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
@@ -106,6 +107,6 @@ class MultiTokenPrediction(DrawsFromTracker, nn.Module):
         with fork:
             for layer in self.layers:
                 ids, pos = roll_left(ids), roll_left(pos)
-                hidden = layer(hidden, embedding(ids, pos), rotary)
+                hidden = layer(hidden, embedding(ids, pos), rotary, document_ids)
                 out.append(hidden)
         return out

@@ -112,22 +112,22 @@ class FullRecompute:
             raise ValueError("--recompute-num-layers must be >= 1")
         self.method, self.k, self.tracker = method, num_layers, tracker
 
-    def __call__(self, layers: List[torch.nn.Module], hidden, rotary=None):
+    def __call__(self, layers: List[torch.nn.Module], hidden, rotary=None, document_ids=None):
         if self.method == "uniform":
             for start in range(0, len(layers), self.k):
                 group = layers[start:start + self.k]
 
-                def run_group(h, rot=rotary, group=group):
+                def run_group(h, rot=rotary, docs=document_ids, group=group):
                     for layer in group:
-                        h = layer(h, rot)
+                        h = layer(h, rot, docs)
                     return h
                 hidden = checkpointed(run_group, self.tracker)(hidden)
             return hidden
         for i, layer in enumerate(layers):
             if i < self.k:
-                hidden = checkpointed(layer, self.tracker)(hidden, rotary)
+                hidden = checkpointed(layer, self.tracker)(hidden, rotary, document_ids)
             else:
-                hidden = layer(hidden, rotary)
+                hidden = layer(hidden, rotary, document_ids)
         return hidden
 
 

@@ -153,6 +153,7 @@ _ZB_MOE = ["--pp", "2", "--pipeline-schedule", "zero-bubble", "--num-experts", "
 _DV = ["--pp", "2", "--pipeline-schedule", "dualpipev", "--global-batch-size", "64"]
 _MLA = ["--multi-latent-attention", "--position-embedding-type", "rope"]
 _TE = {"transformer_impl": "transformer_engine"}
+_DOCS = ["--reset-attention-mask", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
 RULE_CASES = {
     "ep needs moe": ([["--ep", "2"]], [["--ep", "2", "--num-experts", "4"]]),
     "overlap-param-gather needs distopt": (
@@ -227,6 +228,13 @@ RULE_CASES = {
     "--loss-plot needs --metrics-file": (
         [["--loss-plot", "loss.png"]], [["--loss-plot", "loss.png", "--metrics-file", "m.jsonl"]]),
     "--ckpt-step needs --load": ([["--ckpt-step", "3"]], [["--ckpt-step", "3", "--load", "."]]),
+    "documents need a tokenizer": (
+        [["--reset-attention-mask"], ["--reset-position-ids"]],
+        [_DOCS]),
+    "te refuses --reset-attention-mask or --window-size with CP": (
+        [["--cp", "2", *_DOCS, {"model": dict(_TE)}],
+         ["--cp", "2", {"model": dict(_TE, window_size=(8, 0))}]],
+        [["--cp", "2", *_DOCS], [*_DOCS, {"model": dict(_TE)}]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
@@ -360,11 +368,12 @@ USER_ERROR_PLACES = {
     "megalite/checkpointing/hf_adapters/base.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/deepseek_v3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/llama.py": "a Hugging Face checkpoint's contents",
-    "megalite/checkpointing/hf_adapters/mistral.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/mixtral.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen_moe.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/rope.py": "a Hugging Face checkpoint's rope settings",
+    "megalite/checkpointing/hf_adapters/sliding_window.py":
+        "a Hugging Face checkpoint's sliding windows",
     "megalite/optimizer/optimizer_state.py": "checkpoint contents (optimizer state)",
     "megalite/checkpointing/checkpoint.py": "checkpoint contents and the filesystem under --save",
     "megalite/checkpointing/train_state.py": "checkpoint contents (training state)",

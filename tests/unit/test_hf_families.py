@@ -84,8 +84,9 @@ def _cfg(family, **change):
 
 
 REFUSALS = [
-    ("mistral", dict(sliding_window=4096), "sliding_window 4096 is not supported"),
-    ("qwen2", dict(use_sliding_window=True), "use_sliding_window: true is not supported"),
+    ("mistral", dict(sliding_window=0), "sliding_window 0 is not supported"),
+    ("qwen2", dict(layer_types=["chunked_attention", "full_attention"]),
+     r"layer_types \['chunked_attention'\] are not supported"),
     ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]),
      r"layer_types \['sliding_attention'\] are not supported"),
     ("qwen3", dict(attention_bias=True), "attention_bias: true is not supported for Qwen3"),

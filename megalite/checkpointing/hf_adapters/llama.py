@@ -32,6 +32,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from megalite.checkpointing.hf_adapters.base import HFAdapter, UnsupportedModelError
+from megalite.checkpointing.hf_adapters.sliding_window import hf_window
 from megalite.checkpointing.hf_adapters.rope import (rope_export_problems, rope_fields_from_hf,
                                                      rope_parameters_to_hf)
 from megalite.config.activations import activation_of
@@ -123,7 +124,12 @@ class LlamaAdapter(HFAdapter):
             (bool(mc.num_experts), "no --num-experts"),
             (mc.multi_latent_attention, "no --multi-latent-attention"),
             (bool(mc.mtp_num_layers), "no --mtp-num-layers")) if bad] + \
-            rope_export_problems(mc) + self.family_export_problems(mc)
+            rope_export_problems(mc) + self.window_export_problems(mc) + \
+            self.family_export_problems(mc)
+
+    def window_export_problems(self, mc) -> List[str]:
+        """Llama has no sliding window (Mistral and Qwen2 override)."""
+        return ["no --window-size"] if hf_window(mc) is not None else []
 
     def family_export_problems(self, mc) -> List[str]:
         """Llama has neither q/k norms nor q/k/v biases."""
