@@ -46,7 +46,7 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                # Multi-Latent Attention and its rope part; Multi-Token Prediction
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers",
-               "attn_logit_softcapping", "final_logit_softcapping")
+               "attn_logit_softcapping", "final_logit_softcapping", "mla_latent_norm_epsilon")
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",
@@ -55,7 +55,7 @@ YARN_FIELDS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
                "mscale", "mscale_all_dim")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-              "v_head_dim", "rope_type")
+              "v_head_dim", "rope_type", "mla_latent_norm_epsilon")
 # How the model was trained (regularisation, MoE balancing and token dropping): the
 # checkpoint's value unless the command line (or --config) gives the flag.  Without this a
 # fine-tune of an imported Llama would train with the default dropout of 0.1.

@@ -214,6 +214,11 @@ class ModelConfig:
     cross_entropy_chunk_tokens: int = opt(
         0, "Tokens per chunk of --cross-entropy-loss-fusion (0: about 32 MiB of fp32 logits).",
         ge=0)
+    # Multi-Latent Attention's q/kv latent norms (transformer/norms.py build_latent_norm).
+    mla_latent_norm_epsilon: Optional[float] = opt(
+        None, "Epsilon of the q and kv latent norms of --multi-latent-attention; default "
+        "--norm-epsilon (transformers' DeepSeek-V3 keeps 1e-6 there whatever rms_norm_eps "
+        "says).", gt=0, lt=1, requires="multi_latent_attention")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
