@@ -46,7 +46,8 @@ ARCH_FIELDS = ("group_query_attention", "num_query_groups", "normalization", "no
                # Multi-Latent Attention and its rope part; Multi-Token Prediction
                "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "mtp_num_layers",
-               "attn_logit_softcapping", "final_logit_softcapping", "mla_latent_norm_epsilon")
+               "attn_logit_softcapping", "final_logit_softcapping", "mla_latent_norm_epsilon",
+               "no_rope_freq", "norm_placement", "qk_layernorm_scope")
 # Fields that mean something only under one position embedding / switch (``_applies``).
 LLAMA3_ROPE_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                       "rope_scaling_high_freq_factor",
@@ -117,7 +118,7 @@ def _resolved(name: str) -> Callable[[ModelConfig], Any]:
 
 def _applies(name: str, m: ModelConfig) -> bool:
     """Whether a field means anything for this model (e.g. rotary flags only with RoPE)."""
-    if name in ("rotary_base", "rotary_percent"):
+    if name in ("rotary_base", "rotary_percent", "no_rope_freq"):
         return m.uses_rotary()
     if name == "use_rope_scaling":
         return m.position_embedding_type == "rope"

@@ -187,6 +187,9 @@ RULE_CASES = {
     "cp-a2a refuses --attn-logit-softcapping": (
         [["--cp", "2", "--cp-comm-type", "a2a", "--attn-logit-softcapping", "30"]],
         [["--cp", "2", "--cp-comm-type", "a2a"]]),
+    "te refuses --norm-placement post": (
+        [[{"model": dict(_TE, norm_placement="post")}]],
+        [[{"model": dict(_TE)}], ["--norm-placement", "post"]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
@@ -221,6 +224,16 @@ RULE_CASES = {
         [_MLA + ["--group-query-attention", "--num-query-groups", "2"],
          _MLA + ["--add-qkv-bias"], _MLA + ["--use-rope-scaling"]],
         [_MLA, ["--add-qkv-bias"]]),
+    "--no-rope-freq needs rotary attention without MLA": (
+        [["--no-rope-freq", "4"], _MLA + ["--no-rope-freq", "4"]],
+        [["--position-embedding-type", "rope", "--no-rope-freq", "4"],
+         ["--position-embedding-type", "yarn", "--no-rope-freq", "([0]*3+[1])*2"]]),
+    "--qk-layernorm-scope projection needs RMSNorm without MLA": (
+        [["--qk-layernorm", "--qk-layernorm-scope", "projection"],
+         _MLA + ["--normalization", "RMSNorm", "--qk-layernorm", "--qk-layernorm-scope",
+                 "projection"]],
+        [["--normalization", "RMSNorm", "--qk-layernorm", "--qk-layernorm-scope",
+          "projection"], ["--qk-layernorm"]]),
     "--precision excludes --fp16/--bf16": (
         [["--precision", "fp32", "--bf16"], ["--precision", "bf16", "--fp16"]],
         [["--bf16"], ["--precision", "bf16", "--bf16"]]),
@@ -319,9 +332,11 @@ USER_ERROR_PLACES = {
     "megalite/checkpointing/hf_adapters/llama.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/mistral.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/mixtral.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/phi3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen_moe.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/rope.py": "a Hugging Face checkpoint's rope settings",
+    "megalite/checkpointing/hf_adapters/smollm3.py": "a Hugging Face checkpoint's contents",
     "megalite/optimizer/optimizer_state.py": "checkpoint contents (optimizer state)",
     "megalite/checkpointing/checkpoint.py": "checkpoint contents and the filesystem under --save",
     "megalite/checkpointing/train_state.py": "checkpoint contents (training state)",

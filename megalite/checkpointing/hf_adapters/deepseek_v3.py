@@ -166,6 +166,7 @@ class DeepseekV3Adapter(HFAdapter):
             (activation_of(mc).name != "swiglu", "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
             (not mc.qk_layernorm, "--qk-layernorm (DeepSeek's latent norms)"),
             (_latent_eps(mc) != _LATENT_NORM_EPS, "--mla-latent-norm-epsilon 1e-6"),
+            (mc.norm_placement != "pre", "--norm-placement pre"),
             (moe and not dense_then_moe, "dense layers first, then MoE (--moe-layer-freq)"),
             (moe and mc.moe_router_score_function != "sigmoid",
              "--moe-router-score-function sigmoid"),
