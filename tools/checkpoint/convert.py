@@ -16,7 +16,8 @@ which pieces each tensor is cut into: a run at that layout reads exactly its own
 any other layout reads and reslices them.  A megalite source may be a training checkpoint
 (any layout, MoE included) or a pre-DCP one.  Hugging Face models go through the adapter
 registered for their architecture (``megalite.checkpointing.hf_adapters``: Llama,
-Mistral, Qwen2, Qwen3, Mixtral; docs/models.md).  Runs in one process on CPU.  Errors are one
+Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE, DeepSeek-V3, Phi-3, SmolLM3, OLMo 2;
+docs/models.md).  Runs in one process on CPU.  Errors are one
 line, exit status 2.
 """
 from __future__ import annotations
