@@ -2,8 +2,9 @@
 
 The mapping of each model family lives in ``megalite.checkpointing.hf_adapters`` (Llama,
 Mistral, Qwen2, Qwen3, Mixtral, Phi-3, SmolLM3, OLMo 2, ...); this module reads and writes
-safetensors directories and picks the adapter by the Hugging Face ``architectures`` (import) or by what the megalite model is (export).  Only
-the ``safetensors`` package is used (no ``transformers`` import, no network).
+safetensors directories and picks the adapter by the Hugging Face ``architectures``
+(import) or by what the megalite model is (export).  Only the ``safetensors`` package is
+used (no ``transformers`` import, no network).
 """
 from __future__ import annotations
 
