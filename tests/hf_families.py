@@ -6,6 +6,9 @@ the feature that family brings, built with ``transformers`` from a tiny config:
 * ``mistral``: head_dim 16 != hidden / heads, ``sliding_window: null``;
 * ``qwen2``: biases on q, k, v; tied embeddings;
 * ``qwen3``: q/k RMSNorm, head_dim 16, and YaRN scaling;
+* ``phi3``: fused ``qkv_proj`` and ``gate_up_proj`` (GQA: 4 heads, 2 kv heads);
+* ``smollm3``: layer 1 without RoPE (``no_rope_layer_interval`` 2), tied embeddings;
+* ``olmo2``: norms after attention and MLP, q/k RMSNorm over the whole projections;
 * ``qwen2_moe``: Qwen2's q/k/v biases, a dense layer 0 (``mlp_only_layers``) before an MoE
   layer with 4 experts top-2 not renormalized and the sigmoid-gated shared expert;
 * ``qwen3_moe``: Qwen3's q/k RMSNorm and head_dim 16, a dense layer 0, 4 experts top-2
@@ -40,6 +43,15 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         head_dim=16, rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=4.0,
                                           original_max_position_embeddings=16))),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=None, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(
+        no_rope_layer_interval=2, tie_word_embeddings=True, pad_token_id=None, bos_token_id=1,
+        eos_token_id=2, rope_parameters=dict(rope_type="default", rope_theta=1e6))),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(
+        pad_token_id=None, bos_token_id=1, eos_token_id=2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         MOE, shared_expert_intermediate_size=24, norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(

@@ -16,7 +16,7 @@ from megalite.backends.local import local_spec
 from megalite.backends.transformer_engine import te_spec
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, DuplicatedLinear)
 from megalite.transformer.mla import MLASelfAttention
-from megalite.transformer.norms import IdentityNorm, build_norm
+from megalite.transformer.norms import IdentityNorm, build_latent_norm, build_norm
 from megalite.transformer.spec import MLASelfAttentionSubmodules, ModuleSpec
 
 
@@ -63,7 +63,7 @@ def multi_latent_attention_spec(spec: LayerSpec) -> LayerSpec:
                          linear_kv_up_proj=ColumnParallelLinear,
                          core_attention=attn.submodules.core_attention,
                          linear_proj=attn.submodules.linear_proj,
-                         q_layernorm=build_norm, kv_layernorm=build_norm))
+                         q_layernorm=build_latent_norm, kv_layernorm=build_latent_norm))
     norm = build_norm if layer.input_layernorm is IdentityNorm else layer.input_layernorm
     layer = dataclasses.replace(layer, self_attention=mla, input_layernorm=norm)
     return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))

@@ -47,7 +47,7 @@ YARN_FIELDS = ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
                "yarn_beta_fast", "yarn_beta_slow", "yarn_correction_range_round_to_int",
                "mscale", "mscale_all_dim")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-              "v_head_dim", "rope_type")
+              "v_head_dim", "rope_type", "mla_latent_norm_epsilon")
 # How the model was trained (regularisation, MoE balancing and token dropping): the
 # checkpoint's value unless the command line (or --config) gives the flag.  Without this a
 # fine-tune of an imported Llama would train with the default dropout of 0.1.
@@ -104,7 +104,7 @@ def _resolved(name: str) -> Callable[[ModelConfig], Any]:
 
 def _applies(name: str, m: ModelConfig) -> bool:
     """Whether a field means anything for this model (e.g. rotary flags only with RoPE)."""
-    if name in ("rotary_base", "rotary_percent"):
+    if name in ("rotary_base", "rotary_percent", "no_rope_freq"):
         return m.uses_rotary()
     if name == "use_rope_scaling":
         return m.position_embedding_type == "rope"

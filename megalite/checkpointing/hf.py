@@ -1,9 +1,10 @@
 """Hugging Face checkpoints <-> megalite: files, and dispatch to per-model adapters.
 
 The mapping of each model family lives in ``megalite.checkpointing.hf_adapters`` (Llama,
-Mistral, Qwen2, Qwen3, Mixtral, ...); this module reads and writes safetensors directories and picks the adapter by the
-Hugging Face ``architectures`` (import) or by what the megalite model is (export).  Only
-the ``safetensors`` package is used (no ``transformers`` import, no network).
+Mistral, Qwen2, Qwen3, Mixtral, Phi-3, SmolLM3, OLMo 2, ...); this module reads and writes
+safetensors directories and picks the adapter by the Hugging Face ``architectures``
+(import) or by what the megalite model is (export).  Only the ``safetensors`` package is
+used (no ``transformers`` import, no network).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from megalite.checkpointing import hf_files
 from megalite.config import checkpoint_folders
 from megalite.checkpointing.hf_adapters import (HFAdapter, UnsupportedModelError,  # noqa: F401
                                                 adapter_for_hf, adapter_for_model)
@@ -103,12 +105,16 @@ def import_hf(directory: str) -> Tuple[dict, Dict[str, torch.Tensor]]:
 
 
 def export_hf(directory: str, model_cfg: dict, full_sd: Dict[str, torch.Tensor],
-              dtype: torch.dtype = torch.float32, architecture: Optional[str] = None
-              ) -> HFAdapter:
-    """Full megalite state dict -> HF directory (config.json + model.safetensors), through
-    the adapter of ``architecture`` or else the first registered adapter that can write
-    the model; returns that adapter."""
+              dtype: torch.dtype = torch.float32, architecture: Optional[str] = None,
+              side: Optional[dict] = None) -> HFAdapter:
+    """Full megalite state dict -> HF directory (config.json + model.safetensors +
+    generation_config.json), through the adapter of ``architecture`` or else the first
+    registered adapter that can write the model; returns that adapter.  ``side``: what the
+    import recorded (``hf_files.side_files_record``): its special token ids go into
+    config.json and its tokenizer files are copied beside the weights."""
     adapter = adapter_for_model(model_cfg, architecture)
     hf_cfg = adapter.config_to_hf(model_cfg, str(dtype).replace("torch.", ""))
+    hf_cfg.update((side or {}).get("token_ids", {}))
     save_hf_checkpoint(directory, hf_cfg, adapter.to_hf(full_sd, model_cfg, dtype))
+    hf_files.write_side_files(directory, side)
     return adapter

@@ -474,6 +474,16 @@ RULES: Tuple[Rule, ...] = (
     Relation("multi-latent attention excludes GQA, qkv bias and rope scaling", _mla_extra,
              lambda c: f"{_mla_extra(c)} does not apply to --multi-latent-attention (one K/V "
              "head per query head, no fused qkv projection, YaRN or plain rope part); drop it"),
+    Relation("--no-rope-freq needs rotary attention without MLA", lambda c: (
+        c.model.no_rope_freq is not None and (not c.model.uses_rotary() or
+                                              c.model.multi_latent_attention)),
+        "--no-rope-freq skips RoPE in some layers: it needs --position-embedding-type rope "
+        "(or yarn) and no --multi-latent-attention (whose rope part carries the positions)"),
+    Relation("--qk-layernorm-scope projection needs RMSNorm without MLA", lambda c: (
+        c.model.qk_layernorm and c.model.qk_layernorm_scope == "projection" and
+        (c.model.normalization != "RMSNorm" or c.model.multi_latent_attention)),
+        "--qk-layernorm-scope projection is an RMSNorm over the whole q and k projections "
+        "(OLMo 2): it needs --normalization RMSNorm and no --multi-latent-attention"),
     # precision
     Relation("--precision excludes --fp16/--bf16", _precision_conflict, _precision_reason),
     Relation("--fp16 excludes --bf16", lambda c: c.optimizer.fp16 and c.optimizer.bf16,
@@ -507,6 +517,11 @@ RULES: Tuple[Rule, ...] = (
             "--context-parallel-size > 1: TE's packed (THD) ring needs its own per-document "
             "split and its ring has no window; use --transformer-impl local (ring or "
             "all-to-all CP apply both masks) or CP 1"),
+    # OLMo 2's post-norm: TE fuses the input norms into the next linears (LayerNormLinear)
+    Refuses("te", "--norm-placement post", lambda c: c.model.norm_placement == "post",
+            "--norm-placement post with Transformer Engine layers: TE fuses each norm into "
+            "the linear after it, so it cannot normalize the attention / MLP outputs; use "
+            "--transformer-impl local"),
     Refuses("fused-loss", "--final-logit-softcapping",
             lambda c: c.model.final_logit_softcapping is not None,
             "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "

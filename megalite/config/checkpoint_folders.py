@@ -1,9 +1,9 @@
 """What a folder given to ``--load`` holds, without torch: the names of a megalite run's
 folder (the latest marker, ``iter_NNNNNNN`` iterations; ``checkpointing/manifest.py`` writes
-and checks them) and of a Hugging Face one (config.json + safetensors), with the one line
-that tells a user who passes a Hugging Face folder to ``--load`` to convert it first (the
-training format is DCP; ``tools/checkpoint/convert.py`` writes it).  The ``--load`` domain
-check reads it before any process group."""
+and checks them) and of a Hugging Face one (config.json + safetensors), with the one line that tells a user who passes a
+Hugging Face folder to ``--load`` to convert it first (the training format is DCP;
+``tools/checkpoint/convert.py`` writes it).  The ``--load`` domain check reads it before
+any process group."""
 from __future__ import annotations
 
 import os
@@ -48,3 +48,6 @@ def not_converted_problem(flag: str, directory: str) -> Optional[str]:
     return f"{flag}: '{directory}' is a Hugging Face checkpoint (config.json + safetensors), " \
            f"not a megalite one; convert it first: {' '.join(map(shlex.quote, cmd))}, then " \
            f"{flag} {shlex.quote(target)} --use-checkpoint-args"
+
+
+# -- what a Hugging Face folder holds beside the weights (kept through a conversion) --------

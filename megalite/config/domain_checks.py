@@ -3,7 +3,7 @@
 
 Each carries ``invalid`` example values, so the walk over every field
 (tests/unit/test_field_domains.py) can step outside the domain without a second table.
-Imports nothing of the config package but the ``--moe-layer-freq`` parser and the batch-size
+Imports nothing of the config package but the per-layer pattern parser and the batch-size
 schedule (the section modules import this one).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Callable, Optional
 from megalite.config.checkpoint_folders import ITERATION, not_converted_problem
 from megalite.config.microbatches import rampup_values_problem, step_schedule_problem
 from megalite.config.data_flags import parse_data_path, parse_split_numbers
-from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq
+from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_layer_pattern
 
 
 def domain_check(*invalid):
@@ -38,13 +38,23 @@ def whole_number_problem(value, cfg) -> Optional[str]:
 @domain_check("[1,0,1]", 0)
 def moe_layer_freq_problem(value, cfg) -> Optional[str]:
     """an int N >= 1 (every N-th layer) or a 0/1 pattern with one entry per layer"""
+    return _layer_pattern_problem(value, cfg, "--moe-layer-freq")
+
+
+@domain_check("[1,0,1]", 0)
+def no_rope_freq_problem(value, cfg) -> Optional[str]:
+    """an int N >= 1 (every N-th layer skips RoPE) or a 0/1 pattern with one entry per layer"""
+    return None if value is None else _layer_pattern_problem(value, cfg, "--no-rope-freq")
+
+
+def _layer_pattern_problem(value, cfg, flag: str) -> Optional[str]:
     try:
-        freq = parse_moe_layer_freq(value)
+        freq = parse_layer_pattern(value, flag)
     except MoeLayerFreqError as exc:
         return str(exc)
     layers = cfg.model.num_layers
     if isinstance(freq, list) and layers is not None and len(freq) != layers:
-        return f"--moe-layer-freq pattern has {len(freq)} entries for --num-layers {layers}; " \
+        return f"{flag} pattern has {len(freq)} entries for --num-layers {layers}; " \
                "give one 0/1 per layer"
     return None
 

@@ -5,11 +5,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
-from megalite.config.domain_checks import (moe_layer_freq_problem, softcap_kernel_problem,
-                                           window_size_problem, window_skip_freq_problem)
+from megalite.config.domain_checks import (moe_layer_freq_problem, no_rope_freq_problem,
+                                           softcap_kernel_problem, window_size_problem,
+                                           window_skip_freq_problem)
 from megalite.config.fields import opt
 from megalite.config.activations import ACTIVATIONS, activation_of, choice_problem
-from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_moe_layer_freq  # noqa: F401
+from megalite.config.moe_layer_freq import (MoeLayerFreqError, parse_moe_layer_freq,  # noqa: F401
+                                           parse_no_rope_freq)
 from megalite.config.window import parse_window_size, parse_window_skip_freq
 
 
@@ -237,6 +239,27 @@ class ModelConfig:
     cross_entropy_chunk_tokens: int = opt(
         0, "Tokens per chunk of --cross-entropy-loss-fusion (0: about 32 MiB of fp32 logits).",
         ge=0, checkpoint="runtime")
+    # Multi-Latent Attention's q/kv latent norms (transformer/norms.py build_latent_norm).
+    mla_latent_norm_epsilon: Optional[float] = opt(
+        None, "Epsilon of the q and kv latent norms of --multi-latent-attention; default "
+        "--norm-epsilon (transformers' DeepSeek-V3 keeps 1e-6 there whatever rms_norm_eps "
+        "says).", gt=0, lt=1, requires="multi_latent_attention")
+    # NoPE layers (SmolLM3, Llama 4): rotary skipped in some layers (transformer/layer.py).
+    no_rope_freq: Optional[Union[int, list]] = opt(
+        None, "Layers without rotary embedding (Megatron's flag): an int N (layers N-1, "
+        "2N-1, ... skip RoPE; SmolLM3's no_rope_layer_interval) or a 0/1 pattern with one "
+        "entry per layer, 1 = no RoPE, e.g. '([0]*3+[1])*2'; default: RoPE in every layer.",
+        type=parse_no_rope_freq, check=no_rope_freq_problem)
+    # OLMo 2's norms (transformer/layer.py, transformer/projection_norm.py).
+    norm_placement: str = opt(
+        "pre", "Where each layer's two norms sit: before attention and MLP (pre: x + "
+        "attn(norm(x))), or on their outputs before the residual add (post: x + "
+        "norm(attn(x)), OLMo 2).", choices=["pre", "post"])
+    qk_layernorm_scope: str = opt(
+        "head", "What --qk-layernorm normalizes: each head's q and k over the head dim "
+        "(head, Qwen3) or each token's whole q and whole k projection, one weight per "
+        "channel (projection, OLMo 2; its mean square spans the TP shards).",
+        choices=["head", "projection"], requires="qk_layernorm")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
@@ -284,6 +307,18 @@ class ModelConfig:
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         return activation_of(self).default_ffn(self.hidden_size)   # SwiGLU: Llama's 8h/3
+
+    def layer_uses_rotary(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) rotates q and k: RoPE on, and the layer
+        not a NoPE one of ``--no-rope-freq`` (the one rule the layers and the planner read)."""
+        if not self.uses_rotary():
+            return False
+        if self.no_rope_freq is None or layer >= self.num_layers:
+            return True
+        freq = parse_no_rope_freq(self.no_rope_freq)
+        if isinstance(freq, int):
+            return (layer + 1) % freq != 0
+        return not freq[layer]
 
     def uses_rotary(self) -> bool:
         """Whether attention rotates q and k (plain RoPE or YaRN-scaled)."""

@@ -1,4 +1,5 @@
-"""``--moe-layer-freq``: Megatron's int-or-pattern value, parsed without ``eval``."""
+"""``--moe-layer-freq`` and ``--no-rope-freq``: Megatron's per-layer int-or-pattern values,
+parsed without ``eval``."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,7 @@ from typing import List, Union
 
 
 class MoeLayerFreqError(argparse.ArgumentTypeError, ValueError):
-    """A bad --moe-layer-freq; argparse prints its message as is."""
+    """A bad --moe-layer-freq / --no-rope-freq; argparse prints its message as is."""
 
 
 def _list_pattern(node) -> list:
@@ -31,11 +32,23 @@ def _list_pattern(node) -> list:
 def parse_moe_layer_freq(value) -> Union[int, List[int]]:
     """``--moe-layer-freq`` as Megatron reads it: an int N (layers 0, N, 2N, ... are MoE) or a
     pattern with one 0/1 per layer, written as a Python list expression ("[1,0]*2")."""
+    return parse_layer_pattern(value, "--moe-layer-freq")
+
+
+def parse_no_rope_freq(value) -> Union[int, List[int]]:
+    """``--no-rope-freq`` as Megatron reads it: an int N (layers N-1, 2N-1, ... skip RoPE) or
+    a 0/1 pattern with one entry per layer, 1 = no RoPE ("([0]*3+[1])*2")."""
+    return parse_layer_pattern(value, "--no-rope-freq")
+
+
+def parse_layer_pattern(value, flag: str) -> Union[int, List[int]]:
+    """Megatron's per-layer int-or-pattern value of ``flag``: an int N >= 1, or a 0/1 list
+    written as a Python list expression, parsed without ``eval``."""
     if isinstance(value, bool):
-        raise MoeLayerFreqError(f"--moe-layer-freq: expected an int or a 0/1 list, got {value}")
+        raise MoeLayerFreqError(f"{flag}: expected an int or a 0/1 list, got {value}")
     if isinstance(value, int):
         if value < 1:
-            raise MoeLayerFreqError(f"--moe-layer-freq must be >= 1, got {value}")
+            raise MoeLayerFreqError(f"{flag} must be >= 1, got {value}")
         return value
     if isinstance(value, (list, tuple)):
         pattern = list(value)
@@ -45,15 +58,15 @@ def parse_moe_layer_freq(value) -> Union[int, List[int]]:
             try:
                 number = int(text)
             except ValueError:
-                raise MoeLayerFreqError(f"--moe-layer-freq: '{text}' is neither an int nor "
+                raise MoeLayerFreqError(f"{flag}: '{text}' is neither an int nor "
                                         "a list pattern") from None
-            return parse_moe_layer_freq(number)
+            return parse_layer_pattern(number, flag)
         try:
             pattern = _list_pattern(ast.parse(text, mode="eval").body)
         except SyntaxError:
-            raise MoeLayerFreqError(f"--moe-layer-freq: cannot parse '{text}'") from None
+            raise MoeLayerFreqError(f"{flag}: cannot parse '{text}'") from None
         if not isinstance(pattern, list):
-            raise MoeLayerFreqError(f"--moe-layer-freq: '{text}' is not a list")
+            raise MoeLayerFreqError(f"{flag}: '{text}' is not a list")
     if any(type(v) is not int or v not in (0, 1) for v in pattern):
-        raise MoeLayerFreqError(f"--moe-layer-freq: pattern entries must be 0 or 1, got {pattern}")
+        raise MoeLayerFreqError(f"{flag}: pattern entries must be 0 or 1, got {pattern}")
     return pattern

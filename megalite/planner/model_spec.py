@@ -272,7 +272,10 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
         n += mla_attention_params(m, tp)
     else:
         n += qkv_rows * h // tp + (qkv_rows // tp if bias or m.add_qkv_bias else 0)   # QKV
-        n += 2 * _norm(m, d) if m.qk_layernorm else 0   # q/k norms: replicated over TP
+        if m.qk_layernorm and m.qk_layernorm_scope == "projection":  # split over TP
+            n += (a + g) * d // tp
+        elif m.qk_layernorm:
+            n += 2 * _norm(m, d)                        # q/k norms: replicated over TP
         n += h * a * d // tp + (h if bias else 0)                   # row-parallel projection
     gate = activation_of(m).fc1_blocks
     if not moe:

@@ -33,6 +33,7 @@ from torch import nn
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
 from megalite.transformer.attention_masks import keep
+from megalite.transformer.projection_norm import build_projection_qk_norms, norm_qkv_projection
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
 
@@ -159,7 +160,11 @@ class SelfAttention(nn.Module):
                                        init_std=std, **dict(kw, bias=m.add_bias_linear or
                                                             m.add_qkv_bias))
         self.q_layernorm = self.k_layernorm = None
-        if m.qk_layernorm:
+        self.qk_norm_over_projection = m.qk_layernorm and m.qk_layernorm_scope == "projection"
+        if self.qk_norm_over_projection:         # OLMo 2 (transformer/projection_norm.py)
+            self.q_layernorm, self.k_layernorm = build_projection_qk_norms(
+                m, comm_groups.tp, device=device, dtype=dtype)
+        elif m.qk_layernorm:
             if submodules.q_layernorm is None or submodules.k_layernorm is None:
                 raise ValueError("--qk-layernorm: this attention spec has no q_layernorm / "
                                  "k_layernorm slots")
@@ -184,6 +189,9 @@ class SelfAttention(nn.Module):
         """``document_ids`` [b, s] (whole sequence): core attention keeps each query inside
         its document (``transformer/attention_masks.py``); None: plain causal."""
         qkv = self.linear_qkv(hidden)                                  # [s, b, groups*(r+2)*d]
+        if self.qk_norm_over_projection:
+            qkv = norm_qkv_projection(qkv, self.q_layernorm, self.k_layernorm,
+                                      self.local_groups, self.heads_per_group, self.head_dim)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         if self.qkv_format == "sbhd":
             return self.linear_proj(self._attend_sbhd(qkv, rotary, docs))
@@ -203,7 +211,7 @@ class SelfAttention(nn.Module):
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor):
         """--qk-layernorm: each head's q and k normalized over the head dim (last)."""
-        if self.q_layernorm is None:
+        if self.q_layernorm is None or self.qk_norm_over_projection:
             return q, k
         return self.q_layernorm(q), self.k_layernorm(k)
 

@@ -1,4 +1,5 @@
-"""One pre-norm transformer layer: x + attn(norm(x)), then x + mlp(norm(x)).
+"""One transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (pre-norm); with
+``--norm-placement post`` x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2).
 
 Built from ``TransformerLayerSubmodules`` (``transformer/spec.py``): every slot is a spec
 choice, and the MLP slot is picked per layer (dense or MoE, ``ModelConfig.is_moe_layer``).
@@ -29,6 +30,10 @@ class TransformerLayer(nn.Module):
         self._sites = (module_site(f"layer {layer_number}", "attention"),   # flight recorder
                        module_site(f"layer {layer_number}", "mlp"))
         self.hidden_dropout = model_cfg.hidden_dropout
+        self.rotates = model_cfg.layer_uses_rotary(layer_number)   # --no-rope-freq: NoPE layers
+        # --norm-placement post (OLMo 2): the two norm slots normalize the attention and MLP
+        # outputs instead of their inputs (same modules and names, so checkpoints keep them)
+        self.post_norm = model_cfg.norm_placement == "post"
         self.input_layernorm = build_module(submodules.input_layernorm, model_cfg, h, sp, **kw)
         self.self_attention = build_module(
             submodules.self_attention, model_cfg, comm_groups, sequence_parallel=sp,
@@ -49,6 +54,13 @@ class TransformerLayer(nn.Module):
         (``transformer/attention_masks.py``); None: plain causal."""
         attention, mlp = self._sites
         docs = {} if document_ids is None else {"document_ids": document_ids}
+        rotary = rotary if self.rotates else None
+        if self.post_norm:
+            with attention:
+                hidden = hidden + self._dropout(self.input_layernorm(self.self_attention(
+                    hidden, rotary, **docs)))
+            with mlp:
+                return hidden + self._dropout(self.pre_mlp_layernorm(self.mlp(hidden)))
         with attention:
             hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden),
                                                                 rotary, **docs))

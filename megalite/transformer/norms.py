@@ -65,11 +65,23 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, self.shape, weight, self.bias, self.eps)
 
 
-def build_norm(model_cfg, hidden_size: int, sequence_parallel: bool, device=None, dtype=None):
-    """The norm chosen by ``--normalization`` (zero-centred with ``--apply-layernorm-1p``)."""
+def build_norm(model_cfg, hidden_size: int, sequence_parallel: bool, device=None, dtype=None,
+               eps=None):
+    """The norm chosen by ``--normalization`` (zero-centred with ``--apply-layernorm-1p``),
+    with ``--norm-epsilon`` unless ``eps`` is given."""
     klass = {"RMSNorm": RMSNorm, "LayerNorm": LayerNorm}[model_cfg.normalization]
-    return klass(hidden_size, model_cfg.norm_epsilon, sequence_parallel, device=device,
-                 dtype=dtype, zero_centered_gamma=model_cfg.apply_layernorm_1p)
+    return klass(hidden_size, model_cfg.norm_epsilon if eps is None else eps,
+                 sequence_parallel, device=device, dtype=dtype,
+                 zero_centered_gamma=model_cfg.apply_layernorm_1p)
+
+
+def build_latent_norm(model_cfg, hidden_size: int, sequence_parallel: bool, device=None,
+                      dtype=None):
+    """Multi-Latent Attention's q / kv latent norm: ``build_norm`` with its own epsilon
+    (``--mla-latent-norm-epsilon``, default ``--norm-epsilon``), since DeepSeek-V3 in
+    transformers keeps 1e-6 there whatever the other norms use."""
+    return build_norm(model_cfg, hidden_size, sequence_parallel, device, dtype,
+                      eps=model_cfg.mla_latent_norm_epsilon)
 
 
 def build_qk_norm(model_cfg, head_dim: int, heads_split: bool, device=None, dtype=None):

@@ -1,6 +1,7 @@
 """The Hugging Face families as a user meets them: a tiny random transformers model
 (Llama 3.2 with llama3 RoPE scaling and tied embeddings, Mistral, Qwen2 with qkv biases,
-Qwen3 with q/k norms and YaRN, Qwen2-MoE and Qwen3-MoE with a dense and an MoE layer)
+Qwen3 with q/k norms and YaRN, Phi-3, SmolLM3, OLMo 2, Qwen2-MoE and Qwen3-MoE with a dense
+and an MoE layer)
 converted with tools/checkpoint/convert.py (written for TP2, the Qwen families for TP2 x PP2),
 evaluated by ``pretrain_gpt.py --use-checkpoint-args --skip-train`` (``pretrain_moe.py`` for
 the MoE families) at TP1 and (torchrun) TP2 -- and EP2 for the MoE families -- on a .bin
@@ -29,7 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PY = sys.executable
 CONVERT = os.path.join(ROOT, "tools", "checkpoint", "convert.py")
 WINDOWS = 4
-EXPORT_AS = {"mistral": ["--hf-architecture", "MistralForCausalLM"]}
+EXPORT_AS = {"mistral": ["--hf-architecture", "MistralForCausalLM"],
+             "phi3": ["--hf-architecture", "Phi3ForCausalLM"]}
 # the layout convert.py writes (the runs reshard it on load): TP2, and TP2 x PP2 for the two
 # families whose layers carry new tensors (qkv biases, q/k norms)
 TARGET = {f: ["--target-pipeline-model-parallel-size", "2"]

@@ -167,6 +167,32 @@ def test_finetune_of_imported_llama_keeps_its_dropout(llama, tmp_path):
     assert json.load(open(tmp_path / "hf" / "config.json"))["attention_dropout"] == 0.0
 
 
+def test_exported_folder_alone_tokenizes_loads_and_generates(llama, tmp_path):
+    """convert.py's export keeps the special token ids, writes generation_config.json and
+    copies the tokenizer files the import recorded: AutoTokenizer + AutoModelForCausalLM +
+    generate work on the exported folder alone and generate what the original model does."""
+    model, hf_dir, mg, _ = llama
+    out = str(tmp_path / "out")
+    _run(CONVERT + ["--source-format", "megalite", "--target-format", "hf", "--load-dir", mg,
+                    "--save-dir", out])
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json",
+            "config.json", "model.safetensors"} <= set(os.listdir(out))
+    cfg, src = (json.load(open(os.path.join(d, "config.json"))) for d in (out, hf_dir))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert cfg.get(key) == src.get(key), key
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert again.generation_config.eos_token_id == model.generation_config.eos_token_id
+    ids = tok("ROMEO:", return_tensors="pt").input_ids
+    assert ids.tolist() == transformers.AutoTokenizer.from_pretrained(hf_dir)(
+        "ROMEO:", return_tensors="pt").input_ids.tolist()
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        ours, ref = again.generate(ids, **greedy), model.generate(ids, **greedy)
+    assert ours.tolist() == ref.tolist() and ours.shape[1] > ids.shape[1]
+    assert tok.decode(ours[0]).startswith("ROMEO:")
+
+
 def test_preprocess_megatron_sentence_and_partition_flags(tmp_path):
     """--split-sentences --keep-newlines --partitions 2 over a glob of two JSON-lines files:
     Megatron's _sentence output, one sequence per sentence (whitespace kept), documents in

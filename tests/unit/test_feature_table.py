@@ -228,6 +228,11 @@ RULE_CASES = {
     "--loss-plot needs --metrics-file": (
         [["--loss-plot", "loss.png"]], [["--loss-plot", "loss.png", "--metrics-file", "m.jsonl"]]),
     "--ckpt-step needs --load": ([["--ckpt-step", "3"]], [["--ckpt-step", "3", "--load", "."]]),
+    "--mla-latent-norm-epsilon needs --multi-latent-attention": (
+        [["--mla-latent-norm-epsilon", "1e-6"]], [_MLA + ["--mla-latent-norm-epsilon", "1e-6"]]),
+    "--qk-layernorm-scope needs --qk-layernorm": (
+        [["--qk-layernorm-scope", "projection", "--normalization", "RMSNorm"]],
+        [["--qk-layernorm-scope", "projection", "--normalization", "RMSNorm", "--qk-layernorm"]]),
     "documents need a tokenizer": (
         [["--reset-attention-mask"], ["--reset-position-ids"]],
         [_DOCS]),
@@ -235,6 +240,9 @@ RULE_CASES = {
         [["--cp", "2", *_DOCS, {"model": dict(_TE)}],
          ["--cp", "2", {"model": dict(_TE, window_size=(8, 0))}]],
         [["--cp", "2", *_DOCS], [*_DOCS, {"model": dict(_TE)}]]),
+    "te refuses --norm-placement post": (
+        [[{"model": dict(_TE, norm_placement="post")}]],
+        [[{"model": dict(_TE)}], ["--norm-placement", "post"]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
@@ -271,6 +279,16 @@ RULE_CASES = {
         [_MLA + ["--group-query-attention", "--num-query-groups", "2"],
          _MLA + ["--add-qkv-bias"], _MLA + ["--use-rope-scaling"]],
         [_MLA, ["--add-qkv-bias"]]),
+    "--no-rope-freq needs rotary attention without MLA": (
+        [["--no-rope-freq", "4"], _MLA + ["--no-rope-freq", "4"]],
+        [["--position-embedding-type", "rope", "--no-rope-freq", "4"],
+         ["--position-embedding-type", "yarn", "--no-rope-freq", "([0]*3+[1])*2"]]),
+    "--qk-layernorm-scope projection needs RMSNorm without MLA": (
+        [["--qk-layernorm", "--qk-layernorm-scope", "projection"],
+         _MLA + ["--normalization", "RMSNorm", "--qk-layernorm", "--qk-layernorm-scope",
+                 "projection"]],
+        [["--normalization", "RMSNorm", "--qk-layernorm", "--qk-layernorm-scope",
+          "projection"], ["--qk-layernorm"]]),
     "--precision excludes --fp16/--bf16": (
         [["--precision", "fp32", "--bf16"], ["--precision", "bf16", "--fp16"]],
         [["--bf16"], ["--precision", "bf16", "--bf16"]]),
@@ -369,11 +387,13 @@ USER_ERROR_PLACES = {
     "megalite/checkpointing/hf_adapters/deepseek_v3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/llama.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/mixtral.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/phi3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen_moe.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/rope.py": "a Hugging Face checkpoint's rope settings",
     "megalite/checkpointing/hf_adapters/sliding_window.py":
         "a Hugging Face checkpoint's sliding windows",
+    "megalite/checkpointing/hf_adapters/smollm3.py": "a Hugging Face checkpoint's contents",
     "megalite/optimizer/optimizer_state.py": "checkpoint contents (optimizer state)",
     "megalite/checkpointing/checkpoint.py": "checkpoint contents and the filesystem under --save",
     "megalite/checkpointing/train_state.py": "checkpoint contents (training state)",

@@ -1,5 +1,5 @@
 """Every Hugging Face adapter's export, in one process: for each family (Llama, Mistral,
-Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with its MTP module)
+Qwen2, Qwen3, Phi-3, Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V3 with its MTP module)
 ``to_hf(from_hf(sd))`` gives back the HF file key by key, and the exported directory loaded
 by transformers gives the original model's logits.  The import direction alone cannot see
 an export that swaps two same-shaped tensors (q/k norms, gate/up halves, a router bias):
@@ -34,7 +34,8 @@ def test_export_gives_back_the_hf_file_key_by_key_and_transformers_logits(tmp_pa
     ref = _save(family, src)
     hf_cfg, hf_sd = hf.load_hf_checkpoint(src)
     model_cfg, full = hf.import_hf(src)
-    back = hf.megalite_to_hf_state_dict(full, model_cfg)
+    adapter = hf.adapter_for_model(model_cfg, hf_cfg["architectures"][0])  # Phi-3: not Llama
+    back = adapter.to_hf(full, model_cfg)
     # export writes DeepSeek's release layout (per-expert MTP weights, its embedding and
     # head copies) where the fixture holds transformers' fused MTP experts
     fused = {k for k in hf_sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))}
@@ -42,7 +43,7 @@ def test_export_gives_back_the_hf_file_key_by_key_and_transformers_logits(tmp_pa
     assert family == "deepseek_v3" or sorted(back) == sorted(hf_sd)
     for key in set(hf_sd) - fused:          # a pure re-mapping: the same numbers
         assert back[key].shape == hf_sd[key].shape and torch.equal(back[key], hf_sd[key]), key
-    again_full = hf.hf_to_megalite_state_dict(back, model_cfg)
+    again_full = adapter.from_hf(back, model_cfg)
     assert sorted(again_full) == sorted(full)
     for key, tensor in full.items():
         assert torch.equal(again_full[key], tensor), key

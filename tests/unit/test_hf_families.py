@@ -29,6 +29,12 @@ EXPECT = {   # what each family's import must set
                   add_bias_linear=False),
     "qwen3": dict(qk_layernorm=True, kv_channels=16, position_embedding_type="yarn",
                   rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16),
+    "phi3": dict(group_query_attention=True, num_query_groups=2, add_qkv_bias=False,
+                 qk_layernorm=False, hidden_dropout=0.0),
+    "smollm3": dict(no_rope_freq=2, untie_embeddings_and_output_weights=False,
+                    position_embedding_type="rope"),
+    "olmo2": dict(norm_placement="post", qk_layernorm=True, qk_layernorm_scope="projection",
+                  num_query_groups=2),
     "qwen2_moe": dict(add_qkv_bias=True, num_experts=4, moe_router_topk=2,
                       moe_ffn_hidden_size=16, ffn_hidden_size=56, moe_layer_freq=[0, 1],
                       moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=24,
@@ -38,6 +44,7 @@ EXPECT = {   # what each family's import must set
                       moe_shared_expert_gate=False),
 }
 EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+              "phi3": "llama", "smollm3": "smollm3", "olmo2": "olmo2",
               "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
@@ -109,6 +116,19 @@ REFUSALS = [
     ("qwen2_moe", dict(shared_expert_intermediate_size=0),
      "shared_expert_intermediate_size 0 is not supported"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias: true is not supported for Qwen3"),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=8),
+     "use_sliding_window: true is not supported"),
+    ("smollm3", dict(no_rope_layers=[1, 0, 1]), r"no_rope_layers \[1, 0, 1\] is not one 0/1 "
+     "per layer"),
+    ("smollm3", dict(mlp_bias=True), "mlp_bias: true is not supported"),
+    ("olmo2", dict(attention_bias=True), "attention_bias: true is not supported for Olmo2"),
+    ("phi3", dict(sliding_window=2047), "sliding_window 2047 is not supported for Phi3"),
+    ("phi3", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                       partial_rotary_factor=0.75)),
+     "partial_rotary_factor 0.75 is not supported"),
+    ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
+                                       short_factor=[1.0] * 4, long_factor=[2.0] * 4)),
+     "rope_type 'longrope' is not supported"),
 ]
 
 

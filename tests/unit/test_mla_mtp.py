@@ -81,7 +81,6 @@ def test_config_without_mtp_weights_imports_without_mtp(tmp_path, capsys):
 @pytest.mark.parametrize("change,key", [
     ({"attention_bias": True}, "attention_bias"),
     ({"norm_topk_prob": False}, "norm_topk_prob"),
-    ({"rms_norm_eps": 1e-5}, "rms_norm_eps"),
     ({"num_key_value_heads": 2}, "num_key_value_heads"),
     ({"topk_group": 2, "num_experts_per_tok": 2}, "top-2"),
     ({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},

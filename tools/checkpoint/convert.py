@@ -16,7 +16,8 @@ which pieces each tensor is cut into: a run at that layout reads exactly its own
 any other layout reads and reslices them.  A megalite source may be a training checkpoint
 (any layout, MoE included) or a pre-DCP one.  Hugging Face models go through the adapter
 registered for their architecture (``megalite.checkpointing.hf_adapters``: Llama,
-Mistral, Qwen2, Qwen3, Mixtral; docs/models.md).  Runs in one process on CPU.  Errors are one
+Mistral, Qwen2, Qwen3, Mixtral, Qwen-MoE, DeepSeek-V3, Phi-3, SmolLM3, OLMo 2;
+docs/models.md).  Runs in one process on CPU.  Errors are one
 line, exit status 2.
 """
 from __future__ import annotations
@@ -165,7 +166,7 @@ def hf_tokenizer(directory: str, vocab_size: int):
 
 
 def convert(args) -> str:
-    from megalite.checkpointing import hf
+    from megalite.checkpointing import hf, hf_files
     from megalite.checkpointing.model_io import full_state_dict_from_checkpoint, read_metadata
 
     if not os.path.isdir(args.load_dir):
@@ -175,8 +176,9 @@ def convert(args) -> str:
     if args.source_format == "hf":
         model_cfg, full = hf.import_hf(args.load_dir)
         tok = hf_tokenizer(args.load_dir, model_cfg["vocab_size"])
+        info["extra"] = {"hf": hf_files.side_files_record(args.load_dir)}
         if tok:
-            info["extra"] = {"tokenizer": tok}
+            info["extra"]["tokenizer"] = tok
             info["args"] = {"model": model_cfg, "data": {k: tok[k] for k in
                                                          ("tokenizer_type", "tokenizer_model")}}
     else:
@@ -186,7 +188,7 @@ def convert(args) -> str:
         # what the source says beyond its tensors: its run's flags and tokenizer (MoE expert
         # biases travel in ``full``, as the HF adapters read and write them)
         kept = {k: v for k, v in (meta.get("extra") or {}).items()
-                if k in ("consumed_samples", "tokenizer")}
+                if k in ("consumed_samples", "tokenizer", "hf")}
         info["extra"] = kept
         if isinstance(meta.get("args"), dict):
             info["args"] = dict(meta["args"], model=model_cfg)
@@ -203,9 +205,15 @@ def convert(args) -> str:
         return (f"wrote megalite checkpoint (iteration {iteration}, weights only; cut for "
                 f"{cut}, loads at any layout) to {args.save_dir}\n"
                 + train_hint(args.save_dir, model_cfg, cfg))
+    side = hf_files.export_record(info.get("extra") or {})
     adapter = hf.export_hf(args.save_dir, model_cfg, full, dtype=getattr(torch, args.hf_dtype),
-                           architecture=args.hf_architecture)
-    return f"wrote Hugging Face {adapter.architectures[0]} checkpoint to {args.save_dir}"
+                           architecture=args.hf_architecture, side=side)
+    done = f"wrote Hugging Face {adapter.architectures[0]} checkpoint to {args.save_dir}"
+    missing = hf_files.missing_side_files(side)
+    if missing:
+        done += (f"\nnote: not copied (gone since the import): {', '.join(missing)}; copy "
+                 f"them into {args.save_dir} for AutoTokenizer")
+    return done
 
 
 def _convert(argv) -> int:

@@ -16,8 +16,11 @@ from megalite.checkpointing.hf_adapters.deepseek_v3 import DeepseekV3Adapter
 from megalite.checkpointing.hf_adapters.llama import LlamaAdapter
 from megalite.checkpointing.hf_adapters.mistral import MistralAdapter
 from megalite.checkpointing.hf_adapters.mixtral import MixtralAdapter
+from megalite.checkpointing.hf_adapters.olmo2 import Olmo2Adapter
+from megalite.checkpointing.hf_adapters.phi3 import Phi3Adapter
 from megalite.checkpointing.hf_adapters.qwen2 import Qwen2Adapter
 from megalite.checkpointing.hf_adapters.qwen3 import Qwen3Adapter
+from megalite.checkpointing.hf_adapters.smollm3 import SmolLM3Adapter
 from megalite.checkpointing.hf_adapters.qwen_moe import Qwen2MoeAdapter, Qwen3MoeAdapter
 
 register_adapter(LlamaAdapter())
@@ -28,9 +31,13 @@ register_adapter(MixtralAdapter())
 register_adapter(Qwen2MoeAdapter())
 register_adapter(Qwen3MoeAdapter())
 register_adapter(DeepseekV3Adapter())
+register_adapter(Phi3Adapter())
+register_adapter(SmolLM3Adapter())
+register_adapter(Olmo2Adapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
            "registered_adapters", "supported_architectures", "unregister_adapter",
            "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter",
-           "Qwen2MoeAdapter", "Qwen3MoeAdapter", "DeepseekV3Adapter"]
+           "Qwen2MoeAdapter", "Qwen3MoeAdapter", "DeepseekV3Adapter", "Phi3Adapter",
+           "SmolLM3Adapter", "Olmo2Adapter"]

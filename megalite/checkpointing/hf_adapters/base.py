@@ -98,7 +98,15 @@ def adapter_for_family(family: str) -> HFAdapter:
 
 
 def adapter_for_hf(hf_cfg: dict) -> HFAdapter:
-    """The adapter for a HF config: by ``architectures``, else by ``model_type``."""
+    """The adapter for a HF config: by ``architectures``, else by ``model_type``.  A
+    quantized checkpoint (``quantization_config``: DeepSeek-V3's and Kimi K2's FP8 blocks)
+    is refused for every family: its weights need their scales, which no adapter reads."""
+    quant = hf_cfg.get("quantization_config")
+    if quant:
+        kind = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(
+            f"quantization_config ({kind}) is not supported: megalite imports unquantized "
+            "weights; convert the checkpoint to bf16 first")
     archs = hf_cfg.get("architectures") or []
     for adapter in _ADAPTERS:
         if archs and all(a in adapter.architectures for a in archs):

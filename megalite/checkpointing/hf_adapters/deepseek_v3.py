@@ -74,6 +74,10 @@ def mla_rope_fields(hf: dict) -> dict:
     return out
 
 
+def _latent_eps(mc) -> float:
+    return mc.norm_epsilon if mc.mla_latent_norm_epsilon is None else mc.mla_latent_norm_epsilon
+
+
 class DeepseekV3Adapter(HFAdapter):
     family = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
@@ -89,9 +93,6 @@ class DeepseekV3Adapter(HFAdapter):
             ((hf.get("num_key_value_heads") or hf["num_attention_heads"]) !=
              hf["num_attention_heads"], "num_key_value_heads != num_attention_heads (MLA has "
              "one K/V head per query head)"),
-            (hf.get("rms_norm_eps", 1e-6) != _LATENT_NORM_EPS,
-             f"rms_norm_eps {hf.get('rms_norm_eps')} (transformers' latent norms use 1e-6 "
-             "whatever the config says; megalite uses one epsilon for all norms)"),
             (hf.get("topk_method", "noaux_tc") != "noaux_tc",
              f"topk_method '{hf.get('topk_method')}' (only noaux_tc, DeepSeek-V3's)"),
             (hf.get("scoring_func", "sigmoid") != "sigmoid",
@@ -125,6 +126,8 @@ class DeepseekV3Adapter(HFAdapter):
             kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
             qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
             qk_layernorm=True, **rope)
+        if cfg["norm_epsilon"] != _LATENT_NORM_EPS:     # transformers' latent norms keep 1e-6
+            cfg["mla_latent_norm_epsilon"] = _LATENT_NORM_EPS
         if experts:
             groups = hf.get("n_group") or 1
             k = hf["num_experts_per_tok"]
@@ -162,7 +165,8 @@ class DeepseekV3Adapter(HFAdapter):
             (mc.position_embedding_type != "rope", "--position-embedding-type rope"),
             (activation_of(mc).name != "swiglu", "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
             (not mc.qk_layernorm, "--qk-layernorm (DeepSeek's latent norms)"),
-            (mc.norm_epsilon != _LATENT_NORM_EPS, "--norm-epsilon 1e-6"),
+            (_latent_eps(mc) != _LATENT_NORM_EPS, "--mla-latent-norm-epsilon 1e-6"),
+            (mc.norm_placement != "pre", "--norm-placement pre"),
             (moe and not dense_then_moe, "dense layers first, then MoE (--moe-layer-freq)"),
             (moe and mc.moe_router_score_function != "sigmoid",
              "--moe-router-score-function sigmoid"),

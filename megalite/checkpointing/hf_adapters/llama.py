@@ -73,6 +73,11 @@ class LlamaAdapter(HFAdapter):
     family = "llama"
     architectures = ("LlamaForCausalLM",)
     model_type = "llama"
+    nope_layers = False      # whether the family writes layers without RoPE (--no-rope-freq)
+    norm_placement = "pre"   # the family's --norm-placement and --qk-layernorm-scope
+    qk_layernorm_scope = "head"
+    # the HF names of megalite's two layer norms (input_layernorm, pre_mlp_layernorm)
+    layer_norm_names = ("input_layernorm", "post_attention_layernorm")
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -123,7 +128,12 @@ class LlamaAdapter(HFAdapter):
             (activation_of(mc).name != "swiglu", "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
             (bool(mc.num_experts), "no --num-experts"),
             (mc.multi_latent_attention, "no --multi-latent-attention"),
-            (bool(mc.mtp_num_layers), "no --mtp-num-layers")) if bad] + \
+            (bool(mc.mtp_num_layers), "no --mtp-num-layers"),
+            (mc.no_rope_freq is not None and not self.nope_layers, "no --no-rope-freq"),
+            (mc.norm_placement != self.norm_placement,
+             f"--norm-placement {self.norm_placement}"),
+            (mc.qk_layernorm and mc.qk_layernorm_scope != self.qk_layernorm_scope,
+             f"--qk-layernorm-scope {self.qk_layernorm_scope}")) if bad] + \
             rope_export_problems(mc) + self.window_export_problems(mc) + \
             self.family_export_problems(mc)
 
@@ -178,8 +188,9 @@ class LlamaAdapter(HFAdapter):
         for i in range(layers):
             hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
             out.update(self.attention_from_hf(get, norm, hf, mg, m))
-            out[mg + "input_layernorm.weight"] = norm(hf + "input_layernorm.weight")
-            out[mg + "pre_mlp_layernorm.weight"] = norm(hf + "post_attention_layernorm.weight")
+            first, second = self.layer_norm_names
+            out[mg + "input_layernorm.weight"] = norm(f"{hf}{first}.weight")
+            out[mg + "pre_mlp_layernorm.weight"] = norm(f"{hf}{second}.weight")
             out.update(self.mlp_from_hf(get, hf, mg, m))
         if m["untie_embeddings_and_output_weights"]:
             out["output_layer.weight"] = get("lm_head.weight")
@@ -263,8 +274,9 @@ class LlamaAdapter(HFAdapter):
         for i in range(layers):
             hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
             out.update(self.attention_to_hf(get, put, norm, mg, hf, m))
-            out[hf + "input_layernorm.weight"] = norm(mg + "input_layernorm.weight")
-            out[hf + "post_attention_layernorm.weight"] = norm(mg + "pre_mlp_layernorm.weight")
+            first, second = self.layer_norm_names
+            out[f"{hf}{first}.weight"] = norm(mg + "input_layernorm.weight")
+            out[f"{hf}{second}.weight"] = norm(mg + "pre_mlp_layernorm.weight")
             out.update(self.mlp_to_hf(get, put, mg, hf, m))
         if m["untie_embeddings_and_output_weights"]:
             out["lm_head.weight"] = put(get("output_layer.weight"))
