@@ -32,6 +32,7 @@ import torch
 
 DEFAULT_CAPACITY = 10000       # entries per rank (--flight-recorder-size)
 DUMP_VERSION = 1
+KEPT_ITERATIONS = 3            # the current iteration and the two before it, in a dump
 FAULT_ENV = "MEGALITE_FAULT_INJECT"   # test hook: "skip:rank=5,iteration=3,group=pp,op=send"
 
 
@@ -278,14 +279,17 @@ class FlightRecorder:
 
     # -- dumps ------------------------------------------------------------------------------
     def snapshot(self, reason: str) -> dict:
-        """The dump: every op of the current and the previous iteration still in the ring
-        (what the diagnosis compares), the groups' counts, and who this rank is."""
+        """The dump: every op of the current and the ``KEPT_ITERATIONS - 1`` iterations before
+        it still in the ring (what the diagnosis compares), the groups' counts, and who this
+        rank is.  Two whole iterations before the current one are kept because a rank that
+        dropped an op and went on has a whole iteration that departs from the one before."""
         entries = list(self.entries)          # atomic under the GIL
-        # the previous iteration is whole when the ring also holds an older op or never wrapped
-        whole = bool(entries) and (entries[0].iteration < entries[-1].iteration - 1 or
+        first = entries[-1].iteration - (KEPT_ITERATIONS - 1) if entries else 0
+        # the oldest iteration kept is whole when the ring also holds an older op or never
+        # wrapped
+        whole = bool(entries) and (entries[0].iteration < first or
                                    self.started <= len(entries))
         if entries:
-            first = entries[-1].iteration - 1
             entries = [e for e in entries if e.iteration >= first]
         groups = {g.label: {"kind": g.kind, "ranks": list(g.ranks), "torch": g.torch_name,
                             "seq": g.seq, "p2p": {f"{k}:{p}": n for (k, p), n in g.p2p.items()}}
@@ -293,7 +297,7 @@ class FlightRecorder:
         out = {"version": DUMP_VERSION, "rank": self.rank, "reason": reason, "time": time.time(),
                "pid": os.getpid(), "host": socket.gethostname(), "capacity": self.capacity,
                "started": self.started, "completed": self.completed,
-               "previous_iteration_whole": whole,
+               "previous_iteration_whole": whole,   # the oldest iteration kept is whole
                "last_progress": self.last_progress,   # site is per thread: the newest op's
                "iteration": entries[-1].iteration if entries else 0,
                **self.meta, "groups": groups, "entries": [e.to_json() for e in entries]}

@@ -215,6 +215,14 @@ class Diagnosis:
                 elif self.ranks[m].issued(label) < e["seq"]:
                     missing.append((m, f"its last op there is #{self.ranks[m].issued(label)}"
                                        + self._elsewhere(m, label)))
+                else:
+                    theirs = self._op_numbered(m, label, e["seq"])
+                    if theirs is not None and signature(theirs, with_step=True) != \
+                            signature(e, with_step=True):
+                        # it entered a different op with this number: each waits on the other
+                        self.waits[r.rank].append((m, f"{op_text(e)}: rank {m} issued "
+                                                      f"{op_text(theirs)} at {site_text(theirs)} "
+                                                      f"as its #{e['seq']} there"))
             for m, why in missing:
                 self.waits[r.rank].append((m, f"{op_text(e)}: rank {m} never entered it "
                                               f"({why})"))
@@ -237,6 +245,10 @@ class Diagnosis:
                                              + f": rank {peer} has no matching {other} "
                                                f"({why})"))
             self.stuck.append((label, n, r.rank, e, [(peer, why)]))
+
+    def _op_numbered(self, m: int, label: str, seq: int) -> Optional[dict]:
+        return next((e for e in self.ranks[m].entries if e["group"] == label and
+                     e["op"] != "p2p" and e["seq"] == seq), None)
 
     def _elsewhere(self, m: int, label: str) -> str:
         cur = self.ranks[m].current
@@ -265,7 +277,7 @@ class Diagnosis:
         if terminal:
             return [(r, self.state_of(r)) for r in
                     sorted(terminal, key=lambda r: (-len(reach[r]), r))]
-        cycle = "the waiting ranks wait on each other in a cycle, and"
+        cycle = "the waiting ranks wait on each other (their ops differ), and"
         found = [(r, f"{cycle} it left its own program (evidence below)")
                  for r, _ in self.deviations()]
         if not found:
@@ -274,27 +286,57 @@ class Diagnosis:
         return found
 
     def deviations(self) -> List[tuple]:
-        """(rank, text): ranks whose latest iteration is not a prefix of the one before."""
+        """(rank, text): ranks that left their own program -- the first iteration in the dump
+        that is not what the one before it was (a whole iteration: the same ops; the one in
+        progress: a prefix of them).  This decides between members that disagree at an op
+        number, in a group of any size: the member whose program changed is the cause.  An
+        iteration where most ranks depart from the one before is a change of program (a
+        first iteration, a ramp-up step), not a fault."""
+        departures = {r: self._departures(r) for r in self.ranks if self.alive(r)}
+        limit = max(2, len(departures) // 2)
+        count = defaultdict(int)
+        for by_it in departures.values():
+            for it in by_it:
+                count[it] += 1
         found = []
-        for r in self.ranks.values():
-            if not self.alive(r.rank) or not r.entries:
-                continue
-            it = max(e["it"] for e in r.entries)
-            cur = [e for e in r.entries if e["it"] == it and e["phase"] in TRAIN_PHASES]
-            prev = [e for e in r.entries if e["it"] == it - 1 and e["phase"] in TRAIN_PHASES]
-            if it < 2 or not prev or not r.dump.get("previous_iteration_whole", True):
-                continue              # the buffer no longer holds the whole previous one
+        for r, by_it in sorted(departures.items()):
+            kept = [it for it in sorted(by_it) if count[it] <= limit]
+            if kept:
+                found.append((r, by_it[kept[0]]))
+        return found
+
+    def _departures(self, rank: int) -> Dict[int, str]:
+        """iteration -> how ``rank``'s training ops there depart from the iteration before."""
+        r = self.ranks[rank]
+        if not r.entries:
+            return {}
+        by_it = defaultdict(list)
+        for e in r.entries:
+            if e["phase"] in TRAIN_PHASES:
+                by_it[e["it"]].append(e)
+        oldest, newest = min(e["it"] for e in r.entries), max(e["it"] for e in r.entries)
+        whole_oldest = r.dump.get("previous_iteration_whole", True)
+        out = {}
+        for it in sorted(by_it):
+            prev = by_it.get(it - 1)
+            if it < 2 or not prev or (it - 1 == oldest and not whole_oldest):
+                continue              # the buffer no longer holds the whole iteration before
+            cur = by_it[it]
+            head = f"rank {rank} left its program at iteration {it}: "
             for i, e in enumerate(cur):
                 if i >= len(prev) or signature(e) != signature(prev[i]):
                     was = op_text(prev[i]) + " at " + site_text(prev[i]) if i < len(prev) \
                         else "nothing"
-                    found.append((r.rank, f"rank {r.rank} left its program at iteration {it}: "
-                                          f"its op {i + 1} there is {op_text(e)} at "
-                                          f"{site_text(e)}; in iteration {it - 1} it was {was}"))
+                    out[it] = head + (f"its op {i + 1} there is {op_text(e)} at "
+                                      f"{site_text(e)}; in iteration {it - 1} it was {was}")
                     break
-        if len(found) > max(2, len([r for r in self.ranks if self.alive(r)]) // 2):
-            return []                 # most ranks differ: a change of program, not a fault
-        return found
+            else:
+                if it < newest and len(cur) < len(prev):     # it went on to the next one
+                    e = prev[len(cur)]
+                    out[it] = head + (f"it went on to iteration {it + 1} after {len(cur)} "
+                                      f"ops; in iteration {it - 1} op {len(cur) + 1} was "
+                                      f"{op_text(e)} at {site_text(e)}")
+        return out
 
     def mismatches(self) -> List[tuple]:
         """(rank a, rank b, text): ops with the same number on a group that differ."""
