@@ -329,6 +329,16 @@ def dump_name(rank: int) -> str:
     return f"rank{rank:05d}.json"
 
 
+FATAL_HEADER = "megalite fatal-signal record: run {run_id} rank {rank} pid {pid} host {host}"
+
+
+def fatal_name(rank: int) -> str:
+    """The file a rank's fatal-signal handler (``faulthandler``) writes its last words to:
+    a process the backend aborts from C++ (gloo's enforce failures, NCCL's async error
+    handling) runs no Python, so it can leave no dump, only this."""
+    return f"rank{rank:05d}.fatal.txt"
+
+
 def torch_flight_recorder_json() -> Optional[dict]:
     """torch's own trace (NCCL keeps start/completion states there) when it is switched on
     (``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE`` > 0); None otherwise."""

@@ -61,6 +61,85 @@ def load_dumps(folders: List[str], run_id: Optional[str] = None) -> Dict[int, di
     return {d["rank"]: d for d in dumps if d.get("run_id") == run_id}
 
 
+def load_fatal(folders: List[str], run_id: Optional[str]) -> Dict[int, "Fatal"]:
+    """rank -> the last words its fatal-signal handler wrote (``rankNNNNN.fatal.txt``), of
+    run ``run_id``; a file with only its header (the rank did not die of a signal) is none."""
+    out = {}
+    for folder in folders:
+        if os.path.isdir(os.path.join(folder, "hang_dumps")) and \
+                not glob.glob(os.path.join(folder, "rank*.json")):
+            folder = os.path.join(folder, "hang_dumps")
+        for path in sorted(glob.glob(os.path.join(folder, "rank*.fatal.txt"))):
+            try:
+                with open(path, errors="replace") as f:
+                    text = f.read(200_000)
+            except OSError:
+                continue
+            fatal = Fatal.parse(text, os.path.basename(path))
+            if fatal is not None and (run_id is None or fatal.run_id == run_id):
+                out[fatal.rank] = fatal
+    return out
+
+
+class Fatal:
+    """A rank's death by a signal, as ``faulthandler`` recorded it: the error line
+    ("Fatal Python error: Aborted") and where its main thread was -- inside which of
+    comm.py's collectives, called from where."""
+
+    def __init__(self, rank: int, run_id: str, error: str, collective: Optional[str],
+                 caller: Optional[str], name: str):
+        self.rank, self.run_id, self.error, self.name = rank, run_id, error, name
+        self.collective, self.caller = collective, caller
+
+    @classmethod
+    def parse(cls, text: str, name: str) -> Optional["Fatal"]:
+        head, _, body = text.partition("\n")
+        words = head.split()
+        if not head.startswith("megalite fatal-signal record:") or not body.strip() or \
+                "run" not in words or "rank" not in words:
+            return None
+        run_id = words[words.index("run") + 1]
+        rank = int(words[words.index("rank") + 1])
+        error = next((l.split(":", 1)[1].strip() for l in body.splitlines()
+                      if l.startswith("Fatal Python error:")), "killed by a signal")
+        collective = caller = None
+        stacks = [cls._megalite_frames(block) for block in body.split("\n\n")]
+        stacks = [f for f in stacks if any(fn == "<module>" for _p, fn, _l in f)] + stacks
+        for frames in stacks:         # the main thread first (it runs the training loop)
+            in_comm = [k for k, (path, fn, _l) in enumerate(frames)
+                       if path == "megalite/comm.py" and not fn.startswith("_")]
+            if in_comm:
+                collective = frames[in_comm[0]][1]
+                up = next((f for f in frames[in_comm[-1] + 1:] if f[0] != "megalite/comm.py"),
+                          None)
+                caller = f"{up[0]}:{up[2]} {up[1]}" if up else None
+                break
+        return cls(rank, run_id, error, collective, caller, name)
+
+    @staticmethod
+    def _megalite_frames(block: str) -> List[tuple]:
+        """(path from megalite/, function, line) of one thread's frames, innermost first."""
+        out = []
+        for line in block.splitlines():
+            line = line.strip()
+            if not line.startswith("File \"") or " in " not in line:
+                continue
+            path = line.split('"')[1].replace(os.sep, "/")
+            number = line.split(", line ")[-1].split()[0]
+            fn = line.rsplit(" in ", 1)[1]
+            if "megalite/" in path:
+                out.append((path[path.rfind("megalite/"):], fn, number))
+            elif fn == "<module>":
+                out.append((os.path.basename(path), fn, number))
+        return out
+
+    def text(self) -> str:
+        where = f" inside comm.{self.collective}" if self.collective else ""
+        if self.caller:
+            where += f", called from {self.caller}"
+        return f"{self.error} (a fatal signal){where}; its last words: {self.name}"
+
+
 def wait_for_dumps(folder: str, run_id: str, world_size: int, quiet: float,
                    limit: float, hurry=None) -> int:
     """Until every rank of the run has dumped, or none has for ``quiet`` seconds (at most
@@ -154,7 +233,8 @@ class Rank:
 # -- the diagnosis -----------------------------------------------------------------------------
 
 class Diagnosis:
-    def __init__(self, dumps: Dict[int, dict]):
+    def __init__(self, dumps: Dict[int, dict], fatal: Optional[Dict[int, Fatal]] = None):
+        self.fatal = fatal or {}               # rank -> its death by a signal (no dump)
         any_dump = max(dumps.values(), key=lambda d: d["time"])
         self.world = any_dump.get("world_size", max(dumps) + 1)
         self.run_id = any_dump.get("run_id", "?")
@@ -275,8 +355,9 @@ class Diagnosis:
                     reach[r].add(start)
                 todo += [m for m, _ in self.waits.get(r, ())]
         if terminal:
-            return [(r, self.state_of(r)) for r in
-                    sorted(terminal, key=lambda r: (-len(reach[r]), r))]
+            ranked = [(r, self.state_of(r)) for r in
+                      sorted(terminal, key=lambda r: (-len(reach[r]), r))]
+            return self._left_before_killed(ranked)
         cycle = "the waiting ranks wait on each other (their ops differ), and"
         found = [(r, f"{cycle} it left its own program (evidence below)")
                  for r, _ in self.deviations()]
@@ -284,6 +365,27 @@ class Diagnosis:
             found = [(a, f"{cycle} its op differs from rank {b}'s at the same number "
                          f"(mismatch below)") for a, b, _ in self.mismatches()]
         return found
+
+    def died_in_collective(self, rank: int) -> bool:
+        """No dump, and its fatal-signal handler saw it die inside one of comm.py's
+        collectives: the backend aborted it there (a mismatch gloo detects, NCCL's async
+        error handling)."""
+        f = self.fatal.get(rank)
+        return not self.alive(rank) and f is not None and f.collective is not None
+
+    def _left_before_killed(self, ranked: List[tuple]) -> List[tuple]:
+        """A rank the backend killed inside a collective is the victim of a peer that left
+        its own program, when one did: that peer comes first."""
+        victims = [r for r, _ in ranked if self.died_in_collective(r)]
+        left = [r for r, _ in self.deviations()] if victims else []
+        if not left:
+            return ranked
+        many = len(victims) > 1
+        lead = [(r, f"it left its own program (evidence below); rank{'s' if many else ''} "
+                    f"{compact(victims)} then died inside a collective (the backend aborted "
+                    f"on the mismatch)") for r in left]
+        return lead + [(r, why + (f" -- a victim of rank {compact(left)}'s departure"
+                                  if r in victims else "")) for r, why in ranked]
 
     def deviations(self) -> List[tuple]:
         """(rank, text): ranks that left their own program -- the first iteration in the dump
@@ -382,6 +484,8 @@ class Diagnosis:
             return "it was in no collective when it dumped (busy elsewhere)"
         host, pid = self.peers.get(rank, (None, None))
         what = "stale dump" if r.stale else "no dump"
+        if rank in self.fatal:
+            return f"{what}: it died of a signal: {self.fatal[rank].text()}"
         if host is None:
             return f"{what}: dead, stopped or unable to run Python"
         if host != socket.gethostname():
@@ -501,17 +605,18 @@ def process_state(pid) -> str:
             "D": "in uninterruptible I/O"}.get(state, "running but wrote no dump")
 
 
-def diagnose(dumps: Dict[int, dict]) -> str:
+def diagnose(dumps: Dict[int, dict], fatal: Optional[Dict[int, Fatal]] = None) -> str:
     if not dumps:
         return "no flight-recorder dumps found"
-    return Diagnosis(dumps).report()
+    return Diagnosis(dumps, fatal).report()
 
 
 def diagnose_folder(folders: List[str], run_id: Optional[str] = None) -> str:
     dumps = load_dumps(folders, run_id)
     if not dumps:
         return f"no flight-recorder dumps (rank*.json) in {', '.join(folders)}"
-    return diagnose(dumps)
+    run_id = next(iter(dumps.values())).get("run_id")
+    return diagnose(dumps, load_fatal(folders, run_id))
 
 
 def main(argv=None) -> int:

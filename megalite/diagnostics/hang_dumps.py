@@ -17,6 +17,9 @@ DIR`` prints it again afterwards, from any machine that sees the folder.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import faulthandler
 import os
 import select
 import signal
@@ -32,7 +35,7 @@ import torch.distributed as dist
 from megalite.diagnostics import flight_recorder as fr
 from megalite import comm
 from megalite.comm import CommError
-from megalite.diagnostics.hang_diagnosis import diagnose_folder, wait_for_dumps
+from megalite.diagnostics.hang_diagnosis import diagnose_folder, load_fatal, wait_for_dumps
 
 QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
 MAX_WAIT_SECONDS = 30.0    # ... or this long in all
@@ -105,6 +108,10 @@ class Monitor(threading.Thread):
                         self.hurry.set()
                     else:
                         self.rec.dump("SIGTERM (the job is being ended)")
+                        if peer_died_of_a_signal(self.rec) and claim_diagnosis(self.rec):
+                            self.hurry.set()     # only the dumps the SIGTERM brings
+                            print_diagnosis(self.rec)
+                        _fatal.close()
                         os._exit(128 + signal.SIGTERM)
             else:
                 self.stopped.wait(0.25)
@@ -171,11 +178,65 @@ def start(cfg, state) -> fr.FlightRecorder:
                 "timeout_s": 60.0 * p.distributed_timeout_minutes,
                 "watchdog_s": p.hang_watchdog_seconds}
     rec.dump_dir = dump_dir_for(cfg, run_id)
+    _tell_the_launcher(rec)
     stop()                                   # a monitor left by an earlier run in-process
     if rec.enabled:
+        _fatal.open(rec)
         _monitor = Monitor(rec, p.hang_watchdog_seconds)
         _monitor.start()
     return rec
+
+
+class FatalRecord:
+    """This rank's fatal-signal handler: ``faulthandler`` writes every thread's Python stack
+    to ``rankNNNNN.fatal.txt`` in the dump folder when the process dies of SIGABRT, SIGSEGV,
+    SIGBUS, SIGFPE or SIGILL -- how a backend ends a rank from C++ (gloo's "Received data
+    size doesn't match expected size", NCCL's async error handling), where no Python runs
+    and no dump can be written.  The file holds only a header until then and is removed
+    when the process ends any other way; a folder it had to create goes with it."""
+
+    def __init__(self):
+        self.file = self.path = None
+        self.made_dir = None
+        self.was_enabled = False
+
+    def open(self, rec: fr.FlightRecorder) -> None:
+        self.close()
+        made = not os.path.isdir(rec.dump_dir)
+        try:
+            os.makedirs(rec.dump_dir, exist_ok=True)
+            self.path = os.path.join(rec.dump_dir, fr.fatal_name(rec.rank))
+            self.file = open(self.path, "w")
+            self.file.write(fr.FATAL_HEADER.format(
+                run_id=rec.meta.get("run_id", "?"), rank=rec.rank, pid=os.getpid(),
+                host=socket.gethostname()) + "\n")
+            self.file.flush()
+        except OSError:
+            self.file = self.path = None    # no record: the dump folder reports its own error
+            return
+        self.made_dir = rec.dump_dir if made else None
+        self.header_size = self.file.tell()
+        self.was_enabled = faulthandler.is_enabled()
+        faulthandler.enable(file=self.file, all_threads=True)
+
+    def close(self) -> None:
+        if self.file is None:
+            return
+        faulthandler.disable()
+        if self.was_enabled:
+            faulthandler.enable()           # back to stderr, as the user had it
+        written = self.file.tell() > self.header_size
+        self.file.close()
+        if not written:
+            with contextlib.suppress(OSError):    # a folder not empty, a file gone
+                os.remove(self.path)
+                if self.made_dir:
+                    os.rmdir(self.made_dir)     # only if empty
+        self.file = self.path = self.made_dir = None
+
+
+_fatal = FatalRecord()
+atexit.register(_fatal.close)
 
 
 def _backend() -> str:
@@ -187,6 +248,7 @@ def stop() -> None:
     if _monitor is not None:
         _monitor.close()
         _monitor = None
+    _fatal.close()
 
 
 def on_failure(exc: BaseException) -> None:
@@ -195,15 +257,71 @@ def on_failure(exc: BaseException) -> None:
     rec = fr.recorder
     if not rec.enabled or not rec.dump_dir:
         return
-    if not isinstance(exc, CommError):
-        rec.dump(f"error: {type(exc).__name__}: {str(exc).strip()[:300]}")
-        return
-    lock = os.path.join(rec.dump_dir, LOCK_NAME.format(run_id=rec.meta.get("run_id", "")))
     try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        if not isinstance(exc, CommError):
+            rec.dump(f"error: {type(exc).__name__}: {str(exc).strip()[:300]}")
+        elif claim_diagnosis(rec):   # else another rank prints it (or the folder is unwritable)
+            print_diagnosis(rec)
+    finally:
+        _fatal.close()               # the process ends by os._exit: no atexit
+
+
+def claim_diagnosis(rec: fr.FlightRecorder) -> bool:
+    """True for the first rank (or launcher) to ask: it prints the run's diagnosis."""
+    return _claim(rec.dump_dir, rec.meta.get("run_id", ""))
+
+
+def _claim(folder: str, run_id: str) -> bool:
+    try:
+        os.close(os.open(os.path.join(folder, LOCK_NAME.format(run_id=run_id)),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except OSError:
-        return                       # another rank prints it (or the folder is unwritable)
-    print_diagnosis(rec)
+        return False
+    return True
+
+
+def peer_died_of_a_signal(rec: fr.FlightRecorder) -> bool:
+    """Some rank of this run left a fatal-signal record: the backend aborted it (or it
+    crashed), so no rank saw an error to print the diagnosis after."""
+    return bool(load_fatal([rec.dump_dir], rec.meta.get("run_id")))
+
+
+# The launcher (megalite.elastic.launch) names a file in this variable; a node's first
+# worker writes its dump folder and run id there, so that the launcher can print the
+# diagnosis once the workers are gone when none of them did.
+LAUNCHER_NOTE_ENV = "MEGALITE_HANG_NOTE"
+
+
+def _tell_the_launcher(rec: fr.FlightRecorder) -> None:
+    note = os.environ.get(LAUNCHER_NOTE_ENV)
+    if not note or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        with open(f"{note}.tmp", "w") as f:
+            f.write(f"{rec.meta.get('run_id', '')}\n{rec.dump_dir}\n")
+        os.replace(f"{note}.tmp", note)
+    except OSError:
+        pass                        # no diagnosis from the launcher; the ranks' stands
+
+
+def diagnosis_after_exit(note: str) -> Optional[str]:
+    """For the launcher, once its workers are gone: the diagnosis of the run its workers
+    noted in ``note``, when a rank died of a signal and no rank printed one (it claims
+    the folder's lock and writes diagnosis.txt); None otherwise."""
+    try:
+        with open(note) as f:
+            run_id, folder = f.read().splitlines()[:2]
+    except (OSError, ValueError):
+        return None
+    if not load_fatal([folder], run_id) or not _claim(folder, run_id):
+        return None
+    text = diagnose_folder([folder], run_id)
+    try:
+        with open(os.path.join(folder, "diagnosis.txt"), "w") as f:
+            f.write(text + "\n")
+    except OSError:
+        pass
+    return text
 
 
 def print_diagnosis(rec: fr.FlightRecorder) -> None:
@@ -224,5 +342,10 @@ def print_diagnosis(rec: fr.FlightRecorder) -> None:
     finally:
         if monitor is not None:
             monitor.diagnosing = False
+    print_prefixed(text)
+
+
+def print_prefixed(text: str) -> None:
+    """The diagnosis on stderr, each line marked ``[hang diagnosis]`` (docs/troubleshooting.md)."""
     sys.stderr.write("".join(f"[hang diagnosis] {line}\n" for line in text.splitlines()))
     sys.stderr.flush()

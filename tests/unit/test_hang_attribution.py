@@ -3,14 +3,17 @@ whose program changed (it departs from its own previous iterations), in a group 
 in a larger one.  Dumps are written by the recorder itself, one recorder per rank, with the
 test hook applied to one of them (the issue's case: a data-parallel all-gather of the
 distributed optimizer dropped by one of two members)."""
+import faulthandler
 import json
-
-from megalite import comm
-from megalite.diagnostics import flight_recorder as fr
-from megalite.diagnostics.hang_diagnosis import Diagnosis, diagnose_folder
-from megalite.parallel_state import Group
+import subprocess
+import sys
 
 import torch
+
+from megalite import comm
+from megalite.diagnostics import flight_recorder as fr, hang_dumps
+from megalite.diagnostics.hang_diagnosis import Diagnosis, diagnose_folder, load_fatal
+from megalite.parallel_state import Group
 
 
 class Tracing(fr.FlightRecorder):
@@ -96,3 +99,85 @@ def test_a_program_change_shared_by_most_ranks_is_not_a_departure(tmp_path):
                      entries=entries[r], reason="watchdog: test") for r in range(4)}
     found = Diagnosis(dumps).deviations()
     assert [r for r, _ in found] == [3] and "iteration 3" in found[0][1], found
+
+
+# -- a rank the backend aborts --------------------------------------------------------------
+
+ABORTING_RANK = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+from megalite import comm
+from megalite.diagnostics import flight_recorder as fr, hang_dumps
+from megalite.parallel_state import Group
+
+rec = fr.FlightRecorder(rank=0)
+rec.meta, rec.dump_dir = {"run_id": "run-1"}, sys.argv[1]
+record = hang_dumps.FatalRecord()
+record.open(rec)
+dist.all_reduce = lambda *a, **k: os.abort()    # the backend's own abort, from C++
+comm.all_reduce(torch.ones(1), Group("dp-cp", [0, 1], None, 0))
+'''
+
+
+def _aborted_rank(tmp_path):
+    """Rank 0 of run-1 dies of SIGABRT inside comm.all_reduce (a subprocess)."""
+    p = subprocess.run([sys.executable, "-c", ABORTING_RANK, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == -6, p.stderr
+    return (tmp_path / fr.fatal_name(0)).read_text()
+
+
+def test_an_aborted_rank_leaves_its_last_words_and_is_the_victim_of_the_rank_that_left(
+        tmp_path):
+    """Rank 1 drops the loss all-reduce of iteration 3 (the hook) and goes on; rank 0's
+    all-reduce receives rank 1's next op and the backend aborts rank 0 (gloo: "Received data
+    size doesn't match expected size").  The dead rank is recorded as killed inside its
+    all-reduce, and rank 1 -- which left its program -- comes first."""
+
+    words = _aborted_rank(tmp_path)
+    assert words.startswith("megalite fatal-signal record: run run-1 rank 0 pid ")
+    assert "Fatal Python error: Aborted" in words and "megalite/comm.py" in words
+    fatal = load_fatal([str(tmp_path)], "run-1")
+    assert fatal[0].collective == "all_reduce" and fatal[0].caller.startswith("<string>:")
+    assert load_fatal([str(tmp_path)], "another run") == {}
+
+    _dump(1, "skip:rank=1,iteration=3,group=dp-cp,op=all_reduce", 2, 3, tmp_path)
+    text = diagnose_folder([str(tmp_path)])
+    causes = [l for l in text.splitlines() if l.startswith("cause:")]
+    assert causes[0].startswith("cause: rank 1 -- it left its own program") and \
+        "rank 0 then died inside a collective" in causes[0], text
+    assert causes[1].startswith("cause: rank 0 -- no dump: it died of a signal: Aborted") \
+        and "inside comm.all_reduce" in causes[1] and "rank00000.fatal.txt" in causes[1] \
+        and "a victim of rank 1's departure" in causes[1], text
+    assert "evidence: rank 1 left its program at iteration 3" in text, text
+
+
+def test_the_launcher_prints_the_diagnosis_only_when_a_rank_died_of_a_signal_unprinted(
+        tmp_path):
+
+    dumps, note = tmp_path / "dumps", tmp_path / "note"
+    dumps.mkdir()
+    _dump(1, "skip:rank=1,iteration=3,group=dp-cp,op=all_reduce", 2, 3, dumps)
+    note.write_text(f"run-1\n{dumps}\n")
+    assert hang_dumps.diagnosis_after_exit(str(note)) is None      # nobody died of a signal
+    _aborted_rank(dumps)
+    text = hang_dumps.diagnosis_after_exit(str(note))
+    assert text is not None and "cause: rank 1 -- it left its own program" in text
+    assert (dumps / "diagnosis.txt").read_text() == text + "\n"
+    assert hang_dumps.diagnosis_after_exit(str(note)) is None      # printed once
+
+
+def test_the_fatal_record_is_removed_when_the_rank_ends_otherwise(tmp_path):
+    """No litter: a rank that did not die of a signal leaves no record, nor a folder made
+    for it; faulthandler is back to what the user had."""
+
+
+    was = faulthandler.is_enabled()
+    rec = fr.FlightRecorder(rank=3)
+    rec.meta, rec.dump_dir = {"run_id": "run-1"}, str(tmp_path / "new")
+    record = hang_dumps.FatalRecord()
+    record.open(rec)
+    assert (tmp_path / "new" / fr.fatal_name(3)).exists() and faulthandler.is_enabled()
+    record.close()
+    assert not (tmp_path / "new").exists() and faulthandler.is_enabled() == was
