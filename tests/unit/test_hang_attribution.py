@@ -8,9 +8,12 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megalite import comm
+from megalite.cli.arguments import parse_args
+from megalite.diagnostics.collective_check import check_collectives, report_text
 from megalite.diagnostics import flight_recorder as fr, hang_dumps
 from megalite.diagnostics.hang_diagnosis import Diagnosis, diagnose_folder, load_fatal
 from megalite.parallel_state import Group
@@ -181,3 +184,26 @@ def test_the_fatal_record_is_removed_when_the_rank_ends_otherwise(tmp_path):
     assert (tmp_path / "new" / fr.fatal_name(3)).exists() and faulthandler.is_enabled()
     record.close()
     assert not (tmp_path / "new").exists() and faulthandler.is_enabled() == was
+
+
+# -- before launch ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("iteration", [1, 3])
+def test_the_pre_launch_check_names_the_rank_that_left_its_program(monkeypatch, iteration):
+    """TP2 x DP2 with the distributed optimizer; rank 2 drops its data-parallel all-gather.
+    The check traces the neighbouring iteration for the ranks a problem names: rank 2's
+    program departs from its own, rank 0's does not (iteration 1 has no previous one: the
+    next is the reference)."""
+    monkeypatch.setenv(fr.FAULT_ENV, f"skip:rank=2,iteration={iteration},group=dp-cp,"
+                                     "op=all_gather")
+    cfg = parse_args(["--world-size", "4", "--num-layers", "2", "--hidden-size", "32",
+                      "--num-attention-heads", "4", "--seq-length", "16", "--mock-data",
+                      "--vocab-size", "100", "--lr", "1e-3", "--micro-batch-size", "1",
+                      "--global-batch-size", "2", "--train-iters", "10",
+                      "--tensor-model-parallel-size", "2", "--use-distributed-optimizer"])
+    run = check_collectives(cfg)
+    assert [r for r, _ in run.verdict.causes] == [2], run.verdict.causes
+    ref = iteration - 1 if iteration > 1 else 2
+    assert f"in iteration {ref} it is all_gather" in run.verdict.causes[0][1]
+    text = report_text(run, 4)
+    assert "  cause: rank 2 -- it left its own program: its op " in text, text
