@@ -198,6 +198,7 @@ class FlightRecorder:
         self.dump_dir: Optional[str] = None
         self.meta: dict = {}       # run id, grid, peers: written into every dump
         self.dumps = 0
+        self.box = None            # the op in flight, for a fatal signal (hang_dumps.FatalRecord)
 
     # -- recording (comm.py) ----------------------------------------------------------------
     def group(self, group) -> GroupInfo:
@@ -229,6 +230,8 @@ class FlightRecorder:
                   s.iteration, s.phase, s.step, s.where, waiting)
         self.entries.append(e)
         self.started += 1
+        if self.box is not None:
+            self.box.note(e)
         return e
 
     def begin_p2p(self, group, sends, recvs, keys=None) -> Optional[Entry]:
@@ -250,6 +253,8 @@ class FlightRecorder:
                   parts)
         self.entries.append(e)
         self.started += 1
+        if self.box is not None:
+            self.box.note(e)
         return e
 
     def filter_p2p(self, group, sends, recvs, keys=None):
@@ -329,7 +334,29 @@ def dump_name(rank: int) -> str:
     return f"rank{rank:05d}.json"
 
 
-FATAL_HEADER = "megalite fatal-signal record: run {run_id} rank {rank} pid {pid} host {host}"
+BOX_BYTES = 400                # the line that holds the op in flight, in the fatal record
+
+
+class InFlight:
+    """The fatal record's second line, memory-mapped: the op this rank began last, written
+    at each op (a few microseconds) because a process aborted from C++ runs no Python
+    afterwards; the mapped page reaches the file when the process dies.  Fields are
+    separated by tabs (``hang_diagnosis.parse_in_flight`` reads them): seq, op, group
+    label, iteration, phase, step, module frames, shapes, dtype, p2p parts."""
+    __slots__ = ("map", "at")
+
+    def __init__(self, mapped, at: int):
+        self.map, self.at = mapped, at
+
+    def note(self, e: Entry) -> None:
+        parts = "" if e.parts is None else ";".join(
+            f"{kind},{peer},{'x'.join(map(str, shape))},{n},{key or ''}"
+            for kind, peer, shape, n, key in e.parts)
+        text = (f"{e.seq}\t{e.op}\t{e.group.label}\t{e.iteration}\t{e.phase}\t"
+                f"{step_text(e.step)}\t{' '.join(e.where)}\t"
+                f"{'/'.join('x'.join(map(str, s)) for s in e.shapes)}\t{e.dtype}\t{parts}"
+                ).encode("utf-8", "replace")[:BOX_BYTES]
+        self.map[self.at:self.at + BOX_BYTES] = text.ljust(BOX_BYTES)
 
 
 def fatal_name(rank: int) -> str:

@@ -61,6 +61,27 @@ def load_dumps(folders: List[str], run_id: Optional[str] = None) -> Dict[int, di
     return {d["rank"]: d for d in dumps if d.get("run_id") == run_id}
 
 
+FATAL_HEADER = "megalite fatal-signal record: run {run_id} rank {rank} pid {pid} host {host}"
+BOX_HEAD = "in flight: "       # the fatal record's second line (flight_recorder.InFlight)
+
+
+def parse_in_flight(line: str) -> Optional[dict]:
+    """The op a ``flight_recorder.InFlight`` line names, as a dump entry (never
+    completed); None before the rank's first op."""
+    fields = line[len(BOX_HEAD):].rstrip(" \n").split("\t")
+    if not line.startswith(BOX_HEAD) or len(fields) < 10:
+        return None
+    seq, op, group, it, phase, step, where, shapes, dtype, parts = fields[:10]
+    e = {"seq": int(seq), "op": op, "group": group, "it": int(it), "phase": phase,
+         "step": step, "where": where, "t0": None, "t1": None, "waiting": True,
+         "shapes": [[int(x) for x in s.split("x") if x] for s in shapes.split("/")]
+         if shapes else [], "dtype": dtype.replace("torch.", "") if dtype != "None" else None}
+    if op == "p2p":
+        e["parts"] = [[k, int(peer), [int(x) for x in shape.split("x") if x], int(n), key or None]
+                      for k, peer, shape, n, key in (p.split(",", 4) for p in parts.split(";"))]
+    return e
+
+
 def load_fatal(folders: List[str], run_id: Optional[str]) -> Dict[int, "Fatal"]:
     """rank -> the last words its fatal-signal handler wrote (``rankNNNNN.fatal.txt``), of
     run ``run_id``; a file with only its header (the rank did not die of a signal) is none."""
@@ -87,9 +108,10 @@ class Fatal:
     comm.py's collectives, called from where."""
 
     def __init__(self, rank: int, run_id: str, error: str, collective: Optional[str],
-                 caller: Optional[str], name: str):
+                 caller: Optional[str], name: str, in_flight: Optional[dict] = None):
         self.rank, self.run_id, self.error, self.name = rank, run_id, error, name
         self.collective, self.caller = collective, caller
+        self.in_flight = in_flight     # the op it began last (its flight recorder's)
 
     @classmethod
     def parse(cls, text: str, name: str) -> Optional["Fatal"]:
@@ -100,6 +122,12 @@ class Fatal:
             return None
         run_id = words[words.index("run") + 1]
         rank = int(words[words.index("rank") + 1])
+        box, _, rest = body.partition("\n")
+        in_flight = parse_in_flight(box) if box.startswith(BOX_HEAD) else None
+        if box.startswith(BOX_HEAD):
+            body = rest
+            if not body.strip():
+                return None             # only the header: it did not die of a signal
         error = next((l.split(":", 1)[1].strip() for l in body.splitlines()
                       if l.startswith("Fatal Python error:")), "killed by a signal")
         collective = caller = None
@@ -114,7 +142,7 @@ class Fatal:
                           None)
                 caller = f"{up[0]}:{up[2]} {up[1]}" if up else None
                 break
-        return cls(rank, run_id, error, collective, caller, name)
+        return cls(rank, run_id, error, collective, caller, name, in_flight)
 
     @staticmethod
     def _megalite_frames(block: str) -> List[tuple]:
@@ -137,6 +165,8 @@ class Fatal:
         where = f" inside comm.{self.collective}" if self.collective else ""
         if self.caller:
             where += f", called from {self.caller}"
+        if self.collective and self.in_flight:
+            where += f" ({op_text(self.in_flight)} at {site_text(self.in_flight)})"
         return f"{self.error} (a fatal signal){where}; its last words: {self.name}"
 
 
@@ -238,6 +268,7 @@ class Diagnosis:
         any_dump = max(dumps.values(), key=lambda d: d["time"])
         self.world = any_dump.get("world_size", max(dumps) + 1)
         self.run_id = any_dump.get("run_id", "?")
+        self.grid = any_dump.get("grid") or {}
         self.peers = {}
         for d in dumps.values():
             self.peers.update({int(r): p for r, p in d.get("peers", {}).items()})
@@ -373,19 +404,71 @@ class Diagnosis:
         f = self.fatal.get(rank)
         return not self.alive(rank) and f is not None and f.collective is not None
 
+    def running_without_dump(self, rank: int) -> bool:
+        """No dump, and its process still runs on this host: most likely blocked in a
+        collective that nothing has ended yet (the diagnosis was printed early)."""
+        host, pid = self.peers.get(rank, (None, None))
+        return not self.alive(rank) and not self.ranks[rank].stale and \
+            rank not in self.fatal and host == socket.gethostname() and \
+            process_state(pid) == "running but wrote no dump"
+
     def _left_before_killed(self, ranked: List[tuple]) -> List[tuple]:
-        """A rank the backend killed inside a collective is the victim of a peer that left
-        its own program, when one did: that peer comes first."""
-        victims = [r for r, _ in ranked if self.died_in_collective(r)]
-        left = [r for r, _ in self.deviations()] if victims else []
+        """When every rank the waiting ends at was killed inside a collective (the backend
+        aborted on the mismatch) or still runs without a dump, those are victims of a rank
+        that left its own program, if one did: that rank comes first."""
+        killed = [r for r, _ in ranked if self.died_in_collective(r)]
+        waiting = [r for r, _ in ranked if self.running_without_dump(r)]
+        if len(killed) + len(waiting) < len(ranked):
+            return ranked
+        left_dead = [r for r, _ in self.dead_departures()]
+        left = [r for r, _ in self.deviations()] + left_dead
         if not left:
             return ranked
-        many = len(victims) > 1
-        lead = [(r, f"it left its own program (evidence below); rank{'s' if many else ''} "
-                    f"{compact(victims)} then died inside a collective (the backend aborted "
-                    f"on the mismatch)") for r in left]
-        return lead + [(r, why + (f" -- a victim of rank {compact(left)}'s departure"
-                                  if r in victims else "")) for r, why in ranked]
+        killed = [r for r in killed if r not in left_dead]
+        lead = "it left its own program (evidence below)"
+        if killed:
+            lead += (f"; rank{'s' if len(killed) > 1 else ''} {compact(killed)} then died "
+                     f"inside a collective (the backend aborted on the mismatch)")
+        if waiting:
+            lead += (f"; rank{'s' if len(waiting) > 1 else ''} {compact(waiting)} had not "
+                     f"dumped yet")
+        victim = f" -- a victim of rank {compact(left)}'s departure"
+        why = dict(ranked)
+        return [(r, lead + (f"; {why[r]}" if r in why else "")) for r in left] + \
+            [(r, w + victim) for r, w in ranked if r not in left]
+
+    def dead_departures(self) -> List[tuple]:
+        """(rank, text): ranks killed inside a collective whose op in flight (their fatal
+        record's) differs from what every live rank of the same pipeline stage issued under
+        that number on its group of the same kind -- such ranks run the same program with
+        other peers, so the dead rank is the one that left it."""
+        out = []
+        for r in sorted(self.fatal):
+            e = self.fatal[r].in_flight
+            if not self.died_in_collective(r) or e is None or e["op"] == "p2p":
+                continue
+            kind = e["group"].split("[")[0]
+            seen = []
+            for a in self.ranks.values():
+                if not self.alive(a.rank) or self.stage(a.rank) != self.stage(r):
+                    continue
+                theirs = next((x for x in a.entries if x["op"] != "p2p" and x["seq"] == e["seq"]
+                               and x["group"].split("[")[0] == kind), None)
+                if theirs is not None:
+                    seen.append((a.rank, theirs))
+            mine = signature(e, with_step=True)
+            if seen and all(signature(t, with_step=True) != mine for _, t in seen):
+                a, t = seen[0]
+                out.append((r, f"rank {r} left its program at iteration {e['it']}: it died in "
+                               f"{op_text(e)} at {site_text(e)}; rank {a}, on the same "
+                               f"pipeline stage, issued {op_text(t)} at {site_text(t)} as its "
+                               f"#{e['seq']} there"))
+        return out
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage of ``rank`` (pipeline is the outermost dimension of the grid)."""
+        pp = max(1, int(self.grid.get("pp", 1)))
+        return rank // max(1, self.world // pp)
 
     def deviations(self) -> List[tuple]:
         """(rank, text): ranks that left their own program -- the first iteration in the dump
@@ -509,7 +592,7 @@ class Diagnosis:
             lines.append("cause: not found -- the waiting ranks wait on each other (a cycle): "
                          + "; ".join(f"rank {a} on {compact([m for m, _ in self.waits[a]])}"
                                      for a in waiting[:MAX_LISTED]))
-        for rank, text in self.deviations()[:MAX_LISTED]:
+        for rank, text in (self.deviations() + self.dead_departures())[:MAX_LISTED]:
             lines.append(f"  evidence: {text}")
         for _a, _b, text in self.mismatches()[:MAX_LISTED]:
             lines.append(f"  mismatch: {text}")

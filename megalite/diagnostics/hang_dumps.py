@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import mmap
 import os
 import select
 import signal
@@ -35,7 +36,8 @@ import torch.distributed as dist
 from megalite.diagnostics import flight_recorder as fr
 from megalite import comm
 from megalite.comm import CommError
-from megalite.diagnostics.hang_diagnosis import diagnose_folder, load_fatal, wait_for_dumps
+from megalite.diagnostics.hang_diagnosis import (BOX_HEAD, FATAL_HEADER, diagnose_folder,
+                                                 load_fatal, wait_for_dumps)
 
 QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
 MAX_WAIT_SECONDS = 30.0    # ... or this long in all
@@ -206,16 +208,21 @@ class FatalRecord:
         try:
             os.makedirs(rec.dump_dir, exist_ok=True)
             self.path = os.path.join(rec.dump_dir, fr.fatal_name(rec.rank))
-            self.file = open(self.path, "w")
-            self.file.write(fr.FATAL_HEADER.format(
-                run_id=rec.meta.get("run_id", "?"), rank=rec.rank, pid=os.getpid(),
-                host=socket.gethostname()) + "\n")
+            self.file = open(self.path, "w+b")     # read too: a shared mapping needs it
+            head = (FATAL_HEADER.format(run_id=rec.meta.get("run_id", "?"), rank=rec.rank,
+                                        pid=os.getpid(), host=socket.gethostname())
+                    + "\n" + BOX_HEAD).encode()
+            self.file.write(head + b" " * fr.BOX_BYTES + b"\n")
             self.file.flush()
-        except OSError:
-            self.file = self.path = None    # no record: the dump folder reports its own error
+            self.header_size = self.file.tell()
+            self.map = mmap.mmap(self.file.fileno(), self.header_size)
+        except OSError as exc:
+            print(f"[rank {rec.rank}] flight recorder: cannot write a fatal-signal record in "
+                  f"{rec.dump_dir}: {exc}", file=sys.stderr, flush=True)
+            self.file = self.path = None
             return
+        self.rec, rec.box = rec, fr.InFlight(self.map, len(head))
         self.made_dir = rec.dump_dir if made else None
-        self.header_size = self.file.tell()
         self.was_enabled = faulthandler.is_enabled()
         faulthandler.enable(file=self.file, all_threads=True)
 
@@ -225,7 +232,9 @@ class FatalRecord:
         faulthandler.disable()
         if self.was_enabled:
             faulthandler.enable()           # back to stderr, as the user had it
-        written = self.file.tell() > self.header_size
+        self.rec.box = None
+        self.map.close()
+        written = os.fstat(self.file.fileno()).st_size > self.header_size
         self.file.close()
         if not written:
             with contextlib.suppress(OSError):    # a folder not empty, a file gone

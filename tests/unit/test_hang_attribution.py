@@ -5,6 +5,8 @@ test hook applied to one of them (the issue's case: a data-parallel all-gather o
 distributed optimizer dropped by one of two members)."""
 import faulthandler
 import json
+import os
+import socket
 import subprocess
 import sys
 
@@ -15,7 +17,7 @@ from megalite import comm
 from megalite.cli.arguments import parse_args
 from megalite.diagnostics.collective_check import check_collectives, report_text
 from megalite.diagnostics import flight_recorder as fr, hang_dumps
-from megalite.diagnostics.hang_diagnosis import Diagnosis, diagnose_folder, load_fatal
+from megalite.diagnostics.hang_diagnosis import Diagnosis, Fatal, diagnose_folder, load_fatal
 from megalite.parallel_state import Group
 
 
@@ -207,3 +209,48 @@ def test_the_pre_launch_check_names_the_rank_that_left_its_program(monkeypatch, 
     assert f"in iteration {ref} it is all_gather" in run.verdict.causes[0][1]
     text = report_text(run, 4)
     assert "  cause: rank 2 -- it left its own program: its op " in text, text
+
+
+def test_a_peer_that_left_outranks_one_still_running_without_a_dump(tmp_path):
+    """Printed early (the rank that failed first did not wait for blocked peers): rank 0
+    has no dump yet but its process runs; rank 1 left its program.  Rank 1 comes first."""
+    _dump(1, "skip:rank=1,iteration=3,group=dp-cp,op=all_gather", 3, 1, tmp_path)
+    d = json.loads((tmp_path / fr.dump_name(1)).read_text())
+    d["peers"] = {"0": [socket.gethostname(), os.getpid()]}     # a live process
+    d["world_size"] = 2
+    (tmp_path / fr.dump_name(1)).write_text(json.dumps(d))
+    text = diagnose_folder([str(tmp_path)])
+    causes = [l for l in text.splitlines() if l.startswith("cause:")]
+    assert causes[0].startswith("cause: rank 1 -- it left its own program") and \
+        "rank 0 had not dumped yet" in causes[0], text
+    assert causes[1].startswith("cause: rank 0 -- no dump: running but wrote no dump") and \
+        causes[1].endswith("a victim of rank 1's departure"), text
+
+
+def test_a_killed_rank_whose_op_in_flight_differs_from_its_stage_mates_is_the_one_that_left():
+    """Both members of ep[0,1] died inside their all-to-all; rank 1's op in flight (from
+    its fatal record) is the combine where rank 2 and 3 (same program, other peers) issued
+    the dispatch under that number: rank 1 left, rank 0 is a victim."""
+    def a2a(seq, where, t1=1.0):
+        return dict(op="all_to_all", seq=seq, group="ep[2,3]", t0=0.5, t1=t1, it=3,
+                    phase="forward-backward", step="F mb 0", where=where, shapes=[[8, 4]],
+                    dtype="float32", waiting=t1 is None)
+    live = {r: dict(rank=r, time=1.0, run_id="x", world_size=4, peers={}, grid={"pp": 1},
+                    groups={"ep[2,3]": dict(ranks=[2, 3], seq=3),
+                            "dp[0-3]": dict(ranks=[0, 1, 2, 3], seq=1)},
+                    entries=[a2a(1, "layer 0 mlp dispatch"), a2a(2, "layer 0 mlp combine"),
+                             dict(a2a(1, "", None), op="all_reduce", group="dp[0-3]",
+                                  phase="grad sync", step="", shapes=[[4]])],
+                    reason="SIGTERM") for r in (2, 3)}
+
+    def dead(rank, where):
+        e = dict(a2a(1, where, None), group="ep[0,1]")
+        return Fatal(rank, "x", "Aborted", "all_to_all_single", "megalite/moe/x.py:1 f",
+                     fr.fatal_name(rank), e)
+    d = Diagnosis(live, {0: dead(0, "layer 0 mlp dispatch"),
+                         1: dead(1, "layer 0 mlp combine")})
+    assert [r for r, _ in d.dead_departures()] == [1]
+    causes = d.causes()
+    assert causes[0][0] == 1 and causes[0][1].startswith("it left its own program"), causes
+    assert "rank 0 then died inside a collective" in causes[0][1], causes
+    assert causes[1][0] == 0 and causes[1][1].endswith("a victim of rank 1's departure")
