@@ -199,6 +199,7 @@ class FlightRecorder:
         self.meta: dict = {}       # run id, grid, peers: written into every dump
         self.dumps = 0
         self.box = None            # the op in flight, for a fatal signal (hang_dumps.FatalRecord)
+        self.outstanding = []      # (entry, torch Work) of ops others wait on (``issued``)
 
     # -- recording (comm.py) ----------------------------------------------------------------
     def group(self, group) -> GroupInfo:
@@ -270,6 +271,28 @@ class FlightRecorder:
                 i += 1
         return kept_sends, kept_recvs, kept_keys if keys is not None else None
 
+    def issued(self, e: Optional[Entry], work) -> None:
+        """An op someone else waits on (FSDP2's, through torch's ``Work``): it counts as
+        pending until ``work`` reports completion, checked at the next such op and at a dump."""
+        if e is not None:
+            self.outstanding.append((e, work))
+            self.settle()
+
+    def settle(self) -> None:
+        """End the outstanding ops whose work has completed; the others wait."""
+        still = []
+        for e, work in self.outstanding:
+            try:                       # a failed work is "completed" with an exception
+                done = work.is_completed() and work.exception() is None
+            except RuntimeError:
+                done = False
+            if done:
+                self.end(e)
+            else:
+                e.waiting = True
+                still.append((e, work))
+        self.outstanding = still
+
     def end(self, e: Optional[Entry]) -> None:
         if e is not None:
             e.t1 = self.last_progress = time.time()
@@ -288,6 +311,7 @@ class FlightRecorder:
         it still in the ring (what the diagnosis compares), the groups' counts, and who this
         rank is.  Two whole iterations before the current one are kept because a rank that
         dropped an op and went on has a whole iteration that departs from the one before."""
+        self.settle()
         entries = list(self.entries)          # atomic under the GIL
         first = entries[-1].iteration - (KEPT_ITERATIONS - 1) if entries else 0
         # the oldest iteration kept is whole when the ring also holds an older op or never
@@ -341,7 +365,7 @@ class InFlight:
     """The fatal record's second line, memory-mapped: the op this rank began last, written
     at each op (a few microseconds) because a process aborted from C++ runs no Python
     afterwards; the mapped page reaches the file when the process dies.  Fields are
-    separated by tabs (``hang_diagnosis.parse_in_flight`` reads them): seq, op, group
+    separated by tabs (``hang_folder.parse_in_flight`` reads them): seq, op, group
     label, iteration, phase, step, module frames, shapes, dtype, p2p parts."""
     __slots__ = ("map", "at")
 

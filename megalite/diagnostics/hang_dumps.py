@@ -36,8 +36,8 @@ import torch.distributed as dist
 from megalite.diagnostics import flight_recorder as fr
 from megalite import comm
 from megalite.comm import CommError
-from megalite.diagnostics.hang_diagnosis import (BOX_HEAD, FATAL_HEADER, diagnose_folder,
-                                                 load_fatal, wait_for_dumps)
+from megalite.diagnostics.hang_diagnosis import diagnose_folder
+from megalite.diagnostics.hang_folder import BOX_HEAD, FATAL_HEADER, load_fatal, wait_for_dumps
 
 QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
 MAX_WAIT_SECONDS = 30.0    # ... or this long in all
@@ -267,9 +267,14 @@ def on_failure(exc: BaseException) -> None:
     if not rec.enabled or not rec.dump_dir:
         return
     try:
-        if not isinstance(exc, CommError):
+        rec.settle()
+        if not isinstance(exc, CommError) and isinstance(exc, RuntimeError) and rec.outstanding:
+            for e, _work in rec.outstanding:   # torch's own wait on FSDP2's op failed
+                rec.fail(e, exc)
+        elif not isinstance(exc, CommError):
             rec.dump(f"error: {type(exc).__name__}: {str(exc).strip()[:300]}")
-        elif claim_diagnosis(rec):   # else another rank prints it (or the folder is unwritable)
+            return
+        if claim_diagnosis(rec):     # else another rank prints it (or the folder is unwritable)
             print_diagnosis(rec)
     finally:
         _fatal.close()               # the process ends by os._exit: no atexit

@@ -17,7 +17,8 @@ from megalite import comm
 from megalite.cli.arguments import parse_args
 from megalite.diagnostics.collective_check import check_collectives, report_text
 from megalite.diagnostics import flight_recorder as fr, hang_dumps
-from megalite.diagnostics.hang_diagnosis import Diagnosis, Fatal, diagnose_folder, load_fatal
+from megalite.diagnostics.hang_folder import Fatal, load_fatal
+from megalite.diagnostics.hang_diagnosis import Diagnosis, diagnose_folder
 from megalite.parallel_state import Group
 
 
