@@ -173,9 +173,10 @@ class Diagnosis:
                                        + self._elsewhere(m, label)))
                 else:
                     theirs = self._op_numbered(m, label, e["seq"])
-                    if theirs is not None and signature(theirs, with_step=True) != \
-                            signature(e, with_step=True):
-                        # it entered a different op with this number: each waits on the other
+                    # its op with this number is another one: each waits on the other (the
+                    # call site may differ across pipeline stages, the loop's phase not)
+                    if theirs is not None and (signature(theirs)[:4], theirs["it"]) != \
+                            (signature(e)[:4], e["it"]):
                         self.waits[r.rank].append((m, f"{op_text(e)}: rank {m} issued "
                                                       f"{op_text(theirs)} at {site_text(theirs)} "
                                                       f"as its #{e['seq']} there"))

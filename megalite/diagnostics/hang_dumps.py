@@ -9,11 +9,16 @@ A rank writes ``rank00003.json`` into the run's dump folder
 * from the watchdog (``--hang-watchdog-seconds S``): an op has waited and none has completed
   for S seconds.  Training is not interrupted; the dump is replaced on the next stall.
 
+A rank the backend kills from C++ can write no dump: its ``rank00003.fatal.txt``
+(``FatalRecord``) holds the op it began last and, from ``faulthandler``, its threads' stacks.
+
 The folder is ``--hang-dump-dir``, else ``<--save>/hang_dumps``, else ``hang_dumps`` beside
 ``--metrics-file``, else ``/tmp/megalite-hangs/<run id>``.  After a ``CommError`` the first
 rank to claim the folder's lock waits until the dumps stop arriving and prints the diagnosis
-(also written to ``diagnosis.txt``); after a watchdog dump rank 0 does.  ``megalite hangs
-DIR`` prints it again afterwards, from any machine that sees the folder.
+(also written to ``diagnosis.txt``); after a watchdog dump rank 0 does; after a rank died
+of a signal, the first survivor ended by SIGTERM does, or ``megalite.elastic.launch`` once
+the workers are gone (``diagnosis_after_exit``).  ``megalite hangs DIR`` prints it again
+afterwards, from any machine that sees the folder.
 """
 from __future__ import annotations
 
