@@ -47,6 +47,7 @@ from megalite.diagnostics.hang_folder import BOX_HEAD, FATAL_HEADER, load_fatal,
 QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
 MAX_WAIT_SECONDS = 30.0    # ... or this long in all
 LOCK_NAME = ".diagnosis-{run_id}.lock"
+PRINTED_NAME = ".diagnosis-{run_id}.printed"
 
 
 def dump_dir_for(cfg, run_id: str) -> str:
@@ -111,7 +112,7 @@ class Monitor(threading.Thread):
                 if signal.SIGUSR2 in got:
                     self.report("SIGUSR2", announce=False)
                 if signal.SIGTERM in got and signal.getsignal(signal.SIGTERM) is _ignore:
-                    if self.diagnosing:
+                    if self.diagnosing or _claimed_here:   # the main thread prints, exits
                         self.hurry.set()
                     else:
                         self.rec.dump("SIGTERM (the job is being ended)")
@@ -285,9 +286,14 @@ def on_failure(exc: BaseException) -> None:
         _fatal.close()               # the process ends by os._exit: no atexit
 
 
+_claimed_here = False       # this process holds the run's diagnosis lock: it prints
+
+
 def claim_diagnosis(rec: fr.FlightRecorder) -> bool:
-    """True for the first rank (or launcher) to ask: it prints the run's diagnosis."""
-    return _claim(rec.dump_dir, rec.meta.get("run_id", ""))
+    """True for the first rank to ask: it prints the run's diagnosis."""
+    global _claimed_here
+    _claimed_here = _claim(rec.dump_dir, rec.meta.get("run_id", ""))
+    return _claimed_here
 
 
 def _claim(folder: str, run_id: str) -> bool:
@@ -332,15 +338,22 @@ def diagnosis_after_exit(note: str) -> Optional[str]:
             run_id, folder = f.read().splitlines()[:2]
     except (OSError, ValueError):
         return None
-    if not load_fatal([folder], run_id) or not _claim(folder, run_id):
-        return None
+    if not load_fatal([folder], run_id) or \
+            os.path.exists(os.path.join(folder, PRINTED_NAME.format(run_id=run_id))):
+        return None                 # (a rank that claimed the lock may have died unprinted)
     text = diagnose_folder([folder], run_id)
+    _written(folder, run_id, text)
+    return text
+
+
+def _written(folder: str, run_id: str, text: str) -> None:
+    """diagnosis.txt, and the mark that the run's diagnosis has been printed."""
     try:
         with open(os.path.join(folder, "diagnosis.txt"), "w") as f:
             f.write(text + "\n")
+        open(os.path.join(folder, PRINTED_NAME.format(run_id=run_id)), "w").close()
     except OSError:
         pass
-    return text
 
 
 def print_diagnosis(rec: fr.FlightRecorder) -> None:
@@ -354,8 +367,7 @@ def print_diagnosis(rec: fr.FlightRecorder) -> None:
                        QUIET_SECONDS, MAX_WAIT_SECONDS,
                        hurry=monitor.hurry if monitor is not None else None)
         text = diagnose_folder([rec.dump_dir])
-        with open(os.path.join(rec.dump_dir, "diagnosis.txt"), "w") as f:
-            f.write(text + "\n")
+        _written(rec.dump_dir, rec.meta.get("run_id", ""), text)
     except Exception as exc:        # the diagnosis must never hide the original error
         text = f"hang diagnosis failed: {type(exc).__name__}: {exc}"
     finally:
