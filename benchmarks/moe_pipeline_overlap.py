@@ -29,7 +29,7 @@ def _run(name: str, args: dict):
     import torch.distributed as dist
 
     from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
-    from megalite.diagnostics import flight_recorder as fr
+    from megalite.comm import flight_recorder as fr
     from megalite.models.stages import build_model_chunks
     from megalite.parallel_state import ParallelState, RankGrid
     from megalite.pipeline_parallel.schedules import run_schedule

@@ -37,6 +37,8 @@ LONG_TESTS = (
     # the run-time half of the skip hook (the default run keeps the SIGSTOP diagnosis and
     # the pre-launch mismatch of tests/unit/test_collective_check.py)
     "tests/e2e/test_hangs_e2e.py::test_a_skipped_pipeline_send_is_named_before_launch",
+    # the rest of the hook's matrix (the default run keeps three representative cases)
+    "tests/e2e/test_hang_matrix_e2e.py::test_more_layouts_name_the_cause",
     "tests/e2e/test_elastic_launch_e2e.py::test_misfit_world_trains_on_the_largest_fitting_part",
     # families: the default run keeps Llama and Mixtral through test_user_paths_e2e.py,
     # end to end; every family's import is checked in-process by

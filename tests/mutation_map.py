@@ -14,7 +14,8 @@ the derived micro-batch count).
 """
 
 _ELASTIC = ("tests/unit/test_elastic.py", "tests/unit/test_elastic_oracles.py")
-_HANGS = ("tests/unit/test_flight_recorder.py", "tests/unit/test_hang_rankings.py")
+_HANGS = ("tests/unit/test_flight_recorder.py", "tests/unit/test_hang_rankings.py",
+          "tests/unit/test_hang_attribution.py")
 _HF = ("tests/unit/test_hf_families.py", "tests/unit/test_hf_export_families.py",
        "tests/unit/test_hf_adapters.py")
 _MOE = ("tests/unit/test_moe.py", "tests/unit/test_moe_oracles.py")
@@ -25,6 +26,7 @@ MAP = {
     "megalite/elastic/relayout.py": _ELASTIC,
     "megalite/cli/elastic_fit.py": _ELASTIC + ("tests/unit/test_derived_config.py",),
     "megalite/diagnostics/hang_diagnosis.py": _HANGS,
+    "megalite/diagnostics/hang_folder.py": _HANGS,
     "megalite/cli/features.py": ("tests/unit/test_feature_table.py",
                                  "tests/unit/test_structure_oracles.py"),
     "megalite/checkpointing/hf_adapters/llama.py": _HF + (
@@ -77,9 +79,10 @@ SAMPLE = {
     "megalite/elastic/snapshot_restore.py": ("choose", "transfer_plan", "intersect"),
     "megalite/elastic/resume.py": ("resume_source", "_newest_disk_iteration"),
     "megalite/cli/elastic_fit.py": ("fit_world", "describe", "fits"),
-    "megalite/diagnostics/hang_diagnosis.py": ("causes", "load_dumps", "last_completed",
+    "megalite/diagnostics/hang_diagnosis.py": ("causes", "last_completed",
                                                "last_seen", "_stuck_lines", "mismatches",
-                                               "deviations"),
+                                               "deviations", "_left_before_killed"),
+    "megalite/diagnostics/hang_folder.py": ("load_dumps", "load_fatal", "parse"),
     "megalite/cli/features.py": None,
     "megalite/checkpointing/hf_adapters/qwen3.py": None,
     "megalite/checkpointing/hf_adapters/llama.py": ("from_hf", "to_hf"),

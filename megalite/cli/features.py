@@ -465,8 +465,11 @@ RULES: Tuple[Rule, ...] = (
         _hsdp_reason),
     Relation("--check-collectives excludes --use-torch-fsdp2", lambda c: (
         c.training.check_collectives and c.parallel.use_torch_fsdp2),
-        "--check-collectives does not cover --use-torch-fsdp2: FSDP2 issues its collectives "
-        "inside torch, not through megalite's comm layer"),
+        "--check-collectives does not cover --use-torch-fsdp2: the check runs each rank's step "
+        "on meta tensors without process groups, and FSDP2 (torch's fully_shard) needs a "
+        "device mesh of real process groups and refuses meta parameters in a step; at run "
+        "time its all-gathers and reduce-scatters are recorded (the flight recorder and "
+        "MEGALITE_FAULT_INJECT see them) -- check the layout without --use-torch-fsdp2"),
     # the model
     Relation("multi-latent attention needs rope", lambda c: (
         c.model.multi_latent_attention and c.model.position_embedding_type != "rope"),

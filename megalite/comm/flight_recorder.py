@@ -32,6 +32,7 @@ import torch
 
 DEFAULT_CAPACITY = 10000       # entries per rank (--flight-recorder-size)
 DUMP_VERSION = 1
+KEPT_ITERATIONS = 3            # the current iteration and the two before it, in a dump
 FAULT_ENV = "MEGALITE_FAULT_INJECT"   # test hook: "skip:rank=5,iteration=3,group=pp,op=send"
 
 
@@ -197,6 +198,8 @@ class FlightRecorder:
         self.dump_dir: Optional[str] = None
         self.meta: dict = {}       # run id, grid, peers: written into every dump
         self.dumps = 0
+        self.box = None            # the op in flight, for a fatal signal (hang_dumps.FatalRecord)
+        self.outstanding = []      # (entry, torch Work) of ops others wait on (``issued``)
 
     # -- recording (megalite.comm) ----------------------------------------------------------------
     def group(self, group) -> GroupInfo:
@@ -228,6 +231,8 @@ class FlightRecorder:
                   s.iteration, s.phase, s.step, s.where, waiting)
         self.entries.append(e)
         self.started += 1
+        if self.box is not None:
+            self.box.note(e)
         return e
 
     def begin_p2p(self, group, sends, recvs, keys=None) -> Optional[Entry]:
@@ -249,6 +254,8 @@ class FlightRecorder:
                   parts)
         self.entries.append(e)
         self.started += 1
+        if self.box is not None:
+            self.box.note(e)
         return e
 
     def filter_p2p(self, group, sends, recvs, keys=None):
@@ -264,6 +271,28 @@ class FlightRecorder:
                 i += 1
         return kept_sends, kept_recvs, kept_keys if keys is not None else None
 
+    def issued(self, e: Optional[Entry], work) -> None:
+        """An op someone else waits on (FSDP2's, through torch's ``Work``): it counts as
+        pending until ``work`` reports completion, checked at the next such op and at a dump."""
+        if e is not None:
+            self.outstanding.append((e, work))
+            self.settle()
+
+    def settle(self) -> None:
+        """End the outstanding ops whose work has completed; the others wait."""
+        still = []
+        for e, work in self.outstanding:
+            try:                       # a failed work is "completed" with an exception
+                done = work.is_completed() and work.exception() is None
+            except RuntimeError:
+                done = False
+            if done:
+                self.end(e)
+            else:
+                e.waiting = True
+                still.append((e, work))
+        self.outstanding = still
+
     def end(self, e: Optional[Entry]) -> None:
         if e is not None:
             e.t1 = self.last_progress = time.time()
@@ -278,14 +307,18 @@ class FlightRecorder:
 
     # -- dumps ------------------------------------------------------------------------------
     def snapshot(self, reason: str) -> dict:
-        """The dump: every op of the current and the previous iteration still in the ring
-        (what the diagnosis compares), the groups' counts, and who this rank is."""
+        """The dump: every op of the current and the ``KEPT_ITERATIONS - 1`` iterations before
+        it still in the ring (what the diagnosis compares), the groups' counts, and who this
+        rank is.  Two whole iterations before the current one are kept because a rank that
+        dropped an op and went on has a whole iteration that departs from the one before."""
+        self.settle()
         entries = list(self.entries)          # atomic under the GIL
-        # the previous iteration is whole when the ring also holds an older op or never wrapped
-        whole = bool(entries) and (entries[0].iteration < entries[-1].iteration - 1 or
+        first = entries[-1].iteration - (KEPT_ITERATIONS - 1) if entries else 0
+        # the oldest iteration kept is whole when the ring also holds an older op or never
+        # wrapped
+        whole = bool(entries) and (entries[0].iteration < first or
                                    self.started <= len(entries))
         if entries:
-            first = entries[-1].iteration - 1
             entries = [e for e in entries if e.iteration >= first]
         groups = {g.label: {"kind": g.kind, "ranks": list(g.ranks), "torch": g.torch_name,
                             "seq": g.seq, "p2p": {f"{k}:{p}": n for (k, p), n in g.p2p.items()}}
@@ -293,7 +326,7 @@ class FlightRecorder:
         out = {"version": DUMP_VERSION, "rank": self.rank, "reason": reason, "time": time.time(),
                "pid": os.getpid(), "host": socket.gethostname(), "capacity": self.capacity,
                "started": self.started, "completed": self.completed,
-               "previous_iteration_whole": whole,
+               "previous_iteration_whole": whole,   # the oldest iteration kept is whole
                "last_progress": self.last_progress,   # site is per thread: the newest op's
                "iteration": entries[-1].iteration if entries else 0,
                **self.meta, "groups": groups, "entries": [e.to_json() for e in entries]}
@@ -323,6 +356,38 @@ class FlightRecorder:
 
 def dump_name(rank: int) -> str:
     return f"rank{rank:05d}.json"
+
+
+BOX_BYTES = 400                # the line that holds the op in flight, in the fatal record
+
+
+class InFlight:
+    """The fatal record's second line, memory-mapped: the op this rank began last, written
+    at each op (a few microseconds) because a process aborted from C++ runs no Python
+    afterwards; the mapped page reaches the file when the process dies.  Fields are
+    separated by tabs (``hang_folder.parse_in_flight`` reads them): seq, op, group
+    label, iteration, phase, step, module frames, shapes, dtype, p2p parts."""
+    __slots__ = ("map", "at")
+
+    def __init__(self, mapped, at: int):
+        self.map, self.at = mapped, at
+
+    def note(self, e: Entry) -> None:
+        parts = "" if e.parts is None else ";".join(
+            f"{kind},{peer},{'x'.join(map(str, shape))},{n},{key or ''}"
+            for kind, peer, shape, n, key in e.parts)
+        text = (f"{e.seq}\t{e.op}\t{e.group.label}\t{e.iteration}\t{e.phase}\t"
+                f"{step_text(e.step)}\t{' '.join(e.where)}\t"
+                f"{'/'.join('x'.join(map(str, s)) for s in e.shapes)}\t{e.dtype}\t{parts}"
+                ).encode("utf-8", "replace")[:BOX_BYTES]
+        self.map[self.at:self.at + BOX_BYTES] = text.ljust(BOX_BYTES)
+
+
+def fatal_name(rank: int) -> str:
+    """The file a rank's fatal-signal handler (``faulthandler``) writes its last words to:
+    a process the backend aborts from C++ (gloo's enforce failures, NCCL's async error
+    handling) runs no Python, so it can leave no dump, only this."""
+    return f"rank{rank:05d}.fatal.txt"
 
 
 def torch_flight_recorder_json() -> Optional[dict]:

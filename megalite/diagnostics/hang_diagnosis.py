@@ -19,8 +19,6 @@ went on to complete more ops with its peers is stale and ignored as well.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import socket
 import sys
@@ -28,60 +26,16 @@ import time
 from collections import defaultdict
 from typing import Dict, List, Optional
 
+# the folder's readers; load_dumps and wait_for_dumps are also read from here
+from megalite.diagnostics.hang_folder import (Fatal, load_dumps, load_fatal,  # noqa: F401
+                                              wait_for_dumps)
+
 MAX_LISTED = 8              # stuck groups and waiting ranks shown before "... and N more"
 TRAIN_PHASES = ("loss tokens", "forward-backward", "loss", "grad sync", "optimizer",
                 "after step")
 
 
 # -- loading -------------------------------------------------------------------------------
-
-def dump_files(folders: List[str]) -> List[str]:
-    files = []
-    for folder in folders:
-        if os.path.isdir(os.path.join(folder, "hang_dumps")) and \
-                not glob.glob(os.path.join(folder, "rank*.json")):
-            folder = os.path.join(folder, "hang_dumps")   # given --save or the metrics folder
-        files += sorted(glob.glob(os.path.join(folder, "rank*.json")))
-    return files
-
-
-def load_dumps(folders: List[str], run_id: Optional[str] = None) -> Dict[int, dict]:
-    """rank -> dump, of the newest run (or ``run_id``) found in ``folders``."""
-    dumps = []
-    for path in dump_files(folders):
-        try:
-            with open(path) as f:
-                dumps.append(json.load(f))
-        except (OSError, ValueError):
-            continue                      # being written, or torn: skip it
-    if not dumps:
-        return {}
-    if run_id is None:
-        run_id = max(dumps, key=lambda d: d["time"]).get("run_id")
-    return {d["rank"]: d for d in dumps if d.get("run_id") == run_id}
-
-
-def wait_for_dumps(folder: str, run_id: str, world_size: int, quiet: float,
-                   limit: float, hurry=None) -> int:
-    """Until every rank of the run has dumped, or none has for ``quiet`` seconds (at most
-    ``limit``, or until the event ``hurry`` is set); returns how many dumps there are."""
-    t0, last_change, seen = time.time(), time.time(), None
-    while True:
-        stamps = {}
-        for path in glob.glob(os.path.join(folder, "rank*.json")):
-            try:
-                stamps[path] = os.stat(path).st_mtime
-            except OSError:
-                pass
-        if stamps != seen:
-            seen, last_change = stamps, time.time()
-        now = time.time()
-        if hurry is not None and hurry.is_set():
-            quiet = min(quiet, 0.5)        # the job is being ended: only the dumps under way
-        if len(seen) >= world_size or now - last_change >= quiet or now - t0 >= limit:
-            return len(load_dumps([folder], run_id))
-        time.sleep(0.2)
-
 
 # -- reading one dump ------------------------------------------------------------------------
 
@@ -154,10 +108,12 @@ class Rank:
 # -- the diagnosis -----------------------------------------------------------------------------
 
 class Diagnosis:
-    def __init__(self, dumps: Dict[int, dict]):
+    def __init__(self, dumps: Dict[int, dict], fatal: Optional[Dict[int, Fatal]] = None):
+        self.fatal = fatal or {}               # rank -> its death by a signal (no dump)
         any_dump = max(dumps.values(), key=lambda d: d["time"])
         self.world = any_dump.get("world_size", max(dumps) + 1)
         self.run_id = any_dump.get("run_id", "?")
+        self.grid = any_dump.get("grid") or {}
         self.peers = {}
         for d in dumps.values():
             self.peers.update({int(r): p for r, p in d.get("peers", {}).items()})
@@ -215,6 +171,15 @@ class Diagnosis:
                 elif self.ranks[m].issued(label) < e["seq"]:
                     missing.append((m, f"its last op there is #{self.ranks[m].issued(label)}"
                                        + self._elsewhere(m, label)))
+                else:
+                    theirs = self._op_numbered(m, label, e["seq"])
+                    # its op with this number is another one: each waits on the other (the
+                    # call site may differ across pipeline stages, the loop's phase not)
+                    if theirs is not None and (signature(theirs)[:4], theirs["it"]) != \
+                            (signature(e)[:4], e["it"]):
+                        self.waits[r.rank].append((m, f"{op_text(e)}: rank {m} issued "
+                                                      f"{op_text(theirs)} at {site_text(theirs)} "
+                                                      f"as its #{e['seq']} there"))
             for m, why in missing:
                 self.waits[r.rank].append((m, f"{op_text(e)}: rank {m} never entered it "
                                               f"({why})"))
@@ -237,6 +202,10 @@ class Diagnosis:
                                              + f": rank {peer} has no matching {other} "
                                                f"({why})"))
             self.stuck.append((label, n, r.rank, e, [(peer, why)]))
+
+    def _op_numbered(self, m: int, label: str, seq: int) -> Optional[dict]:
+        return next((e for e in self.ranks[m].entries if e["group"] == label and
+                     e["op"] != "p2p" and e["seq"] == seq), None)
 
     def _elsewhere(self, m: int, label: str) -> str:
         cur = self.ranks[m].current
@@ -263,9 +232,10 @@ class Diagnosis:
                     reach[r].add(start)
                 todo += [m for m, _ in self.waits.get(r, ())]
         if terminal:
-            return [(r, self.state_of(r)) for r in
-                    sorted(terminal, key=lambda r: (-len(reach[r]), r))]
-        cycle = "the waiting ranks wait on each other in a cycle, and"
+            ranked = [(r, self.state_of(r)) for r in
+                      sorted(terminal, key=lambda r: (-len(reach[r]), r))]
+            return self._left_before_killed(ranked)
+        cycle = "the waiting ranks wait on each other (their ops differ), and"
         found = [(r, f"{cycle} it left its own program (evidence below)")
                  for r, _ in self.deviations()]
         if not found:
@@ -273,28 +243,131 @@ class Diagnosis:
                          f"(mismatch below)") for a, b, _ in self.mismatches()]
         return found
 
-    def deviations(self) -> List[tuple]:
-        """(rank, text): ranks whose latest iteration is not a prefix of the one before."""
-        found = []
-        for r in self.ranks.values():
-            if not self.alive(r.rank) or not r.entries:
+    def died_in_collective(self, rank: int) -> bool:
+        """No dump, and its fatal-signal handler saw it die inside one of comm.py's
+        collectives: the backend aborted it there (a mismatch gloo detects, NCCL's async
+        error handling)."""
+        f = self.fatal.get(rank)
+        return not self.alive(rank) and f is not None and f.collective is not None
+
+    def running_without_dump(self, rank: int) -> bool:
+        """No dump, and its process still runs on this host: most likely blocked in a
+        collective that nothing has ended yet (the diagnosis was printed early)."""
+        host, pid = self.peers.get(rank, (None, None))
+        return not self.alive(rank) and not self.ranks[rank].stale and \
+            rank not in self.fatal and host == socket.gethostname() and \
+            process_state(pid) == "running but wrote no dump"
+
+    def _left_before_killed(self, ranked: List[tuple]) -> List[tuple]:
+        """When every rank the waiting ends at was killed inside a collective (the backend
+        aborted on the mismatch) or still runs without a dump, those are victims of a rank
+        that left its own program, if one did: that rank comes first."""
+        killed = [r for r, _ in ranked if self.died_in_collective(r)]
+        waiting = [r for r, _ in ranked if self.running_without_dump(r)]
+        if len(killed) + len(waiting) < len(ranked):
+            return ranked
+        left_dead = [r for r, _ in self.dead_departures()]
+        left = [r for r, _ in self.deviations()] + left_dead
+        if not left:
+            return ranked
+        killed = [r for r in killed if r not in left_dead]
+        lead = "it left its own program (evidence below)"
+        if killed:
+            lead += (f"; rank{'s' if len(killed) > 1 else ''} {compact(killed)} then died "
+                     f"inside a collective (the backend aborted on the mismatch)")
+        if waiting:
+            lead += (f"; rank{'s' if len(waiting) > 1 else ''} {compact(waiting)} had not "
+                     f"dumped yet")
+        victim = f" -- a victim of rank {compact(left)}'s departure"
+        why = dict(ranked)
+        return [(r, lead + (f"; {why[r]}" if r in why else "")) for r in left] + \
+            [(r, w + victim) for r, w in ranked if r not in left]
+
+    def dead_departures(self) -> List[tuple]:
+        """(rank, text): ranks killed inside a collective whose op in flight (their fatal
+        record's) differs from what every live rank of the same pipeline stage issued under
+        that number on its group of the same kind -- such ranks run the same program with
+        other peers, so the dead rank is the one that left it."""
+        out = []
+        for r in sorted(self.fatal):
+            e = self.fatal[r].in_flight
+            if not self.died_in_collective(r) or e is None or e["op"] == "p2p":
                 continue
-            it = max(e["it"] for e in r.entries)
-            cur = [e for e in r.entries if e["it"] == it and e["phase"] in TRAIN_PHASES]
-            prev = [e for e in r.entries if e["it"] == it - 1 and e["phase"] in TRAIN_PHASES]
-            if it < 2 or not prev or not r.dump.get("previous_iteration_whole", True):
-                continue              # the buffer no longer holds the whole previous one
+            kind = e["group"].split("[")[0]
+            seen = []
+            for a in self.ranks.values():
+                if not self.alive(a.rank) or self.stage(a.rank) != self.stage(r):
+                    continue
+                theirs = next((x for x in a.entries if x["op"] != "p2p" and x["seq"] == e["seq"]
+                               and x["group"].split("[")[0] == kind), None)
+                if theirs is not None:
+                    seen.append((a.rank, theirs))
+            mine = signature(e, with_step=True)
+            if seen and all(signature(t, with_step=True) != mine for _, t in seen):
+                a, t = seen[0]
+                out.append((r, f"rank {r} left its program at iteration {e['it']}: it died in "
+                               f"{op_text(e)} at {site_text(e)}; rank {a}, on the same "
+                               f"pipeline stage, issued {op_text(t)} at {site_text(t)} as its "
+                               f"#{e['seq']} there"))
+        return out
+
+    def stage(self, rank: int) -> int:
+        """The pipeline stage of ``rank`` (pipeline is the outermost dimension of the grid)."""
+        pp = max(1, int(self.grid.get("pp", 1)))
+        return rank // max(1, self.world // pp)
+
+    def deviations(self) -> List[tuple]:
+        """(rank, text): ranks that left their own program -- the first iteration in the dump
+        that is not what the one before it was (a whole iteration: the same ops; the one in
+        progress: a prefix of them).  This decides between members that disagree at an op
+        number, in a group of any size: the member whose program changed is the cause.  An
+        iteration where most ranks depart from the one before is a change of program (a
+        first iteration, a ramp-up step), not a fault."""
+        departures = {r: self._departures(r) for r in self.ranks if self.alive(r)}
+        limit = max(2, len(departures) // 2)
+        count = defaultdict(int)
+        for by_it in departures.values():
+            for it in by_it:
+                count[it] += 1
+        found = []
+        for r, by_it in sorted(departures.items()):
+            kept = [it for it in sorted(by_it) if count[it] <= limit]
+            if kept:
+                found.append((r, by_it[kept[0]]))
+        return found
+
+    def _departures(self, rank: int) -> Dict[int, str]:
+        """iteration -> how ``rank``'s training ops there depart from the iteration before."""
+        r = self.ranks[rank]
+        if not r.entries:
+            return {}
+        by_it = defaultdict(list)
+        for e in r.entries:
+            if e["phase"] in TRAIN_PHASES:
+                by_it[e["it"]].append(e)
+        oldest, newest = min(e["it"] for e in r.entries), max(e["it"] for e in r.entries)
+        whole_oldest = r.dump.get("previous_iteration_whole", True)
+        out = {}
+        for it in sorted(by_it):
+            prev = by_it.get(it - 1)
+            if it < 2 or not prev or (it - 1 == oldest and not whole_oldest):
+                continue              # the buffer no longer holds the whole iteration before
+            cur = by_it[it]
+            head = f"rank {rank} left its program at iteration {it}: "
             for i, e in enumerate(cur):
                 if i >= len(prev) or signature(e) != signature(prev[i]):
                     was = op_text(prev[i]) + " at " + site_text(prev[i]) if i < len(prev) \
                         else "nothing"
-                    found.append((r.rank, f"rank {r.rank} left its program at iteration {it}: "
-                                          f"its op {i + 1} there is {op_text(e)} at "
-                                          f"{site_text(e)}; in iteration {it - 1} it was {was}"))
+                    out[it] = head + (f"its op {i + 1} there is {op_text(e)} at "
+                                      f"{site_text(e)}; in iteration {it - 1} it was {was}")
                     break
-        if len(found) > max(2, len([r for r in self.ranks if self.alive(r)]) // 2):
-            return []                 # most ranks differ: a change of program, not a fault
-        return found
+            else:
+                if it < newest and len(cur) < len(prev):     # it went on to the next one
+                    e = prev[len(cur)]
+                    out[it] = head + (f"it went on to iteration {it + 1} after {len(cur)} "
+                                      f"ops; in iteration {it - 1} op {len(cur) + 1} was "
+                                      f"{op_text(e)} at {site_text(e)}")
+        return out
 
     def mismatches(self) -> List[tuple]:
         """(rank a, rank b, text): ops with the same number on a group that differ."""
@@ -340,6 +413,8 @@ class Diagnosis:
             return "it was in no collective when it dumped (busy elsewhere)"
         host, pid = self.peers.get(rank, (None, None))
         what = "stale dump" if r.stale else "no dump"
+        if rank in self.fatal:
+            return f"{what}: it died of a signal: {fatal_text(self.fatal[rank])}"
         if host is None:
             return f"{what}: dead, stopped or unable to run Python"
         if host != socket.gethostname():
@@ -363,7 +438,7 @@ class Diagnosis:
             lines.append("cause: not found -- the waiting ranks wait on each other (a cycle): "
                          + "; ".join(f"rank {a} on {compact([m for m, _ in self.waits[a]])}"
                                      for a in waiting[:MAX_LISTED]))
-        for rank, text in self.deviations()[:MAX_LISTED]:
+        for rank, text in (self.deviations() + self.dead_departures())[:MAX_LISTED]:
             lines.append(f"  evidence: {text}")
         for _a, _b, text in self.mismatches()[:MAX_LISTED]:
             lines.append(f"  mismatch: {text}")
@@ -423,6 +498,16 @@ class Diagnosis:
         return lines
 
 
+def fatal_text(f: Fatal) -> str:
+    """A rank's death by a signal, as a cause line says it."""
+    where = f" inside comm.{f.collective}" if f.collective else ""
+    if f.caller:
+        where += f", called from {f.caller}"
+    if f.collective and f.in_flight:
+        where += f" ({op_text(f.in_flight)} at {site_text(f.in_flight)})"
+    return f"{f.error} (a fatal signal){where}; its last words: {f.name}"
+
+
 def signature(e: dict, with_step: bool = False) -> tuple:
     """What must repeat from one iteration to the next (and agree between group members):
     op, group kind, shapes (not an all-to-all's routed rows), dtype, phase, step, site."""
@@ -459,17 +544,18 @@ def process_state(pid) -> str:
             "D": "in uninterruptible I/O"}.get(state, "running but wrote no dump")
 
 
-def diagnose(dumps: Dict[int, dict]) -> str:
+def diagnose(dumps: Dict[int, dict], fatal: Optional[Dict[int, Fatal]] = None) -> str:
     if not dumps:
         return "no flight-recorder dumps found"
-    return Diagnosis(dumps).report()
+    return Diagnosis(dumps, fatal).report()
 
 
 def diagnose_folder(folders: List[str], run_id: Optional[str] = None) -> str:
     dumps = load_dumps(folders, run_id)
     if not dumps:
         return f"no flight-recorder dumps (rank*.json) in {', '.join(folders)}"
-    return diagnose(dumps)
+    run_id = next(iter(dumps.values())).get("run_id")
+    return diagnose(dumps, load_fatal(folders, run_id))
 
 
 def main(argv=None) -> int:

@@ -9,14 +9,23 @@ A rank writes ``rank00003.json`` into the run's dump folder
 * from the watchdog (``--hang-watchdog-seconds S``): an op has waited and none has completed
   for S seconds.  Training is not interrupted; the dump is replaced on the next stall.
 
+A rank the backend kills from C++ can write no dump: its ``rank00003.fatal.txt``
+(``FatalRecord``) holds the op it began last and, from ``faulthandler``, its threads' stacks.
+
 The folder is ``--hang-dump-dir``, else ``<--save>/hang_dumps``, else ``hang_dumps`` beside
 ``--metrics-file``, else ``/tmp/megalite-hangs/<run id>``.  After a ``CommError`` the first
 rank to claim the folder's lock waits until the dumps stop arriving and prints the diagnosis
-(also written to ``diagnosis.txt``); after a watchdog dump rank 0 does.  ``megalite hangs
-DIR`` prints it again afterwards, from any machine that sees the folder.
+(also written to ``diagnosis.txt``); after a watchdog dump rank 0 does; after a rank died
+of a signal, the first survivor ended by SIGTERM does, or ``megalite.elastic.launch`` once
+the workers are gone (``diagnosis_after_exit``).  ``megalite hangs DIR`` prints it again
+afterwards, from any machine that sees the folder.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
+import faulthandler
+import mmap
 import os
 import select
 import signal
@@ -32,11 +41,13 @@ import torch.distributed as dist
 from megalite.comm import flight_recorder as fr
 from megalite import comm
 from megalite.comm import CommError
-from megalite.diagnostics.hang_diagnosis import diagnose_folder, wait_for_dumps
+from megalite.diagnostics.hang_diagnosis import diagnose_folder
+from megalite.diagnostics.hang_folder import BOX_HEAD, FATAL_HEADER, load_fatal, wait_for_dumps
 
 QUIET_SECONDS = 3.0        # the diagnosis waits until no dump has arrived for this long ...
 MAX_WAIT_SECONDS = 30.0    # ... or this long in all
 LOCK_NAME = ".diagnosis-{run_id}.lock"
+PRINTED_NAME = ".diagnosis-{run_id}.printed"
 
 
 def dump_dir_for(cfg, run_id: str) -> str:
@@ -101,10 +112,14 @@ class Monitor(threading.Thread):
                 if signal.SIGUSR2 in got:
                     self.report("SIGUSR2", announce=False)
                 if signal.SIGTERM in got and signal.getsignal(signal.SIGTERM) is _ignore:
-                    if self.diagnosing:
+                    if self.diagnosing or _claimed_here:   # the main thread prints, exits
                         self.hurry.set()
                     else:
                         self.rec.dump("SIGTERM (the job is being ended)")
+                        if peer_died_of_a_signal(self.rec) and claim_diagnosis(self.rec):
+                            self.hurry.set()     # only the dumps the SIGTERM brings
+                            print_diagnosis(self.rec)
+                        _fatal.close()
                         os._exit(128 + signal.SIGTERM)
             else:
                 self.stopped.wait(0.25)
@@ -171,11 +186,72 @@ def start(cfg, state) -> fr.FlightRecorder:
                 "timeout_s": 60.0 * p.distributed_timeout_minutes,
                 "watchdog_s": p.hang_watchdog_seconds}
     rec.dump_dir = dump_dir_for(cfg, run_id)
+    _tell_the_launcher(rec)
     stop()                                   # a monitor left by an earlier run in-process
     if rec.enabled:
+        _fatal.open(rec)
         _monitor = Monitor(rec, p.hang_watchdog_seconds)
         _monitor.start()
     return rec
+
+
+class FatalRecord:
+    """This rank's fatal-signal handler: ``faulthandler`` writes every thread's Python stack
+    to ``rankNNNNN.fatal.txt`` in the dump folder when the process dies of SIGABRT, SIGSEGV,
+    SIGBUS, SIGFPE or SIGILL -- how a backend ends a rank from C++ (gloo's "Received data
+    size doesn't match expected size", NCCL's async error handling), where no Python runs
+    and no dump can be written.  The file holds only a header until then and is removed
+    when the process ends any other way; a folder it had to create goes with it."""
+
+    def __init__(self):
+        self.file = self.path = None
+        self.made_dir = None
+        self.was_enabled = False
+
+    def open(self, rec: fr.FlightRecorder) -> None:
+        self.close()
+        made = not os.path.isdir(rec.dump_dir)
+        try:
+            os.makedirs(rec.dump_dir, exist_ok=True)
+            self.path = os.path.join(rec.dump_dir, fr.fatal_name(rec.rank))
+            self.file = open(self.path, "w+b")     # read too: a shared mapping needs it
+            head = (FATAL_HEADER.format(run_id=rec.meta.get("run_id", "?"), rank=rec.rank,
+                                        pid=os.getpid(), host=socket.gethostname())
+                    + "\n" + BOX_HEAD).encode()
+            self.file.write(head + b" " * fr.BOX_BYTES + b"\n")
+            self.file.flush()
+            self.header_size = self.file.tell()
+            self.map = mmap.mmap(self.file.fileno(), self.header_size)
+        except OSError as exc:
+            print(f"[rank {rec.rank}] flight recorder: cannot write a fatal-signal record in "
+                  f"{rec.dump_dir}: {exc}", file=sys.stderr, flush=True)
+            self.file = self.path = None
+            return
+        self.rec, rec.box = rec, fr.InFlight(self.map, len(head))
+        self.made_dir = rec.dump_dir if made else None
+        self.was_enabled = faulthandler.is_enabled()
+        faulthandler.enable(file=self.file, all_threads=True)
+
+    def close(self) -> None:
+        if self.file is None:
+            return
+        faulthandler.disable()
+        if self.was_enabled:
+            faulthandler.enable()           # back to stderr, as the user had it
+        self.rec.box = None
+        self.map.close()
+        written = os.fstat(self.file.fileno()).st_size > self.header_size
+        self.file.close()
+        if not written:
+            with contextlib.suppress(OSError):    # a folder not empty, a file gone
+                os.remove(self.path)
+                if self.made_dir:
+                    os.rmdir(self.made_dir)     # only if empty
+        self.file = self.path = self.made_dir = None
+
+
+_fatal = FatalRecord()
+atexit.register(_fatal.close)
 
 
 def _backend() -> str:
@@ -187,6 +263,7 @@ def stop() -> None:
     if _monitor is not None:
         _monitor.close()
         _monitor = None
+    _fatal.close()
 
 
 def on_failure(exc: BaseException) -> None:
@@ -195,15 +272,88 @@ def on_failure(exc: BaseException) -> None:
     rec = fr.recorder
     if not rec.enabled or not rec.dump_dir:
         return
-    if not isinstance(exc, CommError):
-        rec.dump(f"error: {type(exc).__name__}: {str(exc).strip()[:300]}")
-        return
-    lock = os.path.join(rec.dump_dir, LOCK_NAME.format(run_id=rec.meta.get("run_id", "")))
     try:
-        os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        rec.settle()
+        if not isinstance(exc, CommError) and isinstance(exc, RuntimeError) and rec.outstanding:
+            for e, _work in rec.outstanding:   # torch's own wait on FSDP2's op failed
+                rec.fail(e, exc)
+        elif not isinstance(exc, CommError):
+            rec.dump(f"error: {type(exc).__name__}: {str(exc).strip()[:300]}")
+            return
+        if claim_diagnosis(rec):     # else another rank prints it (or the folder is unwritable)
+            print_diagnosis(rec)
+    finally:
+        _fatal.close()               # the process ends by os._exit: no atexit
+
+
+_claimed_here = False       # this process holds the run's diagnosis lock: it prints
+
+
+def claim_diagnosis(rec: fr.FlightRecorder) -> bool:
+    """True for the first rank to ask: it prints the run's diagnosis."""
+    global _claimed_here
+    _claimed_here = _claim(rec.dump_dir, rec.meta.get("run_id", ""))
+    return _claimed_here
+
+
+def _claim(folder: str, run_id: str) -> bool:
+    try:
+        os.close(os.open(os.path.join(folder, LOCK_NAME.format(run_id=run_id)),
+                         os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except OSError:
-        return                       # another rank prints it (or the folder is unwritable)
-    print_diagnosis(rec)
+        return False
+    return True
+
+
+def peer_died_of_a_signal(rec: fr.FlightRecorder) -> bool:
+    """Some rank of this run left a fatal-signal record: the backend aborted it (or it
+    crashed), so no rank saw an error to print the diagnosis after."""
+    return bool(load_fatal([rec.dump_dir], rec.meta.get("run_id")))
+
+
+# The launcher (megalite.elastic.launch) names a file in this variable; a node's first
+# worker writes its dump folder and run id there, so that the launcher can print the
+# diagnosis once the workers are gone when none of them did.
+LAUNCHER_NOTE_ENV = "MEGALITE_HANG_NOTE"
+
+
+def _tell_the_launcher(rec: fr.FlightRecorder) -> None:
+    note = os.environ.get(LAUNCHER_NOTE_ENV)
+    if not note or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        with open(f"{note}.tmp", "w") as f:
+            f.write(f"{rec.meta.get('run_id', '')}\n{rec.dump_dir}\n")
+        os.replace(f"{note}.tmp", note)
+    except OSError:
+        pass                        # no diagnosis from the launcher; the ranks' stands
+
+
+def diagnosis_after_exit(note: str) -> Optional[str]:
+    """For the launcher, once its workers are gone: the diagnosis of the run its workers
+    noted in ``note``, when a rank died of a signal and no rank printed one (it claims
+    the folder's lock and writes diagnosis.txt); None otherwise."""
+    try:
+        with open(note) as f:
+            run_id, folder = f.read().splitlines()[:2]
+    except (OSError, ValueError):
+        return None
+    if not load_fatal([folder], run_id) or \
+            os.path.exists(os.path.join(folder, PRINTED_NAME.format(run_id=run_id))):
+        return None                 # (a rank that claimed the lock may have died unprinted)
+    text = diagnose_folder([folder], run_id)
+    _written(folder, run_id, text)
+    return text
+
+
+def _written(folder: str, run_id: str, text: str) -> None:
+    """diagnosis.txt, and the mark that the run's diagnosis has been printed."""
+    try:
+        with open(os.path.join(folder, "diagnosis.txt"), "w") as f:
+            f.write(text + "\n")
+        open(os.path.join(folder, PRINTED_NAME.format(run_id=run_id)), "w").close()
+    except OSError:
+        pass
 
 
 def print_diagnosis(rec: fr.FlightRecorder) -> None:
@@ -217,12 +367,16 @@ def print_diagnosis(rec: fr.FlightRecorder) -> None:
                        QUIET_SECONDS, MAX_WAIT_SECONDS,
                        hurry=monitor.hurry if monitor is not None else None)
         text = diagnose_folder([rec.dump_dir])
-        with open(os.path.join(rec.dump_dir, "diagnosis.txt"), "w") as f:
-            f.write(text + "\n")
+        _written(rec.dump_dir, rec.meta.get("run_id", ""), text)
     except Exception as exc:        # the diagnosis must never hide the original error
         text = f"hang diagnosis failed: {type(exc).__name__}: {exc}"
     finally:
         if monitor is not None:
             monitor.diagnosing = False
+    print_prefixed(text)
+
+
+def print_prefixed(text: str) -> None:
+    """The diagnosis on stderr, each line marked ``[hang diagnosis]`` (docs/troubleshooting.md)."""
     sys.stderr.write("".join(f"[hang diagnosis] {line}\n" for line in text.splitlines()))
     sys.stderr.flush()

@@ -18,6 +18,9 @@ torchrun's own agent with:
 - ``--standalone`` (one machine): none of the launcher's timeline lines either;
 - the exit status of the failing worker (the first failure, as torchrun's summary names it;
   128 + N for a signal N) instead of torchrun's 1;
+- the hang diagnosis once the workers are gone, when a worker died of a signal (the
+  backend's own abort: gloo's "Received data size doesn't match expected size", NCCL's
+  async error handling) and no worker printed it (``hang_dumps.diagnosis_after_exit``);
 - ``--result-file``: one line when the agent ends (``write_result``), which
   ``launch/slurm/pretrain.sbatch`` reads to end the job with the training's status without
   waiting for a node that is gone.
@@ -28,8 +31,10 @@ import argparse
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -39,6 +44,7 @@ from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from megalite.diagnostics import hang_dumps
 from megalite.errors import EXIT_USER_ERROR
 
 # Why each value: docs/fault_tolerance.md, "Rendezvous settings".
@@ -197,7 +203,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     ours, args = parse(argv)
     _install_agent(ours.exit_barrier_timeout, timeline=not args.standalone)
+    notes = tempfile.mkdtemp(prefix="megalite-launch-")
+    os.environ[hang_dumps.LAUNCHER_NOTE_ENV] = os.path.join(notes, "hang_note")
+    try:
+        return _run(ours, args)
+    finally:
+        shutil.rmtree(notes, ignore_errors=True)
 
+
+def _run(ours, args) -> int:
     try:
         torchrun.run(args)
     except ChildFailedError as exc:
@@ -205,6 +219,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         code = exit_status(failure.exitcode)
         if code != EXIT_USER_ERROR:     # a user error: the worker printed its one line
             print(exc.format_msg(), file=sys.stderr, flush=True)
+            text = hang_dumps.diagnosis_after_exit(os.environ[hang_dumps.LAUNCHER_NOTE_ENV])
+            if text is not None:
+                hang_dumps.print_prefixed(text)
         write_result(ours.result_file, code, "failed", f"rank {rank} exited with status {code}")
         return code
     except SignalException as exc:    # SLURM's SIGTERM (cancel, time limit): workers stopped

@@ -16,12 +16,14 @@ from typing import List
 import torch
 
 from megalite import comm
+from megalite.comm.flight_recorder import captured_where, restored_site
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, output_splits, input_splits):
         ctx.group, ctx.splits = group, (output_splits, input_splits)
+        ctx.where = captured_where()       # the flight recorder's site, for the backward's
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
         return comm.all_to_all_single(out, x, group, output_splits, input_splits)
 
@@ -29,7 +31,9 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         output_splits, input_splits = ctx.splits
         out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
-        comm.all_to_all_single(out, grad.contiguous(), ctx.group, input_splits, output_splits)
+        with restored_site(ctx.where):
+            comm.all_to_all_single(out, grad.contiguous(), ctx.group, input_splits,
+                                   output_splits)
         return out, None, None, None
 
 

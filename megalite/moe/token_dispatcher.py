@@ -27,6 +27,7 @@ from typing import List, Optional
 
 import torch
 
+from megalite.comm.flight_recorder import module_site
 from megalite.moe.comm_ops import (all_gather_counts, all_to_all, gather_equal, gather_uneven,
                                    reduce_scatter_equal, reduce_scatter_uneven)
 
@@ -151,7 +152,8 @@ class AllToAllDispatcher(Dispatcher):
         mine = counts[:, ep.rank * n_local:(ep.rank + 1) * n_local]      # [ep src, local]
         input_splits = pairs.counts.view(ep.size, n_local).sum(1).tolist()
         output_splits = mine.sum(1).tolist()
-        x = all_to_all(x, ep, output_splits, input_splits)               # [src][expert]
+        with module_site("dispatch"):     # the flight recorder tells the two apart
+            x = all_to_all(x, ep, output_splits, input_splits)           # [src][expert]
         chunks = mine.unsqueeze(0)                                       # [etp, ep, local]
         if etp.size > 1:
             chunks = all_gather_counts(mine.contiguous(), etp)
@@ -168,7 +170,8 @@ class AllToAllDispatcher(Dispatcher):
             y = experts(x, per_expert.tolist())
         if etp.size > 1:
             y = reduce_scatter_uneven(y, etp, chunks.sum((1, 2)).tolist())
-        y = all_to_all(y, ep, input_splits, output_splits)
+        with module_site("combine"):
+            y = all_to_all(y, ep, input_splits, output_splits)
         return pairs.unpermute(y, tokens.shape[0])
 
 

@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from megalite.comm.flight_recorder import FAULT_ENV, parse_faults
-from megalite.diagnostics.collective_check.check import Checker, by_pipeline_rank, every_rank
+from megalite.diagnostics.collective_check.check import (Checker, by_pipeline_rank, departure,
+                                                        every_rank)
 from megalite.diagnostics.collective_check.trace import trace_rank
 from megalite.parallel_state import RankGrid, usable_cores
 
@@ -61,9 +62,34 @@ def check_collectives(cfg, trainer_class, mode: Optional[str] = None, family=Non
     to_trace = sorted({r for reps in classes.reps.values() for r in reps})
     programs = dict(_trace_all(cfg, trainer_class, to_trace, iteration, family, progress))
     verdict = Checker(grid, classes, programs, exempt=hooked_ranks()).run()
+    if not verdict.ok:
+        verdict.causes = _causes(cfg, trainer_class, classes, programs, verdict.involved,
+                                 iteration, family)
     peak = max(resource.getrusage(who).ru_maxrss for who in
                (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
     return CheckRun(verdict, time.perf_counter() - t0, peak, iteration)
+
+
+MAX_CAUSE_CANDIDATES = 8      # ranks named by the problems that are traced once more
+
+
+def _causes(cfg, trainer_class, classes, programs, involved, iteration, family) -> list:
+    """(rank, why): of the ranks the problems name, those whose program departs from
+    their own in another iteration -- the ones that left their program, as the hang
+    diagnosis decides at run time.  The neighbouring iteration is traced for them (once per
+    class); none under a batch-size ramp, whose programs change from step to step."""
+    if cfg.training.rampup_batch_size:
+        return []
+    ref = iteration - 1 if iteration > 1 else iteration + 1
+    out, seen = [], {}
+    for r in involved[:MAX_CAUSE_CANDIDATES]:
+        rep = classes.reps[classes.of[r]][0]
+        if rep not in seen:
+            seen[rep] = departure(programs[rep], trace_rank(cfg, trainer_class, rep, ref, family),
+                                  iteration, ref)
+        if seen[rep] is not None:
+            out.append((r, f"it left its own program: {seen[rep]}"))
+    return out
 
 
 def _trace_one(job):
@@ -126,4 +152,5 @@ def report_text(run: CheckRun, world: int) -> str:
             "collectives in the same order with the same shapes and dtypes, every send has " \
             "its receive, and the programs run to the end" + "\n" + tail
     return head + f"{len(v.problems)} problem{'s' if len(v.problems) > 1 else ''}\n" + \
-        "\n".join(f"  {p}" for p in v.problems) + "\n" + tail
+        "\n".join(f"  {p}" for p in v.problems) + "\n" + \
+        "".join(f"  cause: rank {r} -- {why}\n" for r, why in v.causes) + tail

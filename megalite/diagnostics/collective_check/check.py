@@ -81,6 +81,8 @@ class Verdict:
     groups_checked: int = 0
     classes_hold: Optional[bool] = None   # every rank traced: each equals its class's first
     notes: List[str] = field(default_factory=list)
+    involved: List[int] = field(default_factory=list)   # ranks the problems name, in order
+    causes: List[tuple] = field(default_factory=list)   # (rank, why): set by the caller
 
     @property
     def ok(self) -> bool:
@@ -93,6 +95,7 @@ class Checker:
         self.exempt = set(exempt)     # ranks the test hook changes on purpose
         self.world = grid.world_size
         self.problems: List[str] = []
+        self.involved: List[int] = []
         self.notes: List[str] = []
         self._members = {}          # kind -> rank -> its group's ranks
         self._index = {}            # class -> {(kind, seq) | (kind, dir, pos, n): op index}
@@ -118,8 +121,10 @@ class Checker:
         rep = self.classes.reps[self.classes.of[rank]][0]
         return self.group_of(kind, rank).index(rank) - self.group_of(kind, rep).index(rep)
 
-    def problem(self, text: str) -> None:
+    def problem(self, text: str, *ranks: int) -> None:
+        """A problem, and the ranks it names (the candidates for its cause)."""
         self.problems.append(text)
+        self.involved += [r for r in ranks if r not in self.involved]
 
     # -- 1. the classes hold ---------------------------------------------------------------
     def check_classes(self) -> None:
@@ -134,7 +139,7 @@ class Checker:
                 self.problem(f"ranks {a} and {b} (pipeline rank {c}) issue different programs, "
                              f"so they cannot stand for each other: op {i + 1} is "
                              f"{_describe(self.programs[a], i)} on rank {a} and "
-                             f"{_describe(self.programs[b], i)} on rank {b}")
+                             f"{_describe(self.programs[b], i)} on rank {b}", a, b)
 
     # -- 2. collectives agree within each group ------------------------------------------------
     def check_collectives(self) -> int:
@@ -174,7 +179,7 @@ class Checker:
                 if x is None or y is None or x.signature() != y.signature() or \
                         where(x) != where(y):
                     self.problem(f"{label} op #{i + 1}: rank {a} issues {_op(x)}; rank {b} "
-                                 f"issues {_op(y)}")
+                                 f"issues {_op(y)}", a, b)
                     return
 
     # -- 3. every send has its receive -------------------------------------------------------
@@ -214,7 +219,8 @@ class Checker:
             if direction == "recv" and ("send", src, dst) not in parts:
                 n, shape, dtype, key, site = got[0]
                 self.problem(f"{label}: rank {members[dst]}'s receive #{n} from rank "
-                             f"{members[src]} ({key or 'message'} at {site}) has no send")
+                             f"{members[src]} ({key or 'message'} at {site}) has no send",
+                             members[dst], members[src])
 
     def _pair(self, label, src, dst, sent, got) -> None:
         for k in range(max(len(sent), len(got))):
@@ -224,16 +230,17 @@ class Checker:
                 self.problem(f"{label}: rank {dst}'s receive #{r[0]} from rank {src} "
                              f"({r[3] or 'message'}, at {r[4]}) has no send; rank {src}'s last "
                              f"send to it is #{sent[-1][0] if sent else 0}"
-                             + (f" ({sent[-1][3]}, at {sent[-1][4]})" if sent else ""))
+                             + (f" ({sent[-1][3]}, at {sent[-1][4]})" if sent else ""),
+                             dst, src)
                 return
             if r is None:
                 self.problem(f"{label}: rank {src}'s send #{s[0]} to rank {dst} "
-                             f"({s[3] or 'message'}, at {s[4]}) has no receive")
+                             f"({s[3] or 'message'}, at {s[4]}) has no receive", src, dst)
                 return
             if s[1:4] != r[1:4]:
                 self.problem(f"{label}: rank {src}'s send #{s[0]} to rank {dst} ({s[3]}, "
                              f"{list(s[1])} {s[2]}, at {s[4]}) is received by rank {dst} as "
-                             f"#{r[0]} ({r[3]}, {list(r[1])} {r[2]}, at {r[4]})")
+                             f"#{r[0]} ({r[3]}, {list(r[1])} {r[2]}, at {r[4]})", src, dst)
                 return
 
     # -- 4. the programs run to the end -------------------------------------------------------
@@ -311,7 +318,8 @@ class Checker:
         if stuck:
             lines = [f"rank {member[c]} waits in {_op(prog[c][ptr[c]])}" for c in stuck[:4]]
             self.problem("the programs deadlock: " + "; ".join(lines)
-                         + (f"; ... {len(stuck) - 4} more" if len(stuck) > 4 else ""))
+                         + (f"; ... {len(stuck) - 4} more" if len(stuck) > 4 else ""),
+                         *(member[c] for c in stuck))
 
     def classes_hold(self) -> Optional[bool]:
         """Every rank traced: does each rank's program equal (peers as offsets) that of the
@@ -341,7 +349,28 @@ class Checker:
         held = self.classes_hold()
         return Verdict(self.classes.mode, len(self.programs),
                        {c: len(self.programs[r[0]]) for c, r in self.classes.reps.items()},
-                       self.problems[:MAX_PROBLEMS], groups, held, self.notes)
+                       self.problems[:MAX_PROBLEMS], groups, held, self.notes, self.involved)
+
+
+def departure(ops: List[Op], reference: List[Op], iteration: int, ref_iteration: int
+              ) -> Optional[str]:
+    """How a rank's program in ``iteration`` departs from its own in ``ref_iteration``
+    (every iteration issues the same program); None when they are the same."""
+    def key(op):
+        return (op.kind, op.op, op.seq, op.signature(), _without_iteration(op.site),
+                op.parts)
+    for i in range(max(len(ops), len(reference))):
+        x = ops[i] if i < len(ops) else None
+        y = reference[i] if i < len(reference) else None
+        if x is None or y is None or key(x) != key(y):
+            return (f"its op {i + 1} in iteration {iteration} is {_op(x)}; in iteration "
+                    f"{ref_iteration} it is {_op(y)}")
+    return None
+
+
+def _without_iteration(site: str) -> str:
+    head, _, rest = site.partition(", ")
+    return rest if head.startswith("iteration ") else site
 
 
 def _op_index(ops: List[Op]) -> dict:
