@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Data-parallel strategies side by side (issue 12), on gloo processes of this machine:
 
-* comm  -- elements per step per DP rank, measured by comm.py's counters (FSDP2: by hooking
+* comm  -- elements per step per DP rank, measured by megalite.comm's counters (FSDP2: by hooking
   the collectives it calls) over theory for Psi parameters: DDP all-reduce Psi; ZeRO-1/2
   reduce-scatter Psi + all-gather Psi; FSDP2 all-gather 2 Psi + reduce-scatter Psi per
   micro-batch (the root unit is gathered once: it stays gathered for backward);

@@ -38,7 +38,7 @@ MODES = {"off": ["--flight-recorder-size", "0"], "on": [],
 
 
 def per_op_seconds(n: int = 20000) -> float:
-    """begin + end of one all-reduce entry and one module_site, as comm.py and a layer do."""
+    """begin + end of one all-reduce entry and one module_site, as megalite.comm and a layer do."""
     import torch
 
     from megalite.comm import flight_recorder as fr

@@ -244,7 +244,7 @@ class Diagnosis:
         return found
 
     def died_in_collective(self, rank: int) -> bool:
-        """No dump, and its fatal-signal handler saw it die inside one of comm.py's
+        """No dump, and its fatal-signal handler saw it die inside one of megalite.comm's
         collectives: the backend aborted it there (a mismatch gloo detects, NCCL's async
         error handling)."""
         f = self.fatal.get(rank)

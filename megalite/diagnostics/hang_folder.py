@@ -17,6 +17,8 @@ import time
 from typing import Dict, List, Optional
 
 
+COMM_FILE = "megalite/comm/__init__.py"     # the collectives, as a stack names their file
+
 def dump_folder(folder: str) -> str:
     """The folder the dumps are in: ``folder``, or its ``hang_dumps/`` (given the --save
     folder or the metrics file's)."""
@@ -112,7 +114,7 @@ def load_fatal(folders: List[str], run_id: Optional[str]) -> Dict[int, "Fatal"]:
 class Fatal:
     """A rank's death by a signal, as ``faulthandler`` recorded it: the error line
     ("Fatal Python error: Aborted") and where its main thread was -- inside which of
-    comm.py's collectives, called from where."""
+    megalite.comm's collectives, called from where."""
 
     def __init__(self, rank: int, run_id: str, error: str, collective: Optional[str],
                  caller: Optional[str], name: str, in_flight: Optional[dict] = None):
@@ -142,10 +144,10 @@ class Fatal:
         stacks = [f for f in stacks if any(fn == "<module>" for _p, fn, _l in f)] + stacks
         for frames in stacks:         # the main thread first (it runs the training loop)
             in_comm = [k for k, (path, fn, _l) in enumerate(frames)
-                       if path == "megalite/comm.py" and not fn.startswith("_")]
+                       if path == COMM_FILE and not fn.startswith("_")]
             if in_comm:
                 collective = frames[in_comm[0]][1]
-                up = next((f for f in frames[in_comm[-1] + 1:] if f[0] != "megalite/comm.py"),
+                up = next((f for f in frames[in_comm[-1] + 1:] if f[0] != COMM_FILE),
                           None)
                 caller = f"{up[0]}:{up[2]} {up[1]}" if up else None
                 break

@@ -146,7 +146,7 @@ def test_an_aborted_rank_leaves_its_last_words_and_is_the_victim_of_the_rank_tha
 
     words = _aborted_rank(tmp_path)
     assert words.startswith("megalite fatal-signal record: run run-1 rank 0 pid ")
-    assert "Fatal Python error: Aborted" in words and "megalite/comm.py" in words
+    assert "Fatal Python error: Aborted" in words and "megalite/comm/__init__.py" in words
     fatal = load_fatal([str(tmp_path)], "run-1")
     assert fatal[0].collective == "all_reduce" and fatal[0].caller.startswith("<string>:")
     assert load_fatal([str(tmp_path)], "another run") == {}
