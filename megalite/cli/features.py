@@ -37,6 +37,7 @@ from megalite.cli.feature_coverage import (COVERAGE, PAIRS_TEST,  # noqa: F401 -
 from megalite.config import all_fields, field_flag, find_field
 from megalite.config.domains import requirement_problem, requirements
 from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
+from megalite.config.score_mods import SCORE_MODS, refusal_reason
 
 LAYOUT, STRATEGY, IMPLEMENTATION = "layout", "strategy", "implementation"
 
@@ -400,6 +401,12 @@ def _precision_reason(cfg) -> str:
             f"(--precision {o.precision} alone, or {other} alone)")
 
 
+def _score_mod_on(mod) -> Callable:
+    def on(cfg) -> bool:
+        return getattr(cfg.model, mod.field) is not None
+    return on
+
+
 RULES: Tuple[Rule, ...] = (
     Needs("ep", "moe", "--expert-model-parallel-size > 1 needs --num-experts"),
     Needs("overlap-param-gather", "distopt", "--overlap-param-gather needs "
@@ -500,13 +507,10 @@ RULES: Tuple[Rule, ...] = (
         c.data.mock_data and c.data.sample_windows != "packed"),
         "--sample-windows random cuts windows from --data-path; mock data is random already: "
         "drop --sample-windows or --mock-data"),
-    # Gemma 2's soft-caps: only the local unfused core attention caps scores, only the
-    # unfused output layer caps logits
-    *(Refuses(f, "--attn-logit-softcapping", lambda c: c.model.attn_logit_softcapping is not None,
-              f"--attn-logit-softcapping with {how}: its attention kernel cannot cap the scores "
-              "before the softmax; drop it or use the local unfused core attention")
-      for f, how in (("te", "Transformer Engine layers"), ("cp-p2p", "ring attention (CP)"),
-                     ("cp-a2a", "all-to-all attention (CP)"))),
+    # the score modifications (config/score_mods.py: Gemma 2's soft-cap, ...) each
+    # implementation that cannot run them refuses, with the entry's reason
+    *(Refuses(impl, mod.flag, _score_mod_on(mod), refusal_reason(mod, impl))
+      for mod in SCORE_MODS.values() for impl in mod.refused_by),
     Relation("documents need a tokenizer", lambda c: (
         (c.data.reset_position_ids or c.data.reset_attention_mask) and not c.data.tokenizer_type),
         "--reset-position-ids / --reset-attention-mask find the documents by the tokenizer's "

@@ -163,17 +163,6 @@ def load_dir_problem(value, cfg) -> Optional[str]:
     return None
 
 
-@domain_check()
-def softcap_kernel_problem(value, cfg) -> Optional[str]:
-    """only with the unfused core attention (--attention-backend auto, unfused or local)"""
-    backend = cfg.model.attention_backend
-    if backend in ("flash", "fused"):
-        return f"--attn-logit-softcapping: SDPA's kernels (--attention-backend {backend}) " \
-               "cannot cap the scores before the softmax; use --attention-backend unfused " \
-               "(or auto)"
-    return None
-
-
 @domain_check((5, 3), (-2, 0))
 def window_size_problem(value, cfg) -> Optional[str]:
     """left >= 0 (or -1: no window), right 0 (the models are causal)"""

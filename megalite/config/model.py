@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megalite.config.domain_checks import (moe_layer_freq_problem, no_rope_freq_problem,
-                                           softcap_kernel_problem, window_size_problem,
-                                           window_skip_freq_problem)
+                                           window_size_problem, window_skip_freq_problem)
 from megalite.config.fields import opt
+from megalite.config.score_mods import kernel_check
 from megalite.config.activations import ACTIVATIONS, activation_of, choice_problem
 from megalite.config.moe_layer_freq import (MoeLayerFreqError, parse_moe_layer_freq,  # noqa: F401
                                            parse_no_rope_freq)
@@ -126,7 +126,8 @@ class ModelConfig:
     # Gemma 2's soft-caps: x -> cap * tanh(x / cap), smooth and bounded by +-cap.
     attn_logit_softcapping: Optional[float] = opt(
         None, "Soft-cap the attention scores before the softmax at this value (Gemma 2: 50); "
-        "the unfused core attention only.", gt=0, check=softcap_kernel_problem)
+        "the unfused core attention only.", gt=0,
+        check=kernel_check("attn_logit_softcapping"))
     final_logit_softcapping: Optional[float] = opt(
         None, "Soft-cap the output layer's logits at this value (Gemma 2: 30).", gt=0)
     # Sliding-window attention (Megatron's flags): query i sees keys i-left .. i

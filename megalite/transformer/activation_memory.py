@@ -17,6 +17,7 @@ from typing import Callable, Dict
 
 import torch
 
+from megalite.config import score_mods
 from megalite.config.activations import activation_of
 from megalite.transformer.recompute import probe_checkpoint_inputs
 
@@ -96,8 +97,9 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
             T["SDPA logsumexp (fp32)"] = a * s * b // t
         elif sdpa == "unfused":     # attention_kernels.unfused_attention, any GQA
             T["unfused: softmax probabilities"] = a * s * s * b // t
-            if m.attn_logit_softcapping is not None:
-                T["unfused: tanh of the soft-capped scores"] = a * s * s * b // t
+            for mod, _ in score_mods.active(m):      # what each keeps for its backward
+                if mod.saved_scores:
+                    T[f"unfused: {mod.flag} keeps"] = mod.saved_scores * a * s * s * b // t
         elif g == a:
             T["math SDPA: q*sqrt(scale), k*sqrt(scale)"] = 2 * s * b * a * d // t
             T["math SDPA: softmax probabilities"] = a * s * s * b // t

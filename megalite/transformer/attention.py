@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.config import score_mods
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
 from megalite.transformer.attention_masks import keep
@@ -53,7 +54,8 @@ def split_qkv(qkv: torch.Tensor, r: int, dim: int):
 class DotProductAttention(DrawsFromTracker, nn.Module):
     """softmax(q k^T / sqrt(d)) v, layout ``bhsd``; causal or unmasked, inside documents
     with ``--reset-attention-mask``, inside a sliding window with ``--window-size``; the
-    scores soft-capped with ``--attn-logit-softcapping`` (the unfused kernel, then).
+    scores modified as config/score_mods.py says (``--attn-logit-softcapping``: the unfused
+    kernel, then).
 
     The kernel is SDPA or the unfused path, by ``--attention-backend`` and, for ``auto``,
     by the device, dtype and length of each call (``attention_kernels.py``).
@@ -82,7 +84,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
-        self.softcap = getattr(model_cfg, "attn_logit_softcapping", None)
+        self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -100,7 +102,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         causal = self.is_causal and mask is None
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,
-                                       softcap=self.softcap is not None)
+                                       score_mods=bool(self.score_mods))
         scale = self.softmax_scale
         sdpa = dict(dropout_p=p, is_causal=causal, scale=scale)
         if mask is not None:
@@ -108,7 +110,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         with fork:
             if kernel == "unfused":
                 return unfused_attention(q, k, v, causal=causal, dropout_p=p, scale=scale,
-                                         softcap=self.softcap, keep_mask=mask)
+                                         score_mods=self.score_mods, keep_mask=mask)
             if v.shape[-1] != q.shape[-1]:
                 return self._padded_value(q, k, v, sdpa)
             if k.shape[1] == q.shape[1]:

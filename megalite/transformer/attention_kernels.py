@@ -21,11 +21,12 @@ short sequences only.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megalite.config.score_mods import ScoreMod, apply_all
 from megalite.transformer.attention_masks import additive
 
 # Longest sequence at which ``auto`` runs the unfused kernel on CPU, per dtype (above).
@@ -35,11 +36,11 @@ _MASKS: Dict[Tuple[int, int, int, torch.dtype, str], torch.Tensor] = {}
 
 
 def core_attention_kernel(backend: str, device_type: str, seq: int, dtype: torch.dtype,
-                          dropout: float = 0.0, softcap: bool = False) -> str:
+                          dropout: float = 0.0, score_mods: bool = False) -> str:
     """"unfused", "flash" (SDPA's fused kernel) or "math" (SDPA's fallback when CPU dropout
     is on: it keeps the probabilities, like unfused).  The planner asks the same question.
-    Soft-capped scores (``softcap``) only the unfused kernel computes."""
-    if backend in ("unfused", "local") or softcap:
+    Modified scores (``score_mods``: config/score_mods.py) only the unfused kernel computes."""
+    if backend in ("unfused", "local") or score_mods:
         return "unfused"
     if backend == "auto" and device_type == "cpu" and seq <= UNFUSED_MAX_SEQ.get(dtype, 0):
         return "unfused"
@@ -60,11 +61,12 @@ def causal_bias(rows: int, s_q: int, s_k: int, dtype: torch.dtype, device) -> to
 
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
                       dropout_p: float = 0.0, scale: Optional[float] = None,
-                      softcap: Optional[float] = None,
+                      score_mods: Sequence[Tuple[ScoreMod, float]] = (),
                       keep_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d]
-    (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).  ``softcap``:
-    Gemma 2's soft-cap, scores -> softcap * tanh(scores / softcap) before the mask.
+    (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).  ``score_mods``:
+    (entry, value) pairs of config/score_mods.py applied to the scaled scores before the
+    mask (Gemma 2's soft-cap: scores -> cap * tanh(scores / cap)).
     ``keep_mask`` [b|1, s, s_k] (boolean, every head; ``transformer/attention_masks.py``)
     replaces the causal mask: a document mask, a sliding window.
 
@@ -72,7 +74,8 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     batched matmul against its shared k / v (no copies of k, v).  Scale and causal mask go
     into that matmul (``baddbmm``, as Megatron's unfused path), so autograd keeps only the
     probabilities, and backward makes only their gradient and the scores' gradient (a
-    soft-cap keeps its tanh too: the mask must follow the cap, tanh(-inf) is -1)."""
+    score modification keeps what its own backward needs, e.g. the soft-cap's tanh: the mask
+    must follow it, tanh(-inf) is -1)."""
     b, heads, s, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     rows = heads // groups
@@ -85,10 +88,10 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         bias = bias.reshape(b * groups, rows * s, s_k)
     elif causal:
         bias = causal_bias(rows, s, s_k, q.dtype, q.device)
-    if softcap is not None:
-        capped = torch.bmm(q3, k3).mul_(alpha / softcap).tanh()
-        scores = torch.add(bias, capped, alpha=softcap) if bias is not None \
-            else capped.mul(softcap)
+    if score_mods:
+        scores = apply_all(torch.bmm(q3, k3).mul_(alpha), score_mods)
+        if bias is not None:
+            scores = scores + bias
     elif bias is not None:
         scores = torch.baddbmm(bias, q3, k3, alpha=alpha)      # [b*g, r*s, s_k]
     else:

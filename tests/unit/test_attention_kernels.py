@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from megalite.cli import features
 from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
+from megalite.config.score_mods import SCORE_MODS
 from megalite.models.gpt import build_chunk
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner.step_peak import predict_step_peak
@@ -137,6 +138,11 @@ def test_planner_activation_bytes_match_the_measured_peak(tmp_path, backend, dro
 
 
 # ---- Gemma 2's soft-caps (--attn-logit-softcapping, --final-logit-softcapping) ----------------
+def SOFTCAP(cap):
+    """The score modification --attn-logit-softcapping CAP (config/score_mods.py)."""
+    return [(SCORE_MODS["attn_logit_softcapping"], cap)]
+
+
 SOFTCAP_ARGS = ["--world-size", "1", "--num-layers", "2", "--hidden-size", "32",
                 "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
                 "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data",
@@ -151,7 +157,7 @@ def test_softcapped_scores_equal_transformers_gemma2_attention(causal, groups):
     gemma2 = pytest.importorskip("transformers.models.gemma2.modeling_gemma2")
     q, k, v = _qkv(torch.float64, groups=groups)
     cap, s = 0.7, q.shape[2]
-    ours = unfused_attention(q, k, v, causal=causal, softcap=cap)
+    ours = unfused_attention(q, k, v, causal=causal, score_mods=SOFTCAP(cap))
     mask = torch.zeros(s, s, dtype=q.dtype).masked_fill(
         torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf")) if causal else None
     module = torch.nn.Module()
@@ -169,7 +175,7 @@ def test_softcapped_scores_equal_transformers_gemma2_attention(causal, groups):
     assert (unfused_attention(q, k, v, causal=causal) - ours).abs().max() > 1e-2
     if causal and groups == 2:          # numerical gradients (slow): the case with most parts
         assert torch.autograd.gradcheck(
-            lambda *t: unfused_attention(*t, causal=causal, softcap=cap),
+            lambda *t: unfused_attention(*t, causal=causal, score_mods=SOFTCAP(cap)),
             [t.detach()[:1, :, :4, :4].requires_grad_() for t in (q, k, v)])
 
 

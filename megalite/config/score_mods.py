@@ -1,0 +1,83 @@
+"""Modifications of the attention scores before the mask and softmax: one registry entry
+each, read by every place that depends on it.
+
+An entry says what it does to the scores (``apply``: elementwise on the scaled scores, so
+it composes with any mask that follows), what backward keeps for it (the activation-memory
+model's extra score-sized tensors), and which attention implementations cannot run it
+(each becomes a refusal of the rule engine, megalite/cli/features.py, with the reason
+given here; SDPA's kernels are ruled out by the field's own domain check, ``kernel_check``).
+The local core attention (``transformer/attention.py``) applies every active entry and so
+runs its unfused kernel.  So a new score modification is an entry here and its field in
+``config/model.py`` (``check=kernel_check(FIELD)``); docs/extending.md measured it.
+
+Importing this module does not import torch (the rule engine and the planner read it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+# The implementations a score modification may be refused by: feature names of the rule
+# engine, with what they are, in words.
+IMPLEMENTATIONS = {"te": "Transformer Engine layers", "cp-p2p": "ring attention (CP)",
+                   "cp-a2a": "all-to-all attention (CP)"}
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    field: str                   # the ModelConfig field that turns it on (its value: the knob)
+    summary: str
+    apply: Callable              # (scaled scores, value) -> scores, before the mask
+    saved_scores: int            # extra score-sized tensors backward keeps (per head, s x s)
+    refused_by: Tuple[str, ...]  # IMPLEMENTATIONS that cannot run it
+
+    @property
+    def flag(self) -> str:
+        """The field's flag (config fields are spelled --field-name)."""
+        return "--" + self.field.replace("_", "-")
+
+
+def _softcap(scores, cap):
+    """Gemma 2: cap * tanh(scores / cap), smooth and bounded by +-cap (the mask follows the
+    cap: tanh(-inf) would be -1)."""
+    return scores.div(cap).tanh().mul(cap)
+
+
+SCORE_MODS: Dict[str, ScoreMod] = {m.field: m for m in (
+    ScoreMod("attn_logit_softcapping", "scores -> cap * tanh(scores / cap) (Gemma 2)",
+             _softcap, saved_scores=1,
+             refused_by=("te", "cp-p2p", "cp-a2a")),
+)}
+
+
+def active(model_cfg) -> List[Tuple[ScoreMod, float]]:
+    """(entry, value) of every score modification ``model_cfg`` turns on, in table order."""
+    return [(m, getattr(model_cfg, m.field)) for m in SCORE_MODS.values()
+            if getattr(model_cfg, m.field, None) is not None]
+
+
+def apply_all(scores, mods: List[Tuple[ScoreMod, float]]):
+    for mod, value in mods:
+        scores = mod.apply(scores, value)
+    return scores
+
+
+def refusal_reason(mod: ScoreMod, implementation: str) -> str:
+    return (f"{mod.flag} with {IMPLEMENTATIONS[implementation]}: its attention kernel cannot "
+            f"modify the scores before the softmax ({mod.summary}); drop it or use the local "
+            "unfused core attention")
+
+
+def kernel_check(field: str) -> Callable:
+    """The field's domain check: SDPA's kernels (``--attention-backend flash`` / ``fused``)
+    take no score modification."""
+    def problem(value, cfg):
+        """only with the unfused core attention (--attention-backend auto, unfused or local)"""
+        backend = cfg.model.attention_backend
+        if value is not None and backend in ("flash", "fused"):
+            return (f"{SCORE_MODS[field].flag}: SDPA's kernels (--attention-backend {backend}) "
+                    "cannot modify the scores before the softmax; use --attention-backend "
+                    "unfused (or auto)")
+        return None
+    problem.invalid = []
+    return problem
