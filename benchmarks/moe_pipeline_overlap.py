@@ -20,6 +20,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pipeline_bubble import mock_micro_batches  # noqa: E402
 
 
 def _run(name: str, args: dict):
@@ -51,14 +53,7 @@ def _run(name: str, args: dict):
     cfg.training.global_batch_size = args["mbs"] * m * 2          # DP 2
     state = ParallelState.build(RankGrid.from_config(cfg), dist.get_rank())
     chunks = build_model_chunks(cfg, state)
-    g = torch.Generator().manual_seed(dist.get_rank() % 2)
-    batches = [{"tokens": torch.randint(0, 1000, (args["mbs"], args["seq"]), generator=g),
-                "labels": torch.randint(0, 1000, (args["mbs"], args["seq"]), generator=g)}
-               for _ in range(m)]
-
-    def forward_step(batch, model):
-        out = model(batch["tokens"], labels=batch["labels"])
-        return out, lambda o: (o.float().mean() / m, {"loss_sum": o.detach().sum()})
+    batches, forward_step = mock_micro_batches(args, m, seed=dist.get_rank() % 2)
     rows = []
     for i in range(args["iters"] + 1):               # iteration 0 warms up
         for c in chunks:

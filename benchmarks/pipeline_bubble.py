@@ -21,6 +21,22 @@ from collections import defaultdict
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def mock_micro_batches(args: dict, m: int, seed: int):
+    """``m`` random micro-batches of ``args["mbs"]`` x ``args["seq"]`` tokens (vocabulary 1000)
+    and the per-model step that averages their losses, for ``run_schedule``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    batches = [{"tokens": torch.randint(0, 1000, (args["mbs"], args["seq"]), generator=g),
+                "labels": torch.randint(0, 1000, (args["mbs"], args["seq"]), generator=g)}
+               for _ in range(m)]
+
+    def forward_step(batch, model):
+        out = model(batch["tokens"], labels=batch["labels"])
+        return out, lambda o: (o.float().mean() / m, {"loss_sum": o.detach().sum()})
+    return batches, forward_step
+
+
 def _run(name: str, args: dict):
     import torch
     import torch.distributed as dist
@@ -53,14 +69,7 @@ def _run(name: str, args: dict):
     grid = RankGrid.from_config(cfg)
     state = ParallelState.build(grid, dist.get_rank())
     chunks = build_model_chunks(cfg, state)
-    g = torch.Generator().manual_seed(0)
-    batches = [{"tokens": torch.randint(0, 1000, (args["mbs"], args["seq"]), generator=g),
-                "labels": torch.randint(0, 1000, (args["mbs"], args["seq"]), generator=g)}
-               for _ in range(m)]
-
-    def forward_step(batch, model):
-        out = model(batch["tokens"], labels=batch["labels"])
-        return out, lambda o: (o.float().mean() / m, {"loss_sum": o.detach().sum()})
+    batches, forward_step = mock_micro_batches(args, m, seed=0)
     runs = []
     for i in range(args["iters"] + 1):          # iteration 0 warms up
         for c in chunks:

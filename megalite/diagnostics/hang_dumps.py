@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import faulthandler
+import io
 import mmap
 import os
 import select
@@ -236,8 +237,11 @@ class FatalRecord:
         if self.file is None:
             return
         faulthandler.disable()
-        if self.was_enabled:
-            faulthandler.enable()           # back to stderr, as the user had it
+        if self.was_enabled:                # back to the process's stderr, as it was
+            try:
+                faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            except (AttributeError, ValueError, io.UnsupportedOperation):
+                pass                        # no file descriptor behind stderr (embedded)
         self.rec.box = None
         self.map.close()
         written = os.fstat(self.file.fileno()).st_size > self.header_size

@@ -264,19 +264,11 @@ LOOP_CASES = {
 
 
 def _train(cases, iters=10):
-    from megalite.cli.arguments import parse_args
-    from megalite.training.loop import Trainer
+    from cpu_trainer import build_cpu_trainer
 
-    rank = torch_dist.get_rank()
     out = {}
     for name, (world, argv) in cases.items():
-        cfg = parse_args(["--world-size", str(world), *LOOP, *argv])
-        p = cfg.parallel
-        grid = RankGrid(world, tp=p.tp, pp=p.pp, cp=p.cp,
-                        vpp=p.virtual_stages(cfg.model.num_layers))
-        state = ParallelState.build(grid, 0 if world == 1 else rank, create_groups=world > 1)
-        trainer = Trainer(cfg, state, "cpu")
-        trainer.setup()
+        trainer = build_cpu_trainer([*LOOP, *argv], world)
         it = trainer.data_iterator(trainer.train_ds, 0)
         rows = [trainer.train_step(it) for _ in range(iters)]
         out[name] = dict(writer=trainer.is_writer or world == 1,

@@ -7,9 +7,7 @@ A small vocabulary makes NullTokenizer's EOD (vocab - 1) frequent: about four do
 per 64-token sample, so the mask changes the loss and ring blocks are skipped.
 """
 import pytest
-import torch.distributed as torch_dist
 
-from megalite.parallel_state import ParallelState, RankGrid
 
 WORLD = 4
 ITERS = 3
@@ -46,20 +44,12 @@ BOTH_CASES = {"both-cp4-p2p": ["--context-parallel-size", "4"]}
 
 
 def _train(cases):
-    from megalite.cli.arguments import parse_args
+    from cpu_trainer import build_cpu_trainer
     from megalite.context_parallel.ring import work
-    from megalite.training.loop import Trainer
 
-    rank = torch_dist.get_rank()
     out = {}
     for name, (world, argv) in cases.items():
-        cfg = parse_args(["--world-size", str(world), *RUN, *argv])
-        p = cfg.parallel
-        grid = RankGrid(world, tp=p.tp, pp=p.pp, cp=p.cp,
-                        vpp=p.virtual_stages(cfg.model.num_layers))
-        state = ParallelState.build(grid, 0 if world == 1 else rank, create_groups=world > 1)
-        trainer = Trainer(cfg, state, "cpu")
-        trainer.setup()
+        trainer = build_cpu_trainer([*RUN, *argv], world)
         it = trainer.data_iterator(trainer.train_ds, 0)
         work.reset()
         rows = [trainer.train_step(it) for _ in range(ITERS)]
