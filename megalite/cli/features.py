@@ -409,6 +409,10 @@ RULES: Tuple[Rule, ...] = (
     Refuses(SPLIT_BACKWARD, "a recomputed MoE layer", _recomputes_moe_layers, ZB_MOE_RECOMPUTE),
     Refuses(("cp-p2p", "cp-a2a"), "--attention-dropout > 0",
             lambda c: c.model.attention_dropout > 0, CP_DROPOUT, dry_run=False),
+    Refuses("hsdp", "--optimizer muon", lambda c: c.optimizer.optimizer == "muon",
+            "--optimizer muon with --num-distributed-optimizer-instances > 1: Muon gathers each "
+            "matrix over one sharded group (optimizer/muon_layout.py), not across instances; "
+            "use --num-distributed-optimizer-instances 1"),
     Relation("Megatron FP8 flags megalite does not wire", _unwired_fp8, lambda c: (
         f"{_unwired_fp8(c)[0]}: only --fp8-format, --fp8-amax-history-len and "
         "--fp8-amax-compute-algo of Megatron's FP8 flags are wired (delayed scaling, Transformer "

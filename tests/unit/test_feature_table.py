@@ -174,6 +174,11 @@ RULE_CASES = {
         [_ZB_MOE + ["--recompute-granularity", "selective"],
          ["--pp", "2", "--num-experts", "4", "--recompute-granularity", "full",
           "--recompute-method", "uniform"]]),
+    "hsdp refuses --optimizer muon": (
+        [["--optimizer", "muon", "--use-distributed-optimizer",
+          "--num-distributed-optimizer-instances", "2"]],
+        [["--optimizer", "muon", "--use-distributed-optimizer"],
+         ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]]),
     "cp-p2p|cp-a2a refuses --attention-dropout > 0": (
         [["--cp", "2", "--attention-dropout", "0.1"],
          ["--cp", "2", "--cp-comm-type", "a2a", "--attention-dropout", "0.1"]],
