@@ -474,6 +474,16 @@ RULES: Tuple[Rule, ...] = (
               "before the softmax; drop it or use the local unfused core attention")
       for f, how in (("te", "Transformer Engine layers"), ("cp-p2p", "ring attention (CP)"),
                      ("cp-a2a", "all-to-all attention (CP)"))),
+    # QK-clip: only the local core attention records the logits (transformer/qk_logits.py)
+    *(Refuses(f, "--qk-clip", lambda c: c.model.qk_clip,
+              f"--qk-clip with {how}: its attention kernel does not record the largest "
+              "logit per head; drop --qk-clip or use the local core attention")
+      for f, how in (("te", "Transformer Engine layers"), ("cp-p2p", "ring attention (CP)"),
+                     ("cp-a2a", "all-to-all attention (CP)"))),
+    Relation("--qk-clip excludes --multi-latent-attention", lambda c: (
+        c.model.qk_clip and c.model.multi_latent_attention),
+        "--qk-clip scales linear_qkv's Q and K rows; Multi-Latent Attention has no linear_qkv: "
+        "drop --qk-clip or --multi-latent-attention"),
     Refuses("fused-loss", "--final-logit-softcapping",
             lambda c: c.model.final_logit_softcapping is not None,
             "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "

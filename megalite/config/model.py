@@ -104,6 +104,14 @@ class ModelConfig:
         "--normalization kind, one weight of --kv-channels shared by all heads) before RoPE "
         "(Qwen3); with --multi-latent-attention, the q and kv latents instead (Megatron's "
         "meaning; DeepSeek's models have them).", action="store_true")
+    # MuonClip (Kimi K2): Megatron's TransformerConfig fields (optimizer/qk_clip.py)
+    qk_clip: bool = opt(
+        False, "After each update, scale the Q and K rows of every query group whose largest "
+        "attention logit of the step exceeded --qk-clip-threshold back to it.",
+        action="store_true")
+    qk_clip_threshold: float = opt(100.0, "QK-clip: the attention-logit cap (tau).", gt=0)
+    qk_clip_alpha: float = opt(0.5, "QK-clip: the share of the scale on Q (K gets the rest).",
+                               gt=0, lt=1)
     init_method_std: float = opt(0.02, "Std of the normal initialization.", gt=0)
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.", ge=0, lt=1)
     attention_dropout: float = opt(0.1, "Dropout on attention probabilities.", ge=0, lt=1)

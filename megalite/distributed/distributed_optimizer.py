@@ -158,6 +158,17 @@ class DistributedOptimizer(MasterWeightOptimizer):
                                             and self.inner.o.muon_split_qkv))
         return slots
 
+    def scale_rows(self, p, row_scale):
+        """Every rank's param buffer holds all of ``p`` (after the gather); under half
+        precision this rank's fp32 master range of it too (fp32: the master is the buffer)."""
+        cols = p.numel() // p.shape[0]
+        p.data.mul_(row_scale.to(p.dtype).view(-1, *([1] * (p.dim() - 1))))
+        if self.bf16:
+            for b, q, lo, hi, _, _, p_lo in self._ranges():
+                if q is p:
+                    rows = torch.arange(p_lo, p_lo + hi - lo, device=row_scale.device) // cols
+                    self.masters[b][lo:hi].mul_(row_scale[rows])
+
     def sharded_state(self, index, state):
         """One flat range per parameter and buffer, cut into rectangles of the global
         tensor; written by the first instance of the buffer's shard group."""

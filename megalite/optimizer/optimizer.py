@@ -141,6 +141,11 @@ class MasterWeightOptimizer:
             return MuonAdamW.state_keys(self.inner.is_muon_tensor(t), keys)
         return list(keys)
 
+    def scale_rows(self, p: torch.nn.Parameter, row_scale: torch.Tensor) -> None:
+        """Multiply row i of ``p``'s TP-local tensor by ``row_scale[i]`` in every copy this
+        rank keeps (QK-clip, optimizer/qk_clip.py)."""
+        raise NotImplementedError
+
     def grads(self) -> List[torch.Tensor]:
         return [self.grad(p) for p in self.params]
 
@@ -337,6 +342,19 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
                 out[f"{key}.{name}"] = ChunkedTensor(spec.full_shape,
                                                      spec_chunks(spec, local, coords, at), writer)
         return out, self._one_step(steps)
+
+    def scale_rows(self, p, row_scale):
+        """The parameter (under FSDP2: its row piece) and, with half precision, its fp32
+        master."""
+        i = next(i for i, q in enumerate(self.params) if q is p)
+        for t in {id(p): p, id(self.masters[i]): self.masters[i]}.values():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            lo = 0
+            if isinstance(t, DTensor):
+                (meta,) = t.__create_chunk_list__()
+                lo = meta.offsets[0]
+            rows = row_scale[lo:lo + local.shape[0]].to(local.dtype)
+            local.data.mul_(rows.view(-1, *([1] * (local.dim() - 1))))
 
     def muon_slots(self, state, spec_of) -> List[MatrixSlot]:
         """Whole TP-local tensors, or under FSDP2 the rows of this rank's piece (a flat

@@ -34,6 +34,7 @@ from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
+from megalite.transformer.qk_logits import max_logit_per_head, record_max
 
 # SDPA's enable_gqa arrived in torch 2.5; older versions expand k/v instead.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -80,10 +81,16 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.softcap = getattr(model_cfg, "attn_logit_softcapping", None)
+        # --qk-clip: this step's largest logit per local head (transformer/qk_logits.py)
+        self.record_max_logits = getattr(model_cfg, "qk_clip", False)
+        self.max_logits: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         causal = self.is_causal
+        if self.record_max_logits and self.training:
+            self.max_logits = record_max(self.max_logits, max_logit_per_head(
+                q, k, self.softmax_scale, causal))
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,
                                        softcap=self.softcap is not None)

@@ -192,6 +192,13 @@ RULE_CASES = {
     "cp-a2a refuses --attn-logit-softcapping": (
         [["--cp", "2", "--cp-comm-type", "a2a", "--attn-logit-softcapping", "30"]],
         [["--cp", "2", "--cp-comm-type", "a2a"]]),
+    "te refuses --qk-clip": ([[{"model": dict(_TE, qk_clip=True)}]],
+                             [[{"model": dict(_TE)}], ["--qk-clip"]]),
+    "cp-p2p refuses --qk-clip": ([["--cp", "2", "--qk-clip"]], [["--cp", "2"]]),
+    "cp-a2a refuses --qk-clip": ([["--cp", "2", "--cp-comm-type", "a2a", "--qk-clip"]],
+                                 [["--cp", "2", "--cp-comm-type", "a2a"]]),
+    "--qk-clip excludes --multi-latent-attention": (
+        [_MLA + ["--qk-clip"]], [_MLA, ["--qk-clip"]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
