@@ -120,3 +120,25 @@ def test_muon_without_a_layout_is_a_bug_not_a_silent_local_step():
     p.grad = torch.ones(4, 4)
     with pytest.raises(RuntimeError, match="orthogonalize"):
         opt.step()
+
+
+def test_planner_counts_one_momentum_per_matrix_element():
+    """The planner's optimizer bytes for Muon are the trainer's, tensor for tensor
+    (RMSNorm, no biases: every non-matrix parameter is a norm or an embedding)."""
+    from cpu_trainer import build_cpu_trainer  # noqa: E402  (tests/ is on sys.path)
+    from megalite.planner.memory import predict_rank_memory
+    from state_bytes import storage_bytes  # noqa: E402
+
+    flags = [*BASE, "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+             "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+             "--global-batch-size", "2", "--micro-batch-size", "2"]
+    trainer = build_cpu_trainer(flags, 1)
+    trainer.train_step(trainer.data_iterator(trainer.train_ds, 0))
+    state = [v for st in trainer.optimizer.inner.state.values() for k, v in st.items()
+             if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]
+    muon = predict_rank_memory(trainer.cfg, 0)["optimizer"]
+    assert storage_bytes(state) == muon
+    matrices = sum(p.numel() for n, p in trainer.model_chunks[0].named_parameters()
+                   if is_muon_param(n, p.dim()))
+    adam = predict_rank_memory(parse_args(flags + ["--optimizer", "adam"]), 0)["optimizer"]
+    assert adam - muon == 4 * matrices          # AdamW's second moment, per matrix element
