@@ -32,7 +32,7 @@ def matrix_params(m: ModelConfig, L: Layout, pp_rank: int) -> ms.ParamCount:
     if pp_rank == L.pp - 1:
         dense -= ms.head_params(m, L.tp, L.pp)
     dense_layers, moe_layers = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
-    dense -= (dense_layers + moe_layers) * 2 * ms._norm(m, m.hidden_size)
+    dense -= (dense_layers + moe_layers) * 2 * ms.norm_params(m, m.hidden_size)
     return ms.ParamCount(max(dense, 0), p.expert)
 
 
