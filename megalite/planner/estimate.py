@@ -66,7 +66,7 @@ class ModelOptions:
     @property
     def precision(self) -> mem.Precision:
         prec = mem.Precision.fp32() if self.fp32 else mem.Precision.bf16(self.grad_bytes)
-        return replace(prec, muon=self.muon_ns_steps > 0)
+        return replace(prec, muon=True) if self.muon_ns_steps else prec
 
     @property
     def activations(self) -> mem.ActivationOptions:
