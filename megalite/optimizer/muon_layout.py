@@ -77,6 +77,9 @@ class WholeMatrices:
     def __init__(self, slots: List[MatrixSlot], state, optim_config, qkv_rows: List[int]):
         self.slots, self.state, self.o, self.qkv_rows = slots, state, optim_config, qkv_rows
         self._plans: Dict[str, tuple] = {}
+        # where the exchange buffers live: the stepped tensors' device (NCCL needs CUDA)
+        held = [s.tensor for s in slots if s.tensor is not None]
+        self.device = held[0].device if held else torch.device("cpu")
 
     def __call__(self, tensors: List[torch.Tensor], inputs: List[torch.Tensor]):
         given = {id(t): u for t, u in zip(tensors, inputs)}
@@ -93,13 +96,12 @@ class WholeMatrices:
             self._over_group(by_group[name], given, out)
         return [out[id(t)].reshape(u.shape) for t, u in zip(tensors, inputs)]
 
-    @staticmethod
-    def _input(s: MatrixSlot, given) -> torch.Tensor:
+    def _input(self, s: MatrixSlot, given) -> torch.Tensor:
         """This rank's piece of the momentum-updated input (zeros if its tensor had no
         gradient: the group's exchange needs every member)."""
         u = given.get(id(s.tensor)) if s.tensor is not None else None
         if u is None:
-            return torch.zeros(s.numel, dtype=torch.float32)
+            return torch.zeros(s.numel, dtype=torch.float32, device=self.device)
         return u.float().reshape(-1)
 
     def _whole(self, s: MatrixSlot, local: torch.Tensor) -> torch.Tensor:
@@ -142,7 +144,8 @@ class WholeMatrices:
         received = self._exchange(send, send_sizes, recv_sizes, group)
         # 2. each owned matrix whole, orthogonalised
         results, at = {}, 0
-        flats = {i: torch.zeros(math.prod(slots[i].shape), dtype=torch.float32) for i in mine}
+        flats = {i: torch.zeros(math.prod(slots[i].shape), dtype=torch.float32,
+                                device=self.device) for i in mine}
         for r in range(n):
             for i in mine:
                 lo, k = ranges[r][i]
@@ -163,10 +166,10 @@ class WholeMatrices:
                         out[id(slots[i].tensor)] = got[at:at + k]
                     at += k
 
-    @staticmethod
-    def _exchange(chunks, send_sizes, recv_sizes, group) -> torch.Tensor:
-        send = torch.cat([c.reshape(-1) for c in chunks]) if chunks else torch.zeros(0)
-        recv = torch.empty(sum(recv_sizes), dtype=torch.float32)
+    def _exchange(self, chunks, send_sizes, recv_sizes, group) -> torch.Tensor:
+        send = torch.cat([c.reshape(-1) for c in chunks]) if chunks else \
+            torch.zeros(0, device=self.device)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.float32, device=self.device)
         comm.all_to_all_single(recv, send.float(), group, output_split_sizes=recv_sizes,
                                input_split_sizes=send_sizes)
         return recv
