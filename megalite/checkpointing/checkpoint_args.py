@@ -62,7 +62,8 @@ MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim
 TRAINED_FIELDS = ("init_method_std", "hidden_dropout", "attention_dropout",
                   "moe_aux_loss_coeff", "moe_router_load_balancing_type", "moe_z_loss_coeff",
                   "moe_router_bias_update_rate", "moe_expert_capacity_factor",
-                  "moe_token_drop_policy", "mtp_loss_scaling_factor")
+                  "moe_token_drop_policy", "mtp_loss_scaling_factor",
+                  "qk_clip", "qk_clip_threshold", "qk_clip_alpha")
 TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file",
                     "tiktoken_pattern", "tiktoken_num_special_tokens", "tiktoken_special_tokens")
 # Run-time choices, not part of what the weights mean: never copied, never printed by
