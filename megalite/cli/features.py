@@ -440,6 +440,10 @@ RULES: Tuple[Rule, ...] = (
     Refuses(VSHAPE, "--mtp-num-layers", lambda c: bool(c.model.mtp_num_layers), VSHAPE_MTP),
     Refuses(("cp-p2p", "cp-a2a"), "--attention-dropout > 0",
             lambda c: c.model.attention_dropout > 0, CP_DROPOUT, dry_run=False),
+    Refuses("hsdp", "--optimizer muon", lambda c: c.optimizer.optimizer == "muon",
+            "--optimizer muon with --num-distributed-optimizer-instances > 1: Muon gathers each "
+            "matrix over one sharded group (optimizer/muon_layout.py), not across instances; "
+            "use --num-distributed-optimizer-instances 1"),
     Relation("Megatron FP8 flags megalite does not wire", _unwired_fp8, lambda c: (
         f"{_unwired_fp8(c)[0]}: only --fp8-format, --fp8-amax-history-len and "
         "--fp8-amax-compute-algo of Megatron's FP8 flags are wired (delayed scaling, Transformer "
@@ -529,6 +533,21 @@ RULES: Tuple[Rule, ...] = (
             "--norm-placement post with Transformer Engine layers: TE fuses each norm into "
             "the linear after it, so it cannot normalize the attention / MLP outputs; use "
             "--transformer-impl local"),
+    # QK-clip: only the local core attention records the logits (transformer/qk_logits.py)
+    *(Refuses(f, "--qk-clip", lambda c: c.model.qk_clip,
+              f"--qk-clip with {how}: its attention kernel does not record the largest "
+              "logit per head; drop --qk-clip or use the local core attention")
+      for f, how in (("te", "Transformer Engine layers"), ("cp-p2p", "ring attention (CP)"),
+                     ("cp-a2a", "all-to-all attention (CP)"))),
+    Relation("--qk-clip excludes --multi-latent-attention", lambda c: (
+        c.model.qk_clip and c.model.multi_latent_attention),
+        "--qk-clip scales linear_qkv's Q and K rows; Multi-Latent Attention has no linear_qkv: "
+        "drop --qk-clip or --multi-latent-attention"),
+    Relation("--qk-clip excludes --reset-attention-mask and --window-size", lambda c: (
+        c.model.qk_clip and (c.data.reset_attention_mask or c.model.window_size)),
+        "--qk-clip records each head's largest causal logit, not the one under a document mask "
+        "or a sliding window (it would clip on pairs attention never sees): drop --qk-clip or "
+        "the mask"),
     Refuses("fused-loss", "--final-logit-softcapping",
             lambda c: c.model.final_logit_softcapping is not None,
             "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "

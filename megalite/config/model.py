@@ -111,6 +111,15 @@ class ModelConfig:
         "--normalization kind, one weight of --kv-channels shared by all heads) before RoPE "
         "(Qwen3); with --multi-latent-attention, the q and kv latents instead (Megatron's "
         "meaning; DeepSeek's models have them).", action="store_true")
+    # MuonClip (Kimi K2): Megatron's TransformerConfig fields (optimizer/qk_clip.py)
+    qk_clip: bool = opt(
+        False, "After each update, scale the Q and K rows of every query group whose largest "
+        "attention logit of the step exceeded --qk-clip-threshold back to it.",
+        action="store_true", checkpoint="trained")
+    qk_clip_threshold: float = opt(100.0, "QK-clip: the attention-logit cap (tau).", gt=0,
+                                   checkpoint="trained")
+    qk_clip_alpha: float = opt(0.5, "QK-clip: the share of the scale on Q (K gets the rest).",
+                               gt=0, lt=1, checkpoint="trained")
     init_method_std: float = opt(0.02, "Std of the normal initialization.", gt=0,
         checkpoint="trained")
     hidden_dropout: float = opt(0.1, "Dropout after attention and MLP outputs.", ge=0, lt=1,

@@ -1,4 +1,5 @@
-"""OptimizerConfig: AdamW, mixed precision, loss scaling, clipping and the LR/WD schedule."""
+"""OptimizerConfig: AdamW or Muon, mixed precision, loss scaling, clipping and the LR/WD
+schedule."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,10 @@ from megalite.config.fields import opt
 
 @dataclass
 class OptimizerConfig:
-    """AdamW, mixed precision, clipping and the learning-rate schedule."""
-    optimizer: str = opt("adam", "Optimizer (AdamW).", choices=["adam", "sgd"])
+    """AdamW or Muon, mixed precision, clipping and the learning-rate schedule."""
+    optimizer: str = opt("adam", "Optimizer: AdamW, SGD, or Muon (2-D weights; AdamW for "
+                         "embeddings, output layer, norms and biases; optimizer/muon.py).",
+                         choices=["adam", "sgd", "muon"])
     lr: Optional[float] = opt(None, "Peak learning rate.", ge=0)
     min_lr: float = opt(0.0, "Learning rate floor after decay.", ge=0, le="lr")
     lr_decay_style: str = opt("linear", "Decay style (Megatron-Core's OptimizerParamScheduler).",
@@ -50,6 +53,22 @@ class OptimizerConfig:
     adam_beta1: float = opt(0.9, "Adam beta1.", ge=0, lt=1)
     adam_beta2: float = opt(0.999, "Adam beta2.", ge=0, lt=1)
     adam_eps: float = opt(1e-8, "Adam epsilon.", gt=0)
+    muon_momentum: float = opt(0.9, "Muon: momentum factor.", ge=0, lt=1)
+    muon_nesterov: bool = opt(False, "Muon: Nesterov-style momentum.", action="store_true")
+    muon_num_ns_steps: int = opt(5, "Muon: Newton-Schulz (quintic) iterations.", ge=1)
+    muon_scale_mode: str = opt("spectral", "Muon: scale of the orthogonalised update "
+                               "(rows m, columns n): spectral sqrt(max(m, n)), unit_rms_norm "
+                               "sqrt(m/n), shape_scaling sqrt(max(1, m/n)).",
+                               choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    muon_extra_scale_factor: float = opt(1.0, "Muon: extra factor on the update.", gt=0)
+    muon_split_qkv: bool = opt(True, "Muon: orthogonalise Q, K and V of linear_qkv as "
+                               "separate matrices (--muon-no-split-qkv: one matrix).",
+                               flag="--muon-no-split-qkv", action="store_false")
+    muon_tp_mode: str = opt("duplicated", "Muon under TP: gather each matrix whole and "
+                            "orthogonalise it (duplicated: the single-process update).",
+                            choices=["duplicated"])
+    muon_scalar_optimizer: str = opt("adam", "Muon: optimizer of the non-matrix parameters.",
+                                     choices=["adam"])
     bf16: bool = opt(False, "bf16 compute with fp32 master weights.", action="store_true")
     precision: Optional[str] = opt(
         None, "Training precision: fp32, bf16 (as --bf16) or auto (time bf16 and fp32 matmuls "

@@ -563,7 +563,11 @@ def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
         if not all(isinstance(p, DTensor) for _, p in named):
             raise ValueError("--use-torch-fsdp2: the model chunks were not fully sharded; build "
                              "them through the model family's parallelize step")
-        return FSDP2Strategy(named, cfg, state, specs)
-    if cfg.parallel.use_distributed_optimizer:
-        return DistributedOptimizerStrategy(named, cfg, state, specs)
-    return DDPStrategy(named, cfg, state, specs)
+        strategy = FSDP2Strategy(named, cfg, state, specs)
+    elif cfg.parallel.use_distributed_optimizer:
+        strategy = DistributedOptimizerStrategy(named, cfg, state, specs)
+    else:
+        strategy = DDPStrategy(named, cfg, state, specs)
+    # --optimizer muon: each matrix orthogonalised whole, however this layout cuts it
+    strategy.optimizer.use_whole_matrices(state, cfg.model, strategy._spec_of)
+    return strategy

@@ -29,6 +29,8 @@ import torch
 from megalite.state_format.dcp_format import ChunkedTensor
 from megalite.state_format.sharded_state import buffer_writer, flat_chunks
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
+from megalite.optimizer.muon import is_muon_param
+from megalite.optimizer.muon_layout import MatrixSlot
 from megalite.optimizer.optimizer import (MasterWeightOptimizer, make_inner_optimizer,
                                           param_groups, uses_decoupled_lr,
                                           uses_weight_decay)
@@ -53,21 +55,26 @@ class DistributedOptimizer(MasterWeightOptimizer):
         self.masters = [buf.param_shard.detach().float().clone() if self.bf16
                         else buf.param_shard for buf in self.sharded_buffers]
         split = o.decoupled_lr is not None
+        self.names = names
+        self._muon = o.optimizer == "muon"
         pieces = {(True, False): [], (False, False): [], (True, True): [], (False, True): []}
+        muon = []
 
-        def key(p):   # (weight decay?, --decoupled-lr group?)
+        def key(p):   # (weight decay?, --decoupled-lr group?); a Muon matrix: itself
             if p is None:
                 return (False, False)
+            if self._muon and is_muon_param(names[id(p)], p.dim()):
+                return id(p)
             return (uses_weight_decay(names[id(p)], p),
                     split and uses_decoupled_lr(names[id(p)]))
         for buf, master in zip(self.sharded_buffers, self.masters):
             for lo, hi, k in contiguous_runs(buf.shard_ranges(), buf.shard_size, key):
                 piece = master[lo:hi]
                 piece.grad = buf.grad_shard[lo:hi]
-                pieces[k].append(piece)
+                (muon if isinstance(k, int) else pieces[k]).append(piece)
         self.inner = make_inner_optimizer(param_groups(
             pieces[(True, False)], pieces[(False, False)], o, pieces[(True, True)],
-            pieces[(False, True)]), o)
+            pieces[(False, True)], muon=muon), o)
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         """``p``'s gradient: its view of the grad buffer (after the reduce-scatter only
@@ -131,6 +138,37 @@ class DistributedOptimizer(MasterWeightOptimizer):
                                        if a <= lo and hi <= a + t.numel())
                 yield b, p, lo, hi, piece_lo, piece, buf.start + lo - buf.offsets[index[id(p)]]
 
+    def muon_slots(self, state, spec_of) -> List[MatrixSlot]:
+        """Each Muon parameter of every buffer: this rank's flat range of it (its own piece
+        of the master shard; none outside the shard), the buffer's DP group holding the
+        rest."""
+        held = {(b, id(p)): (p_lo, hi - lo, piece)
+                for b, p, lo, hi, _, piece, p_lo in self._ranges()}
+        slots = []
+        for b, buf in enumerate(self.sharded_buffers):
+            if buf.replicate is not None:
+                raise ValueError("Muon with distributed-optimizer instances (rule 'muon "
+                                 "excludes hsdp')")
+            for p in buf.params:
+                name = self.names[id(p)]
+                if is_muon_param(name, p.dim()):
+                    lo, n, piece = held.get((b, id(p)), (0, 0, None))
+                    slots.append(MatrixSlot(name, spec_of[id(p)], tuple(p.shape), lo, n, piece,
+                                            buf.group, name.endswith("linear_qkv.weight")
+                                            and self.inner.o.muon_split_qkv))
+        return slots
+
+    def scale_rows(self, p, row_scale):
+        """Every rank's param buffer holds all of ``p`` (after the gather); under half
+        precision this rank's fp32 master range of it too (fp32: the master is the buffer)."""
+        cols = p.numel() // p.shape[0]
+        p.data.mul_(row_scale.to(p.dtype).view(-1, *([1] * (p.dim() - 1))))
+        if self.bf16:
+            for b, q, lo, hi, _, _, p_lo in self._ranges():
+                if q is p:
+                    rows = torch.arange(p_lo, p_lo + hi - lo, device=row_scale.device) // cols
+                    self.masters[b][lo:hi].mul_(row_scale[rows])
+
     def sharded_state(self, index, state):
         """One flat range per parameter and buffer, cut into rectangles of the global
         tensor; written by the first instance of the buffer's shard group."""
@@ -152,11 +190,11 @@ class DistributedOptimizer(MasterWeightOptimizer):
 
     def _stepped_state(self, local, keys):
         """Each parameter's whole local state, cut to its range of this rank's shard."""
-        out = {id(piece): {k: torch.zeros_like(piece) for k in keys}
+        out = {id(piece): {k: torch.zeros_like(piece) for k in self._state_keys(piece, keys)}
                for pieces in self.master_pieces() for _, piece in pieces}
         for b, p, lo, hi, piece_lo, piece, p_lo in self._ranges():
             flat = {k: v.reshape(-1)[p_lo:p_lo + hi - lo] for k, v in local[id(p)].items()}
-            for k in keys:
+            for k in out[id(piece)]:
                 out[id(piece)][k][lo - piece_lo:hi - piece_lo] = flat[k]
             if self.bf16:
                 self.masters[b][lo:hi] = flat["master"]

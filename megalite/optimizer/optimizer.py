@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor
 from megalite.state_format.dcp_format import ChunkedTensor
 from megalite.state_format.sharded_state import fsdp_piece, param_writer, spec_chunks
 from megalite.optimizer.lr_schedule import StepSettings
+from megalite.optimizer.muon import MuonAdamW, is_muon_param, qkv_split_rows
+from megalite.optimizer.muon_layout import MatrixSlot, WholeMatrices
 from megalite.param_spec import group_coords
 
 # the per-element state tensors torch's AdamW / SGD keep (checkpoint keys
@@ -64,10 +66,11 @@ def uses_decoupled_lr(name: str) -> bool:
 
 
 def param_groups(decay: list, no_decay: list, o, decoupled_decay=(),
-                 decoupled_no_decay=()) -> list:
+                 decoupled_no_decay=(), muon=()) -> list:
     """The AdamW groups; ``wd_mult`` lets the scheduler set each group's weight decay as
     Megatron does (``wd * wd_mult``).  Under ``--decoupled-lr`` the embedding and output
-    parameters form their own groups (``decoupled_lr``); otherwise there are two groups."""
+    parameters form their own groups (``decoupled_lr``); otherwise there are two groups.
+    ``--optimizer muon``: the weight matrices ``muon`` form one more group (with decay)."""
     groups = [{"params": decay, "weight_decay": o.weight_decay, "wd_mult": 1.0},
               {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
     if o.decoupled_lr is not None:
@@ -78,6 +81,9 @@ def param_groups(decay: list, no_decay: list, o, decoupled_decay=(),
     else:
         groups[0]["params"] = list(decay) + list(decoupled_decay)
         groups[1]["params"] = list(no_decay) + list(decoupled_no_decay)
+    if muon:
+        groups.append({"params": list(muon), "weight_decay": o.weight_decay, "wd_mult": 1.0,
+                       "muon": True})
     return groups
 
 
@@ -87,6 +93,8 @@ def make_inner_optimizer(groups: list, o) -> torch.optim.Optimizer:
     Fused, not foreach: on CPU (torch 2.13, 2 cores) the baby GPT's 52 parameters step in
     4.8 ms fused against 18.5 ms foreach and 19.9 ms one tensor at a time (docs/performance.md)."""
     groups = [g for g in groups if g["params"]]
+    if o.optimizer == "muon":
+        return MuonAdamW(groups, o)
     if o.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=o.lr or 0.0, momentum=0.9)
     kwargs = dict(lr=o.lr or 0.0, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)
@@ -112,6 +120,30 @@ class MasterWeightOptimizer:
         self.clip_grad = optim_config.clip_grad
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- Muon: the layout's pieces of each weight matrix (optimizer/muon_layout.py) --------
+    def use_whole_matrices(self, state, model_cfg, spec_of: Dict[int, object]) -> None:
+        """``--optimizer muon``: orthogonalise each matrix whole (this layout's slots);
+        ``spec_of``: id(param) -> its ``ParamSpec``."""
+        if isinstance(self.inner, MuonAdamW):
+            self.inner.orthogonalize = WholeMatrices(self.muon_slots(state, spec_of), state,
+                                                     self.inner.o, qkv_split_rows(model_cfg))
+
+    def muon_slots(self, state, spec_of) -> List[MatrixSlot]:
+        """Every Muon parameter as this layout holds it, in the same order on every rank
+        of the group that holds its other pieces."""
+        raise NotImplementedError
+
+    def _state_keys(self, t: torch.Tensor, keys) -> List[str]:
+        """The per-element state keys the torch optimizer keeps for stepped tensor ``t``."""
+        if isinstance(self.inner, MuonAdamW):
+            return MuonAdamW.state_keys(self.inner.is_muon_tensor(t), keys)
+        return list(keys)
+
+    def scale_rows(self, p: torch.nn.Parameter, row_scale: torch.Tensor) -> None:
+        """Multiply row i of ``p``'s TP-local tensor by ``row_scale[i]`` in every copy this
+        rank keeps (QK-clip, optimizer/qk_clip.py)."""
         raise NotImplementedError
 
     def grads(self) -> List[torch.Tensor]:
@@ -198,11 +230,19 @@ class MasterWeightOptimizer:
             name, spec = index[id(p)]
             piece, at, _ = fsdp_piece(p, state)        # FSDP2: this rank's piece of p
             local[id(p)] = {k: torch.zeros(piece.shape, dtype=torch.float32,
-                                           device=piece.device) for k in keys}
+                                           device=piece.device)
+                            for k in self._param_keys(name, p, keys)}
             for k, t in local[id(p)].items():
                 targets[f"{k}.{name}"] = ChunkedTensor(spec.full_shape,
                                                        spec_chunks(spec, t, coords, at))
         return targets, local
+
+    def _param_keys(self, name: str, p: torch.Tensor, keys) -> List[str]:
+        """The state keys parameter ``name`` has: Muon's matrices a momentum, the rest
+        AdamW's moments (any optimizer: the fp32 ``master`` under half precision)."""
+        if isinstance(self.inner, MuonAdamW):
+            return MuonAdamW.state_keys(is_muon_param(name, p.dim()), keys)
+        return list(keys)
 
     def load_sharded_state(self, local: dict, step: float) -> None:
         """Install ``local`` (``sharded_load_targets``' tensors, filled) and ``step``: the
@@ -250,14 +290,19 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
                 names.append(name)
         self.masters = [p.detach().float().clone().requires_grad_(True) if self.bf16 else p
                         for p in self.params]
-        triples = list(zip(names, self.params, self.masters))
+        self.names = names
+        muon = o.optimizer == "muon"
+        triples = [(n, p, m) for n, p, m in zip(names, self.params, self.masters)
+                   if not (muon and is_muon_param(n, p.dim()))]
         split = o.decoupled_lr is not None
 
         def pick(wd: bool, decoupled: bool) -> list:
             return [m for n, p, m in triples if uses_weight_decay(n, p) == wd
                     and (split and uses_decoupled_lr(n)) == decoupled]
         self.inner = make_inner_optimizer(param_groups(
-            pick(True, False), pick(False, False), o, pick(True, True), pick(False, True)), o)
+            pick(True, False), pick(False, False), o, pick(True, True), pick(False, True),
+            muon=[m for n, p, m in zip(names, self.params, self.masters)
+                  if muon and is_muon_param(n, p.dim())]), o)
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
         return self._grad_of(p)
@@ -298,10 +343,44 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
                                                      spec_chunks(spec, local, coords, at), writer)
         return out, self._one_step(steps)
 
+    def scale_rows(self, p, row_scale):
+        """The parameter (under FSDP2: its row piece) and, with half precision, its fp32
+        master."""
+        i = next(i for i, q in enumerate(self.params) if q is p)
+        for t in {id(p): p, id(self.masters[i]): self.masters[i]}.values():
+            local = t.to_local() if isinstance(t, DTensor) else t
+            lo = 0
+            if isinstance(t, DTensor):
+                (meta,) = t.__create_chunk_list__()
+                lo = meta.offsets[0]
+            rows = row_scale[lo:lo + local.shape[0]].to(local.dtype)
+            local.data.mul_(rows.view(-1, *([1] * (local.dim() - 1))))
+
+    def muon_slots(self, state, spec_of) -> List[MatrixSlot]:
+        """Whole TP-local tensors, or under FSDP2 the rows of this rank's piece (a flat
+        range: FSDP2 shards dim 0) with the group sharding them."""
+        slots = []
+        for name, p, master in zip(self.names, self.params, self.masters):
+            if not is_muon_param(name, p.dim()):
+                continue
+            spec = spec_of[id(p)]
+            piece, at, groups = fsdp_piece(p, state)
+            lo, group = 0, None
+            if at is not None:
+                if any(at[1:]) or len(groups) == 0:
+                    raise ValueError(f"Muon: {name} is not sharded by rows under FSDP2")
+                name_of = next((g for g in groups if g in ("dp-cp", "expert-dp")), groups[0])
+                lo, group = at[0] * (p.numel() // max(p.shape[0], 1)), state[name_of]
+            slots.append(MatrixSlot(name, spec, tuple(p.shape), lo, piece.numel(), master,
+                                    group, name.endswith("linear_qkv.weight")
+                                    and self.inner.o.muon_split_qkv))
+        return slots
+
     def _stepped_state(self, local, keys):
         out = {}
         for p, master in zip(self.params, self.masters):
-            out[id(master)] = {k: _like_param(local[id(p)][k].to(master.dtype), p) for k in keys}
+            out[id(master)] = {k: _like_param(local[id(p)][k].to(master.dtype), p)
+                               for k in self._state_keys(master, keys)}
             if self.bf16:
                 master.copy_(local[id(p)]["master"])
         return out

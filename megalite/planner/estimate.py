@@ -21,6 +21,7 @@ from megalite.planner import flops as fl
 from megalite.planner import kernels
 from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
+from megalite.planner import muon_cost
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
 from megalite.planner.moe_cost import Routing, capacity_load, routing_imbalance
@@ -73,10 +74,12 @@ class ModelOptions:
     fsdp_reshard: bool = True              # ZeRO-3 frees gathered weights after forward
     fp8_param_gather: bool = False         # ZeRO-3 gathers FP8 weights (1 byte)
     pp_overlap: bool = True                # interleaved p2p behind the next chunk's compute
+    muon_ns_steps: int = 0                 # --optimizer muon's Newton-Schulz steps; 0: AdamW
 
     @property
     def precision(self) -> mem.Precision:
-        return mem.Precision.fp32() if self.fp32 else mem.Precision.bf16(self.grad_bytes)
+        prec = mem.Precision.fp32() if self.fp32 else mem.Precision.bf16(self.grad_bytes)
+        return replace(prec, muon=True) if self.muon_ns_steps else prec
 
     @property
     def activations(self) -> mem.ActivationOptions:
@@ -416,6 +419,9 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     local = est.memory["params"] / L.dense_shards if L.zero >= 1 else est.memory["params"]
     optim = local * OPTIMIZER_BYTES_PER_PARAM / (cluster.gpu.hbm_gbps * 1e9 * cluster.eff.hbm)
     optim += kernels.weight_cast_seconds(est.memory["params"], cluster, opts)
+    if opts.muon_ns_steps:      # Newton-Schulz GEMMs of the slowest stage (muon_cost.py)
+        optim += max(muon_cost.stage_newton_schulz_flops(m, L, r["r"], opts.muon_ns_steps)
+                     for r in rows) / (cluster.gpu.peak_tflops * 1e12 * cluster.eff.compute)
     est.times = {"compute": mbs * mean_compute,
                  "imbalance": mbs * (worst["t_f"] + worst["t_b"] - mean_compute),
                  "tp": mbs * worst["tp"], "cp": mbs * worst["cp"], "ep": mbs * worst["ep"],

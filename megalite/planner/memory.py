@@ -6,12 +6,14 @@ except activations, which follow Korthikanti et al. 2022 term by term.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.config.pipeline_schedules import get_schedule
 from megalite.planner import model_spec as ms
+from megalite.planner import muon_cost
 from megalite.planner.layout import Layout, layout_from_config
 from megalite.config.activations import activation_of
 
@@ -28,6 +30,7 @@ class Precision:
     grad: int = 4
     master: int = 4
     adam: int = 8
+    muon: bool = False      # --optimizer muon: weight matrices keep one momentum (muon_cost.py)
 
     @property
     def optimizer(self) -> int:
@@ -433,6 +436,8 @@ def rank_memory(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precisi
                 opts: ActivationOptions = ActivationOptions()) -> Dict[str, int]:
     params = L.stage_params(m, pp_rank)
     out = layout_state_bytes(params, L, prec)
+    if prec.muon:
+        out["optimizer"] -= muon_cost.optimizer_state_saving(m, L, pp_rank, prec.adam)
     if L.zero >= 3 and L.pp > 1:    # PP keeps the stage gathered, its gradients unsharded
         out["weights"] += params.total * prec.weight
         out["grads"] = params.total * prec.grad
@@ -483,6 +488,7 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     L = layout_from_config(cfg, zero)
     half = cfg.optimizer.bf16 or cfg.optimizer.fp16        # fp16: the same bytes as bf16
     prec = Precision.bf16(grad_bytes) if half else Precision.fp32()
+    prec = dataclasses.replace(prec, muon=cfg.optimizer.optimizer == "muon")
     pp_rank = L.pp_rank_of(rank)
     opts = ActivationOptions(flash_attention, tuple(cfg.training.recompute_modules or ()),
                              1 if half else 2, local_layers, attention_kernel == "unfused")

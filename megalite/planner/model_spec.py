@@ -190,6 +190,11 @@ def _norm(m: ModelConfig, h: int) -> int:
     return 2 * h if m.normalization == "LayerNorm" else h
 
 
+def norm_params(m: ModelConfig, h: int) -> int:
+    """Parameters of one norm over ``h`` (LayerNorm: weight and bias)."""
+    return _norm(m, h)
+
+
 def stage_layer_kinds(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
                       first: Optional[int] = None, last: Optional[int] = None,
                       accounts: tuple = (False, False)) -> tuple:

@@ -149,7 +149,9 @@ def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
     cluster = make_cluster(cfg.world_size, gpus_per_node, gpu)
     opts = ModelOptions(fp32=not (cfg.optimizer.bf16 or cfg.optimizer.fp16),   # fp16: 2 B too
                         local_layers=cfg.model.transformer_impl == "local",
-                        fp8="delayed" if cfg.model.fp8_format else None)  # TE's DelayedScaling
+                        fp8="delayed" if cfg.model.fp8_format else None,  # TE's DelayedScaling
+                        muon_ns_steps=cfg.optimizer.muon_num_ns_steps
+                        if cfg.optimizer.optimizer == "muon" else 0)
     return evaluate(cfg.model, cfg.model.seq_length, layout, cluster, opts), cluster, opts
 
 

@@ -46,6 +46,7 @@ from megalite.checkpointing.resume_schedule import scheduler_for_run
 from megalite.data.position import DataPosition
 from megalite.config.data_flags import blend_weight_note
 from megalite.optimizer.lr_schedule import SchedulePosition
+from megalite.optimizer.qk_clip import clip_qk
 from megalite.parallel_state import ParallelState, initialize, pick_device_and_backend, usable_cores
 from megalite.pipeline_parallel import get_forward_backward_func
 from megalite.pipeline_parallel.schedules import NO_PIPELINING, pipeline_schedule_name
@@ -239,6 +240,9 @@ class Trainer:
         settings = self.scheduler.settings_at(self.consumed_samples - self.skipped_samples)
         site.phase = "optimizer"
         grad_norm = self.strategy.step(settings)
+        qk = {} if not self.cfg.model.qk_clip else {   # MuonClip, after the update
+            "max_attention_logit": clip_qk(self.model_chunks, self.strategy, self.state,
+                                           self.cfg.model, clip=grad_norm is not None)}
         site.phase = "after step"
         lr = settings.lr
         metrics = self.family.after_train_step(self.model_chunks, self.cfg, self.state)
@@ -247,7 +251,8 @@ class Trainer:
         self.consumed_samples += gbs
         if grad_norm is None:
             self.schedule_position.skip(gbs)
-        out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses, **metrics}
+        out = {"lm_loss": loss, "lr": lr, "grad_norm": grad_norm, **extra_losses, **metrics,
+               **qk}
         if self.strategy.grad_scaler is not None:   # Megatron's "loss scale" (after update)
             out.update(loss_scale=self.strategy.loss_scale, skipped_iter=int(grad_norm is None))
         if self.batch_sizes.varies:

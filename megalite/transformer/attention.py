@@ -37,6 +37,7 @@ from megalite.transformer.attention_masks import keep
 from megalite.transformer.projection_norm import build_projection_qk_norms, norm_qkv_projection
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
+from megalite.transformer.qk_logits import max_logit_per_head, record_max
 
 # SDPA's enable_gqa arrived in torch 2.5; older versions expand k/v instead.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
@@ -86,6 +87,9 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        # --qk-clip: this step's largest logit per local head (transformer/qk_logits.py)
+        self.record_max_logits = getattr(model_cfg, "qk_clip", False)
+        self.max_logits: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -100,6 +104,9 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
             mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
                         self.window)                                     # [b|1, s, s]
         causal = self.is_causal and mask is None
+        if self.record_max_logits and self.training:
+            self.max_logits = record_max(self.max_logits, max_logit_per_head(
+                q, k, self.softmax_scale, self.is_causal))
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,
                                        score_mods=bool(self.score_mods))

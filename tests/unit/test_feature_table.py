@@ -179,6 +179,11 @@ RULE_CASES = {
         [_ZB_MOE + ["--recompute-granularity", "selective"],
          ["--pp", "2", "--num-experts", "4", "--recompute-granularity", "full",
           "--recompute-method", "uniform"]]),
+    "hsdp refuses --optimizer muon": (
+        [["--optimizer", "muon", "--use-distributed-optimizer",
+          "--num-distributed-optimizer-instances", "2"]],
+        [["--optimizer", "muon", "--use-distributed-optimizer"],
+         ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]]),
     "cp-p2p|cp-a2a refuses --attention-dropout > 0": (
         [["--cp", "2", "--attention-dropout", "0.1"],
          ["--cp", "2", "--cp-comm-type", "a2a", "--attention-dropout", "0.1"]],
@@ -243,6 +248,16 @@ RULE_CASES = {
     "te refuses --norm-placement post": (
         [[{"model": dict(_TE, norm_placement="post")}]],
         [[{"model": dict(_TE)}], ["--norm-placement", "post"]]),
+    "te refuses --qk-clip": ([[{"model": dict(_TE, qk_clip=True)}]],
+                             [[{"model": dict(_TE)}], ["--qk-clip"]]),
+    "cp-p2p refuses --qk-clip": ([["--cp", "2", "--qk-clip"]], [["--cp", "2"]]),
+    "cp-a2a refuses --qk-clip": ([["--cp", "2", "--cp-comm-type", "a2a", "--qk-clip"]],
+                                 [["--cp", "2", "--cp-comm-type", "a2a"]]),
+    "--qk-clip excludes --multi-latent-attention": (
+        [_MLA + ["--qk-clip"]], [_MLA, ["--qk-clip"]]),
+    "--qk-clip excludes --reset-attention-mask and --window-size": (
+        [[*_DOCS, "--qk-clip"], ["--window-size", "4,0", "--qk-clip"]],
+        [[*_DOCS], ["--qk-clip"]]),
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
