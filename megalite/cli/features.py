@@ -533,12 +533,11 @@ RULES: Tuple[Rule, ...] = (
             "--norm-placement post with Transformer Engine layers: TE fuses each norm into "
             "the linear after it, so it cannot normalize the attention / MLP outputs; use "
             "--transformer-impl local"),
-    # QK-clip: only the local core attention records the logits (transformer/qk_logits.py)
-    *(Refuses(f, "--qk-clip", lambda c: c.model.qk_clip,
-              f"--qk-clip with {how}: its attention kernel does not record the largest "
-              "logit per head; drop --qk-clip or use the local core attention")
-      for f, how in (("te", "Transformer Engine layers"), ("cp-p2p", "ring attention (CP)"),
-                     ("cp-a2a", "all-to-all attention (CP)"))),
+    # QK-clip: megalite's core attentions record the logits (local, ring and all-to-all:
+    # transformer/qk_logits.py, context_parallel/max_logits.py); TE's kernels hand none out
+    Refuses("te", "--qk-clip", lambda c: c.model.qk_clip,
+            "--qk-clip with Transformer Engine layers: its attention kernel does not record the "
+            "largest logit per head; drop --qk-clip or use the local core attention"),
     Relation("--qk-clip excludes --multi-latent-attention", lambda c: (
         c.model.qk_clip and c.model.multi_latent_attention),
         "--qk-clip scales linear_qkv's Q and K rows; Multi-Latent Attention has no linear_qkv: "

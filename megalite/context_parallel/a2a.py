@@ -25,8 +25,10 @@ from torch import nn
 
 from megalite import comm
 from megalite.context_parallel.load_balance import gathered_order
+from megalite.context_parallel.max_logits import head_block
 from megalite.context_parallel.ring import check_cp_attention_args, work
 from megalite.transformer.attention_masks import keep
+from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
 
 # SDPA's enable_gqa arrived in torch 2.5 (transformer/attention.py has the same fallback)
@@ -74,6 +76,9 @@ class UlyssesAttention(nn.Module):
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self._order = None
+        # --qk-clip: this step's largest logit per local head (context_parallel/max_logits.py)
+        self.record_max_logits = getattr(model_cfg, "qk_clip", False)
+        self.max_logits: Optional[torch.Tensor] = None
 
     def _orders(self, seq: int, device):
         if self._order is None or self._order[0].numel() != seq:
@@ -106,6 +111,9 @@ class UlyssesAttention(nn.Module):
         mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
                     self.window)                                       # [b|1, S, S] or None
         work.add(qf, kf, self.is_causal, mask)
+        if self.record_max_logits and self.training:    # this rank's block of the heads
+            self.max_logits = record_max(self.max_logits, head_block(
+                max_logit_per_head(qf, kf, self.scale, self.is_causal), h, self.group.rank))
         if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
             kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
         gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}

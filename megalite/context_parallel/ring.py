@@ -40,7 +40,9 @@ from megalite import comm
 from megalite.context_parallel.block_attention import (accum_dtype, block_backward,
                                                        block_flops, block_forward, merge)
 from megalite.context_parallel.load_balance import token_indices
+from megalite.context_parallel.max_logits import ring_keys
 from megalite.transformer.attention_masks import keep
+from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
 
 
@@ -221,10 +223,15 @@ class RingAttention(nn.Module):
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        # --qk-clip: this step's largest logit per local head (context_parallel/max_logits.py)
+        self.record_max_logits = getattr(model_cfg, "qk_clip", False)
+        self.max_logits: Optional[torch.Tensor] = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``document_ids`` [b, S]: the whole sequence's documents (``--reset-attention-mask``)."""
+        if self.record_max_logits and self.training:
+            self._record_max_logits(q, k)
         if self.group.size == 1:
             pos = torch.arange(q.shape[2], device=q.device)
             mask = keep(pos, pos, self.is_causal, document_ids, document_ids, self.window)
@@ -232,6 +239,17 @@ class RingAttention(nn.Module):
             return out
         return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal,
                                            document_ids, self.window)
+
+    def _record_max_logits(self, q, k) -> None:
+        """This rank's queries against every key of the ring, on their true positions."""
+        cp = self.group.size
+        if cp == 1:
+            mx = max_logit_per_head(q, k, self.scale, self.is_causal)
+        else:
+            keys, k_pos = ring_keys(k, self.group)
+            q_pos = token_indices(cp * q.shape[2], cp, self.group.rank, q.device)
+            mx = max_logit_per_head(q, keys, self.scale, self.is_causal, q_pos, k_pos)
+        self.max_logits = record_max(self.max_logits, mx)
 
 
 def check_cp_attention_args(model_cfg, attn_mask_type, what: str) -> None:

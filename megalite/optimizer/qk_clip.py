@@ -18,7 +18,7 @@ from typing import List
 import torch
 
 from megalite import comm
-from megalite.transformer.attention import DotProductAttention, SelfAttention
+from megalite.transformer.attention import SelfAttention
 
 
 def qk_row_scale(attn: SelfAttention, group_max: torch.Tensor, tau: float,
@@ -35,8 +35,7 @@ def qk_row_scale(attn: SelfAttention, group_max: torch.Tensor, tau: float,
 
 def layers_recording(model_chunks) -> List[SelfAttention]:
     return [m for c in model_chunks for m in c.modules() if isinstance(m, SelfAttention)
-            and isinstance(m.core_attention, DotProductAttention)
-            and m.core_attention.record_max_logits]
+            and getattr(m.core_attention, "record_max_logits", False)]
 
 
 @torch.no_grad()

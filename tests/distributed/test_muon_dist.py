@@ -2,7 +2,8 @@
 
 One launch of 4 gloo processes runs, for 10 iterations each: TP2 (x DDP2), PP2 (x DDP2),
 the distributed optimizer at DP4, FSDP2 at DP4, EP2 (x expert-DP2) and TP2 x DP2 with the
-distributed optimizer, and with QK-clip TP2 x DP2 (distributed optimizer) and PP2 x FSDP2 --
+distributed optimizer, and with QK-clip TP2 x DP2 (distributed optimizer), PP2 x FSDP2 and
+CP2 x DP2 (ring and all-to-all) --
 each against one process on the same flags (rel <= 1e-5 at step 1,
 <= 1e-4 after, docs/architecture.md).  The model has GQA (Q, K, V orthogonalised apart) and
 SwiGLU (fc1's [gate; up] cut in two blocks by TP): a layout that orthogonalised shards, or
@@ -46,6 +47,11 @@ CASES = {   # name: (model flags, the layout's flags) on 4 ranks
     "tp2_dp2_distopt_qkclip": (DENSE + QK_CLIP, TP2 + DO),
     "pp2_dp2_fsdp2_qkclip": (DENSE + QK_CLIP, ["--pipeline-model-parallel-size", "2",
                                                "--use-torch-fsdp2"]),
+    # under CP each rank sees part of the (query, key) pairs: ring, its queries against the
+    # gathered keys; all-to-all, its block of heads over the whole sequence
+    "cp2_dp2_ring_qkclip": (DENSE + QK_CLIP, ["--context-parallel-size", "2"]),
+    "cp2_dp2_a2a_qkclip": (DENSE + QK_CLIP, ["--context-parallel-size", "2",
+                                             "--cp-comm-type", "a2a"]),
 }
 
 

@@ -250,9 +250,6 @@ RULE_CASES = {
         [[{"model": dict(_TE)}], ["--norm-placement", "post"]]),
     "te refuses --qk-clip": ([[{"model": dict(_TE, qk_clip=True)}]],
                              [[{"model": dict(_TE)}], ["--qk-clip"]]),
-    "cp-p2p refuses --qk-clip": ([["--cp", "2", "--qk-clip"]], [["--cp", "2"]]),
-    "cp-a2a refuses --qk-clip": ([["--cp", "2", "--cp-comm-type", "a2a", "--qk-clip"]],
-                                 [["--cp", "2", "--cp-comm-type", "a2a"]]),
     "--qk-clip excludes --multi-latent-attention": (
         [_MLA + ["--qk-clip"]], [_MLA, ["--qk-clip"]]),
     "--qk-clip excludes --reset-attention-mask and --window-size": (
