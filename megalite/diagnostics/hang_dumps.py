@@ -211,9 +211,13 @@ class FatalRecord:
 
     def open(self, rec: fr.FlightRecorder) -> None:
         self.close()
-        made = not os.path.isdir(rec.dump_dir)
+        # a folder this run creates is marked, so that whichever rank leaves last removes it
+        # (ranks race to create it: "made" alone would leave it to one rank, maybe not last)
+        marker = os.path.join(rec.dump_dir, f".created-by-{rec.meta.get('run_id', 'run')}")
         try:
-            os.makedirs(rec.dump_dir, exist_ok=True)
+            if not os.path.isdir(rec.dump_dir):
+                os.makedirs(rec.dump_dir, exist_ok=True)
+                open(marker, "a").close()
             self.path = os.path.join(rec.dump_dir, fr.fatal_name(rec.rank))
             self.file = open(self.path, "w+b")     # read too: a shared mapping needs it
             head = (FATAL_HEADER.format(run_id=rec.meta.get("run_id", "?"), rank=rec.rank,
@@ -229,7 +233,7 @@ class FatalRecord:
             self.file = self.path = None
             return
         self.rec, rec.box = rec, fr.InFlight(self.map, len(head))
-        self.made_dir = rec.dump_dir if made else None
+        self.made_dir, self.marker = rec.dump_dir, marker     # removed if the mark is there
         self.was_enabled = faulthandler.is_enabled()
         faulthandler.enable(file=self.file, all_threads=True)
 
@@ -249,7 +253,10 @@ class FatalRecord:
         if not written:
             with contextlib.suppress(OSError):    # a folder not empty, a file gone
                 os.remove(self.path)
-                if self.made_dir:
+                # the last rank out of a folder this run created removes it (and its mark)
+                if self.made_dir and os.listdir(self.made_dir) == [
+                        os.path.basename(self.marker)]:
+                    os.remove(self.marker)
                     os.rmdir(self.made_dir)     # only if empty
         self.file = self.path = self.made_dir = None
 
