@@ -149,8 +149,6 @@ def main(argv=None) -> int:
             continue
         if c.rank:
             rank = f"{c.rank} ({100 * c.gap:+.1f}%)"
-        elif c.as_run.layout.account_mtp:        # a split megalite has no flag for
-            rank = "not a megalite layout (its split counts the MTP module)"
         else:
             rank = "not among the candidates that fit"
         print(f"| {c.run.name} | {layout_text(c.pick.layout)} | {rank} | "

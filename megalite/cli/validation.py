@@ -18,6 +18,7 @@ from megalite.config import ConfigError, MegaliteConfig
 from megalite.config.domains import check_domains
 from megalite.config.microbatches import (parse_step_schedule, rampup_problem,
                                           step_schedule_batch_problem)
+from megalite.config.pipeline_layout import FLAG as LAYOUT_FLAG, virtual_stages_of
 from megalite.config.pipeline_schedules import resolve_schedule
 
 _REQUIRED_MODEL = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
@@ -89,7 +90,8 @@ def check_rank_grids(cfg: MegaliteConfig) -> None:
 
 
 def _interleaved(p) -> bool:
-    return bool(p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank)
+    return bool(p.num_layers_per_virtual_pipeline_stage or p.num_virtual_stages_per_pipeline_rank
+                or (virtual_stages_of(p.pipeline_model_parallel_layout, p.pp) or 1) > 1)
 
 
 def _accounts(p) -> bool:
@@ -104,9 +106,13 @@ def _uneven(p) -> bool:
 def check_virtual_stages(cfg: MegaliteConfig) -> None:
     """The VPP flags, and the schedule they allow."""
     p, m = cfg.parallel, cfg.model
-    if p.num_layers_per_virtual_pipeline_stage and p.num_virtual_stages_per_pipeline_rank:
-        raise ConfigError("give only one of --num-layers-per-virtual-pipeline-stage and "
-                          "--num-virtual-stages-per-pipeline-rank")
+    vpp_flags = [f for f, v in (
+        ("--num-layers-per-virtual-pipeline-stage", p.num_layers_per_virtual_pipeline_stage),
+        ("--num-virtual-stages-per-pipeline-rank", p.num_virtual_stages_per_pipeline_rank),
+        (LAYOUT_FLAG, p.pipeline_model_parallel_layout)) if v]
+    if len(vpp_flags) > 1:
+        raise ConfigError(f"give only one of {' and '.join(vpp_flags)} (each sets the virtual "
+                          "stages)")
     interleaved = _interleaved(p)
     if interleaved and p.pp == 1:
         raise ConfigError("virtual pipeline stages need --pipeline-model-parallel-size > 1; "
@@ -123,7 +129,14 @@ def check_stage_split(cfg: MegaliteConfig) -> None:
     embedding / loss as layers."""
     p, num_layers = cfg.parallel, cfg.model.num_layers
     vpp = p.virtual_stages(num_layers)
-    if _accounts(p):
+    if p.pipeline_model_parallel_layout:
+        others = [f for f, v in (("--decoder-first/last-pipeline-num-layers", _uneven(p)),
+                                 ("--account-for-embedding/loss-in-pipeline-split",
+                                  _accounts(p))) if v]
+        if others:
+            raise ConfigError(f"{LAYOUT_FLAG} already gives every stage's layers; drop "
+                              f"{' and '.join(others)}")     # the string's own domain: parallel.py
+    elif _accounts(p):
         _check_account_split(p, num_layers, vpp)
     elif _uneven(p):
         _check_uneven_split(p, num_layers)

@@ -17,6 +17,7 @@ from megalite.planner import model_spec as ms
 from megalite.planner import report
 from megalite.planner.estimate import PLANNER_ONLY_RECOMPUTE, ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
+from megalite.config.pipeline_layout import parse_layout
 from megalite.config.pipeline_schedules import SCHEDULE_NAMES
 from megalite.planner.kernels import (ATTENTION_KERNELS, FP4_RECIPES, FP8_ONLY_RECIPES,
                                       fp8_unavailable)
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(f"--{name}", type=_ints, metavar="N[,N]",
                        help="expert-TP (--expert-tensor-parallel-size): default 1 or TP"
                        if name == "etp" else None)
+    s.add_argument("--pipeline-model-parallel-layout", metavar="LAYOUT",
+                   help="only this pipeline split, as pretrain_gpt.py takes it (e.g. "
+                   "'Et|(tt|)*30mL'): PP is a divisor of its stage count, VPP the quotient")
     s.add_argument("--micro-batch-sizes", type=_ints, metavar="N[,N]")
     s.add_argument("--recompute", type=_words(RECOMPUTE_ORDER), default=list(RECOMPUTE_ORDER))
     s.add_argument("--zero-stages", type=_ints, default=[0, 1], metavar="S[,S]",
@@ -230,13 +234,16 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         raise ConfigError(f"--zero-stages: unknown stage(s) {bad}; use 0-3")
     if not 0 < args.headroom <= 1:
         raise ConfigError("--headroom must be in (0, 1]")
+    if args.pipeline_model_parallel_layout:          # its letters and counts, before the search
+        parse_layout(args.pipeline_model_parallel_layout, 1, m.num_layers, m.mtp_num_layers or 0)
     space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
                         vpp=args.vpp,
                         micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
                         zero=tuple(args.zero_stages), schedules=tuple(args.schedules),
                         cp_min_seq=args.cp_min_seq_length,
                         max_micro_batch=args.max_micro_batch_size,
-                        instances=tuple(args.instances))
+                        instances=tuple(args.instances),
+                        pipeline_layout=args.pipeline_model_parallel_layout)
     opts = ModelOptions(grad_bytes=4 if args.grad_dtype == "fp32" else 2, fp32=args.fp32,
                         flash_attention=not args.no_flash_attention, headroom=args.headroom,
                         dp_exposed=args.dp_exposed_fraction, tp_overlap=args.tp_overlap,

@@ -16,6 +16,7 @@ from megalite.config.checkpoint_folders import ITERATION, not_converted_problem
 from megalite.config.microbatches import rampup_values_problem, step_schedule_problem
 from megalite.config.data_flags import parse_data_path, parse_split_numbers
 from megalite.config.moe_layer_freq import MoeLayerFreqError, parse_layer_pattern
+from megalite.config.pipeline_layout import layout_problem
 
 
 def domain_check(*invalid):
@@ -183,3 +184,13 @@ def window_skip_freq_problem(value, cfg) -> Optional[str]:
         return f"--window-attn-skip-freq pattern has {len(value)} entries for --num-layers " \
                f"{layers}; give one 0/1 per layer"
     return None
+
+
+@domain_check("Etx|tL", "t|EtL")
+def pipeline_layout_problem(value, cfg) -> Optional[str]:
+    """Megatron's layout string: E, t, m, L, '|', (...)*N; PP x VPP stages holding
+    --num-layers 't's, 'E' opening the first stage and 'L' closing the last"""
+    if not value:
+        return None
+    return layout_problem(value, cfg.parallel.pp, cfg.model.num_layers,
+                          cfg.model.mtp_num_layers or 0)

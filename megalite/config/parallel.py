@@ -7,6 +7,8 @@ from typing import Optional
 from megalite.config.fields import opt
 from megalite.config.megatron_fsdp import SHARDING_STRATEGIES
 from megalite.config.parallel_dims import ParallelDims
+from megalite.config.domain_checks import pipeline_layout_problem
+from megalite.config.pipeline_layout import virtual_stages_of
 from megalite.config.pipeline_schedules import AUTO, SCHEDULE_NAMES, SCHEDULES
 
 
@@ -30,6 +32,11 @@ class ParallelConfig:
     account_for_loss_in_pipeline_split: bool = opt(
         False, "Count the output layer and loss as one pipeline layer: the last virtual stage "
         "of the last pipeline rank holds one transformer layer fewer.", action="store_true")
+    pipeline_model_parallel_layout: Optional[str] = opt(
+        None, "Layers of every pipeline stage in visiting order, as Megatron-LM writes it: "
+        "E embedding, t transformer layer, m MTP depth, L loss, '|' between stages, (...)*N "
+        "repeats; e.g. 'Et|(tt|)*3,tL'. PP x VPP stages (it sets VPP).",
+        check=pipeline_layout_problem)
     pipeline_schedule: str = opt(
         AUTO, "Pipeline schedule: auto picks 1F1B, or interleaved with virtual stages.",
         choices=[AUTO, *SCHEDULE_NAMES])
@@ -151,6 +158,8 @@ class ParallelConfig:
         DualPipeV's 2, sets it unless a flag gives it)."""
         if self.num_virtual_stages_per_pipeline_rank:
             return self.num_virtual_stages_per_pipeline_rank
+        if self.pipeline_model_parallel_layout:
+            return virtual_stages_of(self.pipeline_model_parallel_layout, self.pp)
         if self.num_layers_per_virtual_pipeline_stage and num_layers:
             return self.pipeline_slots(num_layers) // (
                 self.pp * self.num_layers_per_virtual_pipeline_stage)

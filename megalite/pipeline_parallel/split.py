@@ -20,6 +20,8 @@ config-only code such as the planner imports it freely.
   more layer: the L' = L (+1) (+1) slots form P*V equal blocks as above, the embedding
   takes the first slot of block 0 and the loss the last slot of block P*V-1, so those two
   chunks hold one transformer layer fewer.
+* ``layout`` (Megatron's ``--pipeline-model-parallel-layout``, config/pipeline_layout.py)
+  gives every block's transformer-layer count outright; blocks keep the order above.
 
 The embedding always lives on (rank 0, chunk 0) and the final norm + output layer on the
 last block's chunk: (rank P-1, chunk V-1), or (rank 0, chunk 1) in the V shape; with
@@ -32,6 +34,7 @@ import functools
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from megalite.config.pipeline_layout import parse_layout
 from megalite.config.pipeline_schedules import stage_index, stage_place
 
 
@@ -93,7 +96,8 @@ class PipelineSplit:
 @functools.lru_cache(maxsize=4096)
 def split_layers(num_layers: int, pp: int = 1, vpp: int = 1, first: Optional[int] = None,
                  last: Optional[int] = None, account_for_embedding: bool = False,
-                 account_for_loss: bool = False, vshape: bool = False) -> PipelineSplit:
+                 account_for_loss: bool = False, vshape: bool = False,
+                 layout: Optional[str] = None, mtp_layers: int = 0) -> PipelineSplit:
     """The split of ``num_layers`` layers over ``pp`` ranks x ``vpp`` virtual stages.
 
     Raises ``ValueError`` for a layout the rule cannot split (the user-facing checks with
@@ -104,12 +108,23 @@ def split_layers(num_layers: int, pp: int = 1, vpp: int = 1, first: Optional[int
     if vshape and vpp != 2:
         raise ValueError(f"the V shape runs 2 chunks per rank, not VPP={vpp}")
     emb, loss = int(bool(account_for_embedding)), int(bool(account_for_loss))
-    if uneven and (vpp > 1 or emb or loss):
+    if layout:
+        if uneven or emb or loss:
+            raise ValueError("a pipeline layout string with first/last counts or the "
+                             "embedding/loss accounting: refused by the rules 'pp-layout "
+                             "excludes ...' (megalite/cli/features.py)")
+        counts = parse_layout(layout, pp, num_layers, mtp_layers).layer_counts()
+        if len(counts) != pp * vpp:
+            raise ValueError(f"the layout has {len(counts)} stages, not PP x VPP "
+                             f"({pp} x {vpp})")
+        starts = [sum(counts[:b]) for b in range(len(counts))]
+        bounds = [(st, st + n) for st, n in zip(starts, counts)]
+    elif uneven and (vpp > 1 or emb or loss):
         raise ValueError("first/last pipeline layer counts with virtual stages or with the "
                          "embedding/loss counted as layers: refused by the rules 'pp-uneven "
                          "excludes pp-interleaved' and 'pp-uneven excludes pp-account' "
                          "(megalite/cli/features.py)")
-    if emb or loss:                          # embedding and/or loss count as layers
+    elif emb or loss:                        # embedding and/or loss count as layers
         slots = num_layers + emb + loss
         if slots % (pp * vpp):
             raise ValueError(f"{slots} pipeline layers ({num_layers} + embedding/loss) are "
@@ -154,4 +169,5 @@ def pipeline_split(cfg) -> PipelineSplit:
     return split_layers(m.num_layers, p.pp, p.virtual_stages(m.num_layers),
                         p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
                         bool(p.account_for_embedding_in_pipeline_split),
-                        bool(p.account_for_loss_in_pipeline_split), p.pipeline_vshape)
+                        bool(p.account_for_loss_in_pipeline_split), p.pipeline_vshape,
+                        p.pipeline_model_parallel_layout, m.mtp_num_layers or 0)

@@ -254,7 +254,7 @@ def _middle_groups(moe: tuple, pp: int, vpp: int, split: tuple, mtp_layers: int)
     groups: dict = {}
     for r in range(1, pp - 1):
         ids = ms.pipeline_split(len(moe), pp, vpp, split[0], split[1], split[2],
-                                mtp_layers).rank_layers(r)
+                                mtp_layers, split[3]).rank_layers(r)
         key = sum(moe[i] for i in ids), len(ids)
         first, n = groups.get(key, (r, 0))
         groups[key] = (first, n + 1)

@@ -41,10 +41,9 @@ class Layout:
     # Full recomputation of only this many layers per model chunk (Megatron's
     # --recompute-method block --recompute-num-layers N); None: every layer (uniform).
     recompute_layers: Optional[int] = None
-    # The MTP modules counted as pipeline layers too (model_spec.pipeline_split): Megatron's
-    # --pipeline-model-parallel-layout with 'm' (Bridge's DeepSeek-V3 'Et|(tt|)*30mL').
-    # megalite has no flag for it: its flags and config leave it out (advice only).
-    account_mtp: bool = False
+    # Megatron's --pipeline-model-parallel-layout string (config/pipeline_layout.py): every
+    # stage's layer count outright, instead of the first/last/accounts rules above.
+    pipeline_layout: Optional[str] = None
 
     def __init__(self, dims: Optional[ParallelDims] = None, **knobs):
         sizes = {DIM_ALIASES.get(k, k): knobs.pop(k) for k in list(knobs)
@@ -80,9 +79,9 @@ class Layout:
 
     @property
     def stage_split(self) -> tuple:
-        """``model_spec``'s (first, last, accounts) arguments: how layers map to stages
-        (accounts: embedding, loss, MTP)."""
-        return self.first_layers, self.last_layers, self.accounts + (self.account_mtp,)
+        """``model_spec``'s (first, last, accounts, layout) arguments: how layers map to
+        stages (accounts: embedding, loss, MTP; layout: the layout string)."""
+        return self.first_layers, self.last_layers, self.accounts, self.pipeline_layout
 
     def stage_params(self, m: ModelConfig, pp_rank: int, tp: Optional[int] = None):
         """``model_spec.stage_params`` on a rank of pipeline stage ``pp_rank`` at this
@@ -110,9 +109,11 @@ class Layout:
             parts.append(f"HSDP{self.instances}x{self.dense_shards}")
         if self.first_layers is not None or self.last_layers is not None:
             parts.append(f"split{self.first_layers}/../{self.last_layers}")
-        if any(self.stage_split[2]):
-            parts.append("split+" + "+".join(n for n, on in zip(("emb", "loss", "mtp"),
-                                                                 self.stage_split[2]) if on))
+        if self.pipeline_layout:
+            parts.append(f"layout {self.pipeline_layout}")
+        if any(self.accounts):
+            parts.append("split+" + "+".join(n for n, on in zip(("emb", "loss"), self.accounts)
+                                             if on))
         return " ".join(parts)
 
     def to_dict(self) -> dict:
@@ -134,6 +135,9 @@ class Layout:
         p.decoder_last_pipeline_num_layers = self.last_layers
         p.account_for_embedding_in_pipeline_split = self.account_embedding
         p.account_for_loss_in_pipeline_split = self.account_loss
+        p.pipeline_model_parallel_layout = self.pipeline_layout
+        if self.pipeline_layout:             # the string sets VPP itself
+            p.num_virtual_stages_per_pipeline_rank = None
         p.pipeline_schedule = self.schedule_flag
         p.sequence_parallel = self.sp
         p.use_distributed_optimizer = self.zero in (1, 2)
@@ -150,7 +154,9 @@ class Layout:
     def parallel_flags(self) -> List[str]:
         f = ["--tensor-model-parallel-size", str(self.tp),
              "--pipeline-model-parallel-size", str(self.pp)]
-        if self.vpp > 1:
+        if self.pipeline_layout:
+            f += ["--pipeline-model-parallel-layout", self.pipeline_layout]
+        elif self.vpp > 1:
             f += ["--num-virtual-stages-per-pipeline-rank", str(self.vpp)]
         if self.first_layers is not None:
             f += ["--decoder-first-pipeline-num-layers", str(self.first_layers)]
@@ -215,6 +221,7 @@ def layout_from_config(cfg: MegaliteConfig, zero: Optional[int] = None) -> Layou
                   last_layers=p.decoder_last_pipeline_num_layers,
                   account_embedding=p.account_for_embedding_in_pipeline_split,
                   account_loss=p.account_for_loss_in_pipeline_split,
+                  pipeline_layout=p.pipeline_model_parallel_layout,
                   cp_comm=p.cp_comm_type,
                   recompute_layers=t.recompute_num_layers if t.recompute_granularity == "full"
                   and t.recompute_method == "block" else None)

@@ -142,32 +142,23 @@ def layers_per_stage(m: ModelConfig, pp: int, first: Optional[int] = None,
 @functools.lru_cache(maxsize=4096)
 def pipeline_split(num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None,
                    last: Optional[int] = None, accounts: tuple = (False, False),
-                   mtp_layers: int = 0) -> PipelineSplit:
-    """megalite's split rule (pipeline_parallel/split.py) with ``accounts`` = (embedding,
-    loss[, MTP]) counted as pipeline layers.  Counting the MTP modules is planner-only (no
-    megalite flag; Megatron's ``--pipeline-model-parallel-layout`` 'm', as Bridge's
-    DeepSeek-V3 layout ``Et|(tt|)*30mL``): each of the ``mtp_layers`` depths takes a slot
-    just before the loss, so the last (virtual) stage holds as many transformer layers
-    fewer; the modules themselves stay on the last stage, as megalite places them."""
-    emb, loss, mtp = (tuple(accounts) + (False,))[:3]
-    extra = mtp_layers if mtp else 0
-    split = split_layers(num_layers + extra, pp, vpp, first, last, emb, loss)
-    if not extra:
-        return split
-    last_chunk = split.layers(*split.output_stage)
-    if any(i not in last_chunk for i in range(num_layers, num_layers + extra)):
-        raise ValueError(f"the {extra} MTP slot(s) do not fit in the last virtual stage")
-    return PipelineSplit(num_layers, tuple(tuple(tuple(i for i in c if i < num_layers)
-                                                 for c in rank) for rank in split.chunks))
+                   mtp_layers: int = 0, layout: Optional[str] = None) -> PipelineSplit:
+    """megalite's split rule (pipeline_parallel/split.py): ``accounts`` = (embedding, loss)
+    counted as pipeline layers, or ``layout`` (``--pipeline-model-parallel-layout``, which
+    can also give the MTP depths a slot, as Bridge's DeepSeek-V3 ``Et|(tt|)*30mL``)."""
+    emb, loss = tuple(accounts)[:2]
+    return split_layers(num_layers, pp, vpp, first, last, emb, loss, layout=layout,
+                        mtp_layers=mtp_layers)
 
 
 def stage_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
                     first: Optional[int] = None, last: Optional[int] = None,
-                    accounts: tuple = (False, False)) -> List[int]:
-    """Global indices of the layers pipeline rank ``pp_rank`` holds (``accounts``:
-    ``pipeline_split``'s)."""
+                    accounts: tuple = (False, False),
+                    layout: Optional[str] = None) -> List[int]:
+    """Global indices of the layers pipeline rank ``pp_rank`` holds (``accounts``,
+    ``layout``: ``pipeline_split``'s)."""
     return pipeline_split(m.num_layers, pp, vpp, first, last, tuple(accounts),
-                          m.mtp_num_layers or 0).rank_layers(pp_rank)
+                          m.mtp_num_layers or 0, layout).rank_layers(pp_rank)
 
 
 @dataclass
@@ -197,9 +188,9 @@ def norm_params(m: ModelConfig, h: int) -> int:
 
 def stage_layer_kinds(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
                       first: Optional[int] = None, last: Optional[int] = None,
-                      accounts: tuple = (False, False)) -> tuple:
+                      accounts: tuple = (False, False), layout: Optional[str] = None) -> tuple:
     """(dense layers, MoE layers) on a pipeline rank: layers differ only in their MLP."""
-    ids = stage_layer_ids(m, pp, pp_rank, vpp, first, last, accounts)
+    ids = stage_layer_ids(m, pp, pp_rank, vpp, first, last, accounts, layout)
     n_moe = sum(is_moe_layer(m, i) for i in ids) if m.num_experts else 0
     return len(ids) - n_moe, n_moe
 
@@ -334,9 +325,10 @@ def mtp_params(m: ModelConfig, tp: int = 1, pp: int = 1, etp: int = 1, ep: int =
 
 def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
                  etp: int = 1, ep: int = 1, first: Optional[int] = None,
-                 last: Optional[int] = None, accounts: tuple = (False, False)) -> ParamCount:
+                 last: Optional[int] = None, accounts: tuple = (False, False),
+                 layout: Optional[str] = None) -> ParamCount:
     """Exact parameter count on a rank of pipeline stage ``pp_rank``."""
-    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last, accounts)
+    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last, accounts, layout)
     out = ParamCount()
     for n, moe in ((n_dense, False), (n_moe, True)):
         if n:

@@ -132,14 +132,14 @@ RUNS = [
                  "(recipe); q/k norm not counted; 1575 tokens/s/GPU"),
     PublishedRun("bridge-deepseek-v3", "deepseek-v3", BRIDGE_ARCHIVE, "h100-80gb", 1024,
                  4096, 8192, dict(tp=2, pp=8, vpp=4, ep=64, etp=1, sp=True, zero=1,
-                                  micro_batch=1, recompute="selective", account_embedding=True,
-                                  account_loss=True, account_mtp=True),
+                                  micro_batch=1, recompute="selective",
+                                  pipeline_layout="Et|(tt|)*30mL"),
                  "model_tflops", 338, "causal", "fp8 tensorwise",
                  dict(BRIDGE_FP8, moe_routing="uniform", ep_overlap=True,
                       recompute_modules=("mla_up_proj", "mlp"), dp_exposed=1.0),
                  assumed="Bridge's layout 'Et|(tt|)*30mL': the embedding, the loss and the "
                  "MTP module each counted as a pipeline layer, 61 + 3 = 32 x 2 slots at VPP 4 "
-                 "(planner-only: megalite has no flag for it); 'force-balanced' = uniform "
+                 "(--pipeline-model-parallel-layout); 'force-balanced' = uniform "
                  "routing; DeepEP dispatch, EP A2A "
                  "overlap, selective recompute of mla_up_proj + mlp, no grad-reduce overlap "
                  "(run_script.py); the all-to-all counted per token copy as NCCL sends it, "
@@ -218,7 +218,10 @@ BRIDGE26 = "Megatron-Bridge docs/performance-summary.md (26.08), commit 067f987d
 BRIDGE26_ARCHIVE = "Megatron-Bridge docs/performance-summary-archive.md, commit 067f987d"
 BF_DENSE = dict(attention_kernel="cudnn", grad_bytes=2)
 BF_MOE = dict(BF_DENSE, moe_routing="uniform", ep_overlap=True, moe_dispatcher="hybridep")
-DSV3_SPLIT = dict(account_embedding=True, account_loss=True, account_mtp=True)
+# The embedding, the MTP depth and the loss each take a pipeline slot: 61 + 3 = 64 slots over
+# the stages, as --pipeline-model-parallel-layout strings (16 stages of 4; 8 stages of 8).
+DSV3_16 = dict(pipeline_layout="Ettt|(tttt|)*14,ttmL")
+DSV3_8 = dict(pipeline_layout="Et*7|(t*8|)*6,t*6mL")
 EMB_LOSS = dict(account_embedding=True, account_loss=True)
 # Qwen3-30B-A3B (its Hugging Face config.json): 48 layers of hidden 2048, 32 heads of 128
 # with 4 KV groups, 128 experts of width 768, top-8 -- Qwen3-235B's family.
@@ -277,16 +280,16 @@ RUNS += [
               dict(tp=4, pp=8, cp=2, vpp=8, **_405), 1667, "FP8", 579),
     # MoE, 26.08 container (current page) on GB200 / GB300, 26.06 on B300 / H100
     _bridge26("bridge26-dsv3-gb300", "deepseek-v3", "gb300-nvl72", 256, 4096, 4096,
-              dict(tp=1, pp=2, vpp=8, ep=32, etp=1, micro_batch=1, **DSV3_SPLIT), 1635,
+              dict(tp=1, pp=2, vpp=8, ep=32, etp=1, micro_batch=1, **DSV3_16), 1635,
               "MXFP8", 45, moe=True, source=BRIDGE26, opts=dict(recompute_modules=()),
               assumed="recompute_modules [] (recipe)"),
     _bridge26("bridge26-dsv3-gb200", "deepseek-v3", "gb200-nvl72", 256, 4096, 4096,
               dict(tp=1, pp=4, vpp=4, ep=64, etp=1, micro_batch=1, recompute="selective",
-                   **DSV3_SPLIT), 1276, "MXFP8", 46, moe=True, source=BRIDGE26,
+                   **DSV3_16), 1276, "MXFP8", 46, moe=True, source=BRIDGE26,
               opts=dict(recompute_modules=("mla_up_proj",))),
     _bridge26("bridge26-dsv3-b300", "deepseek-v3", "b300", 256, 4096, 4096,
               dict(tp=1, pp=8, ep=8, etp=1, micro_batch=2, recompute="selective",
-                   **DSV3_SPLIT), 920, "MXFP8", 115, moe=True,
+                   **DSV3_8), 920, "MXFP8", 115, moe=True,
               opts=dict(recompute_modules=("mla_up_proj",))),
     _bridge26("bridge26-qwen3-30b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 8, 512, 4096,
               dict(ep=8, etp=1, micro_batch=8), 1029, "MXFP8", 66, moe=True,

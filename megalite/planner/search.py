@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, List, Optional, Sequence
 
 from megalite.config import ConfigError, ModelConfig, ParallelDims
+from megalite.config.pipeline_layout import parse_layout, virtual_stages_of
 from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
@@ -48,6 +49,8 @@ class SearchSpace:
     # --num-distributed-optimizer-instances for stages >= 1 (HSDP); "node": the count that
     # keeps one instance (TP x DP x CP / R ranks) inside a node
     instances: Sequence = (1,)
+    # --pipeline-model-parallel-layout: only this split (its stage count fixes PP x VPP)
+    pipeline_layout: Optional[str] = None
 
 
 @dataclass
@@ -77,13 +80,22 @@ ACCOUNT_CHOICES = ((True, True), (False, True), (True, False))   # (embedding, l
 
 
 def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
-    """(first, last, vpp, accounts) choices for PP: even (with interleaving); lighter first
-    and last stages, either by --decoder-first/last-pipeline-num-layers (no interleaving)
-    or -- with interleaving -- by counting the embedding and/or the loss as pipeline layers
-    (Megatron's --account-for-*-in-pipeline-split, Llama 3's 126 + 2 = 16 x 8 split)."""
+    """(first, last, vpp, accounts, layout) choices for PP: even (with interleaving); lighter
+    first and last stages, either by --decoder-first/last-pipeline-num-layers (no
+    interleaving) or -- with interleaving -- by counting the embedding and/or the loss as
+    pipeline layers (Megatron's --account-for-*-in-pipeline-split, Llama 3's 126 + 2 = 16 x 8
+    split); or only the given layout string, at the PP it fits."""
     L, none = m.num_layers, (False, False)
+    if space.pipeline_layout:
+        try:
+            parse_layout(space.pipeline_layout, pp, L, m.mtp_num_layers or 0)
+        except ConfigError:
+            return                                   # its stage count does not fit this PP
+        yield None, None, virtual_stages_of(space.pipeline_layout, pp), none, \
+            space.pipeline_layout
+        return
     if pp == 1:
-        yield None, None, 1, none
+        yield None, None, 1, none, None
         return
     if pp > L:
         return
@@ -92,7 +104,7 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
         per = L // pp
         vpps = [v for v in divisors(per) if v <= space.max_vpp] if interleave else [1]
         for v in _pick(vpps, space.vpp):
-            yield None, None, v, none
+            yield None, None, v, none, None
         return
     if not space.uneven:
         return
@@ -100,7 +112,7 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
     rest = L - (pp - 2) * k
     first = rest // 2
     if first >= 1 and rest - first >= 1:
-        yield first, rest - first, 1, none
+        yield first, rest - first, 1, none, None
     if not interleave:
         return
     for accounts in ACCOUNT_CHOICES:
@@ -109,7 +121,7 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
             continue
         vpps = [v for v in divisors(slots // pp) if 1 < v <= space.max_vpp]
         for v in _pick(vpps, space.vpp):
-            yield None, None, v, accounts
+            yield None, None, v, accounts, None
 
 
 def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
@@ -131,7 +143,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                 dp = ParallelDims(world, tp=tp, pp=pp, cp=cp).dp
                 if global_batch % dp:
                     continue
-                for first, last, vpp, accounts in pipeline_splits(m, pp, space):
+                for first, last, vpp, accounts, layout in pipeline_splits(m, pp, space):
                     scheds = [s for s in space.schedules
                               if features.schedule_fits(SCHEDULES[s], vpp)] or \
                         [resolve_schedule(AUTO, vpp).name]
@@ -152,7 +164,8 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                                               global_batch=global_batch, recompute=rc, zero=z,
                                               sp=sp, schedule=sched, first_layers=first,
                                               last_layers=last, account_embedding=accounts[0],
-                                              account_loss=accounts[1])
+                                              account_loss=accounts[1],
+                                              pipeline_layout=layout)
                                        for z in space.zero
                                        for r in instance_options(space, z, dims, gpn)
                                        for mb in _pick(mbs, space.micro_batch)

@@ -16,6 +16,7 @@ from megalite.config.megatron_fsdp import describe
 from megalite.elastic.relayout import release_spares, wait_as_spare
 from megalite.models.gpt_step import GPT_FAMILY
 from megalite.parallel_state import RankGrid, launch_env
+from megalite.pipeline_parallel.split import pipeline_split
 from megalite.pipeline_parallel.stages import layers_of_stage
 from megalite.training.dry_run import dry_run
 from megalite.training.faults import abort_all_ranks
@@ -42,11 +43,13 @@ def describe_pipeline_split(cfg) -> str:
     """One line: the transformer layers of each (pipeline rank, virtual stage)."""
     p = cfg.parallel
     v = p.virtual_stages(cfg.model.num_layers)
+    split = pipeline_split(cfg)
 
     def span(r, c):
         layers = layers_of_stage(cfg, r, c)
         if not layers:                  # a chunk of only the embedding or only the loss
-            return "embedding" if (r, c) == (0, 0) else "loss"
+            return "embedding" if split.holds_embedding(r, c) else \
+                "loss" if split.holds_output(r, c) else "(no layers)"
         return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
     ranks = [" | ".join(span(r, c) for c in range(v)) for r in range(p.pp)]
     if cfg.model.mtp_num_layers:        # the MTP modules sit with the loss, on the last stage
@@ -55,6 +58,8 @@ def describe_pipeline_split(cfg) -> str:
                                    ("loss", p.account_for_loss_in_pipeline_split)) if on]
     each = "each " if len(extra) > 1 else ""
     note = f" ({' and '.join(extra)} {each}counted as a pipeline layer)" if extra else ""
+    if p.pipeline_model_parallel_layout:
+        note = f" (--pipeline-model-parallel-layout {p.pipeline_model_parallel_layout})"
     head = "layers per pipeline rank" + (" (virtual stages split by |)" if v > 1 else "")
     return f"{head}: " + "; ".join(f"{r}: {s}" for r, s in enumerate(ranks)) + note
 

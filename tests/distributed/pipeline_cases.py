@@ -32,12 +32,14 @@ def model_kwargs(arch="gpt2", layers=4):
 def make_cfg(case: dict, world: int = 1) -> MegaliteConfig:
     """case: arch, layers, tp, pp, vpp, sp, schedule, m (micro-batches per DP rank),
     recompute (granularity, method, num_layers, modules), first/last (uneven split),
-    emb/loss (--account-for-embedding/loss-in-pipeline-split)."""
+    emb/loss (--account-for-embedding/loss-in-pipeline-split), layout
+    (--pipeline-model-parallel-layout)."""
     par = ParallelConfig(tensor_model_parallel_size=case.get("tp", 1),
                          pipeline_model_parallel_size=case.get("pp", 1),
                          sequence_parallel=case.get("sp", False),
                          pipeline_schedule=case.get("schedule", "auto"),
                          num_virtual_stages_per_pipeline_rank=case.get("vpp"),
+                         pipeline_model_parallel_layout=case.get("layout"),
                          decoder_first_pipeline_num_layers=case.get("first"),
                          decoder_last_pipeline_num_layers=case.get("last"),
                          account_for_embedding_in_pipeline_split=case.get("emb", False),

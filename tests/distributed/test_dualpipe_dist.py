@@ -32,7 +32,9 @@ CONFIGS = {
                                              P.ALLGATHER + P.FSDP2),
     "fsdp2-hsdp-pp2-full-compile-tied": (TIED, P.FSDP2 + P.HSDP + P.PP2 + DV + P.FULL +
                                          P.COMPILE),
-    "cp2-pp2-full-tied": (TIED, P.CP2 + P.PP2 + DV + P.FULL),
+    # and a --pipeline-model-parallel-layout: chunks of 2, 1, 1, 0 layers along the V
+    "cp2-pp2-full-tied": (TIED, P.CP2 + P.PP2 + DV + P.FULL +
+                          ["--pipeline-model-parallel-layout", "Ett|t|t|L"]),
 }
 # PP 4 x EP 2 needs 8 ranks (long tier: it repeats PP 4 and EP 2 of the launches above)
 MOE8 = pairs.MOE + ["--num-layers", "8", "--global-batch-size", "16"]

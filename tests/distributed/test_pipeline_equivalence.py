@@ -56,6 +56,8 @@ CASES = {
     "account-loss-tp2-pp2-vpp2-sp-full-llama": dict(tp=2, pp=2, vpp=2, sp=True, m=2, layers=3,
                                                     loss=True, arch="llama",
                                                     recompute=("full", "uniform", 1, None)),
+    # --pipeline-model-parallel-layout: unequal chunks, an end stage with no transformer layer
+    "layout-vpp2-pp2-1-2-2-0": dict(pp=2, m=4, layers=5, layout="Et|tt|tt|L"),
 }
 for c in CASES.values():
     c["world"] = WORLD

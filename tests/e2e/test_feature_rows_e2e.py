@@ -72,6 +72,18 @@ def test_dry_run_prints_the_rank_layout():
     assert "TP=2 CP=2 DP=2 PP=2" in out
     assert "micro-batch 2 x 2 micro-batches x DP 2 = global batch 8" in out
     assert "vocabulary 100 padded to 256" in out
+    pp = [PY, "pretrain_gpt.py", *MODEL, "--dry-run", "--world-size", "2", "--pp", "2",
+          "--mock-data", "--vocab-size", "100", "--global-batch-size", "4"]
+    out = _run(pp + ["--num-virtual-stages-per-pipeline-rank", "2"])
+    assert "layers per pipeline rank (virtual stages split by |): 0: 0 | 2; 1: 1 | 3" in out
+    out = _run(pp + ["--pipeline-model-parallel-layout", "E|(tt|)*2L"])
+    assert "layers per pipeline rank (virtual stages split by |): 0: embedding | 2-3; " \
+        "1: 0-1 | loss (--pipeline-model-parallel-layout E|(tt|)*2L)" in out
+    bad = subprocess.run(pp + ["--pipeline-model-parallel-layout", "Et|tt|L"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "megalite: error: --pipeline-model-parallel-layout 'Et|tt|L' has 3 stages, not a "
+        "multiple of --pipeline-model-parallel-size (2); give PP x VPP stages"], bad.stderr
 
 
 # (name, flags of a 2-process run); every one must give the single-process losses
@@ -79,8 +91,9 @@ LAYOUTS = {
     "tp2_sp_speed_flags": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                            "--precision", "fp32", "--cross-entropy-loss-fusion",
                            "--attention-backend", "unfused"],
+    # interleaved by a Megatron layout string: chunks of 2, 1, 1 and 0 layers
     "pp2_interleaved_recompute": ["--pipeline-model-parallel-size", "2",
-                                  "--num-virtual-stages-per-pipeline-rank", "2",
+                                  "--pipeline-model-parallel-layout", "Ett|t|t|L",
                                   "--recompute-granularity", "full", "--recompute-method",
                                   "uniform"],
     "cp2_ring": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],

@@ -427,6 +427,8 @@ USER_ERROR_PLACES = {
     "megalite/planner/moe_cost.py": "the planner's MoE routing-statistics file",
     "megalite/planner/search.py": "re-raises validation's reason for a layout asked for",
     "megalite/commands/validate_run.py": "the plan-validation command's own flags",
+    "megalite/config/pipeline_layout.py": "the --pipeline-model-parallel-layout string (its "
+                                          "one reader, for the runtime split and the planner)",
 }
 
 

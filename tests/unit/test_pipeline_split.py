@@ -3,6 +3,7 @@ stages for uneven, interleaved and embedding/loss-counting layouts (no processes
 rank's chunks are built with a group-less ParallelState)."""
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 from megalite.checkpointing.model_io import (full_state_dict_from_checkpoint, load_model_shards,
                                              read_metadata)
 from megalite.checkpointing.sharding import shard_tensor, unshard_tensors
-from megalite.config import MegaliteConfig, ModelConfig, ParallelConfig
+from megalite.config import ConfigError, MegaliteConfig, ModelConfig, ParallelConfig
 from megalite.models.gpt import build_model, single_rank_state
 from megalite.parallel_state import ParallelState, RankGrid
 from megalite.pipeline_parallel.split import pipeline_split, split_layers
@@ -183,3 +184,34 @@ def test_convert_tool_target_layout_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "target layout" in err and err.count("\n") == 1
     assert "--target-pipeline-model-parallel-size" in err
+
+
+def test_megatron_layout_string_gives_the_counts_and_each_mistake_is_one_line():
+    """--pipeline-model-parallel-layout (config/pipeline_layout.py): the same chunks as the
+    rule it spells out, repeats and cosmetic commas expanded, VPP from its stage count."""
+    from megalite.config.pipeline_layout import parse_layout, virtual_stages_of
+
+    assert split_layers(6, 2, 2, layout="Et|tt|tt|tL") == \
+        split_layers(6, 2, 2, account_for_embedding=True, account_for_loss=True)
+    assert split_layers(8, 2, 2, layout="E(tt|)*3,ttL").chunks == \
+        split_layers(8, 2, 2).chunks
+    lay = parse_layout("Et*3|(tt|)*2,t,mL", 2, 8, 1)          # "Ettt|tt|tt|tmL"
+    assert lay.stages == ("Ettt", "tt", "tt", "tmL") and lay.layer_counts() == (3, 2, 2, 1)
+    assert virtual_stages_of("Et|(tt|)*30mL", 8) == 4
+    cfg = MegaliteConfig(model=ModelConfig(num_layers=5, hidden_size=32, num_attention_heads=4),
+                         parallel=ParallelConfig(pipeline_model_parallel_size=2,
+                                                 pipeline_model_parallel_layout="Ettt|t|t|L"),
+                         world_size=2)
+    assert cfg.parallel.virtual_stages(5) == 2
+    assert pipeline_split(cfg).chunks == (((0, 1, 2), (4,)), ((3,), ()))
+    for text, pp, layers, mtp, says in [
+            ("Etx|tL", 2, 2, 0, "unknown character(s) 'x'"),
+            ("Et|tt|L", 2, 3, 0, "has 3 stages, not a multiple of"),
+            ("Et|tL", 2, 3, 0, "places 2 transformer layers ('t'), but --num-layers is 3"),
+            ("t|EtL", 2, 2, 0, "'E' (embedding) must appear once, in the first stage"),
+            ("Et|tmL", 2, 2, 2, "has 1 MTP depths ('m'), but --mtp-num-layers is 2"),
+            ("Etm|tL", 2, 2, 1, "must all be in the last stage"),
+            ("Et|mtL", 2, 2, 1, "transformer layers must come before the MTP depths")]:
+        with pytest.raises(ConfigError, match=re.escape(says)) as e:
+            parse_layout(text, pp, layers, mtp)
+        assert str(e.value).startswith(f"--pipeline-model-parallel-layout {text!r}")

@@ -14,6 +14,7 @@ from statistics import NormalDist
 
 import pytest
 
+from megalite.cli.validation import validate_layout
 from megalite.config import ConfigError
 from megalite.planner import comm_model as cm
 from megalite.planner import flops as fl
@@ -296,19 +297,21 @@ def test_mtp_runs_on_the_last_stage_as_one_more_layer_and_head():
 def test_bridge_layout_counts_the_mtp_module_as_a_pipeline_layer():
     """'Et|(tt|)*30mL': 61 layers + embedding + MTP + loss = 32 x 2 slots at PP8 VPP4; the
     last chunk holds no transformer layer, the MTP module stays on the last stage."""
-    split = ms.pipeline_split(61, 8, 4, None, None, (True, True, True), 1)
+    text = "Et|(tt|)*30mL"
+    split = ms.pipeline_split(61, 8, 4, mtp_layers=1, layout=text)
     assert split.layers(0, 0) == [0] and split.layers(7, 3) == []
     assert all(len(split.layers(r, c)) == 2 for r in range(8) for c in range(4)
                if (r, c) not in ((0, 0), (7, 3)))
     assert split.counts() == [7] + [8] * 6 + [6]
-    L = Layout(world=1024, tp=2, pp=8, vpp=4, ep=64, account_embedding=True,
-               account_loss=True, account_mtp=True, global_batch=8192)
-    assert "split+emb+loss+mtp" in L.short()
+    L = Layout(world=1024, tp=2, pp=8, vpp=4, ep=64, sp=True, schedule="interleaved",
+               pipeline_layout=text,
+               global_batch=8192)
+    assert f"layout {text}" in L.short()
     assert ms.stage_layer_kinds(DSV3, 8, 7, 4, *L.stage_split) == (0, 6)
     assert ms.stage_params(DSV3, 7, 2, 8, 4, 1, 64, *L.stage_split).total > \
         ms.stage_params(DSV3, 6, 2, 8, 4, 1, 64, *L.stage_split).total   # + MTP, embedding
-    with pytest.raises(ValueError, match="MTP slot"):        # one slot a chunk: no room
-        ms.pipeline_split(60, 8, 8, None, None, (False, True, True), 3)
+    assert "--pipeline-model-parallel-layout" in L.parallel_flags()
+    validate_layout(L.to_config(DSV3, 4096))          # the string is a pretrain_gpt.py flag
 
 
 def test_causal_count_halves_the_mtp_layers_scores_too():

@@ -144,8 +144,8 @@ def test_account_for_split_offered_with_interleaving_and_round_trips():
 
     m = ms.recipe("llama3-405b")                     # 126 layers: 126 % 16 != 0
     splits = list(pipeline_splits(m, 16, SearchSpace()))
-    assert (7, 7, 1, (False, False)) in splits       # --decoder-first/last, no interleaving
-    both = [v for f, l, v, acc in splits if acc == (True, True)]
+    assert (7, 7, 1, (False, False), None) in splits      # --decoder-first/last, no interleaving
+    both = [v for f, l, v, acc, _ in splits if acc == (True, True)]
     assert both == [2, 4, 8]                         # 128 slots / 16 = 8 per rank
     assert not [s for s in pipeline_splits(m, 16, SearchSpace(schedules=("1f1b",)))
                 if any(s[3])]
