@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8 GEMMs with this recipe (megalite's --fp8-format runs 'delayed'; "
                    "Transformer Engine's current scaling is 'tensorwise'; Blackwell's "
                    "MXFP8 'mxfp8')")
+    o.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine",
+                                                  "full_iteration"], default="none",
+                   help="Megatron's CUDA graphs: each layer pass is one graph launch, so the "
+                   "host's per-kernel launch time stops showing where a layer's GPU work is "
+                   "shorter than it (small micro-batches, fine-grained experts)")
     o.add_argument("--fp4-recipe", choices=list(FP4_RECIPES),
                    help="FP4 GEMMs (Megatron's --fp4-format e2m1 --fp4-recipe nvfp4; "
                    "Blackwell presets)")
@@ -255,7 +260,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         moe_dispatcher=args.moe_flex_dispatcher_backend
                         if args.moe_token_dispatcher_type == "flex" else "alltoall",
                         moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
-                        cpu_offload_layers=cpu_offload_layers(args))
+                        cpu_offload_layers=cpu_offload_layers(args),
+                        cuda_graphs=args.cuda_graph_impl != "none")
     if args.fp4_recipe:
         if args.fp8_recipe:
             raise ConfigError("--fp4-recipe and --fp8-recipe: pick one low precision")

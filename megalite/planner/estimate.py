@@ -75,6 +75,9 @@ class ModelOptions:
     fp8_param_gather: bool = False         # ZeRO-3 gathers FP8 weights (1 byte)
     pp_overlap: bool = True                # interleaved p2p behind the next chunk's compute
     muon_ns_steps: int = 0                 # --optimizer muon's Newton-Schulz steps; 0: AdamW
+    # Megatron's --cuda-graph-impl local | transformer_engine: a layer pass is one graph
+    # launch, so the host's per-kernel launch time is no longer exposed (kernels.py)
+    cuda_graphs: bool = False
 
     @property
     def precision(self) -> mem.Precision:

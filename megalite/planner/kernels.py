@@ -257,6 +257,27 @@ def _recomputed_gemm_share(m: ModelConfig, gs: List[Gemm], moe: bool, recompute:
     return min(1.0, share)
 
 
+# Host time per launched kernel of an eager training step (PyTorch's dispatcher, Megatron's
+# Python modules and the CUDA launch call together: an assumption, no measured figure
+# here), the kernels a layer's forward launches (norms, GEMMs, RoPE, attention, residual
+# adds, activation; the TP/SP collectives; an MoE layer's router, permutations, all-to-alls
+# and grouped GEMMs) -- backward launches about twice as many -- and the one graph launch per
+# layer and pass that replaces them under CUDA graphs (Megatron's --cuda-graph-impl).  The
+# GPU runs ahead of the host, so only host time beyond the layer's GPU time is exposed.
+HOST_SECONDS_PER_KERNEL = 10e-6
+KERNELS_PER_LAYER = {False: 16, True: 30}          # dense, MoE forward
+BACKWARD_KERNELS_OVER_FORWARD = 2.0
+GRAPH_LAUNCHES_PER_LAYER = 1
+
+
+def exposed_launch_seconds(gpu_seconds: float, moe: bool, backward: bool,
+                           cuda_graphs: bool) -> float:
+    """Host launch time one layer pass leaves exposed beyond its ``gpu_seconds``."""
+    kernels = GRAPH_LAUNCHES_PER_LAYER if cuda_graphs else KERNELS_PER_LAYER[moe] * (
+        BACKWARD_KERNELS_OVER_FORWARD if backward else 1.0)
+    return max(0.0, kernels * HOST_SECONDS_PER_KERNEL - gpu_seconds)
+
+
 def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster, opts,
                   imbalance: float = 1.0) -> Dict[str, float]:
     """Seconds of one micro-batch on a rank of pipeline stage ``r``: ``t_f``, ``t_b``
@@ -294,7 +315,8 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     rec_frac = min(1.0, rec_layers * L.vpp / n_layers) if rec_layers else 1.0
     last = r == L.pp - 1
     kinds = ms.with_mtp_layers(m, kinds, last)          # + the MTP layers on the last stage
-    t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0)
+    t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0,
+             launch_f=0.0, launch_b=0.0)
     tokens = seq * L.micro_batch              # the micro-batch's tokens, all CP ranks together
     T = (seq // L.cp) * L.micro_batch         # ... on this rank's CP shard
     for n, moe in zip(kinds, (False, True)):
@@ -345,6 +367,11 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         # Memory-bound work: HBM passes over the layer's activations (fwd 1, bwd 2 shares).
         act = mem.layer_activation_bytes(m, L, moe, seq, opts.activations, "none")
         t["hbm"] += n * opts.passes * act / hbm
+        layer_hbm = opts.passes * act / hbm
+        t["launch_f"] += n * exposed_launch_seconds(gf + af + layer_hbm / 3, moe, False,
+                                                    opts.cuda_graphs)
+        t["launch_b"] += n * exposed_launch_seconds(gb + ab_t + 2 * layer_hbm / 3, moe, True,
+                                                    opts.cuda_graphs)
         if fp8:
             t["cast"] += n * fp8.cast_bytes * _quantized_elements(gs) / hbm
     head = 0.0
@@ -359,11 +386,13 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     rec_hbm = t["hbm"] / 3 * rec_frac if L.recompute == "full" else (
         t["hbm"] / 3 if L.recompute == "selective" and "every_other_mm" in opts.recompute_modules
         else 0.0)
-    t_f = t["gemm_f"] + t["attn_f"] + t["hbm"] / 3 + t["cast"] / 2
-    t_b = t["gemm_b"] + t["attn_b"] + 2 * t["hbm"] / 3 + t["cast"] / 2 + t["rec"] + rec_hbm
+    t_f = t["gemm_f"] + t["attn_f"] + t["hbm"] / 3 + t["cast"] / 2 + t["launch_f"]
+    t_b = t["gemm_b"] + t["attn_b"] + 2 * t["hbm"] / 3 + t["cast"] / 2 + t["rec"] + rec_hbm + \
+        t["launch_b"]
     return {"t_f": t_f, "t_b": t_b, "rec": t["rec"] + rec_hbm,
             "core": t["attn_f"] + t["attn_b"], "gemm": t["gemm_f"] + t["gemm_b"],
-            "cast": t["cast"], "hbm": t["hbm"], "head": head}
+            "cast": t["cast"], "hbm": t["hbm"], "head": head,
+            "launch": t["launch_f"] + t["launch_b"]}
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:
