@@ -22,7 +22,8 @@ from megalite.config.pipeline_schedules import SCHEDULE_NAMES
 from megalite.planner.kernels import (ATTENTION_KERNELS, FP4_RECIPES, FP8_ONLY_RECIPES,
                                       fp8_unavailable)
 from megalite.planner.moe_cost import DISPATCHERS
-from megalite.planner.search import RECOMPUTE_ORDER, SEARCHED_SCHEDULES, SearchSpace, search
+from megalite.planner.search import (MOE_SEARCHED_SCHEDULES, RECOMPUTE_ORDER, SEARCHED_SCHEDULES,
+                                     SearchSpace, search)
 from megalite.planner.goodput import main as goodput
 from megalite.planner.plot import plot_plan
 
@@ -100,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_instances, default=[1], metavar="R[,R]",
                    help="hybrid sharding for stages >= 1: R instances (HSDP for FSDP2); "
                    "'node' = as many as keep each instance inside a node (default 1)")
-    s.add_argument("--schedules", type=_words(SCHEDULE_NAMES), default=list(SEARCHED_SCHEDULES))
+    s.add_argument("--schedules", type=_words(SCHEDULE_NAMES), default=None,
+                   help=f"pipeline schedules to try (default {','.join(SEARCHED_SCHEDULES)}, "
+                   f"and {','.join(MOE_SEARCHED_SCHEDULES)} for MoE models)")
     s.add_argument("--cp-min-seq-length", type=int, default=16384,
                    help="consider CP only from this sequence length (default 16384)")
     s.add_argument("--max-micro-batch-size", type=int, default=8)
@@ -244,7 +247,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
     space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
                         vpp=args.vpp,
                         micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
-                        zero=tuple(args.zero_stages), schedules=tuple(args.schedules),
+                        zero=tuple(args.zero_stages), schedules=tuple(args.schedules or SEARCHED_SCHEDULES),
+                        moe_schedules=() if args.schedules else MOE_SEARCHED_SCHEDULES,
                         cp_min_seq=args.cp_min_seq_length,
                         max_micro_batch=args.max_micro_batch_size,
                         instances=tuple(args.instances),

@@ -662,6 +662,7 @@ class Schedule:
     program: Optional[Callable] = None   # (p, m, v, forward_only) -> programs, when the
     #                                      generic placement (``build_program``) is not used
     searched: bool = True      # the planner's --schedules default includes it
+    searched_for_moe: bool = False   # ... for MoE models (it hides the expert all-to-all)
     chunks_per_rank: Optional[int] = None   # model chunks the schedule fixes (None: --vpp)
     vshape: bool = False       # chunk 1 runs back up the ranks (``stage_index``)
     min_micro_batches: Callable = lambda p: 1   # p -> fewest micro-batches it can run
@@ -745,7 +746,7 @@ SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
              orders=_orders_dualpipev, program=dualpipev_program,
              bubble_time=_dualpipev_bubble,
              in_flight=_dualpipev_in_flight, unpaired_forwards=_dualpipev_unpaired,
-             searched=False, chunks_per_rank=2, vshape=True,
+             searched=False, searched_for_moe=True, chunks_per_rank=2, vshape=True,
              min_micro_batches=lambda p: 2 * p, async_p2p=True),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)

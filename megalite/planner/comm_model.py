@@ -108,7 +108,7 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     mbs, t = L.num_micro_batches, L.tp
     T = (seq // L.cp) * L.micro_batch
     h = m.hidden_size
-    first, last = pp_rank == 0, pp_rank == L.pp - 1
+    first, last = pp_rank == 0, pp_rank == L.output_rank
     # the MTP layers (on the last stage) communicate like the model's last layer
     n_dense, n_moe = ms.with_mtp_layers(
         m, ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split), last)
@@ -370,7 +370,7 @@ def fsdp_events(m: ModelConfig, L: Layout, params, pp_rank: int, grad_bytes: int
     root = fsdp_root_params(m, L, pp_rank)
     # units of the stage (all its chunks): layers, an untied embedding / output layer; the
     # roots that hold parameters (the last stage's final norm; a tied embedding at PP = 1)
-    units = n_dense + n_moe + (pp_rank == 0 and untied) + (pp_rank == L.pp - 1 and untied)
+    units = n_dense + n_moe + (pp_rank == 0 and untied) + (pp_rank == L.output_rank and untied)
     roots = 1 if root else 0
     parts = [("dense", params.dense + (params.expert if together else 0), units, roots),
              ("expert", 0 if together else params.expert, n_moe, 0)]
@@ -399,7 +399,7 @@ def fsdp_root_params(m: ModelConfig, L: Layout, pp_rank: int) -> int:
     without PP: there the root is gathered once per micro-batch, the units twice."""
     n = 0
     output = m.padded_vocab_size(L.tp) * m.hidden_size // L.tp
-    if pp_rank == L.pp - 1:       # head_params at PP = 1: the norm (+ an untied output layer)
+    if pp_rank == L.output_rank:  # head_params at PP = 1: the norm (+ an untied output layer)
         n += ms.head_params(m, L.tp, 1) - (output if m.untie_embeddings_and_output_weights
                                            else 0)
     if not m.untie_embeddings_and_output_weights and L.pp == 1:

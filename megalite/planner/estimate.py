@@ -212,7 +212,8 @@ def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     else:
         attn_in = T * m.num_attention_heads * m.resolved_kv_channels() // t
     kinds = ms.with_mtp_layers(m, ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp,
-                                                       *L.stage_split), pp_rank == L.pp - 1)
+                                                       *L.stage_split),
+                               pp_rank == L.output_rank)
     norm_outs = 0 if "layernorm" in opts.activations.recompute_modules and \
         L.recompute == "selective" else 2 * T * h // sp
     per = 0
@@ -257,7 +258,7 @@ def _middle_groups(moe: tuple, pp: int, vpp: int, split: tuple, mtp_layers: int)
     groups: dict = {}
     for r in range(1, pp - 1):
         ids = ms.pipeline_split(len(moe), pp, vpp, split[0], split[1], split[2],
-                                mtp_layers, split[3]).rank_layers(r)
+                                mtp_layers, split[3], split[4]).rank_layers(r)
         key = sum(moe[i] for i in ids), len(ids)
         first, n = groups.get(key, (r, 0))
         groups[key] = (first, n + 1)

@@ -313,7 +313,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     n_layers = sum(kinds) or 1
     rec_layers = L.recompute_layers if L.recompute == "full" and L.recompute_layers else None
     rec_frac = min(1.0, rec_layers * L.vpp / n_layers) if rec_layers else 1.0
-    last = r == L.pp - 1
+    last = r == L.output_rank
     kinds = ms.with_mtp_layers(m, kinds, last)          # + the MTP layers on the last stage
     t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0,
              launch_f=0.0, launch_b=0.0)

@@ -10,7 +10,8 @@ from typing import List, Optional
 
 from megalite.config import MegaliteConfig, ModelConfig, ParallelDims
 from megalite.planner import model_spec as ms
-from megalite.config.pipeline_schedules import AUTO, SCHEDULE_NAMES, resolve_schedule
+from megalite.config.pipeline_schedules import (AUTO, SCHEDULE_NAMES, get_schedule,
+                                                resolve_schedule)
 
 ZERO_NAMES = {0: "DDP", 1: "ZeRO-1 (distributed optimizer)", 2: "ZeRO-2", 3: "ZeRO-3/FSDP"}
 
@@ -58,6 +59,10 @@ class Layout:
             object.__setattr__(self, f.name, knobs.pop(f.name, f.default))
         if knobs:
             raise TypeError(f"Layout has no field {sorted(knobs)}")
+        # read in the planner's inner loops: worked out once (not fields: no eq / repr)
+        vshape = dims.pp > 1 and get_schedule(self.schedule).vshape
+        object.__setattr__(self, "_placement", (vshape, ms.output_rank(dims.pp, dims.vpp,
+                                                                       vshape)))
 
     def __getattr__(self, name: str):
         """The dimension sizes and derived sizes are the ``ParallelDims``' (one place)."""
@@ -79,15 +84,32 @@ class Layout:
 
     @property
     def stage_split(self) -> tuple:
-        """``model_spec``'s (first, last, accounts, layout) arguments: how layers map to
-        stages (accounts: embedding, loss, MTP; layout: the layout string)."""
-        return self.first_layers, self.last_layers, self.accounts, self.pipeline_layout
+        """``model_spec``'s (first, last, accounts, layout, vshape) arguments: how layers
+        map to stages (accounts: embedding, loss; layout: the layout string; vshape: the V
+        placement)."""
+        return (self.first_layers, self.last_layers, self.accounts, self.pipeline_layout,
+                self.vshape)
+
+    @property
+    def vshape(self) -> bool:
+        """DualPipeV's V placement: chunk 1 runs back up the ranks, the output on rank 0."""
+        return self._placement[0]
+
+    @property
+    def output_rank(self) -> int:
+        """The pipeline rank with the final norm, output layer, loss and MTP modules."""
+        return self._placement[1]
 
     def stage_params(self, m: ModelConfig, pp_rank: int, tp: Optional[int] = None):
         """``model_spec.stage_params`` on a rank of pipeline stage ``pp_rank`` at this
         layout (``tp``: count at another TP, e.g. the all-gathered SP view)."""
         return ms.stage_params(m, pp_rank, self.tp if tp is None else tp, self.pp, self.vpp,
                                self.etp, self.ep, *self.stage_split)
+
+    def head_params(self, m: ModelConfig) -> int:
+        """``model_spec.head_params`` of the output rank: no tied copy where the output sits
+        beside the embedding (PP = 1, or rank 0 of the V)."""
+        return ms.head_params(m, self.tp, self.pp if self.output_rank else 1)
 
     def kind_params(self, m: ModelConfig, moe: bool):
         """``model_spec.kind_params`` of one dense (or MoE) layer at this layout."""

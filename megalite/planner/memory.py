@@ -223,7 +223,7 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     per_mb = sum(n * layer_activation_bytes(m, L, moe, seq, opts)
                  for n, moe in zip(kinds, (False, True)) if n)
-    if pp_rank == L.pp - 1:                         # the MTP modules (none: 0)
+    if pp_rank == L.output_rank:                    # the MTP modules (none: 0)
         per_mb += mtp_activation_bytes(m, L, seq, opts)
     total = per_mb * in_flight(L, pp_rank) + recompute_working_bytes(m, L, seq, pp_rank, opts)
     if opts.local_layers:
@@ -232,7 +232,7 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     sp = t if L.sp else 1
     if pp_rank == 0 and m.hidden_dropout > 0:     # embedding dropout mask
         total += T * h // sp * in_flight(L, pp_rank)
-    if pp_rank == L.pp - 1:                         # final norm in/out + fp32 logits for the loss
+    if pp_rank == L.output_rank:                    # final norm in/out + fp32 logits for the loss
         norm_out = 2 * T * h // sp
         total += (2 * T * h // sp + norm_out) * opts.element_scale + \
             4 * T * m.padded_vocab_size(t) // t
@@ -416,7 +416,7 @@ def local_stage_extra_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
         first = 8 * T + (T if t > 1 else 0) + (0 if rope else 8 * T)
         first += e * Tn * h if m.hidden_dropout > 0 else 0
         out += first * in_flight(L, pp_rank)
-    if pp_rank == L.pp - 1:
+    if pp_rank == L.output_rank:
         out += local_head_bytes(m, L, seq, opts)
     return out
 

@@ -142,23 +142,31 @@ def layers_per_stage(m: ModelConfig, pp: int, first: Optional[int] = None,
 @functools.lru_cache(maxsize=4096)
 def pipeline_split(num_layers: int, pp: int, vpp: int = 1, first: Optional[int] = None,
                    last: Optional[int] = None, accounts: tuple = (False, False),
-                   mtp_layers: int = 0, layout: Optional[str] = None) -> PipelineSplit:
+                   mtp_layers: int = 0, layout: Optional[str] = None,
+                   vshape: bool = False) -> PipelineSplit:
     """megalite's split rule (pipeline_parallel/split.py): ``accounts`` = (embedding, loss)
     counted as pipeline layers, or ``layout`` (``--pipeline-model-parallel-layout``, which
-    can also give the MTP depths a slot, as Bridge's DeepSeek-V3 ``Et|(tt|)*30mL``)."""
+    can also give the MTP depths a slot, as Bridge's DeepSeek-V3 ``Et|(tt|)*30mL``);
+    ``vshape``: DualPipeV's placement (chunk 1 runs back up the ranks)."""
     emb, loss = tuple(accounts)[:2]
-    return split_layers(num_layers, pp, vpp, first, last, emb, loss, layout=layout,
-                        mtp_layers=mtp_layers)
+    return split_layers(num_layers, pp, vpp, first, last, emb, loss, vshape=vshape,
+                        layout=layout, mtp_layers=mtp_layers)
+
+
+def output_rank(pp: int, vpp: int = 1, vshape: bool = False) -> int:
+    """The pipeline rank holding the final norm, output layer, loss and MTP modules: the
+    last, or rank 0 in the V shape (the split's own ``output_stage``)."""
+    return 0 if vshape and pp > 1 else pp - 1
 
 
 def stage_layer_ids(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
                     first: Optional[int] = None, last: Optional[int] = None,
                     accounts: tuple = (False, False),
-                    layout: Optional[str] = None) -> List[int]:
+                    layout: Optional[str] = None, vshape: bool = False) -> List[int]:
     """Global indices of the layers pipeline rank ``pp_rank`` holds (``accounts``,
-    ``layout``: ``pipeline_split``'s)."""
+    ``layout``, ``vshape``: ``pipeline_split``'s)."""
     return pipeline_split(m.num_layers, pp, vpp, first, last, tuple(accounts),
-                          m.mtp_num_layers or 0, layout).rank_layers(pp_rank)
+                          m.mtp_num_layers or 0, layout, vshape).rank_layers(pp_rank)
 
 
 @dataclass
@@ -188,9 +196,10 @@ def norm_params(m: ModelConfig, h: int) -> int:
 
 def stage_layer_kinds(m: ModelConfig, pp: int, pp_rank: int, vpp: int = 1,
                       first: Optional[int] = None, last: Optional[int] = None,
-                      accounts: tuple = (False, False), layout: Optional[str] = None) -> tuple:
+                      accounts: tuple = (False, False), layout: Optional[str] = None,
+                      vshape: bool = False) -> tuple:
     """(dense layers, MoE layers) on a pipeline rank: layers differ only in their MLP."""
-    ids = stage_layer_ids(m, pp, pp_rank, vpp, first, last, accounts, layout)
+    ids = stage_layer_ids(m, pp, pp_rank, vpp, first, last, accounts, layout, vshape)
     n_moe = sum(is_moe_layer(m, i) for i in ids) if m.num_experts else 0
     return len(ids) - n_moe, n_moe
 
@@ -326,9 +335,10 @@ def mtp_params(m: ModelConfig, tp: int = 1, pp: int = 1, etp: int = 1, ep: int =
 def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: int = 1,
                  etp: int = 1, ep: int = 1, first: Optional[int] = None,
                  last: Optional[int] = None, accounts: tuple = (False, False),
-                 layout: Optional[str] = None) -> ParamCount:
+                 layout: Optional[str] = None, vshape: bool = False) -> ParamCount:
     """Exact parameter count on a rank of pipeline stage ``pp_rank``."""
-    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last, accounts, layout)
+    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last, accounts, layout,
+                                       vshape)
     out = ParamCount()
     for n, moe in ((n_dense, False), (n_moe, True)):
         if n:
@@ -336,8 +346,9 @@ def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: in
             out += ParamCount(one.dense * n, one.expert * n)
     if pp_rank == 0:
         out.dense += embedding_params(m, tp)
-    if pp_rank == pp - 1:
-        out.dense += head_params(m, tp, pp)
+    out_rank = output_rank(pp, vpp, vshape)
+    if pp_rank == out_rank:          # on rank 0 (the V) the output reads the embedding itself
+        out.dense += head_params(m, tp, pp if out_rank else 1)
         out += mtp_params(m, tp, pp, etp, ep)
     return out
 

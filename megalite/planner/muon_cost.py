@@ -29,8 +29,8 @@ def matrix_params(m: ModelConfig, L: Layout, pp_rank: int) -> ms.ParamCount:
     dense = p.dense
     if pp_rank == 0:
         dense -= ms.embedding_params(m, L.tp)
-    if pp_rank == L.pp - 1:
-        dense -= ms.head_params(m, L.tp, L.pp)
+    if pp_rank == L.output_rank:
+        dense -= L.head_params(m)
     dense_layers, moe_layers = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     dense -= (dense_layers + moe_layers) * 2 * ms.norm_params(m, m.hidden_size)
     return ms.ParamCount(max(dense, 0), p.expert)

@@ -24,6 +24,7 @@ from megalite.cli import features
 from megalite.cli.validation import validate_layout
 
 SEARCHED_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if s.searched)
+MOE_SEARCHED_SCHEDULES = tuple(n for n, s in SCHEDULES.items() if s.searched_for_moe)
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 
@@ -41,6 +42,7 @@ class SearchSpace:
     recompute: Sequence[str] = RECOMPUTE_ORDER
     zero: Sequence[int] = (0, 1)                  # stages megalite has flags for
     schedules: Sequence[str] = SEARCHED_SCHEDULES
+    moe_schedules: Sequence[str] = MOE_SEARCHED_SCHEDULES   # tried too for MoE models
     cp_min_seq: int = 16384                       # CP only for long sequences
     max_micro_batch: int = 8
     max_vpp: int = 8
@@ -76,6 +78,13 @@ def _pick(values: List[int], allowed: Optional[Sequence[int]]) -> List[int]:
     return values if allowed is None else [v for v in values if v in set(allowed)]
 
 
+def searched_schedules(m: ModelConfig, space: SearchSpace) -> List[str]:
+    """The schedules tried: ``space.schedules``, and for an MoE model its ``moe_schedules``
+    (DualPipeV, whose paired steps hide the expert all-to-all)."""
+    return list(space.schedules) + [s for s in space.moe_schedules
+                                    if m.num_experts and s not in space.schedules]
+
+
 ACCOUNT_CHOICES = ((True, True), (False, True), (True, False))   # (embedding, loss)
 
 
@@ -99,7 +108,7 @@ def pipeline_splits(m: ModelConfig, pp: int, space: SearchSpace):
         return
     if pp > L:
         return
-    interleave = any(SCHEDULES[s].virtual_stages for s in space.schedules)
+    interleave = any(SCHEDULES[s].virtual_stages for s in searched_schedules(m, space))
     if L % pp == 0:
         per = L // pp
         vpps = [v for v in divisors(per) if v <= space.max_vpp] if interleave else [1]
@@ -135,6 +144,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
     tps = [t for t in _pow2_upto(min(tp_max, heads)) if features.heads_split(heads, groups, t)]
     cps = [1] if seq < space.cp_min_seq else [c for c in _pow2_upto(64)
                                               if features.cp_sequence_split(seq, c)]
+    schedules = searched_schedules(m, space)
     for tp in _pick(tps, space.tp):
         for cp in _pick(cps, space.cp):
             if world % (tp * cp):
@@ -144,7 +154,7 @@ def enumerate_layouts(m: ModelConfig, seq: int, global_batch: int, cluster: Clus
                 if global_batch % dp:
                     continue
                 for first, last, vpp, accounts, layout in pipeline_splits(m, pp, space):
-                    scheds = [s for s in space.schedules
+                    scheds = [s for s in schedules
                               if features.schedule_fits(SCHEDULES[s], vpp)] or \
                         [resolve_schedule(AUTO, vpp).name]
                     if pp == 1:
@@ -224,8 +234,9 @@ def search(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
             res.considered += len(group)
             _keep_oom(res, floor)
             continue
-        reason = _legal(probe, m, seq)
-        if reason and "micro-batch" not in reason and "global-batch" not in reason:
+        reason = _legal(probe, m, seq)      # the probe's batch and recompute are the group's
+        if reason and not any(w in reason for w in ("micro-batch", "global-batch",   # extremes
+                                                    "--recompute")):
             res.rejected[_short(reason)] += len(group)
             res.considered += len(group)
             continue

@@ -74,7 +74,7 @@ def largest_fsdp_unit(m: ModelConfig, L: Layout, pp_rank: int) -> int:
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     units = [L.kind_params(m, moe).total
              for n, moe in zip(kinds, (False, True)) if n]
-    units += [ms.embedding_params(m, L.tp), ms.head_params(m, L.tp, L.pp)]
+    units += [ms.embedding_params(m, L.tp), L.head_params(m)]
     return max(units)
 
 
@@ -142,7 +142,7 @@ def unfused_attention_backward(m: ModelConfig, L: Layout, seq: int, pp_rank: int
     recompute = "none" if L.recompute == "full" else L.recompute   # the re-made layer
     after = min(local_layer_parts(m, L, seq, opts, recompute, moe)[1]
                 for n, moe in zip(kinds, (False, True)) if n)
-    if pp_rank == L.pp - 1:
+    if pp_rank == L.output_rank:
         after += local_head_bytes(m, L, seq, opts)
     return act - after + unfused_backward_bytes(m, L, seq, opts)
 

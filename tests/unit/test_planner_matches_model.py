@@ -139,3 +139,34 @@ def test_moe_stage_params_equal_model(variant, tp, ep, etp):
                              spec=spec_choices(cfg, state))
         real = sum(p.numel() for p in model.parameters())
         assert ms.stage_params(m, r, tp=tp, pp=2, etp=etp, ep=ep).total == real
+
+
+@pytest.mark.parametrize("arch,flags", [
+    ("llama", dict(account_for_embedding_in_pipeline_split=True,
+                   account_for_loss_in_pipeline_split=True)),
+    ("gpt", dict(pipeline_model_parallel_layout="Ettt|t|t|tL")),        # tied: no copy
+    ("qwen", dict(account_for_loss_in_pipeline_split=True,
+                  account_for_embedding_in_pipeline_split=True))])
+def test_dualpipev_v_placement_stages_equal_model(arch, flags):
+    """DualPipeV's V: rank 0 holds the first and the last block (the embedding, the output
+    layer and the loss; DualPipeV refuses MTP), so the planner's per-rank layers and parameters
+    follow the runtime's placement (build_model_chunks), not the last rank's."""
+    from megalite.models.stages import build_model_chunks
+    from megalite.pipeline_parallel.stages import layers_of_stage
+    from megalite.planner.layout import Layout
+
+    m, pp = model_cfg(arch), 2
+    cfg = MegaliteConfig(model=m, world_size=pp, parallel=ParallelConfig(
+        pipeline_model_parallel_size=pp, pipeline_schedule="dualpipev", **flags))
+    L = Layout(world=pp, pp=pp, vpp=2, schedule="dualpipev", global_batch=4,
+               account_embedding=bool(flags.get("account_for_embedding_in_pipeline_split")),
+               account_loss=bool(flags.get("account_for_loss_in_pipeline_split")),
+               pipeline_layout=flags.get("pipeline_model_parallel_layout"))
+    assert L.output_rank == 0 and L.vshape
+    for r in range(pp):
+        state = ParallelState.build(RankGrid.from_config(cfg), r, create_groups=False)
+        chunks = build_model_chunks(cfg, state)
+        assert ms.stage_layer_ids(m, pp, r, 2, *L.stage_split) == \
+            layers_of_stage(cfg, r, 0) + layers_of_stage(cfg, r, 1)
+        real = sum(p.numel() for c in chunks for p in c.parameters())
+        assert L.stage_params(m, r).total == real, (r, L.stage_params(m, r).total, real)

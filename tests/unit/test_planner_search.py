@@ -169,3 +169,28 @@ def test_account_for_split_offered_with_interleaving_and_round_trips():
     even = evaluate(m, 8192, Layout(world=16384, tp=8, pp=16, global_batch=2048, sp=True,
                                     first_layers=7, last_layers=7), make_cluster(16384))
     assert e.times["bubble"] < even.times["bubble"] / 4   # (p-1)/(v m) with v = 8
+
+
+def test_search_proposes_dualpipev_for_moe_and_its_v_places_the_output_on_rank_0():
+    """DualPipeV is tried for MoE models (its paired F&B steps hide the expert all-to-all):
+    with the EP overlap on it is the best Qwen3-235B layout at TP2 PP16 EP8, without it
+    interleaving wins; a dense model never gets it, and --schedules given pins the list."""
+    import dataclasses
+    m = dataclasses.replace(ms.recipe("qwen3-235b-a22b"), seq_length=4096)
+    c = make_cluster(256, 8, "h100-80gb")
+    pin = SearchSpace(pp=(16,), tp=(2,), ep=(8,))
+    on = search(m, 4096, 2048, c, pin, ModelOptions(fp8="tensorwise", ep_overlap=True))
+    off = search(m, 4096, 2048, c, pin, ModelOptions(fp8="tensorwise"))
+    best = on.ranked[0].layout
+    assert best.schedule == "dualpipev" and best.vpp == 2 and best.output_rank == 0
+    assert off.ranked[0].layout.schedule == "interleaved"
+    assert any(e.layout.schedule == "dualpipev" for e in off.ranked)
+    validate_layout(best.to_config(m, 4096))
+    assert "--pipeline-schedule" in best.parallel_flags()
+    only = search(m, 4096, 2048, c, SearchSpace(pp=(16,), tp=(2,), ep=(8,),
+                                                schedules=("interleaved",), moe_schedules=()),
+                  ModelOptions(fp8="tensorwise", ep_overlap=True))
+    assert "dualpipev" not in {e.layout.schedule for e in only.ranked}
+    dense = search(ms.recipe("llama3-8b"), 4096, 64, make_cluster(16, 8, "h100-80gb"),
+                   SearchSpace(pp=(2,)))
+    assert "dualpipev" not in {e.layout.schedule for e in dense.ranked}
