@@ -308,6 +308,14 @@ RULE_CASES = {
     "per-split data excludes --data-path and --mock-data": (
         [["--train-data-path", "train"]], [[]]),      # train.bin/.idx: made in the test
     "--mock-data excludes --sample-windows random": ([["--sample-windows", "random"]], [[]]),
+    # Gemma 3's RoPE flags
+    "--rotary-base-local needs --window-size": (
+        [["--position-embedding-type", "rope", "--rotary-base-local", "10000"]],
+        [["--position-embedding-type", "rope", "--window-size", "3,0",
+          "--rotary-base-local", "10000"]]),
+    "--rotary-seq-len-interpolation-factor needs --position-embedding-type rope": (
+        [["--rotary-seq-len-interpolation-factor", "8"]],
+        [["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "8"]]),
 }
 
 
@@ -427,6 +435,7 @@ USER_ERROR_PLACES = {
     "megalite/planner/moe_cost.py": "the planner's MoE routing-statistics file",
     "megalite/planner/search.py": "re-raises validation's reason for a layout asked for",
     "megalite/commands/validate_run.py": "the plan-validation command's own flags",
+    "megalite/checkpointing/hf_adapters/gemma.py": "a Hugging Face checkpoint's contents",
 }
 
 
