@@ -270,7 +270,8 @@ class GPTModel(DrawsFromTracker, nn.Module):
                 fused_linear_cross_entropy, labels=labels.t(), group=self.tp_group,
                 vocab_size=self.vocab_size, sequence_parallel=self.sequence_parallel,
                 token_weights=None if loss_mask is None else loss_mask.t(),
-                chunk_tokens=self.model_cfg.cross_entropy_chunk_tokens)
+                chunk_tokens=self.model_cfg.cross_entropy_chunk_tokens,
+                softcap=self.model_cfg.final_logit_softcapping)
             return self.output_layer(hidden, weight=weight, loss_head=head).t()
         logits = self._capped(self.output_layer(hidden, weight=weight))   # [s, b, v/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,

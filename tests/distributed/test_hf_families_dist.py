@@ -46,7 +46,8 @@ TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 
 # Gemma 2/3's pieces trained from scratch -- (1 + w) sandwich norms and q/k norms, scaled
 # embedding, GeGLU, own softmax scale, a window on every other layer with its own RoPE base,
-# linear RoPE on the others, final soft-cap -- at TP2 with SP (the cap on vocabulary shards),
+# linear RoPE on the others, final soft-cap -- at TP2 with SP and the fused loss (the cap on
+# vocabulary shards, chunk by chunk),
 # CP2 ring and all-to-all, PP2 with full recompute and FSDP2 give the single process's losses
 GEMMA_TRAIN = [f for f in TRAIN[:TRAIN.index("--norm-placement")] if f != "--swiglu"] + [
     "--eval-iters", "0", "--global-batch-size", "4", "--micro-batch-size", "2",
@@ -55,7 +56,8 @@ GEMMA_TRAIN = [f for f in TRAIN[:TRAIN.index("--norm-placement")] if f != "--swi
     "--window-attn-skip-freq", "2", "--rotary-base-local", "100",
     "--rotary-seq-len-interpolation-factor", "4", "--final-logit-softcapping", "2"]
 GEMMA_LAYOUTS = {
-    "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "tp2-sp-fused-loss": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                          "--cross-entropy-loss-fusion", "--cross-entropy-chunk-tokens", "5"],
     "cp2-ring": ["--context-parallel-size", "2"],
     "cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
     "pp2-recompute": ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",

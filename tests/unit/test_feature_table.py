@@ -255,9 +255,6 @@ RULE_CASES = {
     "--qk-clip excludes --reset-attention-mask and --window-size": (
         [[*_DOCS, "--qk-clip"], ["--window-size", "4,0", "--qk-clip"]],
         [[*_DOCS], ["--qk-clip"]]),
-    "fused-loss refuses --final-logit-softcapping": (
-        [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
-        [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
     "schedule matches virtual stages": (
         [["--pp", "2", "--pipeline-schedule", "interleaved"],
          ["--pp", "2", "--pipeline-schedule", "1f1b",
