@@ -48,8 +48,10 @@ TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 # embedding, GeGLU, own softmax scale, a window on every other layer with its own RoPE base,
 # linear RoPE on the others, final soft-cap -- at TP2 with SP and the fused loss (the cap on
 # vocabulary shards, chunk by chunk),
-# CP2 ring and all-to-all, PP2 with full recompute and FSDP2 give the single process's losses
-GEMMA_TRAIN = [f for f in TRAIN[:TRAIN.index("--norm-placement")] if f != "--swiglu"] + [
+# CP2 ring and all-to-all, PP2 x VPP2 with full recompute and FSDP2 give the single process's
+# losses
+GEMMA_TRAIN = ["--num-layers", "4"] + [
+    f for f in TRAIN[2:TRAIN.index("--norm-placement")] if f != "--swiglu"] + [
     "--eval-iters", "0", "--global-batch-size", "4", "--micro-batch-size", "2",
     "--init-method-std", "0.05", "--activation", "geglu", "--apply-layernorm-1p", "--norm-placement", "sandwich",
     "--qk-layernorm", "--scale-embeddings", "--softmax-scale", "0.3", "--window-size", "3,0",
@@ -60,8 +62,10 @@ GEMMA_LAYOUTS = {
                           "--cross-entropy-loss-fusion", "--cross-entropy-chunk-tokens", "5"],
     "cp2-ring": ["--context-parallel-size", "2"],
     "cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
-    "pp2-recompute": ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
-                      "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "pp2-vpp2-recompute": ["--pipeline-model-parallel-size", "2",
+                           "--num-layers-per-virtual-pipeline-stage", "1",
+                           "--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"],
     "fsdp2": ["--use-torch-fsdp2"]}
 
 

@@ -74,6 +74,8 @@ def rope_fields_from_hf(hf: dict) -> Dict[str, object]:
     elif kind == "yarn":
         out.update(yarn_fields_from_hf(p, hf, int(original)))
     elif kind == "linear":           # frequencies / factor (Gemma 3's global layers)
+        if "factor" not in p:
+            raise UnsupportedModelError("rope_parameters (linear) lacks factor")
         out["rotary_seq_len_interpolation_factor"] = float(p["factor"])
     return out
 
