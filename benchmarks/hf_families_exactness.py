@@ -43,7 +43,7 @@ BEGIN = "<!-- exactness table: python benchmarks/hf_families_exactness.py --upda
 END = "<!-- end of exactness table -->"
 # where each family's other layouts are held to transformers' loss (rel <= 1e-5)
 LAYOUTS_TEST = "tests/distributed/test_hf_families_dist.py"
-LAYOUTS = {f: ", ".join(n.upper() for n in dist_test.LAYOUTS) for f in dist_test.NEW}
+LAYOUTS = {f: ", ".join(n.upper() for n in dist_test.family_layouts(f)) for f in dist_test.NEW}
 BOUND_COLUMNS = (2, 3, 4)       # the measured columns of a row (a bound each)
 
 

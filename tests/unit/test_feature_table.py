@@ -194,9 +194,6 @@ RULE_CASES = {
         [[{"model": dict(_TE)}], ["--attn-logit-softcapping", "30"]]),
     "cp-p2p refuses --attn-logit-softcapping": (
         [["--cp", "2", "--attn-logit-softcapping", "30"]], [["--cp", "2"]]),
-    "cp-a2a refuses --attn-logit-softcapping": (
-        [["--cp", "2", "--cp-comm-type", "a2a", "--attn-logit-softcapping", "30"]],
-        [["--cp", "2", "--cp-comm-type", "a2a"]]),
     # the flags declared beside their fields to need another (requires=)
     "--use-rope-scaling needs --position-embedding-type rope": (
         [["--use-rope-scaling", "--position-embedding-type", "learned_absolute"]],

@@ -117,7 +117,8 @@ def rope_parameters_to_hf(mc) -> dict:
                    low_freq_factor=mc.rope_scaling_low_freq_factor,
                    high_freq_factor=mc.rope_scaling_high_freq_factor,
                    original_max_position_embeddings=mc.rope_scaling_original_max_position_embeddings)
-    elif mc.position_embedding_type == "rope" and mc.rotary_seq_len_interpolation_factor:
+    elif mc.position_embedding_type == "rope" and \
+            mc.rotary_seq_len_interpolation_factor:
         out.update(rope_type="linear", factor=mc.rotary_seq_len_interpolation_factor)
     elif mc.position_embedding_type == "yarn":
         out.update(rope_type="yarn", factor=mc.rotary_scaling_factor,
