@@ -72,6 +72,9 @@ LONG_TESTS = (
     # --compile pairs: the default run keeps two compile launches
     f"{_PAIRS}[cp2-zb-uneven-full-compile]",
     f"{_PAIRS}[fsdp2-hsdp-overlap-selective-fused-compile]",
+    # Gemma 3's recipe twin (the default run keeps Gemma's pieces at TP2, CP2, PP2 x VPP2 and
+    # FSDP2 in tests/distributed/test_hf_families_dist.py)
+    "tests/e2e/test_recipes_e2e.py::test_gemma3_twin_with_run_local_matches_one_process",
 )
 
 

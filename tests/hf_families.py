@@ -9,6 +9,10 @@ the feature that family brings, built with ``transformers`` from a tiny config:
 * ``phi3``: fused ``qkv_proj`` and ``gate_up_proj`` (GQA: 4 heads, 2 kv heads);
 * ``smollm3``: layer 1 without RoPE (``no_rope_layer_interval`` 2), tied embeddings;
 * ``olmo2``: norms after attention and MLP, q/k RMSNorm over the whole projections;
+* ``gemma2``: (1 + w) sandwich norms, scaled embedding, GeGLU, query_pre_attn_scalar 12 !=
+  head_dim, both soft-caps, a 4-key window on layer 0;
+* ``gemma3``: Gemma 2's without soft-caps, per-head (1 + w) q/k norms, the sliding layer's
+  own RoPE base and linear RoPE scaling (factor 8) on the full layer;
 * ``qwen2_moe``: Qwen2's q/k/v biases, a dense layer 0 (``mlp_only_layers``) before an MoE
   layer with 4 experts top-2 not renormalized and the sigmoid-gated shared expert;
 * ``qwen3_moe``: Qwen3's q/k RMSNorm and head_dim 16, a dense layer 0, 4 experts top-2
@@ -56,6 +60,17 @@ FAMILIES = {
         MOE, shared_expert_intermediate_size=24, norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         MOE, head_dim=16, norm_topk_prob=True)),
+    # Gemma 2/3: a window of 4 keys (shorter than the sequences), sliding then full layer
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=8, query_pre_attn_scalar=12, sliding_window=4, attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0, rope_parameters=dict(rope_type="default",
+                                                          rope_theta=10000.0))),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=8, query_pre_attn_scalar=12, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=8.0,
+                                                rope_theta=1e6)})),
 }
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
 

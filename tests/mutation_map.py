@@ -71,6 +71,8 @@ MAP = {
                                             "tests/unit/test_arguments.py",
                                             "tests/unit/test_structure_oracles.py",
                                             "tests/unit/test_pipeline_activation_memory.py"),
+    # Gemma 2/3
+    "megalite/checkpointing/hf_adapters/gemma.py": _HF + ("tests/unit/test_models_page.py",),
 }
 
 # The sample's modules, and in each the functions holding the logic it measures (None:

@@ -25,6 +25,14 @@ def tiny_model_cfg(arch: str = "llama", *, seq_length: int = 8, vocab_size: int 
                  qk_pos_emb_head_dim=4, v_head_dim=5, qk_layernorm=True,
                  rotary_scaling_factor=4.0, mscale_all_dim=1.0,
                  yarn_original_max_position_embeddings=4)
+    if arch == "gemma":    # Gemma 3's layer: Llama with its norms and scalings, tied
+        d.update(normalization="RMSNorm", position_embedding_type="rope", activation="geglu",
+                 add_bias_linear=False, group_query_attention=True,
+                 num_query_groups=num_query_groups, apply_layernorm_1p=True,
+                 norm_placement="sandwich", scale_embeddings=True, softmax_scale=0.3,
+                 qk_layernorm=True, window_size=(3, 0), window_attn_skip_freq=2,
+                 rotary_base_local=100, rotary_seq_len_interpolation_factor=4.0,
+                 final_logit_softcapping=2.0)
     d.update(over)
     return ModelConfig(**d)
 

@@ -547,10 +547,6 @@ RULES: Tuple[Rule, ...] = (
         "--qk-clip records each head's largest causal logit, not the one under a document mask "
         "or a sliding window (it would clip on pairs attention never sees): drop --qk-clip or "
         "the mask"),
-    Refuses("fused-loss", "--final-logit-softcapping",
-            lambda c: c.model.final_logit_softcapping is not None,
-            "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "
-            "hold the logits to cap; drop one of them"),
 )
 
 

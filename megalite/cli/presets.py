@@ -103,3 +103,18 @@ def preset_fields(name: str) -> Dict[str, Any]:
 
 def preset_model(name: str) -> ModelConfig:
     return ModelConfig(**preset_fields(name))
+
+# Gemma 3 (text): google/gemma-3-27b's text_config (Gemma3TextConfig): (1 + w) sandwich
+# norms and per-head q/k norms, scaled embedding, GeGLU, query_pre_attn_scalar 168, a 1024
+# window on 5 of every 6 layers with RoPE base 1e4, the others 1e6 with linear scaling 8; tied
+MODEL_PRESETS.update({
+    "gemma-3-27b": dict(_LLAMA, swiglu=False, activation="geglu",
+                        untie_embeddings_and_output_weights=False, num_layers=62,
+                        hidden_size=5376, ffn_hidden_size=21504, num_attention_heads=32,
+                        num_query_groups=16, kv_channels=128, vocab_size=262208,
+                        norm_epsilon=1e-6, apply_layernorm_1p=True, norm_placement="sandwich",
+                        scale_embeddings=True, softmax_scale=168 ** -0.5, qk_layernorm=True,
+                        window_size=(1023, 0), window_attn_skip_freq=6, rotary_base=1000000,
+                        rotary_base_local=10000, rotary_seq_len_interpolation_factor=8.0,
+                        seq_length=4096),
+})

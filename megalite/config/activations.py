@@ -35,6 +35,13 @@ def _squared_relu(y):
     return F.relu(y).square()
 
 
+def _gelu_tanh_glu(y):
+    import torch.nn.functional as F  # start-up time: torch only when a model runs (docstring)
+
+    gate, up = y.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def _llama_ffn(hidden: int) -> int:
     """Llama's rule: 2/3 of 4h, rounded up to a multiple of 64."""
     return int(math.ceil(int(8 * hidden / 3) / 64) * 64)
@@ -74,12 +81,17 @@ ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in (
                saved=(("fc1 output [gate; up] (silu and mul save views)", 2),
                       ("silu(gate)", 1), ("fc2 input silu(gate)*up", 1))),
     Activation("gelu", None, "GeLU (GPT-2)", gated=False, fn=_gelu,
-               hf_names=("gelu", "gelu_new", "gelu_pytorch_tanh"),
+               hf_names=("gelu", "gelu_new"),
                saved=(("GeLU input (fc1 output)", 1), ("fc2 input (GeLU output)", 1))),
     Activation("squared-relu", "squared_relu", "squared ReLU: relu(x)^2, not gated "
                "(Primer; Nemotron's MLP)", gated=False, fn=_squared_relu, hf_names=("relu2",),
                saved=(("relu output (square saves the same tensor)", 1),
                       ("fc2 input relu(x)^2", 1))),
+    # Gemma 2/3: GeGLU with the tanh-approximated GeLU (HF's gelu_pytorch_tanh, gated)
+    Activation("geglu", None, "GeGLU: gelu_tanh(gate) * up (Gemma)", gated=True,
+               fn=_gelu_tanh_glu, hf_names=("gelu_pytorch_tanh",), default_ffn=_llama_ffn,
+               saved=(("fc1 output [gate; up] (gelu and mul save views)", 2),
+                      ("gelu(gate)", 1), ("fc2 input gelu(gate)*up", 1))),
 )}
 DEFAULT = ACTIVATIONS["gelu"]                  # no --activation and no switch (Megatron's)
 SWITCHES = tuple(a.flag for a in ACTIVATIONS.values() if a.flag)   # ModelConfig fields

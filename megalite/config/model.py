@@ -264,12 +264,28 @@ class ModelConfig:
     norm_placement: str = opt(
         "pre", "Where each layer's two norms sit: before attention and MLP (pre: x + "
         "attn(norm(x))), or on their outputs before the residual add (post: x + "
-        "norm(attn(x)), OLMo 2).", choices=["pre", "post"])
+        "norm(attn(x)), OLMo 2); sandwich: both, four norms per layer (x + "
+        "norm(attn(norm(x))), Gemma 2/3).", choices=["pre", "post", "sandwich"])
     qk_layernorm_scope: str = opt(
         "head", "What --qk-layernorm normalizes: each head's q and k over the head dim "
         "(head, Qwen3) or each token's whole q and whole k projection, one weight per "
         "channel (projection, OLMo 2; its mean square spans the TP shards).",
         choices=["head", "projection"], requires="qk_layernorm")
+    # Gemma 2/3's scalings (models/gpt.py, transformer/attention.py, transformer/rotary.py)
+    scale_embeddings: bool = opt(
+        False, "Multiply the word embeddings by sqrt(--hidden-size), rounded to the model "
+        "dtype (Gemma).", action="store_true")
+    softmax_scale: Optional[float] = opt(
+        None, "Scale of the attention scores q.k (Megatron's TransformerConfig.softmax_scale); "
+        "default 1/sqrt(--kv-channels). Gemma: query_pre_attn_scalar ** -0.5.", gt=0)
+    rotary_base_local: Optional[int] = opt(
+        None, "Rotary base of the sliding-window layers (--window-size), unscaled (Gemma 3's "
+        "rope_local_base_freq); default: the full layers' --rotary-base and scaling.", gt=0,
+        requires="window_size")
+    rotary_seq_len_interpolation_factor: Optional[float] = opt(
+        None, "Linear RoPE scaling (Megatron's flag): the rotary frequencies divided by this "
+        "factor (Hugging Face's rope_type linear; Gemma 3's full-attention layers).", gt=0,
+        requires="position_embedding_type=rope")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
@@ -357,3 +373,9 @@ class ModelConfig:
         """Megatron's rule: round the vocabulary up to a multiple of divisor * TP."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    # Gemma 3: the windowed layers' own rotary base
+    def layer_uses_local_rotary(self, layer: int) -> bool:
+        """Whether global layer ``layer`` rotates with ``--rotary-base-local`` (a windowed
+        layer of a model that gives one) rather than the full layers' tables."""
+        return self.rotary_base_local is not None and self.layer_window(layer) is not None

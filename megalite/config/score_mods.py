@@ -7,8 +7,9 @@ model's extra score-sized tensors), and which attention implementations cannot r
 (each becomes a refusal of the rule engine, megalite/cli/features.py, with the reason
 given here; SDPA's kernels are ruled out by the field's own domain check, ``kernel_check``).
 The local core attention (``transformer/attention.py``) applies every active entry and so
-runs its unfused kernel.  So a new score modification is an entry here and its field in
-``config/model.py`` (``check=kernel_check(FIELD)``); docs/extending.md measured it.
+runs its unfused kernel; so does all-to-all CP attention (``context_parallel/a2a.py``), which
+holds the whole sequence of its heads.  So a new score modification is an entry here and its
+field in ``config/model.py`` (``check=kernel_check(FIELD)``); docs/extending.md measured it.
 
 Importing this module does not import torch (the rule engine and the planner read it).
 """
@@ -46,7 +47,7 @@ def _softcap(scores, cap):
 SCORE_MODS: Dict[str, ScoreMod] = {m.field: m for m in (
     ScoreMod("attn_logit_softcapping", "scores -> cap * tanh(scores / cap) (Gemma 2)",
              _softcap, saved_scores=1,
-             refused_by=("te", "cp-p2p", "cp-a2a")),
+             refused_by=("te", "cp-p2p")),
 )}
 
 

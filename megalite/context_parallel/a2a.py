@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite import comm
+from megalite.config import score_mods
 from megalite.context_parallel.load_balance import gathered_order
 from megalite.context_parallel.max_logits import head_block
 from megalite.context_parallel.ring import check_cp_attention_args, work
+from megalite.transformer.attention_kernels import unfused_attention
 from megalite.transformer.attention_masks import keep
 from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
@@ -73,6 +75,7 @@ class UlyssesAttention(nn.Module):
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        self.score_mods = score_mods.active(model_cfg)   # whole sequence: any applies
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self._order = None
@@ -118,8 +121,12 @@ class UlyssesAttention(nn.Module):
             kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
         gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}
         masks = {"is_causal": self.is_causal} if mask is None else {"attn_mask": mask[:, None]}
-        o = F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale, **masks,
-                                           **gqa)                   # [b, h/cp, S, dv]
+        if self.score_mods:        # config/score_mods.py: the unfused kernel (Gemma 2's cap)
+            o = unfused_attention(qf, kf, vf, causal=self.is_causal, scale=self.scale,
+                                  score_mods=self.score_mods, keep_mask=mask)
+        else:
+            o = F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale, **masks,
+                                               **gqa)               # [b, h/cp, S, dv]
         o = o.index_select(2, order)                               # rank order again
         o = o.reshape(b, hq, cp, s, dv).permute(2, 0, 1, 3, 4)      # [cp (dst), b, h/cp, s, dv]
         o = AllToAll.apply(o, self.group)                          # [cp (head block), ...]

@@ -45,7 +45,7 @@ from megalite.transformer.extra_losses import add_extra_loss
 from megalite.transformer.loss_reduction import mtp_depth_weight
 from megalite.transformer.mla import mla_rotary
 from megalite.transformer.mtp import MultiTokenPrediction, mtp_loss_name, roll_left
-from megalite.transformer.rotary import RotaryEmbedding
+from megalite.transformer.rotary import LayerRotaries, RotaryEmbedding, local_rotary
 from megalite.transformer.spec import LayerSpec
 
 WORD_EMBEDDING = "embedding.word_embeddings.weight"
@@ -63,6 +63,7 @@ class LanguageModelEmbedding(DrawsFromTracker, nn.Module):
         m = model_cfg
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.dropout = m.hidden_dropout
+        self.scale = m.hidden_size ** 0.5 if m.scale_embeddings else None
         self.word_embeddings = VocabParallelEmbedding(
             m.vocab_size, m.hidden_size, tp_group=tp_group,
             pad_multiple=m.make_vocab_size_divisible_by, init_std=m.init_method_std,
@@ -79,6 +80,8 @@ class LanguageModelEmbedding(DrawsFromTracker, nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None):
         ids = input_ids.t()                                   # [s, b]
         x = self.word_embeddings(ids)                         # [s(/tp), b, h]
+        if self.scale:          # --scale-embeddings (Gemma): sqrt(h) in the model dtype
+            x = x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
         if self.position_embeddings is not None:
             if position_ids is None:
                 pos = torch.arange(ids.shape[0], device=ids.device)[:, None]
@@ -137,6 +140,7 @@ class GPTModel(DrawsFromTracker, nn.Module):
             self.embedding = LanguageModelEmbedding(m, state.tp, sequence_parallel=sp, **kw)
         self.rotary = mla_rotary(m) if m.multi_latent_attention else \
             RotaryEmbedding.from_config(m)
+        self.rotary_local = local_rotary(m)         # Gemma 3: the windowed layers' base
         groups = ModelCommGroups.from_parallel_state(state)
         self.decoder = TransformerBlock(m, groups, spec, layer_numbers=self.layer_numbers,
                                         sequence_parallel=sp, post_layer_norm=post_process,
@@ -235,6 +239,9 @@ class GPTModel(DrawsFromTracker, nn.Module):
         if self.rotary is not None:
             seq = hidden.shape[0] * (self.tp_group.size if self.sequence_parallel else 1)
             rotary = self.rotary(seq, position_ids, device=hidden.device)
+            if self.rotary_local is not None:
+                rotary = LayerRotaries(rotary, self.rotary_local(seq, position_ids,
+                                                                 device=hidden.device))
         hidden = self.decoder(hidden, rotary, document_ids)
         if not self.post_process:
             return hidden
@@ -263,7 +270,8 @@ class GPTModel(DrawsFromTracker, nn.Module):
                 fused_linear_cross_entropy, labels=labels.t(), group=self.tp_group,
                 vocab_size=self.vocab_size, sequence_parallel=self.sequence_parallel,
                 token_weights=None if loss_mask is None else loss_mask.t(),
-                chunk_tokens=self.model_cfg.cross_entropy_chunk_tokens)
+                chunk_tokens=self.model_cfg.cross_entropy_chunk_tokens,
+                softcap=self.model_cfg.final_logit_softcapping)
             return self.output_layer(hidden, weight=weight, loss_head=head).t()
         logits = self._capped(self.output_layer(hidden, weight=weight))   # [s, b, v/tp]
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group, self.vocab_size,

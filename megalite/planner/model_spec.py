@@ -273,6 +273,7 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
     d, bias = m.resolved_kv_channels(), m.add_bias_linear
     qkv_rows = (a + 2 * g) * d
     n = _norm(m, h) * 2                                  # input norm + pre-MLP norm
+    n += _norm(m, h) * 2 if m.norm_placement == "sandwich" else 0   # Gemma's post norms
     if m.multi_latent_attention:
         n += mla_attention_params(m, tp)
     else:

@@ -43,10 +43,18 @@ def auto_chunk_tokens(v_local: int) -> int:
     return max(16, min(4096, rows))
 
 
-def _chunk(x, weight, target, row_w, group: Group, valid: int, start: int, want_grads: bool):
+def _chunk(x, weight, target, row_w, group: Group, valid: int, start: int, want_grads: bool,
+           softcap: Optional[float] = None):
     """Loss of one chunk of tokens and, if ``want_grads``, its dX and dW with per-token
-    weights ``row_w``.  Returns (loss [n] fp32, dX [n, h] or None, dW [v_l, h] or None)."""
+    weights ``row_w``.  Returns (loss [n] fp32, dX [n, h] or None, dW [v_l, h] or None).
+    ``softcap`` c: the loss of c * tanh(logits / c) (the unfused path's operations), whose
+    derivative 1 - tanh^2 multiplies the logits' gradient."""
     logits = F.linear(x, weight).float()                        # [n, v_l]; fresh buffer
+    slope = None
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap)
+        slope = 1 - logits.square() if want_grads else None
+        logits.mul_(softcap)
     n = logits.shape[0]
     t_local = target - start
     mine = (t_local >= 0) & (t_local < valid)
@@ -81,11 +89,14 @@ def _chunk(x, weight, target, row_w, group: Group, valid: int, start: int, want_
         grad[rows, t_idx] -= mine.to(grad.dtype) * row_w
     if valid < grad.shape[1]:
         grad[:, valid:] = 0.0
+    if slope is not None:
+        grad.mul_(slope)
     g = grad.to(weight.dtype)
     return loss, g.matmul(weight), g.t().matmul(x)
 
 
-def _all_chunks(x, weight, target, row_w, group, vocab_size, chunk_tokens, want_grads):
+def _all_chunks(x, weight, target, row_w, group, vocab_size, chunk_tokens, want_grads,
+                softcap=None):
     """Run every chunk; dW is accumulated in fp32 (one rounding to the weight's dtype)."""
     v_local = weight.shape[0]
     start = group.rank * v_local
@@ -99,7 +110,7 @@ def _all_chunks(x, weight, target, row_w, group, vocab_size, chunk_tokens, want_
         b = min(n, a + chunk_tokens)
         w = row_w[a:b] if row_w is not None else None
         loss[a:b], gx, gw = _chunk(x[a:b], weight, target[a:b], w, group, valid, start,
-                                   want_grads)
+                                   want_grads, softcap)
         if want_grads:
             grad_x[a:b] = gx
             grad_w += gw
@@ -109,15 +120,17 @@ def _all_chunks(x, weight, target, row_w, group, vocab_size, chunk_tokens, want_
 class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, weight, target, token_weights, group, vocab_size, chunk_tokens):
+    def forward(ctx, x, weight, target, token_weights, group, vocab_size, chunk_tokens,
+                softcap=None):
         want = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         w = token_weights.to(torch.float32) if token_weights is not None else \
             x.new_ones((x.shape[0],), dtype=torch.float32)
         loss, grad_x, grad_w = _all_chunks(x, weight, target, w, group, vocab_size,
-                                           chunk_tokens, want)
+                                           chunk_tokens, want, softcap)
         ctx.save_for_backward(x, weight, target)
         ctx.token_weights, ctx.grad_x, ctx.grad_w = w, grad_x, grad_w
         ctx.group, ctx.vocab_size, ctx.chunk_tokens = group, vocab_size, chunk_tokens
+        ctx.softcap = softcap
         return loss
 
     @staticmethod
@@ -130,9 +143,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_w = (ctx.grad_w * c).to(weight.dtype) if ctx.needs_input_grad[1] else None
         else:       # the exact path: recompute every chunk with the true per-token grads
             _, grad_x, grad_w = _all_chunks(x, weight, target, g, ctx.group, ctx.vocab_size,
-                                            ctx.chunk_tokens, True)
+                                            ctx.chunk_tokens, True, ctx.softcap)
             grad_w = grad_w.to(weight.dtype)
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def proportional_scale(grad: torch.Tensor, weights: torch.Tensor) -> Optional[float]:
@@ -151,7 +164,8 @@ def proportional_scale(grad: torch.Tensor, weights: torch.Tensor) -> Optional[fl
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                group: Group, vocab_size: int, *, sequence_parallel: bool = False,
                                token_weights: Optional[torch.Tensor] = None,
-                               chunk_tokens: int = 0) -> torch.Tensor:
+                               chunk_tokens: int = 0,
+                               softcap: Optional[float] = None) -> torch.Tensor:
     """Per-token fp32 loss [s, b] of ``hidden`` [s(/tp), b, h] through the column-parallel
     output ``weight`` [v/tp, h] against ``labels`` [s, b], without holding the logits.
 
@@ -159,7 +173,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     states entering the output layer (all-gathered along the sequence under
     ``sequence_parallel``).  ``token_weights`` [s, b]: how the caller will weight each
     token's loss (its loss mask), up to a scalar; None means equally.  ``chunk_tokens``:
-    rows per chunk, 0 for ``auto_chunk_tokens``.
+    rows per chunk, 0 for ``auto_chunk_tokens``.  ``softcap``: the loss of the soft-capped
+    logits (``--final-logit-softcapping``, Gemma 2), elementwise, so each vocabulary shard
+    caps its own chunk.
     """
     if sequence_parallel and group.size > 1:
         x = gather_from_sp_region(hidden, group)        # backward: reduce-scatter dX
@@ -169,5 +185,5 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     chunk = chunk_tokens or auto_chunk_tokens(weight.shape[0])
     tw = token_weights.reshape(-1) if token_weights is not None else None
     loss = _FusedLinearCrossEntropy.apply(x.reshape(s * b, h), weight, labels.reshape(-1), tw,
-                                          group, vocab_size, chunk)
+                                          group, vocab_size, chunk, softcap)
     return loss.view(s, b)

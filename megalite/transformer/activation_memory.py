@@ -71,6 +71,10 @@ def layer_terms(m, s: int, b: int, t: int = 1, sp: bool = False, sdpa: str = "fl
             T[f"{name}: x, x*rsqrt, rsqrt"] = 2 * sn * b * h + sn * b
         else:       # native layer_norm: x, mean, rstd
             T[f"{name}: x, mean, rstd"] = sn * b * h + 2 * sn * b
+    if m.norm_placement == "sandwich":  # Gemma: norms on the two sublayer outputs, whose
+        for name in ("post-attention norm", "post-MLP norm"):   # input is a fresh buffer
+            T[f"{name}: x, x*rsqrt, rsqrt" if rms else f"{name}: x, mean, rstd"] = \
+                (2 * sn * b * h + sn * b) if rms else (sn * b * h + 2 * sn * b)
     T["qkv linear input = input-norm output (sequence shard with SP)"] = sn * b * h
     T["qkv linear output (v is a view of it)"] = s * b * (a + 2 * g) * d // t
     qk_norm = m.qk_layernorm

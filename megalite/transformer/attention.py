@@ -180,9 +180,12 @@ class SelfAttention(nn.Module):
             self.q_layernorm, self.k_layernorm = (
                 build_module(slot, m, self.head_dim, tp > 1, device=device, dtype=dtype)
                 for slot in (submodules.q_layernorm, submodules.k_layernorm))
+        # --softmax-scale (Gemma's query_pre_attn_scalar ** -0.5): every core attention
+        # takes it, as Multi-Latent Attention's does
+        scale = {} if m.softmax_scale is None else {"softmax_scale": m.softmax_scale}
         self.core_attention = build_module(submodules.core_attention, m, comm_groups,
                                            layer_number=layer_number,
-                                           attn_mask_type=attn_mask_type)
+                                           attn_mask_type=attn_mask_type, **scale)
         self.qkv_format = getattr(self.core_attention, "qkv_format", None)
         if self.qkv_format not in QKV_FORMATS:
             raise ValueError(f"core attention {type(self.core_attention).__name__} must declare "

@@ -1,5 +1,6 @@
 """One transformer layer: x + attn(norm(x)), then x + mlp(norm(x)) (pre-norm); with
-``--norm-placement post`` x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2).
+``--norm-placement post`` x + norm(attn(x)), then x + norm(mlp(x)) (OLMo 2); with
+``sandwich`` x + norm(attn(norm(x))), then x + norm(mlp(norm(x))) (Gemma 2/3).
 
 Built from ``TransformerLayerSubmodules`` (``transformer/spec.py``): every slot is a spec
 choice, and the MLP slot is picked per layer (dense or MoE, ``ModelConfig.is_moe_layer``).
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.comm.flight_recorder import module_site
+from megalite.transformer.norms import build_norm
+from megalite.transformer.rotary import LayerRotaries
 from megalite.transformer.spec import build_module
 
 
@@ -31,6 +34,7 @@ class TransformerLayer(nn.Module):
                        module_site(f"layer {layer_number}", "mlp"))
         self.hidden_dropout = model_cfg.hidden_dropout
         self.rotates = model_cfg.layer_uses_rotary(layer_number)   # --no-rope-freq: NoPE layers
+        self.local_rotary = model_cfg.layer_uses_local_rotary(layer_number)   # Gemma 3
         # --norm-placement post (OLMo 2): the two norm slots normalize the attention and MLP
         # outputs instead of their inputs (same modules and names, so checkpoints keep them)
         self.post_norm = model_cfg.norm_placement == "post"
@@ -43,6 +47,12 @@ class TransformerLayer(nn.Module):
         self.mlp = build_module(submodules.mlp_for_layer(model_cfg, layer_number), model_cfg,
                                 comm_groups, sequence_parallel=sp, layer_number=layer_number,
                                 **kw)
+        # --norm-placement sandwich (Gemma 2/3): the pre-norms above, and a norm on each
+        # sublayer's output before the residual add (the block's norm builder)
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if model_cfg.norm_placement == "sandwich":
+            self.post_self_attn_layernorm, self.post_mlp_layernorm = (
+                build_norm(model_cfg, h, sp, **kw) for _ in range(2))
 
     def _dropout(self, x):
         if self.training and self.hidden_dropout > 0:
@@ -55,14 +65,19 @@ class TransformerLayer(nn.Module):
         attention, mlp = self._sites
         docs = {} if document_ids is None else {"document_ids": document_ids}
         rotary = rotary if self.rotates else None
+        if isinstance(rotary, LayerRotaries):        # Gemma 3: windowed layers' own base
+            rotary = rotary.local if self.local_rotary else rotary.full
         if self.post_norm:
             with attention:
                 hidden = hidden + self._dropout(self.input_layernorm(self.self_attention(
                     hidden, rotary, **docs)))
             with mlp:
                 return hidden + self._dropout(self.pre_mlp_layernorm(self.mlp(hidden)))
+        sandwich = self.post_self_attn_layernorm is not None
         with attention:
-            hidden = hidden + self._dropout(self.self_attention(self.input_layernorm(hidden),
-                                                                rotary, **docs))
+            out = self.self_attention(self.input_layernorm(hidden), rotary, **docs)
+            hidden = hidden + self._dropout(self.post_self_attn_layernorm(out) if sandwich
+                                            else out)
         with mlp:
-            return hidden + self._dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+            out = self.mlp(self.pre_mlp_layernorm(hidden))
+            return hidden + self._dropout(self.post_mlp_layernorm(out) if sandwich else out)

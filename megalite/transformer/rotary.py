@@ -137,6 +137,8 @@ def rotary_frequencies(model_cfg, dim: Optional[int] = None, kind: Optional[str]
                                    m.rope_scaling_low_freq_factor,
                                    m.rope_scaling_high_freq_factor,
                                    m.rope_scaling_original_max_position_embeddings)
+    if m.rotary_seq_len_interpolation_factor:   # linear scaling (transformers' operation)
+        inv_freq = inv_freq / m.rotary_seq_len_interpolation_factor
     return inv_freq, 1.0
 
 
@@ -232,3 +234,20 @@ class _ApplyRotary(torch.autograd.Function):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` [..., s, d] by cos/sin broadcastable to it; output is contiguous."""
     return _ApplyRotary.apply(x, cos, sin)
+
+
+class LayerRotaries:
+    """The cos/sin of a model whose windowed layers rotate with their own base (Gemma 3's
+    ``--rotary-base-local``): ``full`` for the full-attention layers, ``local`` for the
+    windowed ones; each layer takes its own (``transformer/layer.py``).  Not a tuple, so
+    it never unpacks as one (cos, sin) pair by mistake."""
+
+    def __init__(self, full, local):
+        self.full, self.local = full, local
+
+
+def local_rotary(model_cfg) -> Optional[RotaryEmbedding]:
+    """``--rotary-base-local``'s plain RoPE (no scaling), None when not given."""
+    if model_cfg.rotary_base_local is None or not model_cfg.uses_rotary():
+        return None
+    return RotaryEmbedding(model_cfg.resolved_kv_channels(), model_cfg.rotary_base_local)

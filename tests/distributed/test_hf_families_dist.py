@@ -1,6 +1,8 @@
 """The Hugging Face families whose layers differ from Llama's -- Phi-3 (fused qkv and
 gate/up weights), SmolLM3 (NoPE layers), OLMo 2 (post-norm, q/k norm over the whole
-projection, whose mean square spans the TP shards) -- through ``convert.py`` both ways and
+projection, whose mean square spans the TP shards), Gemma 2 and Gemma 3 (sandwich (1 + w)
+norms, soft-caps, windows shorter than the sequence, two RoPE bases) -- through
+``convert.py`` both ways and
 evaluated at TP2 and PP2 on gloo ranks, all in one launch: the loss equals transformers' on
 the same tokens (rel <= 1e-5), and the exported folder gives transformers' logits; the
 three switches trained together at TP2 and PP2 give the single process's losses (step 1
@@ -23,7 +25,7 @@ from hf_families import FAMILIES, SEQ, VOCAB, hf_loss, rel, save_hf_model  # noq
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = [sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py")]
-NEW = ("phi3", "smollm3", "olmo2")
+NEW = ("phi3", "smollm3", "olmo2", "gemma2", "gemma3")
 WINDOWS = 4
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
@@ -42,17 +44,57 @@ TRAIN = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--global-batch-size", "4", "--micro-batch-size", "2"]
 
 
+# Gemma 2/3's pieces trained from scratch -- (1 + w) sandwich norms and q/k norms, scaled
+# embedding, GeGLU, own softmax scale, a window on every other layer with its own RoPE base,
+# linear RoPE on the others, final soft-cap -- at TP2 with SP and the fused loss (the cap on
+# vocabulary shards, chunk by chunk),
+# CP2 ring and all-to-all, PP2 x VPP2 with full recompute and FSDP2 give the single process's
+# losses
+GEMMA_TRAIN = ["--num-layers", "4"] + [
+    f for f in TRAIN[2:TRAIN.index("--norm-placement")] if f != "--swiglu"] + [
+    "--eval-iters", "0", "--global-batch-size", "4", "--micro-batch-size", "2",
+    "--init-method-std", "0.05", "--activation", "geglu", "--apply-layernorm-1p",
+    "--norm-placement", "sandwich",
+    "--qk-layernorm", "--scale-embeddings", "--softmax-scale", "0.3", "--window-size", "3,0",
+    "--window-attn-skip-freq", "2", "--rotary-base-local", "100",
+    "--rotary-seq-len-interpolation-factor", "4", "--final-logit-softcapping", "2"]
+GEMMA_LAYOUTS = {
+    "tp2-sp-fused-loss": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                          "--cross-entropy-loss-fusion", "--cross-entropy-chunk-tokens", "5"],
+    "cp2-ring": ["--context-parallel-size", "2"],
+    "cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+    "pp2-vpp2-recompute": ["--pipeline-model-parallel-size", "2",
+                           "--num-layers-per-virtual-pipeline-stage", "1",
+                           "--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"],
+    "fsdp2": ["--use-torch-fsdp2"]}
+
+
+# Gemma 2 (both soft-caps) under all-to-all CP, Gemma 3 (two RoPE bases) under ring CP, with
+# sequences longer than their windows: transformers' loss too
+EXTRA_LAYOUTS = {"gemma2": {"cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]},
+                 "gemma3": {"cp2-ring": ["--context-parallel-size", "2"]}}
+
+
+def family_layouts(family: str) -> dict:
+    """The layouts a family's converted checkpoint is evaluated at."""
+    return {**LAYOUTS, **EXTRA_LAYOUTS.get(family, {})}
+
+
 def _evals(ckpts, data):
     """Each family's valid loss at each layout, and the training losses of TRAIN (the last
     rank holds them)."""
     out = {}
     if torch_dist.get_rank() == 0:      # the single-process reference, on rank 0 alone
         out["train", "ref"] = train_steps(build_cpu_trainer(TRAIN, 1), STEPS)
+        out["gemma", "ref"] = train_steps(build_cpu_trainer(GEMMA_TRAIN, 1), STEPS)
     torch_dist.barrier()
+    for name, flags in GEMMA_LAYOUTS.items():
+        out["gemma", name] = train_steps(build_cpu_trainer(GEMMA_TRAIN + flags, 2), STEPS)
     for name, flags in LAYOUTS.items():
         out["train", name] = train_steps(build_cpu_trainer(TRAIN + flags, 2), STEPS)
     for family, ckpt in ckpts.items():
-        for name, flags in LAYOUTS.items():
+        for name, flags in family_layouts(family).items():
             trainer = build_cpu_trainer(
                 ["--load", ckpt, "--use-checkpoint-args", "--skip-train", "--data-path", data,
                  "--split", "0,100,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
@@ -94,9 +136,17 @@ def test_new_families_convert_both_ways_and_give_transformers_loss_at_tp2_pp2(tm
         print(f"post-norm + projection q/k norm + NoPE {name}: step 1 rel {step1:.1e}, "
               f"{STEPS} steps max rel {worst:.1e}")
         assert step1 <= 1e-5 and worst <= 1e-4, (name, losses["train", name], ref)
+    gemma = results[0]["gemma", "ref"]
+    assert len(set(gemma)) == STEPS
+    for name in GEMMA_LAYOUTS:
+        step1 = abs(losses["gemma", name][0] - gemma[0]) / gemma[0]
+        worst = max(abs(a - b) / b for a, b in zip(losses["gemma", name], gemma))
+        print(f"Gemma's pieces {name}: step 1 rel {step1:.1e}, {STEPS} steps max rel "
+              f"{worst:.1e}")
+        assert step1 <= 1e-5 and worst <= 1e-4, (name, losses["gemma", name], gemma)
     for family, ref in refs.items():
         expected = hf_loss(ref, windows)
-        for name in LAYOUTS:
+        for name in family_layouts(family):
             loss = losses[family, name]
             print(f"{family} {name}: loss {loss:.7f}, transformers {expected:.7f}, rel "
                   f"{abs(loss - expected) / expected:.1e}")

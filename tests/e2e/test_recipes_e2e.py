@@ -84,3 +84,27 @@ def test_deepseek_v3_twin_trains_with_its_extra_losses_logged(tmp_path):
         assert r["mtp_1_loss"] > 0 and r["moe_aux_loss"] > 0 and r["moe_z_loss"] > 0
         # the MTP module's MoE layer (global number 3 of 3 decoder layers) reports too
         assert "moe_layer_3_tokens_per_expert" in r
+
+
+def test_gemma3_twin_with_run_local_matches_one_process(tmp_path):
+    """Gemma 3's pieces (GeGLU, (1 + w) sandwich and q/k norms, scaled embedding, softmax
+    scale, a window shorter than the sequence with its own RoPE base, linear RoPE, the fused
+    loss) at TP2 x PP2 on 4 CPU processes, as a user launches the twin: one process's losses."""
+    import yaml
+
+    twin_path = "launch/recipes/twins/gemma-3-27b.yaml"
+    env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
+    out = _run(["bash", "launch/run_local.sh", twin_path, "--train-iters", "3",
+                "--metrics-file", str(tmp_path / "twin.jsonl")], env=env)
+    assert "[run_local] 4 process(es)" in out
+    one = yaml.safe_load(open(os.path.join(ROOT, twin_path)))
+    one.pop("parallel")
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    _run([sys.executable, "pretrain_gpt.py", "--config", str(tmp_path / "one.yaml"),
+          "--train-iters", "3", "--world-size", "1",
+          "--metrics-file", str(tmp_path / "one.jsonl")])
+    twin, ref = _losses(tmp_path / "twin.jsonl"), _losses(tmp_path / "one.jsonl")
+    assert len(twin) == len(ref) == 3 and len(set(ref)) == 3
+    assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (twin, ref)
+    for a, b in zip(twin, ref):
+        assert abs(a - b) <= 1e-4 * abs(b), (twin, ref)

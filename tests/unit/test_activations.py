@@ -16,6 +16,8 @@ CLOSED_FORM = {
     "gelu": lambda y: 0.5 * y * (1 + torch.erf(y / math.sqrt(2))),
     "swiglu": lambda y: (lambda g, u: g / (1 + torch.exp(-g)) * u)(*y.chunk(2, dim=-1)),
     "squared-relu": lambda y: torch.where(y > 0, y * y, torch.zeros_like(y)),
+    "geglu": lambda y: (lambda g, u: 0.5 * g * (1 + torch.tanh(
+        math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u)(*y.chunk(2, dim=-1)),
 }
 
 

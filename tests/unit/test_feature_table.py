@@ -194,9 +194,6 @@ RULE_CASES = {
         [[{"model": dict(_TE)}], ["--attn-logit-softcapping", "30"]]),
     "cp-p2p refuses --attn-logit-softcapping": (
         [["--cp", "2", "--attn-logit-softcapping", "30"]], [["--cp", "2"]]),
-    "cp-a2a refuses --attn-logit-softcapping": (
-        [["--cp", "2", "--cp-comm-type", "a2a", "--attn-logit-softcapping", "30"]],
-        [["--cp", "2", "--cp-comm-type", "a2a"]]),
     # the flags declared beside their fields to need another (requires=)
     "--use-rope-scaling needs --position-embedding-type rope": (
         [["--use-rope-scaling", "--position-embedding-type", "learned_absolute"]],
@@ -255,9 +252,6 @@ RULE_CASES = {
     "--qk-clip excludes --reset-attention-mask and --window-size": (
         [[*_DOCS, "--qk-clip"], ["--window-size", "4,0", "--qk-clip"]],
         [[*_DOCS], ["--qk-clip"]]),
-    "fused-loss refuses --final-logit-softcapping": (
-        [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
-        [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
     "schedule matches virtual stages": (
         [["--pp", "2", "--pipeline-schedule", "interleaved"],
          ["--pp", "2", "--pipeline-schedule", "1f1b",
@@ -308,6 +302,14 @@ RULE_CASES = {
     "per-split data excludes --data-path and --mock-data": (
         [["--train-data-path", "train"]], [[]]),      # train.bin/.idx: made in the test
     "--mock-data excludes --sample-windows random": ([["--sample-windows", "random"]], [[]]),
+    # Gemma 3's RoPE flags
+    "--rotary-base-local needs --window-size": (
+        [["--position-embedding-type", "rope", "--rotary-base-local", "10000"]],
+        [["--position-embedding-type", "rope", "--window-size", "3,0",
+          "--rotary-base-local", "10000"]]),
+    "--rotary-seq-len-interpolation-factor needs --position-embedding-type rope": (
+        [["--rotary-seq-len-interpolation-factor", "8"]],
+        [["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "8"]]),
 }
 
 
@@ -429,6 +431,7 @@ USER_ERROR_PLACES = {
     "megalite/commands/validate_run.py": "the plan-validation command's own flags",
     "megalite/config/pipeline_layout.py": "the --pipeline-model-parallel-layout string (its "
                                           "one reader, for the runtime split and the planner)",
+    "megalite/checkpointing/hf_adapters/gemma.py": "a Hugging Face checkpoint's contents",
 }
 
 

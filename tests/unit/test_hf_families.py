@@ -42,10 +42,21 @@ EXPECT = {   # what each family's import must set
     "qwen3_moe": dict(qk_layernorm=True, kv_channels=16, num_experts=4, moe_layer_freq=[0, 1],
                       moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
                       moe_shared_expert_gate=False),
+    # Gemma 2/3
+    "gemma2": dict(activation="geglu", swiglu=False, apply_layernorm_1p=True,
+                   norm_placement="sandwich", scale_embeddings=True,
+                   softmax_scale=12 ** -0.5, window_size=(3, 0), window_attn_skip_freq=[1, 0],
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                   untie_embeddings_and_output_weights=False, qk_layernorm=False),
+    "gemma3": dict(activation="geglu", norm_placement="sandwich", qk_layernorm=True,
+                   window_size=(3, 0), window_attn_skip_freq=[1, 0], rotary_base=1000000,
+                   rotary_base_local=10000, rotary_seq_len_interpolation_factor=8.0,
+                   attn_logit_softcapping=None, final_logit_softcapping=None),
 }
 EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
               "phi3": "llama", "smollm3": "smollm3", "olmo2": "olmo2",
-              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+              "gemma2": "gemma2", "gemma3": "gemma3"}
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
@@ -129,6 +140,19 @@ REFUSALS = [
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
                                        short_factor=[1.0] * 4, long_factor=[2.0] * 4)),
      "rope_type 'longrope' is not supported"),
+    # Gemma 2/3
+    ("gemma2", dict(hidden_activation="gelu"), "hidden_activation 'gelu' is not supported"),
+    ("gemma2", dict(attention_bias=True), "attention_bias: true is not supported for Gemma2"),
+    ("gemma3", dict(use_bidirectional_attention=True),
+     "use_bidirectional_attention: true is not supported"),
+    ("gemma3", dict(rope_parameters={
+        "sliding_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e4),
+        "full_attention": dict(rope_type="default", rope_theta=1e6)}),
+     "rope_parameters.sliding_attention.rope_type 'linear' is not supported"),
+    ("gemma3", dict(rope_parameters={
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+        "full_attention": dict(rope_type="dynamic", factor=2.0, rope_theta=1e6)}),
+     "rope_parameters.rope_type 'dynamic' is not supported"),
 ]
 
 

@@ -29,6 +29,11 @@ ARCHS = {
                   ffn_hidden_size=96, group_query_attention=True, num_query_groups=2),
     # q/k LayerNorm without RoPE: attention keeps the normalized q, k themselves
     "qknorm-ln-mha": dict(qk_layernorm=True, kv_channels=32),
+    # Gemma: (1 + w) RMSNorms before and after attention and MLP (not recomputed by
+    # 'layernorm', which wraps the two pre-norms)
+    "sandwich": dict(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                     add_bias_linear=False, ffn_hidden_size=96, norm_placement="sandwich",
+                     apply_layernorm_1p=True),
     # every other MLP activation of the registry on the GPT-2 layer (its `saved` terms)
     **{f"mlp-{name}": dict(activation=name) for name in ACTIVATIONS if name != DEFAULT.name},
 }

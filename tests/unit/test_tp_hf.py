@@ -95,9 +95,17 @@ def test_config_mapping_and_unsupported_models():
                        "num_hidden_layers, hidden_size"):
         hf.hf_config_to_model_config({"model_type": "mistral",
                                       "architectures": ["MistralForCausalLM"]})
-    with pytest.raises(hf.UnsupportedModelError, match="rope_type 'linear' is not supported"):
+    with pytest.raises(hf.UnsupportedModelError, match="rope_type 'dynamic' is not supported"):
+        hf.hf_config_to_model_config({**back, "rope_parameters": {"rope_type": "dynamic",
+                                                                   "rope_theta": 1.0}})
+    with pytest.raises(hf.UnsupportedModelError, match=r"rope_parameters \(linear\) lacks "
+                       "factor"):
         hf.hf_config_to_model_config({**back, "rope_parameters": {"rope_type": "linear",
                                                                    "rope_theta": 1.0}})
+    linear = hf.hf_config_to_model_config({**back, "rope_parameters": {
+        "rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}})
+    assert linear["rotary_seq_len_interpolation_factor"] == 4.0
+    assert hf.model_config_to_hf_config(linear)["rope_parameters"]["rope_type"] == "linear"
     gpt2 = dict(cfg, normalization="LayerNorm", swiglu=False)
     with pytest.raises(hf.UnsupportedModelError, match="RMSNorm"):
         hf.model_config_to_hf_config(gpt2)

@@ -43,6 +43,16 @@ REQUIRED_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size",
                  "num_attention_heads", "vocab_size")
 
 
+# Gemma's scalings: a family that cannot write one refuses a model that sets it
+GEMMA_FLAGS = ("--scale-embeddings", "--softmax-scale", "--attn-logit-softcapping",
+               "--final-logit-softcapping", "--rotary-base-local")
+
+
+def _set(mc, flag: str) -> bool:
+    value = getattr(mc, flag[2:].replace("-", "_"))
+    return value is not None and value is not False
+
+
 def take(sd: dict, key: str) -> torch.Tensor:
     """``sd[key]``, or a one-line error naming the missing tensor."""
     if key not in sd:
@@ -78,6 +88,10 @@ class LlamaAdapter(HFAdapter):
     qk_layernorm_scope = "head"
     # the HF names of megalite's two layer norms (input_layernorm, pre_mlp_layernorm)
     layer_norm_names = ("input_layernorm", "post_attention_layernorm")
+    activation = "swiglu"    # the family's MLP activation (config/activations.py)
+    writes: Tuple[str, ...] = ()   # which of GEMMA_FLAGS the family's config can say
+    # what HF stores for a norm of scale s: s - hf_norm_offset (Gemma: 1, it applies 1 + w)
+    hf_norm_offset = 0.0
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -125,7 +139,9 @@ class LlamaAdapter(HFAdapter):
         mc = ModelConfig(**m)
         return [msg for bad, msg in (
             (mc.normalization != "RMSNorm", "--normalization RMSNorm"),
-            (activation_of(mc).name != "swiglu", "--swiglu"), (mc.add_bias_linear, "--disable-bias-linear"),
+            (activation_of(mc).name != self.activation, "--swiglu" if self.activation ==
+             "swiglu" else f"--activation {self.activation}"),
+            (mc.add_bias_linear, "--disable-bias-linear"),
             (bool(mc.num_experts), "no --num-experts"),
             (mc.multi_latent_attention, "no --multi-latent-attention"),
             (bool(mc.mtp_num_layers), "no --mtp-num-layers"),
@@ -134,6 +150,8 @@ class LlamaAdapter(HFAdapter):
              f"--norm-placement {self.norm_placement}"),
             (mc.qk_layernorm and mc.qk_layernorm_scope != self.qk_layernorm_scope,
              f"--qk-layernorm-scope {self.qk_layernorm_scope}")) if bad] + \
+            [f"no {flag}" for flag in GEMMA_FLAGS
+             if flag not in self.writes and _set(mc, flag)] + \
             rope_export_problems(mc) + self.window_export_problems(mc) + \
             self.family_export_problems(mc)
 
@@ -181,7 +199,7 @@ class LlamaAdapter(HFAdapter):
     def from_hf(self, hf_sd: Dict[str, torch.Tensor], m: dict) -> Dict[str, torch.Tensor]:
         layers = attention_shape(m)[3]
         get = lambda k: take(hf_sd, k).float()  # noqa: E731
-        shift = 1.0 if m.get("apply_layernorm_1p") else 0.0    # into a zero-centred model
+        shift = self.norm_shift(m)
         norm = lambda k: get(k) - shift  # noqa: E731
         out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight"),
                "decoder.final_layernorm.weight": norm("model.norm.weight")}
@@ -195,6 +213,11 @@ class LlamaAdapter(HFAdapter):
         if m["untie_embeddings_and_output_weights"]:
             out["output_layer.weight"] = get("lm_head.weight")
         return out
+
+    def norm_shift(self, m: dict) -> float:
+        """HF's norm weight minus megalite's: --apply-layernorm-1p stores scale - 1, HF
+        stores scale - ``hf_norm_offset``."""
+        return (1.0 if m.get("apply_layernorm_1p") else 0.0) - self.hf_norm_offset
 
     def attention_from_hf(self, get, norm, hf: str, mg: str, m: dict
                           ) -> Dict[str, torch.Tensor]:
@@ -264,9 +287,9 @@ class LlamaAdapter(HFAdapter):
         def put(t):  # a fresh tensor each: safetensors refuses tensors that share storage
             return t.to(dtype).clone(memory_format=torch.contiguous_format)
 
-        def norm(key):   # --apply-layernorm-1p stores w - 1; HF stores the scale itself
+        def norm(key):
             w = take(sd, key)
-            return put(w.float() + 1 if m.get("apply_layernorm_1p") else w)
+            return put(w.float() + self.norm_shift(m) if self.norm_shift(m) else w)
 
         get = lambda k: take(sd, k)  # noqa: E731
         out = {"model.embed_tokens.weight": put(get("embedding.word_embeddings.weight")),

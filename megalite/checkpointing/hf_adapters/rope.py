@@ -4,6 +4,7 @@ Shared by every family: ``transformers`` picks the rotary function by ``rope_typ
 any architecture, so a Qwen2 or Mistral config may carry Llama 3's or YaRN's scaling too.
 
     default  -> --position-embedding-type rope --rotary-base THETA
+    linear   -> ... --rotary-seq-len-interpolation-factor F
     llama3   -> ... --use-rope-scaling --rope-scaling-factor F
                 --rope-scaling-{low,high}-freq-factor --rope-scaling-original-max-position-embeddings
     yarn     -> --position-embedding-type yarn --rotary-scaling-factor F
@@ -11,7 +12,7 @@ any architecture, so a Qwen2 or Mistral config may carry Llama 3's or YaRN's sca
                 (--no-yarn-correction-range-round-to-int) --mscale --mscale-all-dim
 
 Both sides compute the tables with the same operations (``megalite.transformer.rotary``).
-Anything else (linear, dynamic, longrope, partial rotary, per-layer RoPE) is a one-line
+Anything else (dynamic, longrope, partial rotary, per-layer RoPE) is a one-line
 refusal naming the key.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from megalite.transformer.rotary import (YARN_BETA_FAST, YARN_BETA_SLOW,
                                          YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
                                          yarn_concentration_factor)
 
-ROPE_TYPES = ("default", "llama3", "yarn")
+ROPE_TYPES = ("default", "llama3", "yarn", "linear")
 
 
 def _number(value):
@@ -72,6 +73,10 @@ def rope_fields_from_hf(hf: dict) -> Dict[str, object]:
                    rope_scaling_original_max_position_embeddings=int(original))
     elif kind == "yarn":
         out.update(yarn_fields_from_hf(p, hf, int(original)))
+    elif kind == "linear":           # frequencies / factor (Gemma 3's global layers)
+        if "factor" not in p:
+            raise UnsupportedModelError("rope_parameters (linear) lacks factor")
+        out["rotary_seq_len_interpolation_factor"] = float(p["factor"])
     return out
 
 
@@ -112,6 +117,9 @@ def rope_parameters_to_hf(mc) -> dict:
                    low_freq_factor=mc.rope_scaling_low_freq_factor,
                    high_freq_factor=mc.rope_scaling_high_freq_factor,
                    original_max_position_embeddings=mc.rope_scaling_original_max_position_embeddings)
+    elif mc.position_embedding_type == "rope" and \
+            mc.rotary_seq_len_interpolation_factor:
+        out.update(rope_type="linear", factor=mc.rotary_seq_len_interpolation_factor)
     elif mc.position_embedding_type == "yarn":
         out.update(rope_type="yarn", factor=mc.rotary_scaling_factor,
                    original_max_position_embeddings=(mc.yarn_original_max_position_embeddings or
@@ -129,4 +137,8 @@ def rope_parameters_to_hf(mc) -> dict:
 
 def rope_export_problems(mc) -> list:
     """What a megalite model's rotary embedding lacks to be written to Hugging Face."""
-    return [] if mc.uses_rotary() else ["--position-embedding-type rope or yarn"]
+    if not mc.uses_rotary():
+        return ["--position-embedding-type rope or yarn"]
+    both = mc.use_rope_scaling and mc.rotary_seq_len_interpolation_factor
+    return ["one RoPE scaling (--use-rope-scaling or --rotary-seq-len-interpolation-factor)"] \
+        if both else []
