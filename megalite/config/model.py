@@ -9,7 +9,9 @@ from megalite.config.domain_checks import (moe_layer_freq_problem, no_rope_freq_
                                            window_size_problem, window_skip_freq_problem)
 from megalite.config.fields import opt
 from megalite.config.score_mods import kernel_check
-from megalite.config.activations import ACTIVATIONS, activation_of, choice_problem
+from megalite.config.activations import (ACTIVATIONS, activation_of, choice_problem,
+                                         glu_knob_problem)
+from megalite.config.sinks import sinks_kernel_problem
 from megalite.config.moe_layer_freq import (MoeLayerFreqError, parse_moe_layer_freq,  # noqa: F401
                                            parse_no_rope_freq)
 from megalite.config.window import parse_window_size, parse_window_skip_freq
@@ -270,6 +272,25 @@ class ModelConfig:
         "(head, Qwen3) or each token's whole q and whole k projection, one weight per "
         "channel (projection, OLMo 2; its mean square spans the TP shards).",
         choices=["head", "projection"], requires="qk_layernorm")
+    # gpt-oss: attention sinks, the clamped quick-GeGLU, MoE biases (Megatron's fields)
+    softmax_type: str = opt(
+        "vanilla", "Attention softmax: vanilla, off-by-one (1 added to the denominator) or "
+        "learnable (a learned per-head logit in the denominator: gpt-oss's sinks, "
+        "transformer/attention_sinks.py).", choices=["vanilla", "off-by-one", "learnable"],
+        check=sinks_kernel_problem)
+    quick_geglu: bool = opt(
+        False, "Use quick-GeGLU in the MLP, x*sigmoid(1.702x) gating (gpt-oss): "
+        "--activation quick-geglu.", action="store_true", check=choice_problem)
+    glu_linear_offset: float = opt(
+        0.0, "Gated MLPs: act(gate) * (up + offset) (gpt-oss: 1).", check=glu_knob_problem,
+        free="any real offset")
+    activation_func_clamp_value: Optional[float] = opt(
+        None, "Gated MLPs: clamp gate to <= v and up to [-v, v] before the activation "
+        "(gpt-oss: 7).", gt=0, check=glu_knob_problem)
+    moe_expert_bias: bool = opt(
+        False, "Biases on the router and on each expert's fc1 / fc2 (gpt-oss); Megatron gives "
+        "MoE layers these whenever linear biases are on, megalite only with this switch (its "
+        "MoE checkpoints have none).", action="store_true", requires="num_experts")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:

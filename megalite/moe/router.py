@@ -81,6 +81,12 @@ class TopKRouter(nn.Module):
                                              init=("normal", m.init_method_std),
                                              sequence_parallel=sp), {}, device=device,
                    dtype=dtype)
+        if getattr(m, "moe_expert_bias", False):     # gpt-oss: a trained logit bias
+            make_param(self, "bias", ParamSpec((m.num_experts,), init=("zeros",),
+                                               sequence_parallel=sp), {}, device=device,
+                       dtype=dtype)
+        else:
+            self.bias = None
         bias = torch.zeros(m.num_experts, device=device, dtype=torch.float32) \
             if m.moe_router_enable_expert_bias else None
         self.register_buffer("expert_bias", bias)   # not trained: nudged after each step
@@ -159,7 +165,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, tokens: torch.Tensor, batch: int):
         m = self.cfg
-        logits = F.linear(tokens, self.weight).float()                       # [T, E]
+        logits = F.linear(tokens, self.weight, self.bias).float()            # [T, E]
         lb = m.moe_router_load_balancing_type
         need_aux = lb != "none" and bool(m.moe_aux_loss_coeff)
         probs, idx, aux_scores = self._select(logits, need_aux)

@@ -16,6 +16,9 @@ CLOSED_FORM = {
     "gelu": lambda y: 0.5 * y * (1 + torch.erf(y / math.sqrt(2))),
     "swiglu": lambda y: (lambda g, u: g / (1 + torch.exp(-g)) * u)(*y.chunk(2, dim=-1)),
     "squared-relu": lambda y: torch.where(y > 0, y * y, torch.zeros_like(y)),
+    # gpt-oss (knobs at their defaults: no offset, no clamp)
+    "quick-geglu": lambda y: (lambda g, u: g / (1 + torch.exp(-1.702 * g)) * u)(
+        *y.chunk(2, dim=-1)),
 }
 
 

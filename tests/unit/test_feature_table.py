@@ -228,6 +228,17 @@ RULE_CASES = {
     "--recompute-method needs --recompute-granularity full": (
         [["--recompute-method", "uniform"]],
         [["--recompute-method", "uniform", "--recompute-granularity", "full"]]),
+    # gpt-oss: sinks with TE and CP, expert biases with expert-TP
+    "te refuses --softmax-type with CP": (
+        [["--cp", "2", {"model": dict(_TE, softmax_type="learnable")}]],
+        [[{"model": dict(_TE, softmax_type="learnable")}],
+         ["--cp", "2", "--softmax-type", "learnable"]]),
+    "expert-tp refuses --moe-expert-bias": (
+        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel"]],
+        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel",
+          "--expert-tensor-parallel-size", "1"]]),
+    "--moe-expert-bias needs --num-experts": (
+        [["--moe-expert-bias"]], [["--num-experts", "4", "--moe-expert-bias"]]),
     "--check-collectives needs --dry-run": (
         [["--check-collectives"]], [["--check-collectives", "--dry-run"]]),
     "--loss-plot needs --metrics-file": (
