@@ -131,8 +131,9 @@ def activation_of(model_cfg) -> Activation:
     entry = given[0][1] if given else DEFAULT
     if not entry.knobs:
         return entry
-    kw = {key: getattr(model_cfg, field) for field, key in entry.knobs}
-    return replace(entry, fn=functools.partial(entry.fn, **kw))
+    kw = {key: getattr(model_cfg, field) for field, key in entry.knobs
+          if getattr(model_cfg, field, None) not in (None, 0.0)}    # unset: the fn's default
+    return replace(entry, fn=functools.partial(entry.fn, **kw)) if kw else entry
 
 
 def glu_knob_problem(value, cfg) -> Optional[str]:

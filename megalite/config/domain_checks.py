@@ -183,3 +183,12 @@ def window_skip_freq_problem(value, cfg) -> Optional[str]:
         return f"--window-attn-skip-freq pattern has {len(value)} entries for --num-layers " \
                f"{layers}; give one 0/1 per layer"
     return None
+
+
+@domain_check("yarn")
+def rope_type_problem(value, cfg) -> Optional[str]:
+    """rope or yarn with --multi-latent-attention; rope (common attention's own) without"""
+    if value == "yarn" and not cfg.model.multi_latent_attention:
+        return ("--rope-type yarn is Multi-Latent Attention's rope part: it needs "
+                "--multi-latent-attention (common attention: --position-embedding-type yarn)")
+    return None

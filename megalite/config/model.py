@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megalite.config.domain_checks import (moe_layer_freq_problem, no_rope_freq_problem,
-                                           window_size_problem, window_skip_freq_problem)
+                                           rope_type_problem, window_size_problem,
+                                           window_skip_freq_problem)
 from megalite.config.fields import opt
 from megalite.config.score_mods import kernel_check
 from megalite.config.activations import (ACTIVATIONS, activation_of, choice_problem,
@@ -168,8 +169,9 @@ class ModelConfig:
     v_head_dim: int = opt(128, "MLA: per-head value dimension.", gt=0)
     rope_type: Optional[str] = opt(
         None, "MLA's RoPE: rope or yarn (default yarn, as Megatron's MLA; YaRN with "
-        "--rotary-scaling-factor 1 is plain RoPE).", choices=["rope", "yarn"],
-        requires="multi_latent_attention")
+        "--rotary-scaling-factor 1 is plain RoPE); without MLA only rope, what common "
+        "attention does anyway (Megatron's gpt-oss example passes it).", choices=["rope", "yarn"],
+        check=rope_type_problem)
     # Multi-Token Prediction (DeepSeek-V3; transformer/mtp.py).
     mtp_num_layers: Optional[int] = opt(
         None, "Multi-Token Prediction: this many sequential MTP modules after the model, the "
@@ -291,6 +293,9 @@ class ModelConfig:
         False, "Biases on the router and on each expert's fc1 / fc2 (gpt-oss); Megatron gives "
         "MoE layers these whenever linear biases are on, megalite only with this switch (its "
         "MoE checkpoints have none).", action="store_true", requires="num_experts")
+    moe_router_dtype: Optional[str] = opt(
+        None, "The router's logits matmul in fp32 or fp64 (default: the layer's dtype, the "
+        "logits then in fp32).", choices=["fp32", "fp64"], requires="num_experts")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:

@@ -163,9 +163,17 @@ class TopKRouter(nn.Module):
         kept &= dense > 0
         return kept.gather(1, idx)
 
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, E]; --moe-router-dtype: the matmul itself in that dtype."""
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.cfg.moe_router_dtype)
+        if dtype is None:
+            return F.linear(tokens, self.weight, self.bias).float()
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(tokens.to(dtype), self.weight.to(dtype), bias).float()
+
     def forward(self, tokens: torch.Tensor, batch: int):
         m = self.cfg
-        logits = F.linear(tokens, self.weight, self.bias).float()            # [T, E]
+        logits = self._logits(tokens)                                        # [T, E]
         lb = m.moe_router_load_balancing_type
         need_aux = lb != "none" and bool(m.moe_aux_loss_coeff)
         probs, idx, aux_scores = self._select(logits, need_aux)
