@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config.score_mods import ScoreMod, apply_all
+from megalite.config.sinks import sinks_on
 from megalite.transformer.attention_masks import additive
 from megalite.transformer.attention_sinks import sink_column
 
@@ -116,5 +117,8 @@ def attention_kernel_of(cfg, device: str) -> str:
     backend = cfg.model.attention_backend if local and cfg.parallel.cp == 1 else "flash"
     dtype = torch.bfloat16 if cfg.optimizer.bf16 else \
         torch.float16 if cfg.optimizer.fp16 else torch.float32
+    # sinks: the local and all-to-all attentions run the unfused kernel (ring: its tiles)
+    sinks = local and sinks_on(cfg.model) and (cfg.parallel.cp == 1 or
+                                               cfg.parallel.cp_comm_type == "a2a")
     return core_attention_kernel(backend, device, cfg.model.seq_length, dtype,
-                                 cfg.model.attention_dropout)
+                                 cfg.model.attention_dropout, score_mods=sinks)

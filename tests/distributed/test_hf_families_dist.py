@@ -1,6 +1,7 @@
 """The Hugging Face families whose layers differ from Llama's -- Phi-3 (fused qkv and
 gate/up weights), SmolLM3 (NoPE layers), OLMo 2 (post-norm, q/k norm over the whole
-projection, whose mean square spans the TP shards) -- through ``convert.py`` both ways and
+projection, whose mean square spans the TP shards), gpt-oss (sinks, a window on layer 0,
+biased experts: also EP2) -- through ``convert.py`` both ways and
 evaluated at TP2 and PP2 on gloo ranks, all in one launch: the loss equals transformers' on
 the same tokens (rel <= 1e-5), and the exported folder gives transformers' logits; the
 three switches trained together at TP2 and PP2 give the single process's losses (step 1
@@ -23,10 +24,16 @@ from hf_families import FAMILIES, SEQ, VOCAB, hf_loss, rel, save_hf_model  # noq
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = [sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py")]
-NEW = ("phi3", "smollm3", "olmo2")
+NEW = ("phi3", "smollm3", "olmo2", "gpt_oss")
 WINDOWS = 4
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
+# gpt-oss (sinks split over TP, experts with biases: expert-TP 1, EP2)
+FAMILY_LAYOUTS = {f: LAYOUTS for f in NEW}
+FAMILY_LAYOUTS["gpt_oss"] = {
+    "tp2": LAYOUTS["tp2"] + ["--sequence-parallel", "--expert-tensor-parallel-size", "1"],
+    "pp2": LAYOUTS["pp2"],
+    "ep2": ["--expert-model-parallel-size", "2", "--micro-batch-size", "1"]}
 
 
 # OLMo 2's and SmolLM3's switches trained from scratch: TP2 (the projection norm's
@@ -52,7 +59,7 @@ def _evals(ckpts, data):
     for name, flags in LAYOUTS.items():
         out["train", name] = train_steps(build_cpu_trainer(TRAIN + flags, 2), STEPS)
     for family, ckpt in ckpts.items():
-        for name, flags in LAYOUTS.items():
+        for name, flags in FAMILY_LAYOUTS[family].items():
             trainer = build_cpu_trainer(
                 ["--load", ckpt, "--use-checkpoint-args", "--skip-train", "--data-path", data,
                  "--split", "0,100,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
@@ -81,7 +88,9 @@ def test_new_families_convert_both_ways_and_give_transformers_loss_at_tp2_pp2(tm
     ckpts = {f: str(tmp_path / f"{f}_mg") for f in NEW}
     _run_all([CONVERT + ["--source-format", "hf", "--target-format", "megalite", "--load-dir",
                          str(tmp_path / f"{f}_hf"), "--save-dir", ckpts[f],
-                         "--target-tensor-parallel-size", "2"] for f in NEW])
+                         "--target-tensor-parallel-size", "2",
+                         *(["--target-expert-tensor-parallel-size", "1"] if f == "gpt_oss"
+                           else [])] for f in NEW])
     _run_all([CONVERT + ["--source-format", "megalite", "--target-format", "hf", "--load-dir",
                          ckpts[f], "--save-dir", str(tmp_path / f"{f}_back"),
                          "--hf-architecture", FAMILIES[f][1]] for f in NEW])
@@ -96,7 +105,7 @@ def test_new_families_convert_both_ways_and_give_transformers_loss_at_tp2_pp2(tm
         assert step1 <= 1e-5 and worst <= 1e-4, (name, losses["train", name], ref)
     for family, ref in refs.items():
         expected = hf_loss(ref, windows)
-        for name in LAYOUTS:
+        for name in FAMILY_LAYOUTS[family]:
             loss = losses[family, name]
             print(f"{family} {name}: loss {loss:.7f}, transformers {expected:.7f}, rel "
                   f"{abs(loss - expected) / expected:.1e}")
