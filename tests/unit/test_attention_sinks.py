@@ -104,3 +104,48 @@ def test_sdpa_backends_refuse_sinks_in_one_line(capsys):
     text = (str(exc.value) + capsys.readouterr().err).strip()
     assert "--softmax-type learnable" in text and "unfused" in text, text
     assert parse_args(argv[:-2]).model.softmax_type == "learnable"
+
+
+def test_te_backend_passes_its_own_sinks_and_names_them_as_local(monkeypatch):
+    """With TE layers the sinks are TE's (``softmax_type`` given to its DotProductAttention,
+    its ``softmax_offset`` parameter recorded with megalite's spec): the canonical names,
+    the name-seeded init, the loss and every gradient equal the local layers' (the stand-in
+    TE computes with megalite's kernel; real TE's is in its own tests)."""
+    import dataclasses
+
+    import te_fake
+    from tiny_model import tiny_model_cfg
+
+    from megalite.backends import te_names
+    from megalite.config import MegaliteConfig
+    from megalite.models.gpt import build_chunk, single_rank_state
+
+    te_fake.install(monkeypatch)
+    m = tiny_model_cfg("llama", seq_length=8, vocab_size=70, num_layers=2, num_query_groups=2,
+                       softmax_type="learnable")
+
+    def build(impl):
+        cfg = MegaliteConfig(model=dataclasses.replace(m, transformer_impl=impl))
+        return build_chunk(cfg, single_rank_state(), device="cpu")
+
+    local, te = build("local"), build("transformer_engine")
+    attn = te.decoder.layers["0"].self_attention.core_attention.attention
+    assert attn.kwargs["softmax_type"] == "learnable"
+    name = "decoder.layers.0.self_attention.core_attention.softmax_offset"
+    assert te_names.te_to_local_name(
+        "decoder.layers.0.self_attention.core_attention.attention.softmax_offset") == name
+    assert name in local.param_table.specs and \
+        local.param_table.specs[name] == te.param_table.specs[name]
+    lsd = local.state_dict()
+    te_sd = te_names.to_local_names(te.state_dict())
+    torch.testing.assert_close(te_sd[name], lsd[name], rtol=0, atol=0)   # same init
+    g = torch.Generator().manual_seed(0)
+    ids, labels = (torch.randint(0, 70, (2, 8), generator=g) for _ in range(2))
+    lloss, tloss = local(ids, labels=labels), te(ids, labels=labels)
+    torch.testing.assert_close(tloss, lloss, rtol=1e-6, atol=1e-6)
+    lloss.mean().backward()
+    tloss.mean().backward()
+    grads = {n: p.grad for n, p in local.canonical_named_parameters()}
+    for n, p in te.canonical_named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
+    assert grads[name].abs().sum() > 0
