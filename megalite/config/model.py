@@ -295,7 +295,8 @@ class ModelConfig:
         "MoE checkpoints have none).", action="store_true", requires="num_experts")
     moe_router_dtype: Optional[str] = opt(
         None, "The router's logits matmul in fp32 or fp64 (default: the layer's dtype, the "
-        "logits then in fp32).", choices=["fp32", "fp64"], requires="num_experts")
+        "logits then in fp32).", choices=["fp32", "fp64"], requires="num_experts",
+        checkpoint="runtime")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
