@@ -226,19 +226,6 @@ RULE_CASES = {
     "--recompute-method needs --recompute-granularity full": (
         [["--recompute-method", "uniform"]],
         [["--recompute-method", "uniform", "--recompute-granularity", "full"]]),
-    # gpt-oss: sinks with TE and CP, expert biases with expert-TP
-    "te refuses --softmax-type with CP": (
-        [["--cp", "2", {"model": dict(_TE, softmax_type="learnable")}]],
-        [[{"model": dict(_TE, softmax_type="learnable")}],
-         ["--cp", "2", "--softmax-type", "learnable"]]),
-    "expert-tp refuses --moe-expert-bias": (
-        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel"]],
-        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel",
-          "--expert-tensor-parallel-size", "1"]]),
-    "--moe-expert-bias needs --num-experts": (
-        [["--moe-expert-bias"]], [["--num-experts", "4", "--moe-expert-bias"]]),
-    "--moe-router-dtype needs --num-experts": (
-        [["--moe-router-dtype", "fp32"]], [["--num-experts", "4", "--moe-router-dtype", "fp32"]]),
     "--check-collectives needs --dry-run": (
         [["--check-collectives"]], [["--check-collectives", "--dry-run"]]),
     "--loss-plot needs --metrics-file": (
@@ -319,6 +306,19 @@ RULE_CASES = {
     "per-split data excludes --data-path and --mock-data": (
         [["--train-data-path", "train"]], [[]]),      # train.bin/.idx: made in the test
     "--mock-data excludes --sample-windows random": ([["--sample-windows", "random"]], [[]]),
+    # gpt-oss: sinks with TE and CP, expert biases with expert-TP
+    "te refuses --softmax-type with CP": (
+        [["--cp", "2", {"model": dict(_TE, softmax_type="learnable")}]],
+        [[{"model": dict(_TE, softmax_type="learnable")}],
+         ["--cp", "2", "--softmax-type", "learnable"]]),
+    "expert-tp refuses --moe-expert-bias": (
+        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel"]],
+        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel",
+          "--expert-tensor-parallel-size", "1"]]),
+    "--moe-expert-bias needs --num-experts": (
+        [["--moe-expert-bias"]], [["--num-experts", "4", "--moe-expert-bias"]]),
+    "--moe-router-dtype needs --num-experts": (
+        [["--moe-router-dtype", "fp32"]], [["--num-experts", "4", "--moe-router-dtype", "fp32"]]),
 }
 
 
