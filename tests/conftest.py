@@ -75,6 +75,9 @@ LONG_TESTS = (
     # Gemma 3's recipe twin (the default run keeps Gemma's pieces at TP2, CP2, PP2 x VPP2 and
     # FSDP2 in tests/distributed/test_hf_families_dist.py)
     "tests/e2e/test_recipes_e2e.py::test_gemma3_twin_with_run_local_matches_one_process",
+    # gpt-oss's recipe twin (the default run keeps its layer at TP2+SP, CP2, EP2, PP2 in
+    # tests/distributed/test_attention_sinks_dist.py and its dry run in test_recipes.py)
+    "tests/e2e/test_recipes_e2e.py::test_gpt_oss_twin_with_run_local_matches_one_process",
 )
 
 

@@ -72,19 +72,26 @@ FAMILIES = {
                          "full_attention": dict(rope_type="linear", factor=8.0,
                                                 rope_theta=1e6)})),
 }
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe")
+# gpt-oss: sinks, biases on q/k/v/o, the router and the experts, a 4-token window on layer 0
+# (layer_types), the clamped quick-GeGLU (limit 1.5: the clamp shows), YaRN not truncated
+FAMILIES["gpt_oss"] = ("GptOssConfig", "GptOssForCausalLM", dict(
+    head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+    sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
+    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
+                         beta_slow=1.0, truncate=False, original_max_position_embeddings=16)))
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "gpt_oss")
 
 
 def hf_model(family: str, seed: int = 0):
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
                 p.uniform_(0.5, 1.5)
-            elif n.endswith(".bias"):
+            elif n.endswith(".bias") or n.endswith("_bias") or n.endswith(".sinks"):
                 p.normal_(0, 0.5)
             elif family in MOE_FAMILIES and p.dim() > 1:    # logits far from uniform, so
                 p.normal_(0, 0.5 if n.endswith("mlp.gate.weight") else 0.15)   # routing shows

@@ -132,6 +132,10 @@ class DotProductAttention(_Base):
             self.rng_states_tracker = get_rng_state_tracker()
             self.rng_states_tracker.get_states()
         self.forks = 0
+        # TE's sinks (softmax_type off-by-one / learnable): its softmax_offset [heads / TP]
+        self.softmax_type = extra.get("softmax_type", "vanilla")
+        if self.softmax_type == "learnable":
+            self.softmax_offset = nn.Parameter(torch.zeros(num_attention_heads // tp_size))
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type="p2p"):
@@ -174,6 +178,14 @@ class DotProductAttention(_Base):
         if p > 0 and self.rng_states_tracker is not None:
             ctx = self.rng_states_tracker.fork()
             self.forks += 1
+        if self.softmax_type != "vanilla":   # TE's unfused path with the sink term
+            from megalite.transformer.attention_kernels import unfused_attention
+            sinks = self.softmax_offset if self.softmax_type == "learnable" else \
+                torch.zeros(h, dtype=q.dtype)
+            with ctx:
+                out = unfused_attention(q, k, v, causal=self.causal, dropout_p=p,
+                                        scale=self.kwargs.get("softmax_scale"), sinks=sinks)
+            return out.permute(2, 0, 1, 3).reshape(s, b, h * v.shape[-1])
         with ctx:     # TE's softmax_scale (MLA's) and a v narrower than q/k (kv_channels (k, v))
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,
                                                  enable_gqa=k.shape[1] != h,

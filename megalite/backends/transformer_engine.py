@@ -36,8 +36,9 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megalite.config.sinks import learned_sinks, sinks_on
 from megalite.moe.shared_experts import shared_expert_spec
-from megalite.param_spec import ParamSpec
+from megalite.param_spec import ParamSpec, Split
 from megalite.transformer.attention import SelfAttention
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
@@ -171,6 +172,8 @@ class TECoreAttention(DrawsFromTracker, nn.Module):
         window = model_cfg.layer_window(layer_number)     # --window-size: TE's own window
         if window is not None:
             extra["window_size"] = (window, 0)
+        if sinks_on(model_cfg):     # --softmax-type: TE's own sinks (its softmax_offset)
+            extra["softmax_type"] = model_cfg.softmax_type
         kv_channels = model_cfg.resolved_kv_channels() if k_channels is None else \
             (k_channels, v_channels or k_channels)
         os.environ.update(TE_ATTENTION_ENV.get(getattr(model_cfg, "attention_backend", "auto"),
@@ -185,6 +188,10 @@ class TECoreAttention(DrawsFromTracker, nn.Module):
             tp_size=tp.size, tp_group=tp.handle if tp.size > 1 else None,
             get_rng_state_tracker=self.attached_tracker, layer_number=layer_number + 1,
             **extra)
+        if learned_sinks(model_cfg):   # split over TP with the heads; megalite's init fills it
+            _record(self.attention, {"softmax_offset": ParamSpec(
+                (model_cfg.num_attention_heads,), (Split(0, tp.name),),
+                init=("normal", model_cfg.init_method_std))})
         if cp.size > 1:
             self.attention.set_context_parallel_group(cp.handle, list(cp.ranks),
                                                       cp_stream(), cp_comm_type)

@@ -96,6 +96,10 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
         if meta.get("negation"):     # Megatron's --no-X switch of a boolean field
             groups[section].add_argument(meta["negation"], dest=f.name, action="store_false",
                                          help=f"Turn {flags[0]} off.")
+        if meta.get("shorthand"):    # Megatron's switch for one value (--recompute-activations)
+            switch, value = meta["shorthand"]
+            groups[section].add_argument(switch, dest=f.name, action="store_const", const=value,
+                                         help=f"{flags[0]} {value}.")
     compat_flags.register(parser)
     return parser
 

@@ -88,6 +88,20 @@ NO_EFFECT = [
                "torch FSDP2 allocates its own communication buffers"),
     CompatFlag("--fsdp-manual-registration", FLAG,
                "torch FSDP2 allocates its own communication buffers"),
+    # gpt-oss (examples/gptoss/02_train.sh)
+    CompatFlag("--export-force-local-attention", FLAG,
+               "a ModelOpt export switch (Megatron's post-training model builder); megalite's "
+               "export, tools/checkpoint/convert.py, writes weights and reads no kernel"),
+    CompatFlag("--enable-gpt-oss", FLAG,
+               "ModelOpt's gpt-oss builder switch; here the model flags (--softmax-type, "
+               "--quick-geglu, --window-size, ...) build the gpt-oss layer"),
+    CompatFlag("--moe-permute-fusion", FLAG, _FUSION),
+    CompatFlag("--attention-softmax-in-fp32", FLAG,
+               "PyTorch's softmax of 16-bit scores already accumulates in fp32"),
+    CompatFlag("--accumulate-allreduce-grads-in-fp32", FLAG,
+               "gradients are accumulated and reduced in fp32 here"),
+    CompatFlag("--moe-per-layer-logging", FLAG,
+               "MoE statistics are always logged per layer (moe_layer_N_* metrics)"),
 ]
 
 RUNTIME_ONLY = [

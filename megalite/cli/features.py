@@ -38,6 +38,7 @@ from megalite.config import all_fields, field_flag, find_field
 from megalite.config.domains import requirement_problem, requirements
 from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
 from megalite.config.score_mods import SCORE_MODS, refusal_reason
+from megalite.config.sinks import sinks_on
 
 LAYOUT, STRATEGY, IMPLEMENTATION = "layout", "strategy", "implementation"
 
@@ -547,6 +548,16 @@ RULES: Tuple[Rule, ...] = (
         "--qk-clip records each head's largest causal logit, not the one under a document mask "
         "or a sliding window (it would clip on pairs attention never sees): drop --qk-clip or "
         "the mask"),
+    # gpt-oss: TE's sinks (its own softmax_type) without CP only; one fc2 bias per expert
+    Refuses("te", "--softmax-type with CP", lambda c: sinks_on(c.model) and c.parallel.cp > 1,
+            lambda c: f"--softmax-type {c.model.softmax_type} with Transformer Engine and "
+            "--context-parallel-size > 1: TE's context-parallel attention is not given the "
+            "sinks here; use --transformer-impl local (ring and all-to-all CP fold them in) or "
+            "CP 1"),
+    Refuses("expert-tp", "--moe-expert-bias", lambda c: c.model.moe_expert_bias,
+            "--moe-expert-bias with --expert-tensor-parallel-size > 1: each shard's fc2 output "
+            "is a partial sum, so the expert's bias would be added once per shard; use "
+            "--expert-tensor-parallel-size 1"),
 )
 
 

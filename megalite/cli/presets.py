@@ -90,6 +90,23 @@ MODEL_PRESETS.update({
                         vocab_size=129280, rotary_base=10000, norm_epsilon=1e-6,
                         seq_length=4096),
 })
+# gpt-oss (openai/gpt-oss-120b config.json): 36 layers, every one MoE (128 experts F 2880
+# top-4, softmax over the top-k, biased router and experts), the clamped quick-GeGLU
+# (swiglu_limit 7), learned sinks, biases on q/k/v/o, a 128-token window on alternate layers
+# (layer 0 first), YaRN x32 over a 4k original context, not truncated.
+MODEL_PRESETS.update({
+    "gpt-oss-120b": dict(_LLAMA, swiglu=False, quick_geglu=True, glu_linear_offset=1.0,
+                         activation_func_clamp_value=7.0, softmax_type="learnable",
+                         add_bias_linear=True, num_layers=36, hidden_size=2880,
+                         num_attention_heads=64, num_query_groups=8, kv_channels=64,
+                         ffn_hidden_size=2880, moe_ffn_hidden_size=2880, num_experts=128,
+                         moe_router_topk=4, moe_expert_bias=True, window_size=(127, 0),
+                         window_attn_skip_freq=2, position_embedding_type="yarn",
+                         rotary_scaling_factor=32.0, yarn_original_max_position_embeddings=4096,
+                         yarn_beta_fast=32.0, yarn_beta_slow=1.0,
+                         yarn_correction_range_round_to_int=False, rotary_base=150000,
+                         vocab_size=201088, norm_epsilon=1e-5, seq_length=4096),
+})
 
 
 def preset_fields(name: str) -> Dict[str, Any]:

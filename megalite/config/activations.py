@@ -11,8 +11,9 @@ Importing this module does not import torch (the planner reads it).
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Tuple
 
 
@@ -21,6 +22,19 @@ def _silu_glu(y):
 
     gate, up = y.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _quick_geglu(y, offset: float = 0.0, clamp: Optional[float] = None):
+    """gpt-oss's gate: g * sigmoid(1.702 g) * (up + offset), g <= clamp and up in
+    [-clamp, clamp] first (Megatron's quick_geglu with --glu-linear-offset and
+    --activation-func-clamp-value; the HF model computes the same products in this order)."""
+    import torch  # start-up time: torch only when a model runs (docstring)
+
+    gate, up = y.chunk(2, dim=-1)
+    if clamp is not None:
+        gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+    glu = gate * torch.sigmoid(gate * 1.702)
+    return glu * (up + offset) if offset else glu * up
 
 
 def _gelu(y):
@@ -59,6 +73,8 @@ class Activation:
     saved: Tuple[Tuple[str, int], ...]
     hf_names: Tuple[str, ...]  # Hugging Face ``hidden_act`` values that mean it
     default_ffn: Callable[[int], int] = lambda hidden: 4 * hidden   # no --ffn-hidden-size
+    # ModelConfig fields ``fn`` takes as keywords (its knobs), {field: keyword}
+    knobs: Tuple[Tuple[str, str], ...] = ()
 
     @property
     def fc1_blocks(self) -> int:
@@ -92,6 +108,13 @@ ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in (
                fn=_gelu_tanh_glu, hf_names=("gelu_pytorch_tanh",), default_ffn=_llama_ffn,
                saved=(("fc1 output [gate; up] (gelu and mul save views)", 2),
                       ("gelu(gate)", 1), ("fc2 input gelu(gate)*up", 1))),
+    # gpt-oss (its knobs: --glu-linear-offset, --activation-func-clamp-value)
+    Activation("quick-geglu", "quick_geglu", "quick-GeGLU: g*sigmoid(1.702g) * (up + offset), "
+               "clamped (gpt-oss)", gated=True, fn=_quick_geglu, hf_names=("quick_gelu",),
+               knobs=(("glu_linear_offset", "offset"), ("activation_func_clamp_value", "clamp")),
+               saved=(("fc1 output [gate; up] (clamp and mul save views)", 2),
+                      ("sigmoid(1.702 g)", 1), ("g*sigmoid(1.702 g)", 1),
+                      ("fc2 input", 1))),
 )}
 DEFAULT = ACTIVATIONS["gelu"]                  # no --activation and no switch (Megatron's)
 SWITCHES = tuple(a.flag for a in ACTIVATIONS.values() if a.flag)   # ModelConfig fields
@@ -113,10 +136,32 @@ def choices_given(model_cfg) -> List[Tuple[str, Activation]]:
 
 
 def activation_of(model_cfg) -> Activation:
-    """The activation ``model_cfg`` selects: ``--activation``, else its switch, else GeLU.
+    """The activation ``model_cfg`` selects: ``--activation``, else its switch, else GeLU,
+    its ``fn`` given the entry's knobs from ``model_cfg``.
     (Two different choices are refused by ``choice_problem`` before a model exists.)"""
     given = choices_given(model_cfg)
-    return given[0][1] if given else DEFAULT
+    entry = given[0][1] if given else DEFAULT
+    if not entry.knobs:
+        return entry
+    kw = {key: getattr(model_cfg, field) for field, key in entry.knobs
+          if getattr(model_cfg, field, None) not in (None, 0.0)}    # unset: the fn's default
+    return replace(entry, fn=functools.partial(entry.fn, **kw)) if kw else entry
+
+
+def glu_knob_problem(value, cfg) -> Optional[str]:
+    """only with an activation that has the knob (quick-geglu)"""
+    if value in (None, 0.0):
+        return None
+    entry = activation_of(cfg.model)
+    fields = [f for f, _ in entry.knobs]
+    for field in ("glu_linear_offset", "activation_func_clamp_value"):
+        if getattr(cfg.model, field) not in (None, 0.0) and field not in fields:
+            return (f"{_flag(field)} shapes a gated activation's gate; the MLP's is "
+                    f"{entry.name}: add --quick-geglu (or --activation quick-geglu)")
+    return None
+
+
+glu_knob_problem.invalid = []
 
 
 def choice_problem(value, cfg) -> Optional[str]:

@@ -194,3 +194,10 @@ def pipeline_layout_problem(value, cfg) -> Optional[str]:
         return None
     return layout_problem(value, cfg.parallel.pp, cfg.model.num_layers,
                           cfg.model.mtp_num_layers or 0)
+@domain_check("yarn")
+def rope_type_problem(value, cfg) -> Optional[str]:
+    """rope or yarn with --multi-latent-attention; rope (common attention's own) without"""
+    if value == "yarn" and not cfg.model.multi_latent_attention:
+        return ("--rope-type yarn is Multi-Latent Attention's rope part: it needs "
+                "--multi-latent-attention (common attention: --position-embedding-type yarn)")
+    return None

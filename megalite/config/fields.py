@@ -48,10 +48,12 @@ def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
         gt=None, ge=None, lt=None, le=None, requires: Optional[str] = None,
         path: Optional[str] = None, check: Optional[Callable] = None,
         free: Optional[str] = None, length: Optional[int] = None,
-        negation: Optional[str] = None, checkpoint: str = "arch"):
+        negation: Optional[str] = None, checkpoint: str = "arch",
+        shorthand: Optional[tuple] = None):
     """A dataclass field that knows how to present itself on the command line
     (``type``: the flag's parser when the annotation alone does not say it; ``negation``: a
-    boolean's ``--no-...`` flag, as Megatron spells some) and its domain (module
+    boolean's ``--no-...`` flag, as Megatron spells some; ``shorthand``: (flag, value), a
+    switch of Megatron's that sets this field to ``value``) and its domain (module
     docstring).  ``checkpoint``: what a model field is to a checkpoint (``CHECKPOINT_ROLES``;
     the other sections ignore it)."""
     if checkpoint not in CHECKPOINT_ROLES:
@@ -67,7 +69,7 @@ def opt(default: Any = None, help: str = "", *, flag: Optional[str] = None,
     cli_choices = choices if nargs is None else None
     meta = {"help": help, "flag": flag, "choices": cli_choices, "action": action,
             "nargs": nargs, "aliases": aliases, "type": type, "domain": domain,
-            "negation": negation, "checkpoint": checkpoint}
+            "negation": negation, "checkpoint": checkpoint, "shorthand": shorthand}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: list(default) if isinstance(default, list)
                      else dict(default), metadata=meta)

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megalite.config.domain_checks import (moe_layer_freq_problem, no_rope_freq_problem,
-                                           window_size_problem, window_skip_freq_problem)
+                                           rope_type_problem, window_size_problem,
+                                           window_skip_freq_problem)
 from megalite.config.fields import opt
 from megalite.config.score_mods import kernel_check
-from megalite.config.activations import ACTIVATIONS, activation_of, choice_problem
+from megalite.config.activations import (ACTIVATIONS, activation_of, choice_problem,
+                                         glu_knob_problem)
+from megalite.config.sinks import sinks_kernel_problem
 from megalite.config.moe_layer_freq import (MoeLayerFreqError, parse_moe_layer_freq,  # noqa: F401
                                            parse_no_rope_freq)
 from megalite.config.window import parse_window_size, parse_window_skip_freq
@@ -166,8 +169,9 @@ class ModelConfig:
     v_head_dim: int = opt(128, "MLA: per-head value dimension.", gt=0)
     rope_type: Optional[str] = opt(
         None, "MLA's RoPE: rope or yarn (default yarn, as Megatron's MLA; YaRN with "
-        "--rotary-scaling-factor 1 is plain RoPE).", choices=["rope", "yarn"],
-        requires="multi_latent_attention")
+        "--rotary-scaling-factor 1 is plain RoPE); without MLA only rope, what common "
+        "attention does anyway (Megatron's gpt-oss example passes it).", choices=["rope", "yarn"],
+        check=rope_type_problem)
     # Multi-Token Prediction (DeepSeek-V3; transformer/mtp.py).
     mtp_num_layers: Optional[int] = opt(
         None, "Multi-Token Prediction: this many sequential MTP modules after the model, the "
@@ -286,6 +290,29 @@ class ModelConfig:
         None, "Linear RoPE scaling (Megatron's flag): the rotary frequencies divided by this "
         "factor (Hugging Face's rope_type linear; Gemma 3's full-attention layers).", gt=0,
         requires="position_embedding_type=rope")
+    # gpt-oss: attention sinks, the clamped quick-GeGLU, MoE biases (Megatron's fields)
+    softmax_type: str = opt(
+        "vanilla", "Attention softmax: vanilla, off-by-one (1 added to the denominator) or "
+        "learnable (a learned per-head logit in the denominator: gpt-oss's sinks, "
+        "transformer/attention_sinks.py).", choices=["vanilla", "off-by-one", "learnable"],
+        check=sinks_kernel_problem)
+    quick_geglu: bool = opt(
+        False, "Use quick-GeGLU in the MLP, x*sigmoid(1.702x) gating (gpt-oss): "
+        "--activation quick-geglu.", action="store_true", check=choice_problem)
+    glu_linear_offset: float = opt(
+        0.0, "Gated MLPs: act(gate) * (up + offset) (gpt-oss: 1).", check=glu_knob_problem,
+        free="any real offset")
+    activation_func_clamp_value: Optional[float] = opt(
+        None, "Gated MLPs: clamp gate to <= v and up to [-v, v] before the activation "
+        "(gpt-oss: 7).", gt=0, check=glu_knob_problem)
+    moe_expert_bias: bool = opt(
+        False, "Biases on the router and on each expert's fc1 / fc2 (gpt-oss); Megatron gives "
+        "MoE layers these whenever linear biases are on, megalite only with this switch (its "
+        "MoE checkpoints have none).", action="store_true", requires="num_experts")
+    moe_router_dtype: Optional[str] = opt(
+        None, "The router's logits matmul in fp32 or fp64 (default: the layer's dtype, the "
+        "logits then in fp32).", choices=["fp32", "fp64"], requires="num_experts",
+        checkpoint="runtime")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:

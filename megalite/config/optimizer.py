@@ -70,6 +70,10 @@ class OptimizerConfig:
     muon_scalar_optimizer: str = opt("adam", "Muon: optimizer of the non-matrix parameters.",
                                      choices=["adam"])
     bf16: bool = opt(False, "bf16 compute with fp32 master weights.", action="store_true")
+    disable_bf16_reduced_precision_matmul: bool = opt(
+        False, "bf16 matmuls accumulate in full precision on CUDA (cuBLAS's reduced-precision "
+        "reduction off: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction).",
+        action="store_true")
     precision: Optional[str] = opt(
         None, "Training precision: fp32, bf16 (as --bf16) or auto (time bf16 and fp32 matmuls "
         "at start-up and train in the faster; training/precision.py).",

@@ -90,7 +90,8 @@ class TrainingConfig:
         requires="checkpoint.load")
     seed: int = opt(1234, "Random seed.", ge=0)
     recompute_granularity: Optional[str] = opt(
-        None, "Activation recomputation.", choices=["full", "selective"])
+        None, "Activation recomputation.", choices=["full", "selective"],
+        shorthand=("--recompute-activations", "selective"))
     recompute_method: Optional[str] = opt(None, "Full recompute: which layers.",
                                           choices=["uniform", "block"],
         requires="recompute_granularity=full")

@@ -12,7 +12,8 @@ Tokens arrive as the rank-ordered concatenation of the load-balanced chunks
 Needs the (TP-local) head and K/V-head counts divisible by CP (``validation.py``).
 Packed documents (``--reset-attention-mask``) and sliding windows (``--window-size``): the
 whole sequence is here, so the mask (``transformer/attention_masks.keep``) is one boolean
-SDPA mask, as without CP.
+SDPA mask, as without CP.  Attention sinks (``--softmax-type``): this rank's block of the
+heads takes its block of the sinks into the unfused kernel (SDPA has no sink term).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from megalite.context_parallel.max_logits import head_block
 from megalite.context_parallel.ring import check_cp_attention_args, work
 from megalite.transformer.attention_kernels import unfused_attention
 from megalite.transformer.attention_masks import keep
+from megalite.transformer.attention_sinks import build_softmax_offset
 from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
 
@@ -76,6 +78,7 @@ class UlyssesAttention(nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
         self.score_mods = score_mods.active(model_cfg)   # whole sequence: any applies
+        build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self._order = None
@@ -117,17 +120,25 @@ class UlyssesAttention(nn.Module):
         if self.record_max_logits and self.training:    # this rank's block of the heads
             self.max_logits = record_max(self.max_logits, head_block(
                 max_logit_per_head(qf, kf, self.scale, self.is_causal), h, self.group.rank))
-        if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
-            kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
-        gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}
-        masks = {"is_causal": self.is_causal} if mask is None else {"attn_mask": mask[:, None]}
-        if self.score_mods:        # config/score_mods.py: the unfused kernel (Gemma 2's cap)
-            o = unfused_attention(qf, kf, vf, causal=self.is_causal, scale=self.scale,
-                                  score_mods=self.score_mods, keep_mask=mask)
-        else:
-            o = F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale, **masks,
-                                               **gqa)               # [b, h/cp, S, dv]
+        o = self._attend(qf, kf, vf, mask, hq, hk)                  # [b, h/cp, S, dv]
         o = o.index_select(2, order)                               # rank order again
         o = o.reshape(b, hq, cp, s, dv).permute(2, 0, 1, 3, 4)      # [cp (dst), b, h/cp, s, dv]
         o = AllToAll.apply(o, self.group)                          # [cp (head block), ...]
         return o.permute(1, 0, 2, 3, 4).reshape(b, h, s, dv)
+
+    def _attend(self, qf, kf, vf, mask, hq: int, hk: int) -> torch.Tensor:
+        """Attention of this rank's heads over the whole sequence: SDPA, or the unfused
+        kernel with this rank's block of the sinks and the score mods
+        (config/score_mods.py: Gemma 2's cap)."""
+        if self.softmax_offset is not None or self.score_mods:
+            r = self.group.rank
+            sinks = None if self.softmax_offset is None else \
+                self.softmax_offset[r * hq:(r + 1) * hq]
+            return unfused_attention(qf, kf, vf, causal=self.is_causal and mask is None,
+                                     scale=self.scale, keep_mask=mask, sinks=sinks,
+                                     score_mods=self.score_mods)
+        if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
+            kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))
+        gqa = {"enable_gqa": True} if hq != hk and SDPA_HAS_GQA else {}
+        masks = {"is_causal": self.is_causal} if mask is None else {"attn_mask": mask[:, None]}
+        return F.scaled_dot_product_attention(qf, kf, vf, scale=self.scale, **masks, **gqa)

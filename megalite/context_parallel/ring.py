@@ -24,6 +24,10 @@ them).  The
 chunk layout is unchanged, so the causal load balance holds as before; the work skipped
 depends on where the documents end.
 
+Attention sinks (``--softmax-type``): the sink joins the merged log-sum-exp once, after the
+last block (``transformer/attention_sinks.fold``); backward's block formulas then use that
+final LSE and output unchanged, and the sink's gradient comes from them alone.
+
 Backward sends K/V around the ring again (CP - 1 transfers), with a dK/dV accumulator that
 travels with them and is back at its owner after CP transfers.  Forward keeps only q, k, v,
 the output and the LSE (fp32 for 16-bit inputs).
@@ -42,6 +46,7 @@ from megalite.context_parallel.block_attention import (accum_dtype, block_backwa
 from megalite.context_parallel.load_balance import token_indices
 from megalite.context_parallel.max_logits import ring_keys
 from megalite.transformer.attention_masks import keep
+from megalite.transformer.attention_sinks import build_softmax_offset, fold, sink_grad
 from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
 
@@ -127,7 +132,8 @@ class RingAttentionFunction(torch.autograd.Function):
     [b, np, s, dv].  K and V travel as one message, concatenated along the head dim."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, causal: bool, docs=None, window=None):
+    def forward(ctx, q, k, v, group, scale: float, causal: bool, docs=None, window=None,
+                sinks=None):
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -152,7 +158,9 @@ class RingAttentionFunction(torch.autograd.Function):
             if pending is not None:
                 pending.wait()
                 kv = incoming
+        out, lse = fold(out, lse, sinks)                             # the sinks, once
         out = out.to(q.dtype)
+        ctx.sinks = sinks
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.causal, ctx.docs, ctx.window = group, scale, causal, docs, \
             window
@@ -204,7 +212,9 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = incoming
         dkv_pending.wait()                                          # our own K/V's grads
         dk, dv = _split_kv(dkv_in, dk_dim)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        sinks = ctx.sinks
+        d_sinks = sink_grad(sinks, lse, delta) if ctx.needs_input_grad[8] else None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_sinks
 
 
 class RingAttention(nn.Module):
@@ -223,6 +233,7 @@ class RingAttention(nn.Module):
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
         # --qk-clip: this step's largest logit per local head (context_parallel/max_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)
         self.max_logits: Optional[torch.Tensor] = None
@@ -235,10 +246,10 @@ class RingAttention(nn.Module):
         if self.group.size == 1:
             pos = torch.arange(q.shape[2], device=q.device)
             mask = keep(pos, pos, self.is_causal, document_ids, document_ids, self.window)
-            out, _ = block_forward(q, k, v, self.scale, self.is_causal, mask)
-            return out
+            out, lse = block_forward(q, k, v, self.scale, self.is_causal, mask)
+            return fold(out, lse, self.softmax_offset)[0]
         return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal,
-                                           document_ids, self.window)
+                                           document_ids, self.window, self.softmax_offset)
 
     def _record_max_logits(self, q, k) -> None:
         """This rank's queries against every key of the ring, on their true positions."""

@@ -16,6 +16,11 @@ buffer.  ``torch._grouped_mm`` is a native autograd node that computes only the 
 asked for, so the zero-bubble schedule's B pass gets the input gradient alone and its W
 pass the weight gradient alone, as for a dense linear.  With expert-TP the output is this
 shard's partial sum (the dispatcher reduces it).
+
+``--moe-expert-bias`` (gpt-oss): ``linear_fc1.bias`` [E, 2F] and ``linear_fc2.bias`` [E, h],
+split over EP with the experts (and fc1's over expert-TP with its columns); each row takes
+its expert's bias.  fc2's bias would be added once per expert-TP shard of a partial sum, so
+the rule engine refuses it with expert-TP > 1 (cli/features.py).
 """
 from __future__ import annotations
 
@@ -131,8 +136,24 @@ class GroupedMLP(nn.Module):
             (E, h, ffn), (Split(0, "ep"), Split(2, "expert-tp")),
             init=("normal", m.init_method_std / (2.0 * m.num_layers) ** 0.5), expert=True),
             sizes, **kw)
+        self.with_bias = bool(getattr(m, "moe_expert_bias", False))
+        if self.with_bias:      # gpt-oss (module docstring)
+            make_param(self.linear_fc1, "bias", ParamSpec(
+                (E, blocks * ffn), (Split(0, "ep"), Split(1, "expert-tp", blocks)),
+                init=("zeros",), expert=True), sizes, **kw)
+            make_param(self.linear_fc2, "bias", ParamSpec(
+                (E, h), (Split(0, "ep"),), init=("zeros",), expert=True), sizes, **kw)
 
     def forward(self, x: torch.Tensor, tokens_per_expert: Counts) -> torch.Tensor:
         y = grouped_linear(x, self.linear_fc1.weight, tokens_per_expert)
+        rows = self._row_experts(tokens_per_expert, x.device) if self.with_bias else None
+        if rows is not None:
+            y = y + self.linear_fc1.bias[rows]
         y = self.activation.fn(y)       # gated: every expert's [gate; up] rows at once
-        return grouped_linear(y, self.linear_fc2.weight, tokens_per_expert)
+        y = grouped_linear(y, self.linear_fc2.weight, tokens_per_expert)
+        return y if rows is None else y + self.linear_fc2.bias[rows]
+
+    def _row_experts(self, tokens_per_expert: Counts, device) -> torch.Tensor:
+        """The local expert of each row of the buffer [rows]."""
+        counts = torch.as_tensor(tokens_per_expert, device=device)
+        return torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts)

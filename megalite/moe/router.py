@@ -81,6 +81,12 @@ class TopKRouter(nn.Module):
                                              init=("normal", m.init_method_std),
                                              sequence_parallel=sp), {}, device=device,
                    dtype=dtype)
+        if getattr(m, "moe_expert_bias", False):     # gpt-oss: a trained logit bias
+            make_param(self, "bias", ParamSpec((m.num_experts,), init=("zeros",),
+                                               sequence_parallel=sp), {}, device=device,
+                       dtype=dtype)
+        else:
+            self.bias = None
         bias = torch.zeros(m.num_experts, device=device, dtype=torch.float32) \
             if m.moe_router_enable_expert_bias else None
         self.register_buffer("expert_bias", bias)   # not trained: nudged after each step
@@ -157,9 +163,17 @@ class TopKRouter(nn.Module):
         kept &= dense > 0
         return kept.gather(1, idx)
 
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, E]; --moe-router-dtype: the matmul itself in that dtype."""
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.cfg.moe_router_dtype)
+        if dtype is None:
+            return F.linear(tokens, self.weight, self.bias).float()
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(tokens.to(dtype), self.weight.to(dtype), bias).float()
+
     def forward(self, tokens: torch.Tensor, batch: int):
         m = self.cfg
-        logits = F.linear(tokens, self.weight).float()                       # [T, E]
+        logits = self._logits(tokens)                                        # [T, E]
         lb = m.moe_router_load_balancing_type
         need_aux = lb != "none" and bool(m.moe_aux_loss_coeff)
         probs, idx, aux_scores = self._select(logits, need_aux)

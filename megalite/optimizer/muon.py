@@ -38,10 +38,12 @@ ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def is_muon_param(name: str, ndim: int) -> bool:
-    """A hidden weight matrix (or a stack of them): Muon's; everything else AdamW's."""
+    """A hidden weight matrix (or a stack of them): Muon's; everything else AdamW's (the
+    experts' biases [E, F] of --moe-expert-bias are vectors per expert, AdamW's too)."""
     return ndim >= 2 and not (name.endswith("word_embeddings.weight")
                               or name.endswith("output_layer.weight")
-                              or name.endswith("position_embeddings.weight"))
+                              or name.endswith("position_embeddings.weight")
+                              or name.endswith(".bias"))
 
 
 def newton_schulz(g: torch.Tensor, steps: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from megalite.cli.presets import MODEL_PRESETS, preset_model
 from megalite.pipeline_parallel.split import PipelineSplit, split_layers
 from megalite.config.activations import DEFAULT as DEFAULT_ACTIVATION
 from megalite.config.activations import activation_for_hf, activation_of, switches
+from megalite.config.sinks import learned_sinks
 
 # Model presets live in one place (megalite/cli/presets.py): the planner's --recipe and the
 # launch recipes (launch/recipes/*.yaml, ``recipe: {model: NAME}``) read the same shapes.
@@ -283,6 +284,7 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
         elif m.qk_layernorm:
             n += 2 * _norm(m, d)                        # q/k norms: replicated over TP
         n += h * a * d // tp + (h if bias else 0)                   # row-parallel projection
+    n += a // tp if learned_sinks(m) else 0             # --softmax-type learnable: sinks
     gate = activation_of(m).fc1_blocks
     if not moe:
         f = m.resolved_ffn_hidden_size()
@@ -290,13 +292,15 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
         n += h * f // tp + (h if bias else 0)                       # fc2
         return ParamCount(dense=n)
     fe, local = moe_ffn(m), m.num_experts // ep
-    n += m.num_experts * h                                          # router
+    n += m.num_experts * (h + (1 if m.moe_expert_bias else 0))      # router (+ its bias)
     shared = m.moe_shared_expert_intermediate_size                  # a dense MLP (TP)
     if shared:
         n += gate * shared * h // tp + (gate * shared // tp if bias else 0)
         n += h * shared // tp + (h if bias else 0)
         n += h if m.moe_shared_expert_gate else 0                   # its [1, h] sigmoid gate
-    per_expert = gate * fe * h // etp + h * fe // etp                # grouped, no biases
+    per_expert = gate * fe * h // etp + h * fe // etp                # grouped
+    if m.moe_expert_bias:                                           # gpt-oss (expert-TP 1)
+        per_expert += gate * fe // etp + h
     return ParamCount(dense=n, expert=local * per_expert)
 
 
@@ -365,7 +369,7 @@ def active_params(m: ModelConfig) -> int:
     if not m.num_experts:
         return total
     gate = activation_of(m).fc1_blocks
-    fe, bias = moe_ffn(m), m.add_bias_linear
+    fe, bias = moe_ffn(m), m.moe_expert_bias       # the experts' biases (moe/experts.py)
     per_expert = gate * fe * m.hidden_size + m.hidden_size * fe + \
         ((gate * fe + m.hidden_size) if bias else 0)
     moe_layers = sum(is_moe_layer(m, i) for i in range(m.num_transformer_layers()))  # + MTP

@@ -141,6 +141,8 @@ class Trainer:
         if self.tokenizer is None:       # pretrain() builds it before any process group
             self.tokenizer = build_tokenizer_from_config(self.cfg.data, self.cfg.model.vocab_size)
         self.cfg = cfg = resolve_config(self.cfg, self.tokenizer)
+        if cfg.optimizer.disable_bf16_reduced_precision_matmul:     # a cuBLAS setting
+            torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         torch.manual_seed(cfg.training.seed)       # draws outside the name-seeded init
         self.model_chunks = self.family.build_model_chunks(cfg, self.state, self.device)
         self.strategy = attach_data_parallel(

@@ -34,6 +34,7 @@ from megalite.config import score_mods
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
 from megalite.transformer.attention_masks import keep
+from megalite.transformer.attention_sinks import build_softmax_offset
 from megalite.transformer.projection_norm import build_projection_qk_norms, norm_qkv_projection
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
@@ -87,6 +88,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
         # --qk-clip: this step's largest logit per local head (transformer/qk_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)
         self.max_logits: Optional[torch.Tensor] = None
@@ -108,8 +110,9 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
             self.max_logits = record_max(self.max_logits, max_logit_per_head(
                 q, k, self.softmax_scale, self.is_causal))
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
+        sinks = self.softmax_offset      # the unfused kernel alone has a sink term
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,
-                                       score_mods=bool(self.score_mods))
+                                       score_mods=bool(self.score_mods) or sinks is not None)
         scale = self.softmax_scale
         sdpa = dict(dropout_p=p, is_causal=causal, scale=scale)
         if mask is not None:
@@ -117,7 +120,8 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         with fork:
             if kernel == "unfused":
                 return unfused_attention(q, k, v, causal=causal, dropout_p=p, scale=scale,
-                                         score_mods=self.score_mods, keep_mask=mask)
+                                         score_mods=self.score_mods, keep_mask=mask,
+                                         sinks=sinks)
             if v.shape[-1] != q.shape[-1]:
                 return self._padded_value(q, k, v, sdpa)
             if k.shape[1] == q.shape[1]:

@@ -1,8 +1,8 @@
 """The Hugging Face families whose layers differ from Llama's -- Phi-3 (fused qkv and
 gate/up weights), SmolLM3 (NoPE layers), OLMo 2 (post-norm, q/k norm over the whole
 projection, whose mean square spans the TP shards), Gemma 2 and Gemma 3 (sandwich (1 + w)
-norms, soft-caps, windows shorter than the sequence, two RoPE bases) -- through
-``convert.py`` both ways and
+norms, soft-caps, windows shorter than the sequence, two RoPE bases), gpt-oss (sinks, a
+window on layer 0, biased experts: also EP2) -- through ``convert.py`` both ways and
 evaluated at TP2 and PP2 on gloo ranks, all in one launch: the loss equals transformers' on
 the same tokens (rel <= 1e-5), and the exported folder gives transformers' logits; the
 three switches trained together at TP2 and PP2 give the single process's losses (step 1
@@ -25,7 +25,8 @@ from hf_families import FAMILIES, SEQ, VOCAB, hf_loss, rel, save_hf_model  # noq
 transformers = pytest.importorskip("transformers")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONVERT = [sys.executable, os.path.join(ROOT, "tools", "checkpoint", "convert.py")]
-NEW = ("phi3", "smollm3", "olmo2", "gemma2", "gemma3")
+NEW = ("phi3", "smollm3", "olmo2", "gemma2", "gemma3",
+       "gpt_oss")
 WINDOWS = 4
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
@@ -73,7 +74,12 @@ GEMMA_LAYOUTS = {
 # Gemma 2 (both soft-caps) under all-to-all CP, Gemma 3 (two RoPE bases) under ring CP, with
 # sequences longer than their windows: transformers' loss too
 EXTRA_LAYOUTS = {"gemma2": {"cp2-a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]},
-                 "gemma3": {"cp2-ring": ["--context-parallel-size", "2"]}}
+                 "gemma3": {"cp2-ring": ["--context-parallel-size", "2"]},
+                 # gpt-oss (sinks split over TP, experts with biases: expert-TP 1, EP2)
+                 "gpt_oss": {"tp2": LAYOUTS["tp2"] + ["--sequence-parallel",
+                                                      "--expert-tensor-parallel-size", "1"],
+                             "ep2": ["--expert-model-parallel-size", "2",
+                                     "--micro-batch-size", "1"]}}
 
 
 def family_layouts(family: str) -> dict:
@@ -123,7 +129,9 @@ def test_new_families_convert_both_ways_and_give_transformers_loss_at_tp2_pp2(tm
     ckpts = {f: str(tmp_path / f"{f}_mg") for f in NEW}
     _run_all([CONVERT + ["--source-format", "hf", "--target-format", "megalite", "--load-dir",
                          str(tmp_path / f"{f}_hf"), "--save-dir", ckpts[f],
-                         "--target-tensor-parallel-size", "2"] for f in NEW])
+                         "--target-tensor-parallel-size", "2",
+                         *(["--target-expert-tensor-parallel-size", "1"] if f == "gpt_oss"
+                           else [])] for f in NEW])
     _run_all([CONVERT + ["--source-format", "megalite", "--target-format", "hf", "--load-dir",
                          ckpts[f], "--save-dir", str(tmp_path / f"{f}_back"),
                          "--hf-architecture", FAMILIES[f][1]] for f in NEW])

@@ -4,7 +4,8 @@ train to the single-process losses of the same model (docs/launching.md, "Recipe
 The Llama-3 405B twin runs on the two-node SLURM cluster in test_slurm_e2e.py; the GPT-3 175B
 twin (TP2 PP2, full recomputation), the Qwen3-235B-A22B twin (TP2 + SP, PP2 x VPP2 with
 embedding and loss counted, EP2, full recomputation, distributed optimizer) and the
-DeepSeek-V3 twin (MLA + MTP, EP2 x PP2, the distributed optimizer, full recomputation) run here
+DeepSeek-V3 twin (MLA + MTP, EP2 x PP2, the distributed optimizer, full recomputation) and the
+gpt-oss twin (sinks, window, biased experts: TP2 + SP, PP2, EP2) run here
 (tests/unit/test_recipes.py dry-runs every recipe).
 """
 import json
@@ -102,6 +103,31 @@ def test_gemma3_twin_with_run_local_matches_one_process(tmp_path):
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
     _run([sys.executable, "pretrain_gpt.py", "--config", str(tmp_path / "one.yaml"),
           "--train-iters", "3", "--world-size", "1",
+          "--metrics-file", str(tmp_path / "one.jsonl")])
+    twin, ref = _losses(tmp_path / "twin.jsonl"), _losses(tmp_path / "one.jsonl")
+    assert len(twin) == len(ref) == 3 and len(set(ref)) == 3
+    assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (twin, ref)
+    for a, b in zip(twin, ref):
+        assert abs(a - b) <= 1e-4 * abs(b), (twin, ref)
+
+
+def test_gpt_oss_twin_with_run_local_matches_one_process(tmp_path):
+    """gpt-oss's twin (sinks, the 7-token window on alternate layers, biased experts, the
+    clamped quick-GeGLU) at TP2 + SP, PP2, EP2 with expert-TP 1 and the distributed optimizer
+    on 4 CPU processes gives the one-process losses."""
+    import yaml
+
+    twin_path = "launch/recipes/twins/gpt-oss-120b.yaml"
+    SHORT = ["--global-batch-size", "4"]
+    env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
+    out = _run(["bash", "launch/run_local.sh", twin_path, "--train-iters", "3", *SHORT,
+                "--metrics-file", str(tmp_path / "twin.jsonl")], env=env)
+    assert "[run_local] 4 process(es)" in out
+    one = yaml.safe_load(open(os.path.join(ROOT, twin_path)))
+    one.pop("parallel")                     # the same model and run on one process
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
+    _run([sys.executable, "pretrain_gpt.py", "--config", str(tmp_path / "one.yaml"),
+          "--train-iters", "3", "--world-size", "1", *SHORT,
           "--metrics-file", str(tmp_path / "one.jsonl")])
     twin, ref = _losses(tmp_path / "twin.jsonl"), _losses(tmp_path / "one.jsonl")
     assert len(twin) == len(ref) == 3 and len(set(ref)) == 3

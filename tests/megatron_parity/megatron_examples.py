@@ -108,11 +108,49 @@ LLAMA3_8B_FSDP_FP8 = """
 --tensorboard-dir {TB}
 """
 
+# gpt-oss: examples/gptoss/02_train.sh of Megatron-LM d98e8a64dd (last changed in
+# 779c5b748d), default MOCK data and tokenizer, its arrays in the order the script expands
+# them: MODEL_ARGS, MOE_ARGS, DATA_ARGS_LIST (mock), TRAINING_ARGS, MODEL_PARALLEL_ARGS,
+# LOGGING_ARGS.  PP is the world size; the script's 8 GPUs would split its 12 layers
+# unevenly, which Megatron's own check refuses, so GPUS_PER_NODE=4 (its distributed config
+# file's setting): PP4.
+GPTOSS_20B = """
+--no-masked-softmax-fusion --transformer-impl transformer_engine --disable-bias-linear
+--untie-embeddings-and-output-weights --no-rope-fusion --normalization RMSNorm
+--num-layers 12 --hidden-size 512 --ffn-hidden-size 2048 --num-attention-heads 64
+--group-query-attention --num-query-groups 8 --seq-length 8192
+--max-position-embeddings 8192 --use-mcore-models --rotary-percent 1.0 --rope-type rope
+--position-embedding-type rope --rotary-base 10000 --no-bias-gelu-fusion
+--export-force-local-attention --no-bias-dropout-fusion --quick-geglu
+--glu-linear-offset 1.0 --softmax-type learnable --window-attn-skip-freq 2
+--activation-func-clamp-value 7.0 --window-size 127,0 --enable-gpt-oss
+--num-experts 4 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss
+--moe-aux-loss-coeff 1e-3 --moe-grouped-gemm --moe-token-dispatcher-type alltoall
+--overlap-param-gather --overlap-grad-reduce --moe-ffn-hidden-size 2048
+--moe-router-dtype fp32 --moe-z-loss-coeff 1e-3 --moe-permute-fusion
+--mock-data --tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path {CACHE}
+--tiktoken-pattern v2 --split '99,1,0' --no-create-attention-mask-in-dataloader
+--no-mmap-bin-files --num-workers 1
+--micro-batch-size 1 --global-batch-size 128 --lr 1.0e-5 --train-samples 1953125000
+--lr-decay-samples 1949218748 --lr-decay-style cosine --min-lr 1.0e-6 --weight-decay 0.1
+--lr-warmup-fraction 0.05 --clip-grad 1.0 --bf16 --use-flash-attn
+--attention-softmax-in-fp32 --accumulate-allreduce-grads-in-fp32
+--disable-bf16-reduced-precision-matmul --recompute-activations
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4
+--expert-model-parallel-size 1 --sequence-parallel --context-parallel-size 1
+--use-distributed-optimizer --fp8-format hybrid --fp8-param-gather
+--fp8-amax-compute-algo max --fp8-amax-history-len 1024
+--log-interval 1 --save-interval 10000 --eval-interval 50000000 --eval-iters 0
+--save {CKPT} --tensorboard-dir {CKPT}/tensorboard --moe-per-layer-logging --no-load-optim
+--no-load-rng --log-throughput
+"""
+
 SCRIPTS = {
     "gpt3_175b": (GPT3_175B, 128),
     "llama3_8b_fp8": (LLAMA3_8B_FP8, 8),
     "mixtral_8x7b": (MIXTRAL_8X7B, 32),
     "llama3_8b_fsdp_fp8": (LLAMA3_8B_FSDP_FP8, 8),
+    "gptoss_20b": (GPTOSS_20B, 4),
 }
 
 
@@ -136,6 +174,8 @@ TWIN_VALUES = {
     # batch 2, then 4 from 32 tokens (2 samples of 16) on: 2, 4, 4, the step inside the twin
     "--step-batch-size-schedule": ["0:2", "32:4"],
     "--split": "90,8,2",     # the twin's corpus is 16k tokens: 99990,8,2 leaves valid 1 token
+    # gpt-oss: experts and a window the twin's 16 tokens feel, local layers (no TE on CPU)
+    "--moe-ffn-hidden-size": "16", "--window-size": "7,0", "--transformer-impl": "local",
 }
 # Flags whose feature cannot run in a CPU twin yet, dropped with their values (the dry runs
 # above keep them): FP8 (needs Transformer Engine on a GPU), and MoE layers (issue 14).
@@ -146,12 +186,16 @@ TWIN_DROPPED = {"--fp8-format": 1, "--fp8-amax-history-len": 1, "--fp8-amax-comp
                 "--load": 1}
 
 
-def twin(args: list) -> list:
-    """``args`` shrunk to a CPU twin (``--load`` dropped: the twin starts fresh)."""
+TWIN_MOE = {f for f in TWIN_DROPPED if f.startswith(("--moe-", "--num-experts"))}
+
+
+def twin(args: list, keep_moe: bool = False) -> list:
+    """``args`` shrunk to a CPU twin (``--load`` dropped: the twin starts fresh);
+    ``keep_moe``: the MoE flags stay (gpt-oss's twin trains its experts)."""
     out, i = [], 0
     while i < len(args):
         flag = args[i]
-        if flag in TWIN_DROPPED:
+        if flag in TWIN_DROPPED and not (keep_moe and flag in TWIN_MOE):
             i += 1 + TWIN_DROPPED[flag]
             continue
         out.append(flag)

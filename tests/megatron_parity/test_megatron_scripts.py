@@ -63,6 +63,27 @@ def test_script_passes_dry_run_unchanged(name, paths, capsys):
         assert "--step-batch-size-schedule" not in out
 
 
+def test_gptoss_example_dry_run_as_a_subprocess_means_its_flags(paths):
+    """examples/gptoss/02_train.sh's argv through pretrain_gpt.py --dry-run, as a user runs
+    it: it exits 0, and each gpt-oss flag sets its field (sinks, quick-GeGLU knobs, the
+    alternating window, --recompute-activations, the fp32 router)."""
+    text, world = SCRIPTS["gptoss_20b"]
+    args = argv(text, **paths) + ["--dry-run", "--world-size", str(world)]
+    res = subprocess.run([sys.executable, os.path.join(REPO, "pretrain_gpt.py"), *args],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "--enable-gpt-oss accepted, no effect here" in res.stdout
+    assert "quick-geglu" in res.stdout and "step time" in res.stdout
+    m = parse_args(args).model
+    assert (m.softmax_type, m.quick_geglu, m.glu_linear_offset, m.activation_func_clamp_value,
+            m.window_size, m.window_attn_skip_freq, m.moe_router_dtype) == \
+        ("learnable", True, 1.0, 7.0, (127, 0), 2, "fp32")
+    assert [m.layer_window(i) for i in range(4)] == [127, None, 127, None]
+    cfg = parse_args(args)
+    assert cfg.training.recompute_granularity == "selective"
+    assert cfg.optimizer.disable_bf16_reduced_precision_matmul
+
+
 def test_no_effect_flags_listed_once(paths, capsys):
     text, world = SCRIPTS["mixtral_8x7b"]
     main(argv(text, **paths) + ["--dry-run", "--world-size", str(world)])
@@ -120,7 +141,7 @@ def test_cpu_twin_trains_a_few_iterations(name, paths, tmp_path):
 
     text, _ = SCRIPTS[name]
     local = dict(paths, CKPT=str(tmp_path / "ckpt"), TB=str(tmp_path / "tb"))
-    args = twin(argv(text, **local))
+    args = twin(argv(text, **local), keep_moe=name == "gptoss_20b")
     if "--tensorboard-dir" in args and not _has("tensorboard"):
         k = args.index("--tensorboard-dir")
         del args[k:k + 2]

@@ -18,6 +18,9 @@ CLOSED_FORM = {
     "squared-relu": lambda y: torch.where(y > 0, y * y, torch.zeros_like(y)),
     "geglu": lambda y: (lambda g, u: 0.5 * g * (1 + torch.tanh(
         math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3))) * u)(*y.chunk(2, dim=-1)),
+    # gpt-oss (knobs at their defaults: no offset, no clamp)
+    "quick-geglu": lambda y: (lambda g, u: g / (1 + torch.exp(-1.702 * g)) * u)(
+        *y.chunk(2, dim=-1)),
 }
 
 

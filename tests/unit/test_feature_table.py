@@ -200,8 +200,6 @@ RULE_CASES = {
         [["--use-rope-scaling", "--position-embedding-type", "rope"]]),
     "--q-lora-rank needs --multi-latent-attention": (
         [["--q-lora-rank", "8"]], [_MLA + ["--q-lora-rank", "8"]]),
-    "--rope-type needs --multi-latent-attention": (
-        [["--rope-type", "rope"]], [_MLA + ["--rope-type", "rope"]]),
     "--moe-router-topk-scaling-factor needs --num-experts": (
         [["--moe-router-topk-scaling-factor", "2"]],
         [["--moe-router-topk-scaling-factor", "2", "--num-experts", "4"]]),
@@ -310,6 +308,19 @@ RULE_CASES = {
     "--rotary-seq-len-interpolation-factor needs --position-embedding-type rope": (
         [["--rotary-seq-len-interpolation-factor", "8"]],
         [["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "8"]]),
+    # gpt-oss: sinks with TE and CP, expert biases with expert-TP
+    "te refuses --softmax-type with CP": (
+        [["--cp", "2", {"model": dict(_TE, softmax_type="learnable")}]],
+        [[{"model": dict(_TE, softmax_type="learnable")}],
+         ["--cp", "2", "--softmax-type", "learnable"]]),
+    "expert-tp refuses --moe-expert-bias": (
+        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel"]],
+        [["--num-experts", "4", "--moe-expert-bias", "--tp", "2", "--sequence-parallel",
+          "--expert-tensor-parallel-size", "1"]]),
+    "--moe-expert-bias needs --num-experts": (
+        [["--moe-expert-bias"]], [["--num-experts", "4", "--moe-expert-bias"]]),
+    "--moe-router-dtype needs --num-experts": (
+        [["--moe-router-dtype", "fp32"]], [["--num-experts", "4", "--moe-router-dtype", "fp32"]]),
 }
 
 
@@ -408,6 +419,7 @@ USER_ERROR_PLACES = {
     "megalite/checkpointing/hf_adapters/sliding_window.py":
         "a Hugging Face checkpoint's sliding windows",
     "megalite/checkpointing/hf_adapters/smollm3.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/gpt_oss.py": "a Hugging Face checkpoint's contents",
     "megalite/optimizer/optimizer_state.py": "checkpoint contents (optimizer state)",
     "megalite/checkpointing/checkpoint.py": "checkpoint contents and the filesystem under --save",
     "megalite/checkpointing/train_state.py": "checkpoint contents (training state)",

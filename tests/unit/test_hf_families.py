@@ -52,11 +52,16 @@ EXPECT = {   # what each family's import must set
                    window_size=(3, 0), window_attn_skip_freq=[1, 0], rotary_base=1000000,
                    rotary_base_local=10000, rotary_seq_len_interpolation_factor=8.0,
                    attn_logit_softcapping=None, final_logit_softcapping=None),
+    "gpt_oss": dict(softmax_type="learnable", quick_geglu=True, glu_linear_offset=1.0,
+                    activation_func_clamp_value=1.5, moe_expert_bias=True, add_bias_linear=True,
+                    window_size=(3, 0), window_attn_skip_freq=[1, 0], num_experts=4,
+                    position_embedding_type="yarn", yarn_correction_range_round_to_int=False),
 }
 EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
               "phi3": "llama", "smollm3": "smollm3", "olmo2": "olmo2",
               "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
-              "gemma2": "gemma2", "gemma3": "gemma3"}
+              "gemma2": "gemma2", "gemma3": "gemma3",
+              "gpt_oss": "gpt_oss"}
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
@@ -153,6 +158,13 @@ REFUSALS = [
         "sliding_attention": dict(rope_type="default", rope_theta=1e4),
         "full_attention": dict(rope_type="dynamic", factor=2.0, rope_theta=1e6)}),
      "rope_parameters.rope_type 'dynamic' is not supported"),
+    # gpt-oss
+    ("gpt_oss", dict(swiglu_alpha=1.5), "swiglu_alpha 1.5 is not supported"),
+    ("gpt_oss", dict(layer_types=["chunked_attention", "full_attention"]),
+     r"layer_types \['chunked_attention'\] are not supported"),
+    ("gpt_oss", dict(sliding_window=None),
+     "layer_types has sliding_attention layers but the config sets no sliding_window"),
+    ("gpt_oss", dict(router_jitter_noise=0.1), "router_jitter_noise is not supported"),
 ]
 
 

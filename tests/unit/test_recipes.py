@@ -2,6 +2,7 @@
 from the model presets only, each twin keeps its recipe's parallel structure, and the
 Llama 3 405B layout is the paper's and fits an 80 GB H100."""
 import contextlib
+import dataclasses
 import io
 import os
 
@@ -44,9 +45,11 @@ def _cfg(path, *extra):
 
 def test_the_issue_lists_every_recipe_and_a_twin_each():
     names = sorted(os.path.basename(f)[:-5] for f in PUBLISHED)
-    assert names == sorted(["deepseek-v3", "gpt3-175b", "llama3-405b", "llama3-405b-long-context",
-                     "llama3-70b", "llama3-8b", "mixtral-8x22b", "qwen3-235b-a22b"] +
-                           ["gemma-3-27b"])    # Gemma 3
+    assert names == sorted(["deepseek-v3", "gpt3-175b", "llama3-405b",
+                            "llama3-405b-long-context", "llama3-70b", "llama3-8b",
+                            "mixtral-8x22b", "qwen3-235b-a22b"] +
+                           ["gemma-3-27b"] +       # Gemma 3
+                           ["gpt-oss-120b"])       # gpt-oss
     assert sorted(os.path.basename(f) for f in TWINS) == \
         sorted(os.path.basename(f) for f in PUBLISHED)
 
@@ -203,3 +206,49 @@ def test_qwen3_235b_recipe_is_the_published_model_and_layout(tmp_path):
         (256, 2, 8, 4, 32, 1)
     assert (cfg.training.micro_batch_size, cfg.training.global_batch_size,
             cfg.model.seq_length) == (1, 2048, 4096)
+
+
+def test_gpt_oss_120b_recipe_is_the_published_model_and_layout(tmp_path):
+    """The preset is what openai/gpt-oss-120b's config.json describes (117B parameters,
+    5.1B active besides the input embedding), and the recipe is Megatron-Bridge's H100
+    pretraining layout: TP2 PP4 EP16, expert-TP 1, SP, 64 GPUs; its step counts the window
+    (half the layers see 128 keys of 4096) and the sinks (64 parameters per layer)."""
+    import json
+
+    from megalite.planner.flops import kind_forward_flops
+
+    hf = dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", num_hidden_layers=36,
+              num_local_experts=128, vocab_size=201088, hidden_size=2880,
+              intermediate_size=2880, head_dim=64, num_attention_heads=64,
+              num_key_value_heads=8, sliding_window=128, tie_word_embeddings=False,
+              max_position_embeddings=131072, rms_norm_eps=1e-5, num_experts_per_tok=4,
+              swiglu_limit=7.0, attention_bias=True, router_aux_loss_coef=0.9,
+              layer_types=["sliding_attention", "full_attention"] * 18,
+              rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                   beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                   original_max_position_embeddings=4096))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    hf_model, preset = ms.from_hf_config(str(path)), ms.recipe("gpt-oss-120b")
+    assert ms.total_params(hf_model) == ms.total_params(preset)
+    assert round(ms.total_params(preset) / 1e9) == 117
+    embedding = preset.vocab_size * preset.hidden_size
+    assert round((ms.active_params(preset) - embedding) / 1e8) == 51
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                  "kv_channels", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                  "vocab_size", "rotary_base", "norm_epsilon", "softmax_type", "quick_geglu",
+                  "glu_linear_offset", "activation_func_clamp_value", "moe_expert_bias",
+                  "add_bias_linear", "window_size", "rotary_scaling_factor",
+                  "yarn_correction_range_round_to_int"):
+        assert getattr(hf_model, field) == getattr(preset, field), field
+    assert [preset.layer_window(i) for i in range(4)] == \
+        [hf_model.layer_window(i) for i in range(4)] == [127, None, 127, None]
+    full = dataclasses.replace(preset, window_size=None)
+    assert kind_forward_flops(preset, True, 4096)["core"] < \
+        0.6 * kind_forward_flops(full, True, 4096)["core"]
+    cfg = _cfg(os.path.join(RECIPES, "gpt-oss-120b.yaml"))
+    p = cfg.parallel
+    assert (cfg.world_size, p.tp, p.pp, p.ep, p.etp, p.sequence_parallel) == \
+        (64, 2, 4, 16, 1, True)
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size,
+            cfg.model.seq_length) == (1, 512, 4096)

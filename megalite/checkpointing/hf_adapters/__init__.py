@@ -24,6 +24,8 @@ from megalite.checkpointing.hf_adapters.smollm3 import SmolLM3Adapter
 from megalite.checkpointing.hf_adapters.qwen_moe import Qwen2MoeAdapter, Qwen3MoeAdapter
 # Gemma 2/3
 from megalite.checkpointing.hf_adapters.gemma import Gemma2Adapter, Gemma3Adapter
+# gpt-oss
+from megalite.checkpointing.hf_adapters.gpt_oss import GptOssAdapter
 
 register_adapter(LlamaAdapter())
 register_adapter(MistralAdapter())
@@ -39,6 +41,8 @@ register_adapter(Olmo2Adapter())
 # Gemma 2/3
 register_adapter(Gemma2Adapter())
 register_adapter(Gemma3Adapter())
+# gpt-oss
+register_adapter(GptOssAdapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
@@ -46,4 +50,5 @@ __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter",
            "Qwen2MoeAdapter", "Qwen3MoeAdapter", "DeepseekV3Adapter", "Phi3Adapter",
            "SmolLM3Adapter", "Olmo2Adapter",
-           "Gemma2Adapter", "Gemma3Adapter"]   # Gemma 2/3
+           "Gemma2Adapter", "Gemma3Adapter",   # Gemma 2/3
+           "GptOssAdapter"]
