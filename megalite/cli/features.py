@@ -551,6 +551,28 @@ RULES: Tuple[Rule, ...] = (
             lambda c: c.model.final_logit_softcapping is not None,
             "--final-logit-softcapping with --cross-entropy-loss-fusion: the fused chunks never "
             "hold the logits to cap; drop one of them"),
+    # Qwen3-Next: Gated DeltaNet layers (transformer/gated_delta_net.py) and gated attention
+    Relation("Gated DeltaNet heads split over TP", lambda c: (
+        c.model.experimental_attention_variant is not None and (
+            c.model.linear_num_key_heads % c.parallel.tp
+            or c.model.linear_num_value_heads % c.model.linear_num_key_heads)),
+        lambda c: f"--linear-num-key-heads {c.model.linear_num_key_heads} must be a multiple "
+        f"of --tensor-model-parallel-size {c.parallel.tp} (each rank holds whole q/k heads) "
+        f"and divide --linear-num-value-heads {c.model.linear_num_value_heads}", layout=True),
+    Refuses("te", "--experimental-attention-variant or --attention-output-gate", lambda c: (
+        c.model.experimental_attention_variant is not None or c.model.attention_output_gate),
+            "--experimental-attention-variant / --attention-output-gate with Transformer Engine "
+            "layers: TE's layer has no Gated DeltaNet and no output gate; use "
+            "--transformer-impl local"),
+    Relation("Gated DeltaNet excludes context parallelism", lambda c: (
+        c.model.experimental_attention_variant is not None and c.parallel.cp > 1),
+        "--experimental-attention-variant with --context-parallel-size > 1: the DeltaNet "
+        "state does not pass between CP ranks yet; use --context-parallel-size 1", layout=True),
+    Relation("--attention-output-gate excludes MLA, Muon and --qk-clip", lambda c: (
+        c.model.attention_output_gate and (c.model.multi_latent_attention or c.model.qk_clip
+                                           or c.optimizer.optimizer == "muon")),
+        "--attention-output-gate adds gate rows to linear_qkv, which Multi-Latent Attention "
+        "lacks and --optimizer muon / --qk-clip split as [q, k, v] only: drop one of them"),
 )
 
 

@@ -204,3 +204,12 @@ def window_skip_freq_problem(value, cfg) -> Optional[str]:
         return f"--window-attn-skip-freq pattern has {len(value)} entries for --num-layers " \
                f"{layers}; give one 0/1 per layer"
     return None
+
+
+# Qwen3-Next / Gated DeltaNet hybrids: --linear-attention-freq
+@domain_check("[1,0,1]", 0)
+def linear_attention_freq_problem(value, cfg) -> Optional[str]:
+    """an int N >= 1 (N-1 linear-attention layers, then one full-attention layer) or a 0/1
+    pattern with one entry per layer, 1 = linear attention"""
+    return None if value is None else _layer_pattern_problem(value, cfg,
+                                                             "--linear-attention-freq")

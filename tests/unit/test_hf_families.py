@@ -42,10 +42,17 @@ EXPECT = {   # what each family's import must set
     "qwen3_moe": dict(qk_layernorm=True, kv_channels=16, num_experts=4, moe_layer_freq=[0, 1],
                       moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
                       moe_shared_expert_gate=False),
+    # Qwen3-Next (Gated DeltaNet hybrid)
+    "qwen3_next": dict(experimental_attention_variant="gated_delta_net",
+                       linear_attention_freq=2, attention_output_gate=True,
+                       rotary_percent=0.25, apply_layernorm_1p=True, qk_layernorm=True,
+                       linear_num_key_heads=2, linear_num_value_heads=4,
+                       moe_shared_expert_gate=True, moe_layer_freq=[0, 1]),
 }
 EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
               "phi3": "llama", "smollm3": "smollm3", "olmo2": "olmo2",
-              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+              "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
+              "qwen3_next": "qwen3_next"}
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
