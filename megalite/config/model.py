@@ -287,16 +287,13 @@ class ModelConfig:
         type=lambda v: parse_layer_pattern(v, "--linear-attention-freq"),
         check=linear_attention_freq_problem, requires="experimental_attention_variant")
     linear_conv_kernel_dim: int = opt(4, "Gated DeltaNet: width of the causal depthwise "
-                                      "convolution over q, k and v.", gt=0, checkpoint="shape")
-    linear_key_head_dim: int = opt(128, "Gated DeltaNet: per-head q/k dimension.", gt=0,
-                                   checkpoint="shape")
-    linear_value_head_dim: int = opt(128, "Gated DeltaNet: per-head value dimension.", gt=0,
-                                     checkpoint="shape")
-    linear_num_key_heads: int = opt(16, "Gated DeltaNet: q/k heads (split over TP).", gt=0,
-                                    checkpoint="shape")
+                                      "convolution over q, k and v.", gt=0)
+    linear_key_head_dim: int = opt(128, "Gated DeltaNet: per-head q/k dimension.", gt=0)
+    linear_value_head_dim: int = opt(128, "Gated DeltaNet: per-head value dimension.", gt=0)
+    linear_num_key_heads: int = opt(16, "Gated DeltaNet: q/k heads (split over TP).", gt=0)
     linear_num_value_heads: int = opt(
         32, "Gated DeltaNet: value heads, a multiple of --linear-num-key-heads (each q/k head "
-        "serves that many value heads).", gt=0, checkpoint="shape")
+        "serves that many value heads).", gt=0)
     attention_output_gate: bool = opt(
         False, "Full-attention layers gate their output per channel by sigmoid of a second "
         "query-sized projection (Qwen3-Next's gated attention).", action="store_true")
