@@ -72,6 +72,10 @@ LONG_TESTS = (
     # --compile pairs: the default run keeps two compile launches
     f"{_PAIRS}[cp2-zb-uneven-full-compile]",
     f"{_PAIRS}[fsdp2-hsdp-overlap-selective-fused-compile]",
+    # Qwen3-Next's recipe twin on 4 processes (the default run keeps its convert.py +
+    # pretrain_gpt.py path, tests/e2e/test_qwen3_next_e2e.py, and its PP2/EP2 losses,
+    # tests/distributed/test_hf_families_dist.py)
+    "tests/e2e/test_qwen3_next_e2e.py::test_qwen3_next_twin_with_run_local_matches_one_process",
 )
 
 

@@ -564,10 +564,6 @@ RULES: Tuple[Rule, ...] = (
             "--experimental-attention-variant / --attention-output-gate with Transformer Engine "
             "layers: TE's layer has no Gated DeltaNet and no output gate; use "
             "--transformer-impl local"),
-    Relation("Gated DeltaNet excludes context parallelism", lambda c: (
-        c.model.experimental_attention_variant is not None and c.parallel.cp > 1),
-        "--experimental-attention-variant with --context-parallel-size > 1: the DeltaNet "
-        "state does not pass between CP ranks yet; use --context-parallel-size 1", layout=True),
     Relation("--attention-output-gate excludes MLA, Muon and --qk-clip", lambda c: (
         c.model.attention_output_gate and (c.model.multi_latent_attention or c.model.qk_clip
                                            or c.optimizer.optimizer == "muon")),

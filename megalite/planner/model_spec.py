@@ -397,3 +397,14 @@ def describe(m: ModelConfig) -> str:
             f"{m.hidden_size}, {m.num_attention_heads}{gqa} heads, ffn "
             f"{m.resolved_ffn_hidden_size()}{'' if activation_of(m).flag is None else ' ' + activation_of(m).name}, vocab "
             f"{m.vocab_size}{moe}")
+
+
+# Qwen3-Next hybrids: what a Gated DeltaNet layer carries along the sequence
+def gated_delta_net_state_elements(m: ModelConfig) -> int:
+    """Per sequence and DeltaNet layer, the recurrent state (value heads x dk x dv, fp32)
+    plus the convolution's tail ((K - 1) tokens of q, k and v channels): what context
+    parallelism hands from rank to rank and generation keeps instead of a KV cache (which
+    grows with the sequence; this does not)."""
+    hv, hk = m.linear_num_value_heads, m.linear_num_key_heads
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    return hv * dk * dv + (m.linear_conv_kernel_dim - 1) * (2 * hk * dk + hv * dv)

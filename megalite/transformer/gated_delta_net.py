@@ -117,7 +117,7 @@ class GatedDeltaNet(nn.Module):
         g, r, dk, dv = self.local_groups, self.r, self.dk, self.dv
         qkv, z = qkvz.view(s, b, g, -1).split([self.group_qkv, r * dv], dim=-1)
         mixed = qkv.reshape(s, b, g * self.group_qkv).permute(1, 2, 0)    # [b, ch, s]
-        mixed = F.silu(causal_conv1d(mixed, self.conv_weight, documents=document_ids))
+        mixed = F.silu(self._conv(mixed, document_ids))
         mixed = mixed.permute(0, 2, 1).reshape(b, s, g, self.group_qkv)
         q, k, v = mixed.split([dk, dk, r * dv], dim=-1)
         v = v.reshape(b, s, g * r, dv)
@@ -128,14 +128,20 @@ class GatedDeltaNet(nn.Module):
         q, k = (l2norm(x.float()) for x in (q, k))
         if r > 1:            # each q/k head serves r consecutive value heads
             q, k = (x.repeat_interleave(r, dim=2) for x in (q, k))
-        resets = None if document_ids is None else document_resets(document_ids)
-        out = self._delta_rule(q, k, v, decay, beta, resets)   # [b, s, heads, dv]
+        out = self._recurrence(q, k, v, decay, beta, document_ids)   # [b, s, heads, dv]
         z = z.reshape(s, b, g * r, dv).transpose(0, 1)
         out = self.norm(out, z).reshape(b, s, g * r * dv).transpose(0, 1)
         return self.out_proj(out)
 
-    @staticmethod
-    def _delta_rule(q, k, v, decay, beta, resets):
+    # -- the two parts that see along the sequence (context parallelism overrides them:
+    # -- context_parallel/delta_state.py) ------------------------------------------------
+    def _conv(self, mixed: torch.Tensor, document_ids) -> torch.Tensor:
+        """The causal convolution of [b, channels, s] (this rank holds the whole sequence)."""
+        return causal_conv1d(mixed, self.conv_weight, documents=document_ids)
+
+    def _recurrence(self, q, k, v, decay, beta, document_ids) -> torch.Tensor:
+        """The delta rule over the whole sequence, from a zero state."""
+        resets = None if document_ids is None else document_resets(document_ids)
         fused = _fla_chunk_rule() if q.is_cuda and resets is None else None
         if fused is not None:   # fla's kernel: same layout, q/k already normalized
             out, _ = fused(q.to(v.dtype), k.to(v.dtype), v, g=decay, beta=beta.to(v.dtype),

@@ -110,13 +110,14 @@ def test_new_families_convert_both_ways_and_give_transformers_loss_at_tp2_pp2(tm
 
 
 # Qwen3-Next (Gated DeltaNet hybrid): converted both ways and evaluated at TP2 (with SP: MoE
-# needs it), PP2 (a DeltaNet layer on one stage, full attention on the other) and EP2; its
-# switches trained from scratch at TP2+SP, PP2 (stages of different layer kinds), EP2 and
-# FSDP2 with full recomputation give the single process's losses.  Sequences of 80 tokens:
+# needs it), PP2 (a DeltaNet layer on one stage, full attention on the other), EP2 and CP2
+# (the DeltaNet state passed between the CP ranks); its switches trained from scratch at
+# those layouts and FSDP2 with full recomputation give the single process's losses.  Sequences of 80 tokens:
 # two chunks of the delta rule, so the state walks from chunk to chunk.
 NEXT_LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                 "pp2": ["--pipeline-model-parallel-size", "2"],
-                "ep2": ["--expert-model-parallel-size", "2"]}
+                "ep2": ["--expert-model-parallel-size", "2"],
+                "cp2": ["--context-parallel-size", "2"]}
 NEXT_TRAIN_LAYOUTS = dict(NEXT_LAYOUTS, fsdp2_recompute=[
     "--use-torch-fsdp2", "--recompute-granularity", "full", "--recompute-method", "uniform"])
 NEXT_SEQ = 80
@@ -153,7 +154,7 @@ def _next_evals(ckpt, data):
     return out
 
 
-def test_qwen3_next_converts_both_ways_and_gives_transformers_loss_at_tp2_pp2_ep2(
+def test_qwen3_next_converts_both_ways_and_gives_transformers_loss_at_tp2_pp2_ep2_cp2(
         tmp_path, dist):
     from megalite.data.indexed_dataset import write_documents
 

@@ -273,9 +273,6 @@ RULE_CASES = {
         [[{"model": dict(_TE)}], _GDN + ["--attention-output-gate"]]),
     "--linear-attention-freq needs --experimental-attention-variant": (
         [["--linear-attention-freq", "4"]], [_GDN]),
-    "Gated DeltaNet excludes context parallelism": (
-        [_GDN + ["--context-parallel-size", "2"]],
-        [_GDN, ["--context-parallel-size", "2"]]),
     "--attention-output-gate excludes MLA, Muon and --qk-clip": (
         [_MLA + ["--attention-output-gate"], ["--attention-output-gate", "--qk-clip"],
          ["--attention-output-gate", "--optimizer", "muon"]],
