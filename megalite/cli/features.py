@@ -564,11 +564,14 @@ RULES: Tuple[Rule, ...] = (
             "--experimental-attention-variant / --attention-output-gate with Transformer Engine "
             "layers: TE's layer has no Gated DeltaNet and no output gate; use "
             "--transformer-impl local"),
-    Relation("--attention-output-gate excludes MLA, Muon and --qk-clip", lambda c: (
-        c.model.attention_output_gate and (c.model.multi_latent_attention or c.model.qk_clip
-                                           or c.optimizer.optimizer == "muon")),
+    Relation("Qwen3-Next's layers exclude MLA, Muon and --qk-clip", lambda c: (
+        (c.model.attention_output_gate or c.model.experimental_attention_variant is not None)
+        and (c.model.multi_latent_attention or c.model.qk_clip
+             or (c.model.attention_output_gate and c.optimizer.optimizer == "muon"))),
         "--attention-output-gate adds gate rows to linear_qkv, which Multi-Latent Attention "
-        "lacks and --optimizer muon / --qk-clip split as [q, k, v] only: drop one of them"),
+        "lacks and --optimizer muon / --qk-clip split as [q, k, v] only, and Gated DeltaNet "
+        "layers (--experimental-attention-variant) have no MLA form and no attention logits "
+        "to clip: drop one of them"),
 )
 
 

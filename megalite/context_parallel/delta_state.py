@@ -33,8 +33,6 @@ sent" -- the order that walks the gradient down the chain without a cycle.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from megalite import comm
@@ -116,8 +114,9 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         super().__init__(model_cfg, comm_groups, **kwargs)
         self.group = comm_groups.cp
 
-    def _chunks(self, document_ids: Optional[torch.Tensor], local: int):
-        """This rank's two chunks as (start, end) positions of the whole sequence."""
+    def _chunks(self, local: int):
+        """This rank's two chunks as (start, end) positions of the whole sequence, from the
+        length ``local`` of this rank's part."""
         n, r = self.group.size, self.group.rank
         c = local // 2
         return [(i * c, (i + 1) * c) for i in chunk_ids(n, r)]
@@ -138,7 +137,7 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
                                              self.group)
         tail_first = got_prev if prev is not None else None
         tail_second = got_next if nxt is not None else first[..., -K1:]
-        (a0, a1), (b0, b1) = self._chunks(document_ids, mixed.shape[-1])
+        (a0, a1), (b0, b1) = self._chunks(mixed.shape[-1])
         docs = {}
         if document_ids is not None:
             docs = [dict(documents=document_ids[:, s:e],
@@ -155,7 +154,7 @@ class ContextParallelGatedDeltaNet(GatedDeltaNet):
         halves = [[t[:, :c], t[:, c:]] for t in (q, k, v, decay, beta)]
         resets = [None, None]
         if document_ids is not None:
-            for i, (s, e) in enumerate(self._chunks(document_ids, q.shape[1])):
+            for i, (s, e) in enumerate(self._chunks(q.shape[1])):
                 before = document_ids[:, s - 1] if s > 0 else None
                 resets[i] = document_resets(document_ids[:, s:e], before)
         b, _, h, dk = q.shape

@@ -273,10 +273,10 @@ RULE_CASES = {
         [[{"model": dict(_TE)}], _GDN + ["--attention-output-gate"]]),
     "--linear-attention-freq needs --experimental-attention-variant": (
         [["--linear-attention-freq", "4"]], [_GDN]),
-    "--attention-output-gate excludes MLA, Muon and --qk-clip": (
+    "Qwen3-Next's layers exclude MLA, Muon and --qk-clip": (
         [_MLA + ["--attention-output-gate"], ["--attention-output-gate", "--qk-clip"],
-         ["--attention-output-gate", "--optimizer", "muon"]],
-        [["--attention-output-gate"], _MLA, ["--qk-clip"]]),
+         ["--attention-output-gate", "--optimizer", "muon"], _GDN + _MLA, _GDN + ["--qk-clip"]],
+        [["--attention-output-gate"], _MLA, ["--qk-clip"], _GDN + ["--optimizer", "muon"]]),
     "schedule matches virtual stages": (
         [["--pp", "2", "--pipeline-schedule", "interleaved"],
          ["--pp", "2", "--pipeline-schedule", "1f1b",

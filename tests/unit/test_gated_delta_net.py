@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.checkpointing import hf
+from megalite.checkpointing.hf_adapters import UnsupportedModelError, adapter_for_model
 from megalite.checkpointing.model_io import load_full_state_dict
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_model, single_rank_state
@@ -99,3 +100,14 @@ def test_packed_batch_of_three_documents_equals_transformers_on_each(tmp_path):
             err = rel(packed[:, s:e], alone)
             print(f"document {s}:{e}: logits rel {err:.1e}")
             assert err <= 1e-5
+
+
+def test_a_hybrid_exports_only_as_qwen3_next(tmp_path):
+    save_hf_model("qwen3_next", str(tmp_path))
+    model_cfg, _ = hf.import_hf(str(tmp_path))
+    assert adapter_for_model(model_cfg).family == "qwen3_next"
+    dense = dict(model_cfg, num_experts=None, moe_shared_expert_intermediate_size=None,
+                 moe_shared_expert_gate=False, qk_layernorm=False)
+    with pytest.raises(UnsupportedModelError, match="does not export as LlamaForCausalLM; it "
+                       "needs no --experimental-attention-variant, no --attention-output-gate"):
+        adapter_for_model(dense, "LlamaForCausalLM")

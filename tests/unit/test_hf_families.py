@@ -136,6 +136,11 @@ REFUSALS = [
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
                                        short_factor=[1.0] * 4, long_factor=[2.0] * 4)),
      "rope_type 'longrope' is not supported"),
+    # Qwen3-Next
+    ("qwen3_next", dict(layer_types=["linear_attention", "sliding_attention"]),
+     r"layer_types \['sliding_attention'\] are not supported"),
+    ("qwen3_next", dict(attention_bias=True), "attention_bias: true is not supported for "
+     "Qwen3-Next"),
 ]
 
 

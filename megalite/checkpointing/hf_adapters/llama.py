@@ -78,6 +78,8 @@ class LlamaAdapter(HFAdapter):
     qk_layernorm_scope = "head"
     # the HF names of megalite's two layer norms (input_layernorm, pre_mlp_layernorm)
     layer_norm_names = ("input_layernorm", "post_attention_layernorm")
+    # Qwen3-Next: whether the family writes Gated DeltaNet layers and gated attention
+    linear_attention = False
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -135,7 +137,16 @@ class LlamaAdapter(HFAdapter):
             (mc.qk_layernorm and mc.qk_layernorm_scope != self.qk_layernorm_scope,
              f"--qk-layernorm-scope {self.qk_layernorm_scope}")) if bad] + \
             rope_export_problems(mc) + self.window_export_problems(mc) + \
-            self.family_export_problems(mc)
+            self.linear_attention_export_problems(mc) + self.family_export_problems(mc)
+
+    def linear_attention_export_problems(self, mc) -> List[str]:
+        """Qwen3-Next's switches: only a family that writes them may export them."""
+        if self.linear_attention:
+            return []
+        return [msg for bad, msg in (
+            (mc.experimental_attention_variant is not None,
+             "no --experimental-attention-variant"),
+            (mc.attention_output_gate, "no --attention-output-gate")) if bad]
 
     def window_export_problems(self, mc) -> List[str]:
         """Llama has no sliding window (Mistral and Qwen2 override)."""

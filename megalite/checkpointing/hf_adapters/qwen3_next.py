@@ -74,6 +74,7 @@ class Qwen3NextAdapter(QwenMoeMixin, Qwen3Adapter):
     architectures = ("Qwen3NextForCausalLM",)
     model_type = "qwen3_next"
     shared_expert = True
+    linear_attention = True
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -100,9 +101,7 @@ class Qwen3NextAdapter(QwenMoeMixin, Qwen3Adapter):
     def family_export_problems(self, mc) -> List[str]:
         return super().family_export_problems(mc) + [msg for bad, msg in (
             (not mc.apply_layernorm_1p, "--apply-layernorm-1p"),
-            (not mc.attention_output_gate, "--attention-output-gate"),
-            (mc.experimental_attention_variant not in (None, "gated_delta_net"),
-             "--experimental-attention-variant gated_delta_net")) if bad]
+            (not mc.attention_output_gate, "--attention-output-gate")) if bad]
 
     def config_to_hf(self, m: dict, torch_dtype: str = "float32") -> dict:
         hf = super().config_to_hf(m, torch_dtype)
