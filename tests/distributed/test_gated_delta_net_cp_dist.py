@@ -1,7 +1,8 @@
 """Gated DeltaNet under context parallelism on real gloo ranks equals the single process:
 the recurrent state walks the CP ranks in sequence order (context_parallel/delta_state.py)
 at CP2 and CP4 (where middle ranks both receive and send each way), with TP2+SP, with PP2
-and full recomputation (the chain re-runs inside the backward), packed documents
+and full recomputation (the chain re-runs inside the backward), and PP2 x VPP2 without CP
+(virtual chunks of alternating layer kinds), packed documents
 (--reset-attention-mask: about six documents per 96-token sample, NullTokenizer's EOD is
 vocab - 1 = 15) and without -- one launch of four ranks, three iterations each, losses and
 gradient norms.  (tests/distributed/test_hf_families_dist.py holds the converted
@@ -31,6 +32,10 @@ CASES = {
                                       "--pipeline-model-parallel-size", "2",
                                       "--recompute-granularity", "full",
                                       "--recompute-method", "uniform"],
+    # no CP: interleaved stages of alternating layer kinds (1 layer per virtual chunk)
+    "pp2-vpp2-docs": DOCS + ["--pipeline-model-parallel-size", "2",
+                             "--num-virtual-stages-per-pipeline-rank", "2",
+                             "--micro-batch-size", "1"],
 }
 
 
