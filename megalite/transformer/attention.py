@@ -202,7 +202,7 @@ class SelfAttention(nn.Module):
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``document_ids`` [b, s] (whole sequence): core attention keeps each query inside
         its document (``transformer/attention_masks.py``); None: plain causal."""
-        qkv = self.linear_qkv(hidden)                                  # [s, b, groups*(r+2)*d]
+        qkv = self.linear_qkv(hidden)             # [s, b, groups*(r+2)*d] (+ r*d: the gate)
         if self.output_gate:
             gate, qkv = self._split_gate(qkv)
             return self.linear_proj(self._attend(qkv, rotary, document_ids)
