@@ -78,6 +78,10 @@ LONG_TESTS = (
     # gpt-oss's recipe twin (the default run keeps its layer at TP2+SP, CP2, EP2, PP2 in
     # tests/distributed/test_attention_sinks_dist.py and its dry run in test_recipes.py)
     "tests/e2e/test_recipes_e2e.py::test_gpt_oss_twin_with_run_local_matches_one_process",
+    # Qwen3-Next's recipe twin on 4 processes (the default run keeps its convert.py +
+    # pretrain_gpt.py path, tests/e2e/test_qwen3_next_e2e.py, and its PP2/EP2 losses,
+    # tests/distributed/test_hf_families_dist.py)
+    "tests/e2e/test_qwen3_next_e2e.py::test_qwen3_next_twin_with_run_local_matches_one_process",
 )
 
 

@@ -79,7 +79,15 @@ FAMILIES["gpt_oss"] = ("GptOssConfig", "GptOssForCausalLM", dict(
     sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
                          beta_slow=1.0, truncate=False, original_max_position_embeddings=16)))
-MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "gpt_oss")
+# Qwen3-Next: a Gated DeltaNet layer 0 (2 q/k heads serving 4 value heads) and a gated
+# full-attention layer 1 with partial rotary 0.25 and an MoE block with the gated shared expert
+FAMILIES["qwen3_next"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+    MOE, head_dim=16, shared_expert_intermediate_size=24, norm_topk_prob=True,
+    layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+    rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.25)))
+MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next")
 
 
 def hf_model(family: str, seed: int = 0):

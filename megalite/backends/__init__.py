@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.context_parallel import core_attention_class
+from megalite.context_parallel.delta_state import ContextParallelGatedDeltaNet
 from megalite.transformer.spec import LayerSpec  # noqa: F401  (re-exported)
 from megalite.backends.local import local_spec
 from megalite.backends.transformer_engine import te_spec
@@ -81,4 +82,7 @@ def context_parallel_spec(spec: LayerSpec, cp_comm_type: str) -> LayerSpec:
     attn = dataclasses.replace(attn, submodules=dataclasses.replace(
         attn.submodules, core_attention=core_attention_class(cp_comm_type)))
     layer = dataclasses.replace(layer, self_attention=attn)
+    if layer.linear_attention is not None:     # Gated DeltaNet: the state walks the CP ranks
+        layer = dataclasses.replace(layer, linear_attention=dataclasses.replace(
+            layer.linear_attention, module=ContextParallelGatedDeltaNet))
     return dataclasses.replace(spec, layer=dataclasses.replace(spec.layer, submodules=layer))

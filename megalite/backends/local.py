@@ -17,6 +17,7 @@ import torch
 
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megalite.transformer.attention import DotProductAttention, SelfAttention
+from megalite.transformer.gated_delta_net import GatedDeltaNet
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norms import IdentityNorm, build_norm, build_qk_norm
@@ -27,6 +28,7 @@ from megalite.moe.shared_experts import shared_expert_spec
 from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, MoESubmodules,
                                        ModuleSpec, SelfAttentionSubmodules,
                                        TransformerLayerSubmodules)
+from megalite.transformer.spec import GatedDeltaNetSubmodules
 
 
 def local_spec() -> LayerSpec:
@@ -40,9 +42,12 @@ def local_spec() -> LayerSpec:
                                                    linear_fc2=RowParallelLinear))
     moe = ModuleSpec(MoELayer, submodules=MoESubmodules(router=TopKRouter, experts=GroupedMLP,
                                                         shared_experts=shared_expert_spec(mlp)))
+    linear = ModuleSpec(GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        linear_qkvz=ColumnParallelLinear, linear_ba=ColumnParallelLinear,
+        linear_out=RowParallelLinear))
     layer = ModuleSpec(TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=build_norm, self_attention=attention, pre_mlp_layernorm=build_norm,
-        mlp=mlp, moe_mlp=moe))
+        mlp=mlp, moe_mlp=moe, linear_attention=linear))
     return LayerSpec(layer=layer, norm=build_norm, column_parallel_linear=ColumnParallelLinear)
 
 

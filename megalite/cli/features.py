@@ -558,6 +558,27 @@ RULES: Tuple[Rule, ...] = (
             "--moe-expert-bias with --expert-tensor-parallel-size > 1: each shard's fc2 output "
             "is a partial sum, so the expert's bias would be added once per shard; use "
             "--expert-tensor-parallel-size 1"),
+    # Qwen3-Next: Gated DeltaNet layers (transformer/gated_delta_net.py) and gated attention
+    Relation("Gated DeltaNet heads split over TP", lambda c: (
+        c.model.experimental_attention_variant is not None and (
+            c.model.linear_num_key_heads % c.parallel.tp
+            or c.model.linear_num_value_heads % c.model.linear_num_key_heads)),
+        lambda c: f"--linear-num-key-heads {c.model.linear_num_key_heads} must be a multiple "
+        f"of --tensor-model-parallel-size {c.parallel.tp} (each rank holds whole q/k heads) "
+        f"and divide --linear-num-value-heads {c.model.linear_num_value_heads}", layout=True),
+    Refuses("te", "--experimental-attention-variant or --attention-output-gate", lambda c: (
+        c.model.experimental_attention_variant is not None or c.model.attention_output_gate),
+            "--experimental-attention-variant / --attention-output-gate with Transformer Engine "
+            "layers: TE's layer has no Gated DeltaNet and no output gate; use "
+            "--transformer-impl local"),
+    Relation("Qwen3-Next's layers exclude MLA, Muon and --qk-clip", lambda c: (
+        (c.model.attention_output_gate or c.model.experimental_attention_variant is not None)
+        and (c.model.multi_latent_attention or c.model.qk_clip
+             or (c.model.attention_output_gate and c.optimizer.optimizer == "muon"))),
+        "--attention-output-gate adds gate rows to linear_qkv, which Multi-Latent Attention "
+        "lacks and --optimizer muon / --qk-clip split as [q, k, v] only, and Gated DeltaNet "
+        "layers (--experimental-attention-variant) have no MLA form and no attention logits "
+        "to clip: drop one of them"),
 )
 
 

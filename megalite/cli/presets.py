@@ -108,6 +108,23 @@ MODEL_PRESETS.update({
                          vocab_size=201088, norm_epsilon=1e-5, seq_length=4096),
 })
 
+# Qwen3-Next (Gated DeltaNet hybrid): Qwen/Qwen3-Next-80B-A3B-Instruct's config.json -- 48
+# layers, every 4th full attention (16 heads / 2 KV groups of 256, output gate, q/k RMSNorm,
+# partial rotary 0.25, theta 1e7) and the others Gated DeltaNet (16 q/k heads of 128 serving
+# 32 value heads of 128, conv 4); zero-centred RMSNorms; 512 experts (F 512) top-10
+# renormalized with a sigmoid-gated shared expert (512) in every layer.
+MODEL_PRESETS.update({
+    "qwen3-next-80b-a3b": dict(
+        _LLAMA, num_layers=48, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
+        kv_channels=256, qk_layernorm=True, apply_layernorm_1p=True, ffn_hidden_size=5120,
+        rotary_percent=0.25, rotary_base=10000000, attention_output_gate=True,
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, moe_ffn_hidden_size=512,
+        num_experts=512, moe_router_topk=10, moe_shared_expert_intermediate_size=512,
+        moe_shared_expert_gate=True, vocab_size=151936, norm_epsilon=1e-6, seq_length=4096),
+})
+
 
 def preset_fields(name: str) -> Dict[str, Any]:
     """The ``ModelConfig`` fields of preset ``name`` (its ``published`` notes left out)."""

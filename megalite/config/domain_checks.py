@@ -48,6 +48,27 @@ def no_rope_freq_problem(value, cfg) -> Optional[str]:
     return None if value is None else _layer_pattern_problem(value, cfg, "--no-rope-freq")
 
 
+def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
+    """Channels of a head that rotate under ``--rotary-percent``: int(head_dim * percent), as
+    Megatron-Core's ``RotaryEmbedding`` and HF's ``partial_rotary_factor`` round (the one rule
+    ``transformer/rotary.py`` and this check read)."""
+    return int(head_dim * rotary_percent) if rotary_percent < 1.0 else head_dim
+
+
+@domain_check(0.1)
+def rotary_percent_problem(value, cfg) -> Optional[str]:
+    """a fraction of --kv-channels that rotates an even number >= 2 of channels"""
+    m = cfg.model
+    if value >= 1.0 or m.hidden_size is None or m.num_attention_heads is None:
+        return None
+    head_dim = m.resolved_kv_channels()
+    rot = rotary_dim(head_dim, value)
+    if rot < 2 or rot % 2:
+        return (f"--rotary-percent {value} of --kv-channels {head_dim} rotates {rot} "
+                "channels; give a fraction that rotates an even number >= 2 of them")
+    return None
+
+
 def _layer_pattern_problem(value, cfg, flag: str) -> Optional[str]:
     try:
         freq = parse_layer_pattern(value, flag)
@@ -194,6 +215,8 @@ def pipeline_layout_problem(value, cfg) -> Optional[str]:
         return None
     return layout_problem(value, cfg.parallel.pp, cfg.model.num_layers,
                           cfg.model.mtp_num_layers or 0)
+
+
 @domain_check("yarn")
 def rope_type_problem(value, cfg) -> Optional[str]:
     """rope or yarn with --multi-latent-attention; rope (common attention's own) without"""
@@ -201,3 +224,12 @@ def rope_type_problem(value, cfg) -> Optional[str]:
         return ("--rope-type yarn is Multi-Latent Attention's rope part: it needs "
                 "--multi-latent-attention (common attention: --position-embedding-type yarn)")
     return None
+
+
+# Qwen3-Next / Gated DeltaNet hybrids: --linear-attention-freq
+@domain_check("[1,0,1]", 0)
+def linear_attention_freq_problem(value, cfg) -> Optional[str]:
+    """an int N >= 1 (N-1 linear-attention layers, then one full-attention layer) or a 0/1
+    pattern with one entry per layer, 1 = linear attention"""
+    return None if value is None else _layer_pattern_problem(value, cfg,
+                                                             "--linear-attention-freq")

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megalite.config.domain_checks import (moe_layer_freq_problem, no_rope_freq_problem,
-                                           rope_type_problem, window_size_problem,
-                                           window_skip_freq_problem)
+                                           rope_type_problem, rotary_percent_problem,
+                                           window_size_problem, window_skip_freq_problem)
+from megalite.config.domain_checks import linear_attention_freq_problem
 from megalite.config.fields import opt
 from megalite.config.score_mods import kernel_check
 from megalite.config.activations import (ACTIVATIONS, activation_of, choice_problem,
@@ -15,6 +16,7 @@ from megalite.config.activations import (ACTIVATIONS, activation_of, choice_prob
 from megalite.config.sinks import sinks_kernel_problem
 from megalite.config.moe_layer_freq import (MoeLayerFreqError, parse_moe_layer_freq,  # noqa: F401
                                            parse_no_rope_freq)
+from megalite.config.moe_layer_freq import parse_layer_pattern
 from megalite.config.window import parse_window_size, parse_window_skip_freq
 
 
@@ -52,8 +54,9 @@ class ModelConfig:
         "YaRN frequency scaling (yarn, the --rotary-scaling-factor/--yarn-* flags) or none.",
         choices=["learned_absolute", "rope", "yarn", "none"])
     rotary_base: int = opt(10000, "Base period of rotary position embeddings.", gt=0)
-    rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated (1.0 only here).",
-        gt=0, le=1)
+    rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated: the leading "
+        "int(kv_channels * p) (GLM-4.5's partial_rotary_factor).", gt=0, le=1,
+        check=rotary_percent_problem)
     # RoPE frequency scaling (transformer/rotary.py): Llama 3.1's and YaRN.
     use_rope_scaling: bool = opt(
         False, "Llama 3.x RoPE scaling (--position-embedding-type rope): low frequencies "
@@ -313,6 +316,29 @@ class ModelConfig:
         None, "The router's logits matmul in fp32 or fp64 (default: the layer's dtype, the "
         "logits then in fp32).", choices=["fp32", "fp64"], requires="num_experts",
         checkpoint="runtime")
+    # Qwen3-Next hybrids: Gated DeltaNet linear attention beside gated full attention
+    # (transformer/gated_delta_net.py; Megatron-Core's experimental_attention_variant flags).
+    experimental_attention_variant: Optional[str] = opt(
+        None, "Linear-attention layers of a hybrid model: gated_delta_net (Qwen3-Next's Gated "
+        "DeltaNet) in the layers --linear-attention-freq marks.",
+        choices=["gated_delta_net"])
+    linear_attention_freq: Union[int, list, None] = opt(
+        None, "Which layers are linear attention (Megatron's form): an int N (N-1 linear "
+        "layers, then one full-attention layer; Qwen3-Next 4) or a 0/1 pattern with one "
+        "entry per layer, 1 = linear attention; default every layer.",
+        type=lambda v: parse_layer_pattern(v, "--linear-attention-freq"),
+        check=linear_attention_freq_problem, requires="experimental_attention_variant")
+    linear_conv_kernel_dim: int = opt(4, "Gated DeltaNet: width of the causal depthwise "
+                                      "convolution over q, k and v.", gt=0)
+    linear_key_head_dim: int = opt(128, "Gated DeltaNet: per-head q/k dimension.", gt=0)
+    linear_value_head_dim: int = opt(128, "Gated DeltaNet: per-head value dimension.", gt=0)
+    linear_num_key_heads: int = opt(16, "Gated DeltaNet: q/k heads (split over TP).", gt=0)
+    linear_num_value_heads: int = opt(
+        32, "Gated DeltaNet: value heads, a multiple of --linear-num-key-heads (each q/k head "
+        "serves that many value heads).", gt=0)
+    attention_output_gate: bool = opt(
+        False, "Full-attention layers gate their output per channel by sigmoid of a second "
+        "query-sized projection (Qwen3-Next's gated attention).", action="store_true")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
@@ -406,3 +432,19 @@ class ModelConfig:
         """Whether global layer ``layer`` rotates with ``--rotary-base-local`` (a windowed
         layer of a model that gives one) rather than the full layers' tables."""
         return self.rotary_base_local is not None and self.layer_window(layer) is not None
+
+    # Qwen3-Next hybrids: which layers are Gated DeltaNet
+    def is_linear_attention_layer(self, layer: int) -> bool:
+        """Whether global layer ``layer`` (0-based) is a linear-attention (Gated DeltaNet)
+        layer: Megatron's ``linear_attention_freq`` rule (an int N: layers N-1, 2N-1, ...
+        are full attention); the one rule the layers, the planner and the adapters read."""
+        if not self.experimental_attention_variant:
+            return False
+        if layer >= self.num_layers:      # an MTP module's layer: like the model's last
+            return self.is_linear_attention_layer(self.num_layers - 1)
+        if self.linear_attention_freq is None:
+            return True
+        freq = parse_layer_pattern(self.linear_attention_freq, "--linear-attention-freq")
+        if isinstance(freq, int):
+            return (layer + 1) % freq != 0
+        return bool(freq[layer])

@@ -15,6 +15,10 @@ the same total as Megatron-LM's ``num_floating_point_operations`` (docs/planner.
 Recomputation re-runs forwards: full adds one layer forward (4x instead of 3x, Narayanan
 et al. 2021's 96*B*s*l*h^2 formula), selective adds the attention core only.
 
+Gated DeltaNet layers (``--experimental-attention-variant``) replace the attention of the
+layers ``--linear-attention-freq`` marks by their projections and a core linear in the
+sequence (``gated_delta_net_forward_flops``); a kind's count is the mean over its layers.
+
 Masks that remove work scale the attention core by the causal (query, key) pairs they keep
 (``attention_work_fraction``): a sliding window (``--window-size``, per layer) in every
 count; packed documents (``--reset-attention-mask``) depend on the data, so only a caller
@@ -75,6 +79,31 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     if m.window_size:
         same = [i for i in range(m.num_layers) if ms.is_moe_layer(m, i) == moe] or [0]
         core *= sum(attention_work_fraction(seq, m.layer_window(i)) for i in same) / len(same)
+    if m.attention_output_gate:
+        linear += 2 * h * a * d                    # the gate rows of linear_qkv
+    if m.experimental_attention_variant:           # Gated DeltaNet layers of this kind
+        same = [i for i in range(m.num_layers) if ms.is_moe_layer(m, i) == moe] or [0]
+        share = sum(m.is_linear_attention_layer(i) for i in same) / len(same)
+        mixer = 2 * h * a * d * (2 if m.attention_output_gate else 1) + 4 * g * d * h
+        gdn = gated_delta_net_forward_flops(m)
+        linear += share * (gdn["linear"] - mixer)
+        core = (1 - share) * core + share * gdn["core"]
+    return {"linear": float(linear), "core": float(core)}
+
+
+def gated_delta_net_forward_flops(m: ModelConfig, chunk: int = 64) -> Dict[str, float]:
+    """Per-token forward FLOPs of one Gated DeltaNet token mixer (transformer/
+    gated_delta_net.py): ``linear`` its projections (in_proj_qkvz, in_proj_ba, out_proj),
+    ``core`` the convolution and the chunked delta rule, per value head: the in-chunk
+    products k_beta k^T and q k^T (2C dk each), the two triangular solves (C dv, C dk),
+    the in-chunk output (2C dv) and the state read twice and written once (6 dk dv).  Linear
+    in the sequence: a DeltaNet layer's core does not grow with --seq-length."""
+    h, hk, hv = m.hidden_size, m.linear_num_key_heads, m.linear_num_value_heads
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    channels = 2 * hk * dk + hv * dv
+    linear = 2 * h * (channels + hv * dv) + 2 * h * 2 * hv + 2 * hv * dv * h
+    core = 2 * m.linear_conv_kernel_dim * channels + hv * (
+        4 * chunk * dk + chunk * (dk + dv) + 2 * chunk * dv + 6 * dk * dv)
     return {"linear": float(linear), "core": float(core)}
 
 

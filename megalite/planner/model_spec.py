@@ -217,7 +217,8 @@ def with_mtp_layers(m: ModelConfig, kinds: tuple, last: bool) -> tuple:
 
 def layer_params(m: ModelConfig, layer: int, tp: int = 1, etp: int = 1, ep: int = 1) -> ParamCount:
     """One transformer layer's parameters on one rank (TP shards split, the rest replicated)."""
-    return kind_params(m, is_moe_layer(m, layer), tp, etp, ep)
+    return kind_params(m, is_moe_layer(m, layer), tp, etp, ep,
+                       linear=m.is_linear_attention_layer(layer))
 
 
 def attention_head_dims(m: ModelConfig) -> tuple:
@@ -269,13 +270,29 @@ def mla_latent_cache_elements(m: ModelConfig) -> int:
     return m.kv_lora_rank + m.qk_pos_emb_head_dim
 
 
-def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 1) -> ParamCount:
+def gated_delta_net_params(m: ModelConfig, tp: int = 1) -> int:
+    """A Gated DeltaNet token mixer on one rank (transformer/gated_delta_net.py): the two
+    column-parallel input projections, conv channels, A_log and dt_bias split with the
+    heads, the gated norm replicated, the row-parallel output projection."""
+    h, hk, hv = m.hidden_size, m.linear_num_key_heads, m.linear_num_value_heads
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    channels = 2 * hk * dk + hv * dv                        # q, k, v through the conv
+    n = (channels + hv * dv) * h // tp + 2 * hv * h // tp     # in_proj_qkvz, in_proj_ba
+    n += channels * m.linear_conv_kernel_dim // tp + 2 * hv // tp     # conv, A_log, dt_bias
+    return n + dv + hv * dv * h // tp                         # gated norm, out_proj
+
+
+def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 1,
+                linear: bool = False) -> ParamCount:
+    """One layer of a kind: dense or MoE MLP, attention or (``linear``) Gated DeltaNet."""
     h, a, g = m.hidden_size, m.num_attention_heads, m.resolved_query_groups()
     d, bias = m.resolved_kv_channels(), m.add_bias_linear
-    qkv_rows = (a + 2 * g) * d
+    qkv_rows = (a + 2 * g) * d + (a * d if m.attention_output_gate else 0)
     n = _norm(m, h) * 2                                  # input norm + pre-MLP norm
     n += _norm(m, h) * 2 if m.norm_placement == "sandwich" else 0   # Gemma's post norms
-    if m.multi_latent_attention:
+    if linear:
+        n += gated_delta_net_params(m, tp)
+    elif m.multi_latent_attention:
         n += mla_attention_params(m, tp)
     else:
         n += qkv_rows * h // tp + (qkv_rows // tp if bias or m.add_qkv_bias else 0)   # QKV
@@ -329,7 +346,7 @@ def mtp_params(m: ModelConfig, tp: int = 1, pp: int = 1, etp: int = 1, ep: int =
     if not m.mtp_num_layers:
         return out
     h = m.hidden_size
-    one = kind_params(m, is_moe_layer(m, m.num_layers), tp, etp, ep)
+    one = layer_params(m, m.num_layers, tp, etp, ep)
     per_depth = 3 * _norm(m, h) + 2 * h * h // tp
     out += ParamCount(m.mtp_num_layers * (one.dense + per_depth), m.mtp_num_layers * one.expert)
     if pp > 1:
@@ -342,13 +359,9 @@ def stage_params(m: ModelConfig, pp_rank: int, tp: int = 1, pp: int = 1, vpp: in
                  last: Optional[int] = None, accounts: tuple = (False, False),
                  layout: Optional[str] = None, vshape: bool = False) -> ParamCount:
     """Exact parameter count on a rank of pipeline stage ``pp_rank``."""
-    n_dense, n_moe = stage_layer_kinds(m, pp, pp_rank, vpp, first, last, accounts, layout,
-                                       vshape)
     out = ParamCount()
-    for n, moe in ((n_dense, False), (n_moe, True)):
-        if n:
-            one = kind_params(m, moe, tp, etp, ep)
-            out += ParamCount(one.dense * n, one.expert * n)
+    for layer in stage_layer_ids(m, pp, pp_rank, vpp, first, last, accounts, layout, vshape):
+        out += layer_params(m, layer, tp, etp, ep)
     if pp_rank == 0:
         out.dense += embedding_params(m, tp)
     out_rank = output_rank(pp, vpp, vshape)
@@ -391,3 +404,14 @@ def describe(m: ModelConfig) -> str:
             f"{m.hidden_size}, {m.num_attention_heads}{gqa} heads, ffn "
             f"{m.resolved_ffn_hidden_size()}{'' if activation_of(m).flag is None else ' ' + activation_of(m).name}, vocab "
             f"{m.vocab_size}{moe}")
+
+
+# Qwen3-Next hybrids: what a Gated DeltaNet layer carries along the sequence
+def gated_delta_net_state_elements(m: ModelConfig) -> int:
+    """Per sequence and DeltaNet layer, the recurrent state (value heads x dk x dv, fp32)
+    plus the convolution's tail ((K - 1) tokens of q, k and v channels): what context
+    parallelism hands from rank to rank and generation keeps instead of a KV cache (which
+    grows with the sequence; this does not)."""
+    hv, hk = m.linear_num_value_heads, m.linear_num_key_heads
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    return hv * dk * dv + (m.linear_conv_kernel_dim - 1) * (2 * hk * dk + hv * dv)

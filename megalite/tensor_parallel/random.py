@@ -156,6 +156,9 @@ def full_init_tensor(init: tuple, shape, seed: int, name: str) -> torch.Tensor:
     if kind == "normal":
         gen = torch.Generator().manual_seed(name_seed(seed, name))
         return torch.empty(shape).normal_(0.0, init[1], generator=gen)
+    if kind == "log_uniform":   # log of U(lo, hi): Gated DeltaNet's A_log
+        gen = torch.Generator().manual_seed(name_seed(seed, name))
+        return torch.empty(shape).uniform_(init[1], init[2], generator=gen).log_()
     raise ValueError(f"unknown init {init!r} for {name}")
 
 

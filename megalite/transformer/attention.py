@@ -166,6 +166,11 @@ class SelfAttention(nn.Module):
         self.heads_per_group = self.num_heads // self.num_groups
         self.local_groups = self.num_groups // tp
         qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        # --attention-output-gate (Qwen3-Next): each group's rows end with a gate per query
+        # channel, [q_g, k_g, v_g, gate_g], so a TP shard is still whole groups
+        self.output_gate = m.attention_output_gate
+        if self.output_gate:
+            qkv_out += self.num_heads * self.head_dim
         std = m.init_method_std
         kw = dict(tp_group=comm_groups.tp, bias=m.add_bias_linear,
                   sequence_parallel=sequence_parallel, device=device, dtype=dtype)
@@ -204,13 +209,29 @@ class SelfAttention(nn.Module):
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``document_ids`` [b, s] (whole sequence): core attention keeps each query inside
         its document (``transformer/attention_masks.py``); None: plain causal."""
-        qkv = self.linear_qkv(hidden)                                  # [s, b, groups*(r+2)*d]
+        qkv = self.linear_qkv(hidden)             # [s, b, groups*(r+2)*d] (+ r*d: the gate)
+        if self.output_gate:
+            gate, qkv = self._split_gate(qkv)
+            return self.linear_proj(self._attend(qkv, rotary, document_ids)
+                                    * torch.sigmoid(gate))
+        return self.linear_proj(self._attend(qkv, rotary, document_ids))
+
+    def _split_gate(self, qkv: torch.Tensor):
+        """--attention-output-gate: (gate [s, b, heads*d] in the context's layout, the
+        q/k/v rows [s, b, groups*(r+2)*d])."""
+        s, b = qkv.shape[:2]
+        r, g, d = self.heads_per_group, self.local_groups, self.head_dim
+        qkv, gate = qkv.view(s, b, g, 2 * r + 2, d).split([r + 2, r], dim=3)
+        return gate.reshape(s, b, g * r * d), qkv.reshape(s, b, g * (r + 2) * d)
+
+    def _attend(self, qkv: torch.Tensor, rotary, document_ids) -> torch.Tensor:
+        """q/k/v rows -> the context [s, b, heads*d] before ``linear_proj``."""
         if self.qk_norm_over_projection:
             qkv = norm_qkv_projection(qkv, self.q_layernorm, self.k_layernorm,
                                       self.local_groups, self.heads_per_group, self.head_dim)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         if self.qkv_format == "sbhd":
-            return self.linear_proj(self._attend_sbhd(qkv, rotary, docs))
+            return self._attend_sbhd(qkv, rotary, docs)
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d).permute(1, 2, 3, 0, 4)      # [b, g, r+2, s, d]
@@ -222,8 +243,7 @@ class SelfAttention(nn.Module):
             k = apply_rotary(k, cos, sin)
         q = q.reshape(b, g * r, s, d)                                  # [b, heads, s, d]
         ctx = self.core_attention(q, k, v, **docs)                     # [b, heads, s, d]
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
-        return self.linear_proj(ctx)
+        return ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
 
     def _norm_qk(self, q: torch.Tensor, k: torch.Tensor):
         """--qk-layernorm: each head's q and k normalized over the head dim (last)."""

@@ -39,8 +39,9 @@ class TransformerLayer(nn.Module):
         # outputs instead of their inputs (same modules and names, so checkpoints keep them)
         self.post_norm = model_cfg.norm_placement == "post"
         self.input_layernorm = build_module(submodules.input_layernorm, model_cfg, h, sp, **kw)
-        self.self_attention = build_module(
-            submodules.self_attention, model_cfg, comm_groups, sequence_parallel=sp,
+        self.self_attention = build_module(   # attention, or a linear-attention layer
+            submodules.attention_for_layer(model_cfg, layer_number), model_cfg, comm_groups,
+            sequence_parallel=sp,
             layer_number=layer_number, **kw)
         self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, model_cfg, h, sp,
                                               **kw)

@@ -16,6 +16,9 @@ context-parallel attention and MoE become spec choices rather than constructor e
       pre_mlp_layernorm    norm builder
       mlp / moe_mlp        chosen per layer by ``ModelConfig.is_moe_layer`` (``mlp_for_layer``)
         router, experts, shared_experts   (MoESubmodules)
+      linear_attention     ModuleSpec(GatedDeltaNet, GatedDeltaNetSubmodules) in the layers
+                           ``ModelConfig.is_linear_attention_layer`` marks, built into the
+                           ``self_attention`` attribute (--experimental-attention-variant)
 
 A slot holds either a plain callable (a class or factory) or a ``ModuleSpec`` that adds fixed
 keyword arguments (``params``) and, for composite modules, their own ``submodules``.
@@ -102,6 +105,20 @@ class TransformerLayerSubmodules:
     pre_mlp_layernorm: Spec
     mlp: Spec
     moe_mlp: Optional[Spec] = None
+    # --experimental-attention-variant: the token mixer of the layers
+    # ``ModelConfig.is_linear_attention_layer`` marks (built into ``self_attention``)
+    linear_attention: Optional[Spec] = None
+
+    def attention_for_layer(self, model_cfg, layer_number: int) -> Spec:
+        """The token mixer of global layer ``layer_number``: attention or linear attention."""
+        if not model_cfg.is_linear_attention_layer(layer_number):
+            return self.self_attention
+        if self.linear_attention is None:
+            raise NotImplementedError(
+                f"layer {layer_number} is a linear-attention layer (--experimental-attention-"
+                f"variant {model_cfg.experimental_attention_variant}) but this layer spec has "
+                "no linear_attention module")
+        return self.linear_attention
 
     def mlp_for_layer(self, model_cfg, layer_number: int) -> Spec:
         """The MLP slot of global layer ``layer_number`` (0-based): dense or MoE."""
@@ -122,3 +139,11 @@ class LayerSpec:
     layer: ModuleSpec                 # TransformerLayer with its TransformerLayerSubmodules
     norm: Callable                    # the block's final norm: (model_cfg, hidden, sp, ...)
     column_parallel_linear: Callable  # the output layer: (in, out, *, tp_group, bias, ...)
+
+
+@dataclass(frozen=True, eq=False)
+class GatedDeltaNetSubmodules:
+    """Gated DeltaNet's slots (``transformer/gated_delta_net.py``; Qwen3-Next's names)."""
+    linear_qkvz: Spec    # column-parallel, hidden -> per q/k head group [q, k, v, z]
+    linear_ba: Spec      # column-parallel, hidden -> per group [beta, a] logits
+    linear_out: Spec     # row-parallel, value heads -> hidden

@@ -165,3 +165,86 @@ def test_new_families_convert_both_ways_and_give_transformers_loss_at_tp2_pp2(tm
             err = rel(back(windows[:, :-1]).logits, ref(windows[:, :-1]).logits)
         print(f"{family} exported: logits rel {err:.1e}")
         assert back.config.architectures == [FAMILIES[family][1]] and err <= 1e-6
+
+
+# Qwen3-Next (Gated DeltaNet hybrid): converted both ways and evaluated at TP2 (with SP: MoE
+# needs it), PP2 (a DeltaNet layer on one stage, full attention on the other), EP2 and CP2
+# (the DeltaNet state passed between the CP ranks); its switches trained from scratch at
+# those layouts and FSDP2 with full recomputation give the single process's losses.  Sequences of 80 tokens:
+# two chunks of the delta rule, so the state walks from chunk to chunk.
+NEXT_LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                "pp2": ["--pipeline-model-parallel-size", "2"],
+                "ep2": ["--expert-model-parallel-size", "2"],
+                "cp2": ["--context-parallel-size", "2"]}
+NEXT_TRAIN_LAYOUTS = dict(NEXT_LAYOUTS, fsdp2_recompute=[
+    "--use-torch-fsdp2", "--recompute-granularity", "full", "--recompute-method", "uniform"])
+NEXT_SEQ = 80
+NEXT_TRAIN = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "16",
+    "--seq-length", str(NEXT_SEQ), "--mock-data", "--vocab-size", "100", "--lr", "3e-3",
+    "--train-iters", str(STEPS), "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--normalization", "RMSNorm", "--apply-layernorm-1p", "--swiglu", "--disable-bias-linear",
+    "--position-embedding-type", "rope", "--rotary-percent", "0.25", "--qk-layernorm",
+    "--attention-output-gate", "--experimental-attention-variant", "gated_delta_net",
+    "--linear-attention-freq", "4", "--linear-num-key-heads", "2",
+    "--linear-num-value-heads", "4", "--linear-key-head-dim", "8",
+    "--linear-value-head-dim", "8", "--num-experts", "4", "--moe-router-topk", "2",
+    "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "24",
+    "--moe-shared-expert-gate", "--init-method-std", "0.05", "--eval-iters", "0",
+    "--global-batch-size", "4", "--micro-batch-size", "2"]
+
+
+def _next_evals(ckpt, data):
+    out = {}
+    if torch_dist.get_rank() == 0:
+        out["train", "ref"] = train_steps(build_cpu_trainer(NEXT_TRAIN, 1), STEPS)
+    torch_dist.barrier()
+    for name, flags in NEXT_TRAIN_LAYOUTS.items():
+        out["train", name] = train_steps(build_cpu_trainer(NEXT_TRAIN + flags, 2), STEPS)
+    for name, flags in NEXT_LAYOUTS.items():
+        trainer = build_cpu_trainer(
+            ["--load", ckpt, "--use-checkpoint-args", "--skip-train", "--data-path", data,
+             "--split", "0,100,0", "--seq-length", str(NEXT_SEQ), "--micro-batch-size", "1",
+             "--global-batch-size", "2", "--eval-iters", "2", "--train-iters", "1",
+             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *flags], 2)
+        out["hf", name] = trainer.evaluate(trainer.valid_ds, 2)
+    return out
+
+
+def test_qwen3_next_converts_both_ways_and_gives_transformers_loss_at_tp2_pp2_ep2_cp2(
+        tmp_path, dist):
+    from megalite.data.indexed_dataset import write_documents
+
+    tokens = np.random.default_rng(7).integers(0, VOCAB, size=WINDOWS * NEXT_SEQ + 1)
+    data = write_documents(str(tmp_path / "data"), [tokens.tolist()], np.int32)
+    windows = torch.from_numpy(np.stack([tokens[i * NEXT_SEQ:(i + 1) * NEXT_SEQ + 1]
+                                         for i in range(WINDOWS)])).long()
+    ref = save_hf_model("qwen3_next", str(tmp_path / "hf"))
+    ckpt = str(tmp_path / "mg")
+    _run_all([CONVERT + ["--source-format", "hf", "--target-format", "megalite", "--load-dir",
+                         str(tmp_path / "hf"), "--save-dir", ckpt,
+                         "--target-tensor-parallel-size", "2"]])
+    _run_all([CONVERT + ["--source-format", "megalite", "--target-format", "hf", "--load-dir",
+                         ckpt, "--save-dir", str(tmp_path / "back"),
+                         "--hf-architecture", "Qwen3NextForCausalLM"]])
+    results = dist.run(2, _next_evals, ckpt, data)
+    losses, steps = results[-1], results[0]["train", "ref"]
+    assert len(set(steps)) == STEPS
+    for name in NEXT_TRAIN_LAYOUTS:
+        step1 = abs(losses["train", name][0] - steps[0]) / steps[0]
+        worst = max(abs(a - b) / b for a, b in zip(losses["train", name], steps))
+        print(f"Qwen3-Next switches {name}: step 1 rel {step1:.1e}, {STEPS} steps max rel "
+              f"{worst:.1e}")
+        assert step1 <= 1e-5 and worst <= 1e-4, (name, losses["train", name], steps)
+    expected = hf_loss(ref, windows)
+    for name in NEXT_LAYOUTS:
+        loss = losses["hf", name]
+        print(f"qwen3_next {name}: loss {loss:.7f}, transformers {expected:.7f}, rel "
+              f"{abs(loss - expected) / expected:.1e}")
+        assert abs(loss - expected) <= 1e-5 * expected, (name, loss, expected)
+    back = transformers.Qwen3NextForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    with torch.no_grad():
+        err = rel(back(windows[:, :-1]).logits, ref(windows[:, :-1]).logits)
+    print(f"qwen3_next exported: logits rel {err:.1e}")
+    assert err <= 1e-6

@@ -154,6 +154,9 @@ _DV = ["--pp", "2", "--pipeline-schedule", "dualpipev", "--global-batch-size", "
 _MLA = ["--multi-latent-attention", "--position-embedding-type", "rope"]
 _TE = {"transformer_impl": "transformer_engine"}
 _DOCS = ["--reset-attention-mask", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
+_GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "4",
+        "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+        "--linear-key-head-dim", "8", "--linear-value-head-dim", "8"]   # Qwen3-Next
 RULE_CASES = {
     "ep needs moe": ([["--ep", "2"]], [["--ep", "2", "--num-experts", "4"]]),
     "overlap-param-gather needs distopt": (
@@ -250,6 +253,22 @@ RULE_CASES = {
     "--qk-clip excludes --reset-attention-mask and --window-size": (
         [[*_DOCS, "--qk-clip"], ["--window-size", "4,0", "--qk-clip"]],
         [[*_DOCS], ["--qk-clip"]]),
+    # Qwen3-Next: Gated DeltaNet and gated attention
+    "Gated DeltaNet heads split over TP": (
+        [_GDN + ["--tp", "2", "--sequence-parallel", "--linear-num-key-heads", "3",
+                 "--linear-num-value-heads", "6"],
+         _GDN + ["--linear-num-key-heads", "4", "--linear-num-value-heads", "6"]],
+        [_GDN + ["--tp", "2", "--sequence-parallel"], _GDN]),
+    "te refuses --experimental-attention-variant or --attention-output-gate": (
+        [[{"model": dict(_TE, experimental_attention_variant="gated_delta_net")}],
+         [{"model": dict(_TE, attention_output_gate=True)}]],
+        [[{"model": dict(_TE)}], _GDN + ["--attention-output-gate"]]),
+    "--linear-attention-freq needs --experimental-attention-variant": (
+        [["--linear-attention-freq", "4"]], [_GDN]),
+    "Qwen3-Next's layers exclude MLA, Muon and --qk-clip": (
+        [_MLA + ["--attention-output-gate"], ["--attention-output-gate", "--qk-clip"],
+         ["--attention-output-gate", "--optimizer", "muon"], _GDN + _MLA, _GDN + ["--qk-clip"]],
+        [["--attention-output-gate"], _MLA, ["--qk-clip"], _GDN + ["--optimizer", "muon"]]),
     "schedule matches virtual stages": (
         [["--pp", "2", "--pipeline-schedule", "interleaved"],
          ["--pp", "2", "--pipeline-schedule", "1f1b",
@@ -420,6 +439,7 @@ USER_ERROR_PLACES = {
         "a Hugging Face checkpoint's sliding windows",
     "megalite/checkpointing/hf_adapters/smollm3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/gpt_oss.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/qwen3_next.py": "a Hugging Face checkpoint's contents",
     "megalite/optimizer/optimizer_state.py": "checkpoint contents (optimizer state)",
     "megalite/checkpointing/checkpoint.py": "checkpoint contents and the filesystem under --save",
     "megalite/checkpointing/train_state.py": "checkpoint contents (training state)",

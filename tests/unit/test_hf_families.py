@@ -56,12 +56,19 @@ EXPECT = {   # what each family's import must set
                     activation_func_clamp_value=1.5, moe_expert_bias=True, add_bias_linear=True,
                     window_size=(3, 0), window_attn_skip_freq=[1, 0], num_experts=4,
                     position_embedding_type="yarn", yarn_correction_range_round_to_int=False),
+    # Qwen3-Next (Gated DeltaNet hybrid)
+    "qwen3_next": dict(experimental_attention_variant="gated_delta_net",
+                       linear_attention_freq=2, attention_output_gate=True,
+                       rotary_percent=0.25, apply_layernorm_1p=True, qk_layernorm=True,
+                       linear_num_key_heads=2, linear_num_value_heads=4,
+                       moe_shared_expert_gate=True, moe_layer_freq=[0, 1]),
 }
 EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
               "phi3": "llama", "smollm3": "smollm3", "olmo2": "olmo2",
               "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
               "gemma2": "gemma2", "gemma3": "gemma3",
-              "gpt_oss": "gpt_oss"}
+              "gpt_oss": "gpt_oss",
+              "qwen3_next": "qwen3_next"}
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
@@ -165,6 +172,11 @@ REFUSALS = [
     ("gpt_oss", dict(sliding_window=None),
      "layer_types has sliding_attention layers but the config sets no sliding_window"),
     ("gpt_oss", dict(router_jitter_noise=0.1), "router_jitter_noise is not supported"),
+    # Qwen3-Next
+    ("qwen3_next", dict(layer_types=["linear_attention", "sliding_attention"]),
+     r"layer_types \['sliding_attention'\] are not supported"),
+    ("qwen3_next", dict(attention_bias=True), "attention_bias: true is not supported for "
+     "Qwen3-Next"),
 ]
 
 

@@ -41,6 +41,15 @@ def model_cfg(arch):
             d.update(q_lora_rank=None, untie_embeddings_and_output_weights=True, num_experts=4,
                      moe_ffn_hidden_size=16, moe_layer_freq=[0] + [1] * 5,
                      moe_shared_expert_intermediate_size=32, mtp_num_layers=1)
+    elif arch == "qwen3-next":   # Gated DeltaNet 2:1 with gated attention, gated shared expert
+        d.update(normalization="RMSNorm", position_embedding_type="rope", swiglu=True,
+                 add_bias_linear=False, qk_layernorm=True, kv_channels=16,
+                 group_query_attention=True, num_query_groups=2, attention_output_gate=True,
+                 experimental_attention_variant="gated_delta_net", linear_attention_freq=3,
+                 linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+                 linear_value_head_dim=4, num_experts=4, moe_ffn_hidden_size=16,
+                 moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True,
+                 untie_embeddings_and_output_weights=True)
     return ModelConfig(**d)
 
 
@@ -64,7 +73,7 @@ def real_count(m, tp, pp, pp_rank, vpp=1, first=None, last=None):
 
 @pytest.mark.parametrize("arch,tp,pp", list(itertools.product(
     ["llama", "gpt", "gpt-untied", "gqa-swiglu-bias", "qwen", "qk-layernorm-ln", "mla-mtp-tied",
-     "deepseek"], [1, 2],
+     "deepseek", "qwen3-next"], [1, 2],
     [1, 2, 3])))
 def test_stage_params_equal_model(arch, tp, pp):
     m = model_cfg(arch)

@@ -49,7 +49,8 @@ def test_the_issue_lists_every_recipe_and_a_twin_each():
                             "llama3-405b-long-context", "llama3-70b", "llama3-8b",
                             "mixtral-8x22b", "qwen3-235b-a22b"] +
                            ["gemma-3-27b"] +       # Gemma 3
-                           ["gpt-oss-120b"])       # gpt-oss
+                           ["gpt-oss-120b"] +      # gpt-oss
+                           ["qwen3-next-80b-a3b"])  # Qwen3-Next
     assert sorted(os.path.basename(f) for f in TWINS) == \
         sorted(os.path.basename(f) for f in PUBLISHED)
 

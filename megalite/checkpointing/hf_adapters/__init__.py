@@ -26,6 +26,8 @@ from megalite.checkpointing.hf_adapters.qwen_moe import Qwen2MoeAdapter, Qwen3Mo
 from megalite.checkpointing.hf_adapters.gemma import Gemma2Adapter, Gemma3Adapter
 # gpt-oss
 from megalite.checkpointing.hf_adapters.gpt_oss import GptOssAdapter
+# Qwen3-Next (Gated DeltaNet hybrid)
+from megalite.checkpointing.hf_adapters.qwen3_next import Qwen3NextAdapter
 
 register_adapter(LlamaAdapter())
 register_adapter(MistralAdapter())
@@ -43,6 +45,8 @@ register_adapter(Gemma2Adapter())
 register_adapter(Gemma3Adapter())
 # gpt-oss
 register_adapter(GptOssAdapter())
+# Qwen3-Next (Gated DeltaNet hybrid)
+register_adapter(Qwen3NextAdapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
@@ -51,4 +55,5 @@ __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "Qwen2MoeAdapter", "Qwen3MoeAdapter", "DeepseekV3Adapter", "Phi3Adapter",
            "SmolLM3Adapter", "Olmo2Adapter",
            "Gemma2Adapter", "Gemma3Adapter",   # Gemma 2/3
-           "GptOssAdapter"]
+           "GptOssAdapter",
+           "Qwen3NextAdapter"]

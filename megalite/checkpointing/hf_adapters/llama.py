@@ -92,6 +92,8 @@ class LlamaAdapter(HFAdapter):
     writes: Tuple[str, ...] = ()   # which of GEMMA_FLAGS the family's config can say
     # what HF stores for a norm of scale s: s - hf_norm_offset (Gemma: 1, it applies 1 + w)
     hf_norm_offset = 0.0
+    # Qwen3-Next: whether the family writes Gated DeltaNet layers and gated attention
+    linear_attention = False
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -153,7 +155,16 @@ class LlamaAdapter(HFAdapter):
             [f"no {flag}" for flag in GEMMA_FLAGS
              if flag not in self.writes and _set(mc, flag)] + \
             rope_export_problems(mc) + self.window_export_problems(mc) + \
-            self.family_export_problems(mc)
+            self.linear_attention_export_problems(mc) + self.family_export_problems(mc)
+
+    def linear_attention_export_problems(self, mc) -> List[str]:
+        """Qwen3-Next's switches: only a family that writes them may export them."""
+        if self.linear_attention:
+            return []
+        return [msg for bad, msg in (
+            (mc.experimental_attention_variant is not None,
+             "no --experimental-attention-variant"),
+            (mc.attention_output_gate, "no --attention-output-gate")) if bad]
 
     def window_export_problems(self, mc) -> List[str]:
         """Llama has no sliding window (Mistral and Qwen2 override)."""

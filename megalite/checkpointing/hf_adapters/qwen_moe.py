@@ -62,7 +62,7 @@ def qwen_moe_fields(hf: dict) -> dict:
         moe_aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
 
 
-def _layer_of(prefix: str) -> int:
+def layer_of(prefix: str) -> int:
     """The layer index of a per-layer prefix such as ``decoder.layers.3.``."""
     return int(prefix.rstrip(".").rsplit(".", 1)[1])
 
@@ -119,7 +119,7 @@ class QwenMoeMixin:
 
     # -- state dicts ---------------------------------------------------------------------
     def mlp_from_hf(self, get, hf: str, mg: str, m: dict) -> Dict[str, torch.Tensor]:
-        if not ModelConfig(**m).is_moe_layer(_layer_of(mg)):
+        if not ModelConfig(**m).is_moe_layer(layer_of(mg)):
             return super().mlp_from_hf(get, hf, mg, m)
         src, dst = hf + "mlp.", mg + "mlp."
         out = {dst + "router.weight": get(src + "gate.weight")}
@@ -142,7 +142,7 @@ class QwenMoeMixin:
         return out
 
     def mlp_to_hf(self, get, put, mg: str, hf: str, m: dict) -> Dict[str, torch.Tensor]:
-        if not ModelConfig(**m).is_moe_layer(_layer_of(mg)):
+        if not ModelConfig(**m).is_moe_layer(layer_of(mg)):
             return super().mlp_to_hf(get, put, mg, hf, m)
         src, dst = mg + "mlp.", hf + "mlp."
         fc1, fc2 = get(src + "experts.linear_fc1.weight"), get(src + "experts.linear_fc2.weight")
