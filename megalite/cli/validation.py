@@ -353,9 +353,10 @@ def check_megatron_compat(cfg: MegaliteConfig) -> None:
     """Megatron flags that parse (a script runs --dry-run unchanged) but whose feature has not
     landed: refused when the run would start, one line each, never ignored."""
     m = cfg.model
-    if m.rotary_percent != 1.0:
-        raise ConfigError(f"--rotary-percent {m.rotary_percent}: only 1.0 (full rotary) is "
-                          "implemented")
+    if m.rotary_percent != 1.0 and m.multi_latent_attention:
+        raise ConfigError(f"--rotary-percent {m.rotary_percent} with --multi-latent-attention: "
+                          "MLA rotates its whole --qk-pos-emb-head-dim part; drop "
+                          "--rotary-percent")
 
 
 def missing_logging_packages(cfg: MegaliteConfig) -> list:

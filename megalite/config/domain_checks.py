@@ -47,6 +47,27 @@ def no_rope_freq_problem(value, cfg) -> Optional[str]:
     return None if value is None else _layer_pattern_problem(value, cfg, "--no-rope-freq")
 
 
+def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
+    """Channels of a head that rotate under ``--rotary-percent``: int(head_dim * percent), as
+    Megatron-Core's ``RotaryEmbedding`` and HF's ``partial_rotary_factor`` round (the one rule
+    ``transformer/rotary.py`` and this check read)."""
+    return int(head_dim * rotary_percent) if rotary_percent < 1.0 else head_dim
+
+
+@domain_check(0.1)
+def rotary_percent_problem(value, cfg) -> Optional[str]:
+    """a fraction of --kv-channels that rotates an even number >= 2 of channels"""
+    m = cfg.model
+    if value >= 1.0 or m.hidden_size is None or m.num_attention_heads is None:
+        return None
+    head_dim = m.resolved_kv_channels()
+    rot = rotary_dim(head_dim, value)
+    if rot < 2 or rot % 2:
+        return (f"--rotary-percent {value} of --kv-channels {head_dim} rotates {rot} "
+                "channels; give a fraction that rotates an even number >= 2 of them")
+    return None
+
+
 def _layer_pattern_problem(value, cfg, flag: str) -> Optional[str]:
     try:
         freq = parse_layer_pattern(value, flag)

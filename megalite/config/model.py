@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megalite.config.domain_checks import (moe_layer_freq_problem, no_rope_freq_problem,
+                                           rotary_percent_problem,
                                            window_size_problem, window_skip_freq_problem)
 from megalite.config.fields import opt
 from megalite.config.score_mods import kernel_check
@@ -49,8 +50,9 @@ class ModelConfig:
         "YaRN frequency scaling (yarn, the --rotary-scaling-factor/--yarn-* flags) or none.",
         choices=["learned_absolute", "rope", "yarn", "none"])
     rotary_base: int = opt(10000, "Base period of rotary position embeddings.", gt=0)
-    rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated (1.0 only here).",
-        gt=0, le=1)
+    rotary_percent: float = opt(1.0, "Fraction of each head's channels rotated: the leading "
+        "int(kv_channels * p) (GLM-4.5's partial_rotary_factor).", gt=0, le=1,
+        check=rotary_percent_problem)
     # RoPE frequency scaling (transformer/rotary.py): Llama 3.1's and YaRN.
     use_rope_scaling: bool = opt(
         False, "Llama 3.x RoPE scaling (--position-embedding-type rope): low frequencies "

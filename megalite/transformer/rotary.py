@@ -18,6 +18,14 @@ rotates (Multi-Latent Attention rotates only its ``--qk-pos-emb-head-dim`` part)
   scaling flags, for ``kind`` rope or yarn (default: its ``--position-embedding-type``);
   ``RotaryEmbedding.from_config(model_cfg, dim, kind)`` builds the cos/sin module from it.
 
+Partial rotary (``--rotary-percent`` p < 1; HF's ``partial_rotary_factor``, GLM-4.5, Phi-4-mini,
+Qwen3-Next): the tables cover ``rotary_dim(kv_channels, p)`` = int(d * p) channels, and
+``apply_rotary`` rotates the leading that-many channels of each head (half-split pairs
+i, i + rot/2 inside them) and passes the rest through, as HF's ``apply_rotary_pos_emb`` of
+those families and Megatron-Core's ``_apply_rotary_pos_emb_bshd`` do.  The rotated width is
+read off cos/sin, so every attention path (local, context-parallel, TE core attention) gets
+it from the one table.
+
 Each follows ``transformers.modeling_rope_utils`` operation for operation (and equals
 Megatron-Core's ``RotaryEmbedding._apply_scaling`` / ``YarnRotaryEmbedding``), so imported
 Hugging Face models see bit-identical tables.
@@ -29,6 +37,8 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
+
+from megalite.config.domain_checks import rotary_dim
 
 # Defaults Megatron-Core uses when a YaRN flag is not given.
 YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS = 4096
@@ -116,9 +126,10 @@ def rotary_frequencies(model_cfg, dim: Optional[int] = None, kind: Optional[str]
     ``kind``: ``rope`` (with ``--use-rope-scaling``: Llama 3.x) or ``yarn`` (the
     ``--rotary-scaling-factor`` / ``--yarn-*`` / ``--mscale*`` flags); default: the
     ``--position-embedding-type``.  ``dim``: the rotated head dimension (default
-    ``--kv-channels``; an attention rotating part of its heads passes that part's size)."""
+    ``--rotary-percent`` of ``--kv-channels``; an attention rotating a part of its heads of
+    its own, as MLA, passes that part's size)."""
     m = model_cfg
-    dim = dim or m.resolved_kv_channels()
+    dim = dim or rotary_dim(m.resolved_kv_channels(), m.rotary_percent)
     kind = kind or m.position_embedding_type
     if kind not in ("rope", "yarn"):
         raise ValueError(f"rotary frequencies of '{kind}': rope or yarn")
@@ -159,7 +170,7 @@ class RotaryEmbedding(nn.Module):
         unless ``kind`` names one); ``dim``, ``kind`` as ``rotary_frequencies``."""
         if kind is None and not model_cfg.uses_rotary():
             return None
-        dim = dim or model_cfg.resolved_kv_channels()
+        dim = dim or rotary_dim(model_cfg.resolved_kv_channels(), model_cfg.rotary_percent)
         inv_freq, scaling = rotary_frequencies(model_cfg, dim, kind)
         return cls(dim, inv_freq=inv_freq, attention_scaling=scaling)
 
@@ -186,17 +197,21 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x, c, s, sign: float):
-    """[x1 c - sign x2 s, x2 c + sign x1 s], written straight into a contiguous output."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
+    """[x1 c - sign x2 s, x2 c + sign x1 s, x_pass], written straight into a contiguous output;
+    x1, x2 the halves of the first 2 * c.shape[-1] channels (all of them unless partial
+    rotary), x_pass the rest, unchanged."""
+    half = c.shape[-1]
+    x1, x2, xp = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     if torch.compiler.is_compiling():
         # --compile: writing through out= views of one buffer breaks dynamo's graph (and the
         # resumed graph then has aliased inputs); the same products and sums, functionally.
         if sign > 0:
-            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-        return torch.cat((x1 * c + x2 * s, x2 * c - x1 * s), dim=-1)
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, xp), dim=-1)
+        return torch.cat((x1 * c + x2 * s, x2 * c - x1 * s, xp), dim=-1)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    o1, o2 = out[..., :half], out[..., half:]
+    o1, o2 = out[..., :half], out[..., half:2 * half]
+    if xp.shape[-1]:
+        out[..., 2 * half:].copy_(xp)
     torch.mul(x1, c, out=o1)
     torch.mul(x2, c, out=o2)
     if sign > 0:
@@ -209,7 +224,8 @@ def _rotate(x, c, s, sign: float):
 
 
 class _ApplyRotary(torch.autograd.Function):
-    """out = [x1 c - x2 s, x2 c + x1 s] (c, s: first half of cos/sin).
+    """out = [x1 c - x2 s, x2 c + x1 s, x_pass] (c, s: first half of cos/sin; x_pass: the
+    channels past cos's width, partial rotary).
 
     Equal bit for bit to HF's ``x * cos + rotate_half(x) * sin`` (same products, same
     additions).  As one autograd node, backward is the inverse rotation of the grad, with
@@ -218,7 +234,7 @@ class _ApplyRotary(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        half = x.shape[-1] // 2
+        half = cos.shape[-1] // 2
         c, s = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)
         ctx.save_for_backward(c, s)
         return _rotate(x, c, s, 1.0)
@@ -230,5 +246,6 @@ class _ApplyRotary(torch.autograd.Function):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [..., s, d] by cos/sin broadcastable to it; output is contiguous."""
+    """Rotate ``x`` [..., s, d] by cos/sin [..., s, rot] broadcastable to it (rot <= d: the
+    leading rot channels rotate, the rest pass through); output is contiguous."""
     return _ApplyRotary.apply(x, cos, sin)
