@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.comm.flight_recorder import module_site
+from megalite.transformer.rotary import nope_tables
 from megalite.transformer.spec import build_module
 
 
@@ -54,7 +55,7 @@ class TransformerLayer(nn.Module):
         (``transformer/attention_masks.py``); None: plain causal."""
         attention, mlp = self._sites
         docs = {} if document_ids is None else {"document_ids": document_ids}
-        rotary = rotary if self.rotates else None
+        rotary = rotary if self.rotates else nope_tables(rotary)   # NoPE: no rotation
         if self.post_norm:
             with attention:
                 hidden = hidden + self._dropout(self.input_layernorm(self.self_attention(

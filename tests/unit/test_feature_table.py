@@ -258,6 +258,32 @@ RULE_CASES = {
     "fused-loss refuses --final-logit-softcapping": (
         [["--cross-entropy-loss-fusion", "--final-logit-softcapping", "30"]],
         [["--cross-entropy-loss-fusion"], ["--final-logit-softcapping", "30"]]),
+    # Llama 4's attention
+    "te refuses --attention-chunk-size with CP": (
+        [["--cp", "2", {"model": dict(_TE, attention_chunk_size=8)}]],
+        [["--cp", "2", "--attention-chunk-size", "8"],
+         [{"model": dict(_TE, attention_chunk_size=8)}]]),
+    "--attention-chunk-size and --qk-l2-norm exclude --multi-latent-attention": (
+        [_MLA + ["--attention-chunk-size", "8"], _MLA + ["--qk-l2-norm"]],
+        [_MLA, ["--attention-chunk-size", "8", "--qk-l2-norm",
+                "--position-embedding-type", "rope"]]),
+    "--qk-l2-norm excludes --qk-layernorm": (
+        [["--qk-l2-norm", "--qk-layernorm"]], [["--qk-l2-norm"], ["--qk-layernorm"]]),
+    "--qk-clip excludes --attention-chunk-size": (
+        [["--attention-chunk-size", "8", "--qk-clip"]],
+        [["--attention-chunk-size", "8"], ["--qk-clip"]]),
+    "--attn-temperature-tuning needs --no-rope-freq": (
+        [["--attn-temperature-tuning", "--position-embedding-type", "rope"]],
+        [["--attn-temperature-tuning", "--position-embedding-type", "rope",
+          "--no-rope-freq", "2"]]),
+    "--attn-temperature-floor-scale needs --attn-temperature-tuning": (
+        [["--attn-temperature-floor-scale", "16"]],
+        [["--attn-temperature-floor-scale", "16", "--attn-temperature-tuning",
+          "--position-embedding-type", "rope", "--no-rope-freq", "2"]]),
+    "--attn-temperature-scale needs --attn-temperature-tuning": (
+        [["--attn-temperature-scale", "0.2"]],
+        [["--attn-temperature-scale", "0.2", "--attn-temperature-tuning",
+          "--position-embedding-type", "rope", "--no-rope-freq", "2"]]),
     "schedule matches virtual stages": (
         [["--pp", "2", "--pipeline-schedule", "interleaved"],
          ["--pp", "2", "--pipeline-schedule", "1f1b",
