@@ -570,6 +570,11 @@ RULES: Tuple[Rule, ...] = (
         c.model.qk_clip and c.model.attention_chunk_size is not None),
         "--qk-clip records each head's largest causal logit, not the one inside a chunk (it "
         "would clip on pairs attention never sees): drop --qk-clip or --attention-chunk-size"),
+    Relation("--moe-apply-probs-on-input needs --moe-router-topk 1", lambda c: (
+        c.model.moe_apply_probs_on_input and c.model.num_experts and
+        c.model.moe_router_topk != 1),
+        "--moe-apply-probs-on-input scales each token by its one expert's score before the "
+        "expert: give --moe-router-topk 1"),
 )
 
 

@@ -293,6 +293,11 @@ class ModelConfig:
         False, "Normalize each head's q and k to unit RMS, no weight (Megatron-Core's "
         "qk_l2_norm, Llama 4's use_qk_norm), on the layers that rotate (Llama 4 leaves its "
         "NoPE layers unnormalized).", action="store_true")
+    # Llama 4's MoE block (moe/moe_layer.py): the router's score scales the expert's input
+    moe_apply_probs_on_input: bool = opt(
+        False, "Multiply each token by its router score before the expert instead of the "
+        "expert's output after it (Megatron-Core's moe_apply_probs_on_input, Llama 4's MoE; "
+        "--moe-router-topk 1 only).", action="store_true", requires="num_experts")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:

@@ -280,6 +280,12 @@ RULE_CASES = {
         [["--attn-temperature-floor-scale", "16"]],
         [["--attn-temperature-floor-scale", "16", "--attn-temperature-tuning",
           "--position-embedding-type", "rope", "--no-rope-freq", "2"]]),
+    "--moe-apply-probs-on-input needs --moe-router-topk 1": (
+        [["--num-experts", "4", "--moe-router-topk", "2", "--moe-apply-probs-on-input"]],
+        [["--num-experts", "4", "--moe-router-topk", "1", "--moe-apply-probs-on-input"],
+         ["--num-experts", "4", "--moe-router-topk", "2"]]),
+    "--moe-apply-probs-on-input needs --num-experts": (
+        [["--moe-apply-probs-on-input"]], [["--num-experts", "4", "--moe-router-topk", "1"]]),
     "--attn-temperature-scale needs --attn-temperature-tuning": (
         [["--attn-temperature-scale", "0.2"]],
         [["--attn-temperature-scale", "0.2", "--attn-temperature-tuning",
