@@ -78,6 +78,7 @@ class LlamaAdapter(HFAdapter):
     qk_layernorm_scope = "head"
     # the HF names of megalite's two layer norms (input_layernorm, pre_mlp_layernorm)
     layer_norm_names = ("input_layernorm", "post_attention_layernorm")
+    partial_rotary = False   # whether the family rotates part of each head (rope.py)
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -109,7 +110,7 @@ class LlamaAdapter(HFAdapter):
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             add_bias_linear=False, init_method_std=hf.get("initializer_range", 0.02),
             hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)))
-        cfg.update(rope_fields_from_hf(hf))
+        cfg.update(rope_fields_from_hf(hf, self.partial_rotary))
         cfg.update(self.family_fields_from_hf(hf))
         return cfg
 
@@ -133,7 +134,9 @@ class LlamaAdapter(HFAdapter):
             (mc.norm_placement != self.norm_placement,
              f"--norm-placement {self.norm_placement}"),
             (mc.qk_layernorm and mc.qk_layernorm_scope != self.qk_layernorm_scope,
-             f"--qk-layernorm-scope {self.qk_layernorm_scope}")) if bad] + \
+             f"--qk-layernorm-scope {self.qk_layernorm_scope}"),
+            (mc.rotary_percent != 1.0 and not self.partial_rotary, "no --rotary-percent"))
+            if bad] + \
             rope_export_problems(mc) + self.window_export_problems(mc) + \
             self.family_export_problems(mc)
 
