@@ -186,11 +186,13 @@ class SelfAttention(nn.Module):
             self.q_layernorm, self.k_layernorm = (
                 build_module(slot, m, self.head_dim, tp > 1, device=device, dtype=dtype)
                 for slot in (submodules.q_layernorm, submodules.k_layernorm))
-        # Llama 4 (module docstring): this layer's chunk, L2 q/k norm epsilon
+        # Llama 4 (module docstring): this layer's chunk, L2 q/k norm epsilon, whether its
+        # queries take the NoPE temperature (``rotary.query_scale``)
         self.chunk = m.layer_chunk(layer_number)
         self.cp_size = comm_groups.cp.size      # chunk ids span the whole sequence
         self.l2_norm_eps = m.norm_epsilon if m.qk_l2_norm and m.layer_uses_rotary(layer_number) \
             else None
+        self.query_temperature = m.layer_query_temperature(layer_number) is not None
         self.core_attention = build_module(submodules.core_attention, m, comm_groups,
                                            layer_number=layer_number,
                                            attn_mask_type=attn_mask_type)
@@ -228,9 +230,8 @@ class SelfAttention(nn.Module):
             q = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
             k = apply_rotary(k, cos, sin)
         q, k = self._l2_norm_qk(q, k)
-        scale = getattr(rotary, "query_scale", None)                   # [b|1, s]
-        if scale is not None:           # NoPE temperature, in fp32 as transformers
-            q = (q * scale[:, None, None, :, None]).to(q.dtype)
+        if self.query_temperature:      # NoPE layer: [b|1, s] in fp32, as transformers
+            q = (q * rotary.query_scale[:, None, None, :, None]).to(q.dtype)
         q = q.reshape(b, g * r, s, d)                                  # [b, heads, s, d]
         ctx = self.core_attention(q, k, v, **docs)                     # [b, heads, s, d]
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
@@ -260,8 +261,7 @@ class SelfAttention(nn.Module):
             q = apply_rotary(q, cos.unsqueeze(2), sin.unsqueeze(2))
             k = apply_rotary(k, cos, sin)
         q, k = self._l2_norm_qk(q, k)
-        scale = getattr(rotary, "query_scale", None)                   # [b|1, s]
-        if scale is not None:
-            q = (q * scale.t()[:, :, None, None, None]).to(q.dtype)
+        if self.query_temperature:
+            q = (q * rotary.query_scale.t()[:, :, None, None, None]).to(q.dtype)
         ctx = self.core_attention(q.reshape(s, b, g * r, d), k, v, **docs)   # [s, b, heads, d]
         return ctx.reshape(s, b, g * r * d)

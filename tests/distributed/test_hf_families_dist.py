@@ -4,7 +4,8 @@ projection, whose mean square spans the TP shards) -- through ``convert.py`` bot
 evaluated at TP2 and PP2 on gloo ranks, all in one launch: the loss equals transformers' on
 the same tokens (rel <= 1e-5), and the exported folder gives transformers' logits; the
 three switches trained together at TP2 and PP2 give the single process's losses (step 1
-within 1e-5, docs/architecture.md#numerical-contract).
+within 1e-5, docs/architecture.md#numerical-contract).  Llama 4 and GLM-4.5 (MoE) run at
+TP2 (with SP, as experts need), PP2 and EP2.
 (tests/unit/test_hf_families.py checks each one's import at TP1 in one process;
 tests/e2e/test_hf_families_e2e.py runs every family through pretrain_gpt.py, long tier.)"""
 import os
@@ -27,6 +28,14 @@ NEW = ("phi3", "smollm3", "olmo2")
 WINDOWS = 4
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
+FAMILY_LAYOUTS = {f: LAYOUTS for f in NEW}
+# Llama 4 (chunks, NoPE temperature, L2 q/k, top-1 input-scaled MoE) and GLM-4.5 (partial
+# rotary, q/k/v biases, DeepSeek-style router): TP2, PP2 and EP2
+NEW += ("llama4", "glm4_moe")
+FAMILY_LAYOUTS.update({f: dict(LAYOUTS, ep2=["--expert-model-parallel-size", "2",
+                                                  "--micro-batch-size", "1"],   # DP2
+                                tp2=LAYOUTS["tp2"] + ["--sequence-parallel"])   # experts: SP
+                       for f in ("llama4", "glm4_moe")})
 
 
 # OLMo 2's and SmolLM3's switches trained from scratch: TP2 (the projection norm's
@@ -52,7 +61,7 @@ def _evals(ckpts, data):
     for name, flags in LAYOUTS.items():
         out["train", name] = train_steps(build_cpu_trainer(TRAIN + flags, 2), STEPS)
     for family, ckpt in ckpts.items():
-        for name, flags in LAYOUTS.items():
+        for name, flags in FAMILY_LAYOUTS[family].items():
             trainer = build_cpu_trainer(
                 ["--load", ckpt, "--use-checkpoint-args", "--skip-train", "--data-path", data,
                  "--split", "0,100,0", "--seq-length", str(SEQ), "--micro-batch-size", "2",
@@ -96,7 +105,7 @@ def test_new_families_convert_both_ways_and_give_transformers_loss_at_tp2_pp2(tm
         assert step1 <= 1e-5 and worst <= 1e-4, (name, losses["train", name], ref)
     for family, ref in refs.items():
         expected = hf_loss(ref, windows)
-        for name in LAYOUTS:
+        for name in FAMILY_LAYOUTS[family]:
             loss = losses[family, name]
             print(f"{family} {name}: loss {loss:.7f}, transformers {expected:.7f}, rel "
                   f"{abs(loss - expected) / expected:.1e}")

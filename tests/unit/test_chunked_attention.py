@@ -3,7 +3,7 @@ keeps each query inside its chunk on the layers that rotate, NoPE layers stay gl
 their queries temperature-scaled (``--attn-temperature-tuning``), ``--qk-l2-norm`` scales the
 rotating layers' q and k to unit RMS; the kernels agree under the chunk mask.  CP / TP
 layouts: tests/distributed/test_document_mask_dist.py; against transformers' Llama 4:
-tests/unit/test_hf_families_llama4_glm.py."""
+tests/unit/test_hf_families.py (family ``llama4``)."""
 import dataclasses
 import math
 

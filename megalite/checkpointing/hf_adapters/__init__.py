@@ -22,6 +22,9 @@ from megalite.checkpointing.hf_adapters.qwen2 import Qwen2Adapter
 from megalite.checkpointing.hf_adapters.qwen3 import Qwen3Adapter
 from megalite.checkpointing.hf_adapters.smollm3 import SmolLM3Adapter
 from megalite.checkpointing.hf_adapters.qwen_moe import Qwen2MoeAdapter, Qwen3MoeAdapter
+# Llama 4 and GLM-4.5
+from megalite.checkpointing.hf_adapters.llama4 import Llama4Adapter
+from megalite.checkpointing.hf_adapters.glm4_moe import Glm4MoeAdapter
 
 register_adapter(LlamaAdapter())
 register_adapter(MistralAdapter())
@@ -34,10 +37,15 @@ register_adapter(DeepseekV3Adapter())
 register_adapter(Phi3Adapter())
 register_adapter(SmolLM3Adapter())
 register_adapter(Olmo2Adapter())
+# Llama 4 and GLM-4.5
+register_adapter(Llama4Adapter())
+register_adapter(Glm4MoeAdapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
            "registered_adapters", "supported_architectures", "unregister_adapter",
            "LlamaAdapter", "MistralAdapter", "MixtralAdapter", "Qwen2Adapter", "Qwen3Adapter",
            "Qwen2MoeAdapter", "Qwen3MoeAdapter", "DeepseekV3Adapter", "Phi3Adapter",
-           "SmolLM3Adapter", "Olmo2Adapter"]
+           "SmolLM3Adapter", "Olmo2Adapter",
+           # Llama 4 and GLM-4.5
+           "Llama4Adapter", "Glm4MoeAdapter"]

@@ -79,6 +79,7 @@ class LlamaAdapter(HFAdapter):
     # the HF names of megalite's two layer norms (input_layernorm, pre_mlp_layernorm)
     layer_norm_names = ("input_layernorm", "post_attention_layernorm")
     partial_rotary = False   # whether the family rotates part of each head (rope.py)
+    llama4_attention = False  # chunks, L2 q/k norms, NoPE temperature (llama4.py)
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -135,7 +136,12 @@ class LlamaAdapter(HFAdapter):
              f"--norm-placement {self.norm_placement}"),
             (mc.qk_layernorm and mc.qk_layernorm_scope != self.qk_layernorm_scope,
              f"--qk-layernorm-scope {self.qk_layernorm_scope}"),
-            (mc.rotary_percent != 1.0 and not self.partial_rotary, "no --rotary-percent"))
+            (mc.rotary_percent != 1.0 and not self.partial_rotary, "no --rotary-percent"),
+            (mc.attention_chunk_size is not None and not self.llama4_attention,
+             "no --attention-chunk-size"),
+            (mc.qk_l2_norm and not self.llama4_attention, "no --qk-l2-norm"),
+            (mc.attn_temperature_tuning and not self.llama4_attention,
+             "no --attn-temperature-tuning"))
             if bad] + \
             rope_export_problems(mc) + self.window_export_problems(mc) + \
             self.family_export_problems(mc)
