@@ -72,6 +72,9 @@ LONG_TESTS = (
     # --compile pairs: the default run keeps two compile launches
     f"{_PAIRS}[cp2-zb-uneven-full-compile]",
     f"{_PAIRS}[fsdp2-hsdp-overlap-selective-fused-compile]",
+    # Llama 4 and GLM-4.5 twins (the default run dry-runs them, tests/unit/test_recipes.py, and
+    # holds their features to one process and to transformers in the distributed tests)
+    "tests/e2e/test_recipes_e2e.py::test_llama4_and_glm45_twins_train_side_by_side",
 )
 
 

@@ -113,3 +113,19 @@ def test_qk_l2_norm_unit_rms_on_the_rotating_layers_only():
     with torch.no_grad():
         model(torch.randint(0, V, (1, S)))
     assert seen == {0: m.norm_epsilon, 1: None}
+
+
+def test_the_planner_counts_the_pairs_the_chunks_keep():
+    """The attention core of a model whose layer 0 is chunked (16 of 64) and layer 1 NoPE
+    (global): the mean over the layers of the causal pairs each keeps, as the mask counts."""
+    from megalite.planner.flops import kind_forward_flops
+
+    m = tiny_model_cfg("llama", seq_length=64, attention_chunk_size=16, no_rope_freq=2)
+    plain = dataclasses.replace(m, attention_chunk_size=None)
+    pos = torch.arange(64)
+    ids = chunk_documents(None, 64, 16, 1)
+    kept = float(keep(pos, pos, True, ids, ids).sum()) / (64 * 65 / 2)
+    ratio = kind_forward_flops(m, False, 64)["core"] / kind_forward_flops(plain, False, 64)["core"]
+    assert ratio == pytest.approx((kept + 1) / 2, rel=1e-12)
+    assert kind_forward_flops(dataclasses.replace(m, attention_chunk_size=64), False, 64) == \
+        kind_forward_flops(plain, False, 64)                   # a chunk of the whole sequence
