@@ -129,3 +129,23 @@ def test_the_planner_counts_the_pairs_the_chunks_keep():
     assert ratio == pytest.approx((kept + 1) / 2, rel=1e-12)
     assert kind_forward_flops(dataclasses.replace(m, attention_chunk_size=64), False, 64) == \
         kind_forward_flops(plain, False, 64)                   # a chunk of the whole sequence
+
+
+def test_te_spec_packs_the_chunks_and_matches_local(monkeypatch):
+    """Transformer Engine without CP: the chunks reach TE's packed (THD) format as documents
+    (the stand-in TE attends each segment of ``cu_seqlens`` on its own)."""
+    import te_fake
+    from megalite.backends import transformer_engine as te_backend
+
+    for cached in (te_backend.delayed_scaling_recipe, te_backend.autocast_group_keyword):
+        cached.cache_clear()
+    te_fake.install(monkeypatch)
+    m = tiny_model_cfg("llama", seq_length=S, vocab_size=V, attention_chunk_size=C,
+                       no_rope_freq=2, attn_temperature_tuning=True, qk_l2_norm=True)
+    local = _model(m)
+    te = _model(dataclasses.replace(m, transformer_impl="transformer_engine"))
+    ids = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(te(ids), local(ids), rtol=1e-5, atol=1e-5)
+    for cached in (te_backend.delayed_scaling_recipe, te_backend.autocast_group_keyword):
+        cached.cache_clear()
