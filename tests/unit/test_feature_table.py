@@ -459,6 +459,9 @@ USER_ERROR_PLACES = {
     "megalite/planner/moe_cost.py": "the planner's MoE routing-statistics file",
     "megalite/planner/search.py": "re-raises validation's reason for a layout asked for",
     "megalite/commands/validate_run.py": "the plan-validation command's own flags",
+    # Llama 4 and GLM-4.5
+    "megalite/checkpointing/hf_adapters/llama4.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/glm4_moe.py": "a Hugging Face checkpoint's contents",
 }
 
 
