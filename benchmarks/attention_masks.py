@@ -8,6 +8,8 @@
 2. Ring attention (``context_parallel/ring.py``): the block pairs each CP rank computes and
    skips for that mask at CP 2, 4, 8 (the rule ring attention applies, forward and backward:
    ``_blocks``: chunk pairs), with the kept pairs per rank (the load balance).
+   Llama 4's chunks of 2048 (``--attention-chunk-size``, as documents) too, and the
+   planner's share of the attention core the Scout preset's chunks keep at 8k-128k.
 3. The local kernel on this CPU: forward + backward of SDPA causal vs SDPA with the boolean
    document mask vs one causal SDPA call per document (varlen-style), at 2k tokens.
 
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.context_parallel.ring import _blocks  # noqa: E402
 from megalite.planner.flops import attention_work_fraction  # noqa: E402
-from megalite.transformer.attention_masks import keep  # noqa: E402
+from megalite.transformer.attention_masks import chunk_documents, keep  # noqa: E402
 
 HEADS, HEAD_DIM = 32, 128
 
@@ -58,10 +60,28 @@ def planner_table(seq: int, documents: int):
               f"{kept / causal_pairs:>19.1%}")
 
 
+def llama4_table():
+    """The planner's attention core of the llama-4-scout preset (chunks of 8192 on 3 of 4
+    layers) relative to the same model without chunks."""
+    import dataclasses
+
+    from megalite.cli.presets import preset_model
+    from megalite.planner.flops import kind_forward_flops
+
+    m = preset_model("llama-4-scout")
+    plain = dataclasses.replace(m, attention_chunk_size=None)
+    kept = {seq: kind_forward_flops(m, True, seq)["core"] /
+            kind_forward_flops(plain, True, seq)["core"] for seq in (8192, 32768, 131072)}
+    cells = [f"{seq // 1024}k {share:.3f}" for seq, share in kept.items()]
+    print("   llama-4-scout attention core kept by its chunks (planner): " + ", ".join(cells))
+
+
 def ring_table(seq: int, documents: int):
     docs = equal_documents(seq, documents)
     print(f"\n2. ring attention block pairs per rank (computed/skipped), {seq} tokens")
-    for name, d, window in ((f"{documents} documents", docs, None), ("window 1024", None, 1023)):
+    for name, d, window in ((f"{documents} documents", docs, None), ("window 1024", None, 1023),
+                            # Llama 4's chunked attention: fixed-length documents
+                            ("chunks 2048", chunk_documents(None, seq, 2048, 1), None)):
         for cp in (2, 4, 8):
             c = seq // (2 * cp)
             rows, kept = [], []
@@ -122,6 +142,7 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     a = p.parse_args()
     planner_table(a.seq, a.documents)
+    llama4_table()
     ring_table(a.seq, a.documents)
     kernel_table(a.documents, a.reps)
 

@@ -82,6 +82,9 @@ LONG_TESTS = (
     # pretrain_gpt.py path, tests/e2e/test_qwen3_next_e2e.py, and its PP2/EP2 losses,
     # tests/distributed/test_hf_families_dist.py)
     "tests/e2e/test_qwen3_next_e2e.py::test_qwen3_next_twin_with_run_local_matches_one_process",
+    # Llama 4 and GLM-4.5 twins (the default run dry-runs them, tests/unit/test_recipes.py, and
+    # holds their features to one process and to transformers in the distributed tests)
+    "tests/e2e/test_recipes_e2e.py::test_llama4_and_glm45_twins_train_side_by_side",
 )
 
 

@@ -16,7 +16,16 @@ the feature that family brings, built with ``transformers`` from a tiny config:
 * ``qwen2_moe``: Qwen2's q/k/v biases, a dense layer 0 (``mlp_only_layers``) before an MoE
   layer with 4 experts top-2 not renormalized and the sigmoid-gated shared expert;
 * ``qwen3_moe``: Qwen3's q/k RMSNorm and head_dim 16, a dense layer 0, 4 experts top-2
-  renormalized.
+  renormalized;
+* ``phi4_mini``: Phi-3 with ``partial_rotary_factor`` 0.5 (Phi-4-mini's layout);
+* ``llama4``: Llama 4 text -- chunked attention (chunks of 8 < the sequences) on layer 0,
+  layer 1 NoPE with the query temperature (floor_scale 4) and MoE (4 experts, top-1 sigmoid
+  scaling the expert input, a shared expert; ``interleave_moe_layer_step`` 2), L2 q/k norm,
+  interleaved RoPE, a dense MLP of its own size (``intermediate_size_mlp``);
+* ``glm4_moe``: GLM-4.5 -- q/k/v biases, per-head q/k RMSNorm, partial rotary 0.5, a dense
+  layer 0 before a DeepSeek-V3-style MoE layer (sigmoid router with a non-zero
+  ``e_score_correction_bias``, 2 groups top-1, 4 experts top-2, ``routed_scaling_factor``
+  2.5, a shared expert).
 
 Norm weights and biases are drawn away from their init, so a swapped mapping shows; the MoE
 families' weights are drawn wider (peaky routers, logits far from uniform), so a wrong
@@ -88,6 +97,27 @@ FAMILIES["qwen3_next"] = ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
     linear_num_value_heads=4, pad_token_id=None, bos_token_id=1, eos_token_id=2,
     rope_parameters=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.25)))
 MOE_FAMILIES = ("qwen2_moe", "qwen3_moe", "gpt_oss", "qwen3_next")
+# Llama 4 and GLM-4.5
+FAMILIES.update({
+    "phi4_mini": ("Phi3Config", "Phi3ForCausalLM", dict(
+        pad_token_id=None, bos_token_id=1, eos_token_id=2, sliding_window=None,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                             partial_rotary_factor=0.5))),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        head_dim=8, attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=4,
+        attn_scale=0.1, attn_temperature_tuning=True, use_qk_norm=True, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, intermediate_size_mlp=64,
+        pad_token_id=None, bos_token_id=1, eos_token_id=2,
+        rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        attention_bias=True, use_qk_norm=True, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, num_mtp_layers=0,
+        pad_token_id=None, bos_token_id=1, eos_token_id=2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                             partial_rotary_factor=0.5))),
+})
+MOE_FAMILIES += ("llama4", "glm4_moe")
 
 
 def hf_model(family: str, seed: int = 0):
@@ -103,6 +133,9 @@ def hf_model(family: str, seed: int = 0):
                 p.normal_(0, 0.5)
             elif family in MOE_FAMILIES and p.dim() > 1:    # logits far from uniform, so
                 p.normal_(0, 0.5 if n.endswith("mlp.gate.weight") else 0.15)   # routing shows
+        for n, b in model.named_buffers():              # DeepSeek-style aux-free bias
+            if n.endswith("e_score_correction_bias"):
+                b.uniform_(-0.05, 0.05)
     return model
 
 

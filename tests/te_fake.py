@@ -164,9 +164,11 @@ class DotProductAttention(_Base):
         mask = AttnMaskType.causal if self.causal else AttnMaskType.no_mask
         return core_attention_class(comm_type)(model_cfg, comm_groups, attn_mask_type=mask)
 
-    def forward(self, query_layer, key_layer, value_layer, attention_mask=None):
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None, **packed):
         for t in (query_layer, key_layer, value_layer):
             assert t.is_contiguous()
+        if packed.get("qkv_format") == "thd":
+            return self._thd(query_layer, key_layer, value_layer, **packed)
         s, b, h, d = query_layer.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query_layer, key_layer, value_layer))
         if self.cp is not None and len(self.cp[1]) > 1:
@@ -191,6 +193,23 @@ class DotProductAttention(_Base):
                                                  enable_gqa=k.shape[1] != h,
                                                  scale=self.kwargs.get("softmax_scale"))
         return out.permute(2, 0, 1, 3).reshape(s, b, h * v.shape[-1])
+
+
+    def _thd(self, q, k, v, *, qkv_format, attn_mask_type, cu_seqlens_q, cu_seqlens_kv,
+             max_seqlen_q, max_seqlen_kv):
+        """TE's packed format: tokens [t, heads, d] back to back, each segment of
+        ``cu_seqlens`` attended causally on its own (``padding_causal``)."""
+        assert attn_mask_type == "padding_causal" and torch.equal(cu_seqlens_q, cu_seqlens_kv)
+        bounds = cu_seqlens_q.tolist()
+        assert max(b - a for a, b in zip(bounds, bounds[1:])) == max_seqlen_q == max_seqlen_kv
+        out = []
+        for a, b in zip(bounds, bounds[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))   # [1, h, n, d]
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                               enable_gqa=ks.shape[1] != qs.shape[1],
+                                               scale=self.kwargs.get("softmax_scale"))
+            out.append(o[0].transpose(0, 1).reshape(b - a, -1))
+        return torch.cat(out)
 
 
 @contextlib.contextmanager

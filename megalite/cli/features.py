@@ -579,6 +579,30 @@ RULES: Tuple[Rule, ...] = (
         "lacks and --optimizer muon / --qk-clip split as [q, k, v] only, and Gated DeltaNet "
         "layers (--experimental-attention-variant) have no MLA form and no attention logits "
         "to clip: drop one of them"),
+    # Llama 4's attention: chunks are documents to core attention (attention_masks.py)
+    Refuses("te", "--attention-chunk-size with CP",
+            lambda c: c.model.attention_chunk_size is not None and c.parallel.cp > 1,
+            "--attention-chunk-size with Transformer Engine and --context-parallel-size > 1: "
+            "TE's ring has no chunk mask and its packed (THD) ring splits each chunk itself; "
+            "use --transformer-impl local (ring or all-to-all CP) or CP 1"),
+    Relation("--attention-chunk-size and --qk-l2-norm exclude --multi-latent-attention",
+             lambda c: c.model.multi_latent_attention and (
+                 c.model.attention_chunk_size is not None or c.model.qk_l2_norm),
+             "--attention-chunk-size / --qk-l2-norm act on linear_qkv's heads and the layers "
+             "that rotate; Multi-Latent Attention has neither: drop them or "
+             "--multi-latent-attention"),
+    Relation("--qk-l2-norm excludes --qk-layernorm", lambda c: (
+        c.model.qk_l2_norm and c.model.qk_layernorm),
+        "--qk-l2-norm normalizes q and k without a weight, --qk-layernorm with one: give one"),
+    Relation("--qk-clip excludes --attention-chunk-size", lambda c: (
+        c.model.qk_clip and c.model.attention_chunk_size is not None),
+        "--qk-clip records each head's largest causal logit, not the one inside a chunk (it "
+        "would clip on pairs attention never sees): drop --qk-clip or --attention-chunk-size"),
+    Relation("--moe-apply-probs-on-input needs --moe-router-topk 1", lambda c: (
+        c.model.moe_apply_probs_on_input and c.model.num_experts and
+        c.model.moe_router_topk != 1),
+        "--moe-apply-probs-on-input scales each token by its one expert's score before the "
+        "expert: give --moe-router-topk 1"),
 )
 
 

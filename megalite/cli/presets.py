@@ -125,6 +125,43 @@ MODEL_PRESETS.update({
         moe_shared_expert_gate=True, vocab_size=151936, norm_epsilon=1e-6, seq_length=4096),
 })
 
+# Llama 4 and GLM-4.5 presets of the launch recipes (launch/recipes/llama-4-*.yaml,
+# glm-4.5-air.yaml).
+_LLAMA4 = dict(_LLAMA, num_layers=48, hidden_size=5120, num_attention_heads=40,
+               num_query_groups=8, kv_channels=128, ffn_hidden_size=16384,
+               moe_ffn_hidden_size=8192, moe_shared_expert_intermediate_size=8192,
+               moe_router_topk=1, moe_router_score_function="sigmoid",
+               moe_apply_probs_on_input=True, vocab_size=202048, rotary_base=500000,
+               no_rope_freq=4, attention_chunk_size=8192, attn_temperature_tuning=True,
+               norm_epsilon=1e-5, seq_length=8192)
+MODEL_PRESETS.update({
+    # Llama 4 Scout (17B active, 16 experts; Megatron-Bridge's Llama4Experts16ModelProvider,
+    # megatron/bridge/models/llama/llama_provider.py, and the HF text_config): 48 layers, every
+    # one MoE (top-1 sigmoid scaling the expert input, one shared expert), chunked attention
+    # of 8192 on the RoPE layers, every 4th layer NoPE with the query temperature, L2 q/k norm,
+    # Llama 3 RoPE scaling x8.
+    "llama-4-scout": dict(_LLAMA4, num_experts=16, qk_l2_norm=True, use_rope_scaling=True,
+                          rope_scaling_factor=8.0),
+    # Llama 4 Maverick (17B active, 128 experts; Llama4Experts128ModelProvider): MoE on every
+    # other layer (moe_layer_freq [0, 1] * 24, dense MLPs of 16384 between), no q/k norm, no
+    # RoPE scaling.
+    "llama-4-maverick": dict(_LLAMA4, num_experts=128, moe_layer_freq=[0, 1] * 24),
+    # GLM-4.5-Air (106B, 12B active; zai-org/GLM-4.5-Air config.json, transformers'
+    # Glm4MoeConfig defaults): 46 layers, the first dense (10944), 128 experts (1408) top-8
+    # with a sigmoid router and the aux-free expert bias, one shared expert; 96 query heads /
+    # 8 groups of dim 128, q/k/v biases, half of each head rotated (partial_rotary_factor 0.5),
+    # RoPE 1e6; one MTP layer (loss weight 0.3, Megatron-Bridge's recipe).
+    "glm-4.5-air": dict(_LLAMA, num_layers=46, hidden_size=4096, num_attention_heads=96,
+                        num_query_groups=8, kv_channels=128, ffn_hidden_size=10944,
+                        moe_ffn_hidden_size=1408, num_experts=128, moe_router_topk=8,
+                        moe_layer_freq=[0] + [1] * 45, moe_shared_expert_intermediate_size=1408,
+                        moe_router_score_function="sigmoid",
+                        moe_router_enable_expert_bias=True, add_qkv_bias=True,
+                        rotary_percent=0.5, rotary_base=1000000, vocab_size=151552,
+                        norm_epsilon=1e-5, mtp_num_layers=1, mtp_loss_scaling_factor=0.3,
+                        seq_length=4096),
+})
+
 
 def preset_fields(name: str) -> Dict[str, Any]:
     """The ``ModelConfig`` fields of preset ``name`` (its ``published`` notes left out)."""

@@ -339,6 +339,32 @@ class ModelConfig:
     attention_output_gate: bool = opt(
         False, "Full-attention layers gate their output per channel by sigmoid of a second "
         "query-sized projection (Qwen3-Next's gated attention).", action="store_true")
+    # Llama 4's attention (transformer/attention.py, transformer/attention_masks.py): chunked
+    # local attention on the layers that rotate, global NoPE layers with a query temperature,
+    # L2-normalized q and k on the rotating layers.
+    attention_chunk_size: Optional[int] = opt(
+        None, "Chunked local attention (Llama 4's attention_chunk_size): on the layers that "
+        "rotate (all but --no-rope-freq's NoPE layers) query i attends only the keys of its "
+        "own chunk of this many sequence positions, floor(i/C)*C .. i.", gt=0)
+    attn_temperature_tuning: bool = opt(
+        False, "Llama 4's NoPE temperature: on --no-rope-freq's NoPE layers the query at "
+        "position p is scaled by 1 + --attn-temperature-scale * log(1 + floor((p + 1) / "
+        "--attn-temperature-floor-scale)).", action="store_true", requires="no_rope_freq")
+    attn_temperature_floor_scale: int = opt(
+        8192, "Positions per step of --attn-temperature-tuning's log (Llama 4's floor_scale).",
+        gt=0, requires="attn_temperature_tuning")
+    attn_temperature_scale: float = opt(
+        0.1, "Slope of --attn-temperature-tuning's log (Llama 4's attn_scale).", gt=0,
+        requires="attn_temperature_tuning")
+    qk_l2_norm: bool = opt(
+        False, "Normalize each head's q and k to unit RMS, no weight (Megatron-Core's "
+        "qk_l2_norm, Llama 4's use_qk_norm), on the layers that rotate (Llama 4 leaves its "
+        "NoPE layers unnormalized).", action="store_true")
+    # Llama 4's MoE block (moe/moe_layer.py): the router's score scales the expert's input
+    moe_apply_probs_on_input: bool = opt(
+        False, "Multiply each token by its router score before the expert instead of the "
+        "expert's output after it (Megatron-Core's moe_apply_probs_on_input, Llama 4's MoE; "
+        "--moe-router-topk 1 only).", action="store_true", requires="num_experts")
 
     # ---- derived values -------------------------------------------------------------
     def is_moe_layer(self, layer: int) -> bool:
@@ -398,6 +424,21 @@ class ModelConfig:
         if isinstance(freq, int):
             return (layer + 1) % freq != 0
         return not freq[layer]
+
+    def layer_chunk(self, layer: int) -> Optional[int]:
+        """The attention chunk of global layer ``layer`` (0-based): --attention-chunk-size on
+        the layers that rotate, None (global attention) on the NoPE ones -- Llama 4's
+        layout, the one rule the layers, the planner and the HF adapter read."""
+        if self.attention_chunk_size is None or not self.layer_uses_rotary(layer):
+            return None
+        return int(self.attention_chunk_size)
+
+    def layer_query_temperature(self, layer: int) -> Optional[tuple]:
+        """(floor scale, scale) of --attn-temperature-tuning on NoPE layer ``layer``, None on
+        the layers that rotate or without the flag."""
+        if not self.attn_temperature_tuning or self.layer_uses_rotary(layer):
+            return None
+        return int(self.attn_temperature_floor_scale), float(self.attn_temperature_scale)
 
     def uses_rotary(self) -> bool:
         """Whether attention rotates q and k (plain RoPE or YaRN-scaled)."""

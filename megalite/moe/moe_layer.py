@@ -6,6 +6,11 @@ Parameter names follow Megatron-Core: ``mlp.router.weight``, ``mlp.experts.linea
 ``mlp.shared_experts.linear_fc1/linear_fc2`` (+ ``gate_weight`` with
 ``--moe-shared-expert-gate``).
 
+``--moe-apply-probs-on-input`` (Llama 4): the router's score scales the token going into
+its expert, and the expert's output is summed unweighted.  With top-1 routing (the rule
+that allows it, ``cli/features.py``) a token is one (token, expert) pair, so the tokens are
+scaled before any dispatcher and every pair's weight is 1.
+
 Statistics: each training forward (inside the family's extra-loss collection, so never a
 recomputation) adds the router's expert counts and terms to ``step_stats``;
 ``moe_step_metrics`` (called by the loop after the optimizer step) reduces them over the
@@ -39,12 +44,15 @@ class MoELayer(nn.Module):
                                                sequence_parallel=sequence_parallel,
                                                layer_number=layer_number, **kw)
         self.token_dispatcher = build_dispatcher(m, comm_groups)
+        self.probs_on_input = bool(m.moe_apply_probs_on_input)
         self.step_stats = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         s, b, h = hidden.shape
         tokens = hidden.reshape(-1, h)
         probs, indices, keep = self.router(tokens, b)
+        if self.probs_on_input:         # top-1: one pair per token (module docstring)
+            tokens, probs = tokens * probs, torch.ones_like(probs)
         out = self.token_dispatcher(tokens, probs, indices, keep, self.experts).view(s, b, h)
         if self.training and torch.is_grad_enabled() and is_collecting():
             self._record(self.router.last_stats)

@@ -20,6 +20,12 @@ Model switches on the way: ``--add-qkv-bias`` (a bias on linear_qkv alone, Qwen2
 ``--qk-layernorm`` (the ``q_layernorm`` / ``k_layernorm`` slots normalize each head's q
 and k over the head dimension before RoPE, Qwen3).  The head dimension is
 ``--kv-channels``, independent of hidden / heads.
+
+Llama 4's switches, per layer: ``--attention-chunk-size`` (chunked local attention on the
+layers that rotate, handed to core attention as documents: ``attention_masks.chunk_documents``),
+``--qk-l2-norm`` (q and k of the rotating layers scaled to unit RMS after RoPE, as
+transformers' ``Llama4TextL2Norm``) and ``--attn-temperature-tuning`` (the NoPE layers' queries
+times ``rotary.query_temperature`` of their positions).
 """
 from __future__ import annotations
 
@@ -33,7 +39,7 @@ from torch import nn
 from megalite.config import score_mods
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
-from megalite.transformer.attention_masks import keep
+from megalite.transformer.attention_masks import chunk_documents, keep
 from megalite.transformer.attention_sinks import build_softmax_offset
 from megalite.transformer.projection_norm import build_projection_qk_norms, norm_qkv_projection
 from megalite.transformer.rotary import apply_rotary
@@ -192,6 +198,13 @@ class SelfAttention(nn.Module):
         # --softmax-scale (Gemma's query_pre_attn_scalar ** -0.5): every core attention
         # takes it, as Multi-Latent Attention's does
         scale = {} if m.softmax_scale is None else {"softmax_scale": m.softmax_scale}
+        # Llama 4 (module docstring): this layer's chunk, L2 q/k norm epsilon, whether its
+        # queries take the NoPE temperature (``rotary.query_scale``)
+        self.chunk = m.layer_chunk(layer_number)
+        self.cp_size = comm_groups.cp.size      # chunk ids span the whole sequence
+        self.l2_norm_eps = m.norm_epsilon if m.qk_l2_norm and m.layer_uses_rotary(layer_number) \
+            else None
+        self.query_temperature = m.layer_query_temperature(layer_number) is not None
         self.core_attention = build_module(submodules.core_attention, m, comm_groups,
                                            layer_number=layer_number,
                                            attn_mask_type=attn_mask_type, **scale)
@@ -229,6 +242,9 @@ class SelfAttention(nn.Module):
         if self.qk_norm_over_projection:
             qkv = norm_qkv_projection(qkv, self.q_layernorm, self.k_layernorm,
                                       self.local_groups, self.heads_per_group, self.head_dim)
+        if self.chunk is not None:      # chunked attention: a chunk is a fixed-length document
+            document_ids = chunk_documents(document_ids, qkv.shape[0] * self.cp_size,
+                                           self.chunk, qkv.shape[1], qkv.device)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         if self.qkv_format == "sbhd":
             return self._attend_sbhd(qkv, rotary, docs)
@@ -237,10 +253,13 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(s, b, g, r + 2, d).permute(1, 2, 3, 0, 4)      # [b, g, r+2, s, d]
         q, k, v = split_qkv(qkv, r, dim=2)                             # views
         q, k = self._norm_qk(q, k)
-        if rotary is not None:  # rotation writes q, k contiguously: no separate copy
+        if rotary is not None and rotary[0] is not None:  # rotation writes q, k contiguously
             cos, sin = rotary                                          # [b|1, 1, s, d]
             q = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
             k = apply_rotary(k, cos, sin)
+        q, k = self._l2_norm_qk(q, k)
+        if self.query_temperature:      # NoPE layer: [b|1, s] in fp32, as transformers
+            q = (q * rotary.query_scale[:, None, None, :, None]).to(q.dtype)
         q = q.reshape(b, g * r, s, d)                                  # [b, heads, s, d]
         ctx = self.core_attention(q, k, v, **docs)                     # [b, heads, s, d]
         return ctx.permute(2, 0, 1, 3).reshape(s, b, g * r * d)
@@ -251,15 +270,25 @@ class SelfAttention(nn.Module):
             return q, k
         return self.q_layernorm(q), self.k_layernorm(k)
 
+    def _l2_norm_qk(self, q: torch.Tensor, k: torch.Tensor):
+        """--qk-l2-norm on this layer: q, k / RMS over the head dim (last), in fp32."""
+        if self.l2_norm_eps is None:
+            return q, k
+        return tuple((x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) +
+                                              self.l2_norm_eps)).type_as(x) for x in (q, k))
+
     def _attend_sbhd(self, qkv, rotary, docs: dict) -> torch.Tensor:
         s, b = qkv.shape[:2]
         r, g, d = self.heads_per_group, self.local_groups, self.head_dim
         qkv = qkv.view(s, b, g, r + 2, d)
         q, k, v = split_qkv(qkv, r, dim=3)                                 # views
         q, k = self._norm_qk(q, k)
-        if rotary is not None:
+        if rotary is not None and rotary[0] is not None:
             cos, sin = (t.permute(2, 0, 1, 3) for t in rotary)         # [s, b|1, 1, d]
             q = apply_rotary(q, cos.unsqueeze(2), sin.unsqueeze(2))
             k = apply_rotary(k, cos, sin)
+        q, k = self._l2_norm_qk(q, k)
+        if self.query_temperature:
+            q = (q * rotary.query_scale.t()[:, :, None, None, None]).to(q.dtype)
         ctx = self.core_attention(q.reshape(s, b, g * r, d), k, v, **docs)   # [s, b, heads, d]
         return ctx.reshape(s, b, g * r * d)

@@ -11,6 +11,13 @@ index of each token's document in its sample, non-decreasing along the sequence,
 WHOLE sequence (context parallelism does not slice them: each CP rank knows which
 positions it and every other rank hold, ``context_parallel/load_balance.py``).
 
+Chunked local attention (``--attention-chunk-size C``, Llama 4; on the layers
+``ModelConfig.layer_chunk`` names): query i sees only keys of its own chunk of C sequence
+positions.  A chunk is a document of fixed length, so ``chunk_documents`` folds the chunks
+into the document ids (same document and same chunk), and every path that honours
+documents honours chunks: the local kernels, ring attention (a block pair of two
+different chunks is skipped), all-to-all attention, and TE's packed (THD) format without CP.
+
 Every core attention reads the one rule here (``keep``): the local kernels as a boolean or
 additive mask, ring attention per block pair (and to skip a pair none of whose queries
 shares a document with its keys), all-to-all attention on the gathered sequence.
@@ -57,6 +64,17 @@ def keep(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
     if q_docs is not None:
         ok = ok & (q_docs[:, :, None] == k_docs[:, None, :])
     return ok
+
+
+def chunk_documents(docs: Optional[torch.Tensor], seq: int, chunk: int, batch: int,
+                    device=None) -> torch.Tensor:
+    """[b, seq] int64 document ids that also change at every ``chunk``-th sequence position:
+    equal for two tokens exactly when they share the document (``docs`` [b, seq] or None:
+    one) and the chunk.  Non-decreasing along the sequence, as document ids are."""
+    chunks = torch.arange(seq, device=device if docs is None else docs.device) // chunk
+    if docs is None:
+        return chunks.expand(batch, seq)
+    return docs * ((seq - 1) // chunk + 1) + chunks
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

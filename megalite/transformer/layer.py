@@ -18,7 +18,7 @@ from torch import nn
 
 from megalite.comm.flight_recorder import module_site
 from megalite.transformer.norms import build_norm
-from megalite.transformer.rotary import LayerRotaries
+from megalite.transformer.rotary import LayerRotaries, nope_tables
 from megalite.transformer.spec import build_module
 
 
@@ -65,9 +65,9 @@ class TransformerLayer(nn.Module):
         (``transformer/attention_masks.py``); None: plain causal."""
         attention, mlp = self._sites
         docs = {} if document_ids is None else {"document_ids": document_ids}
-        rotary = rotary if self.rotates else None
         if isinstance(rotary, LayerRotaries):        # Gemma 3: windowed layers' own base
             rotary = rotary.local if self.local_rotary else rotary.full
+        rotary = rotary if self.rotates else nope_tables(rotary)   # NoPE: no rotation
         if self.post_norm:
             with attention:
                 hidden = hidden + self._dropout(self.input_layernorm(self.self_attention(

@@ -153,6 +153,33 @@ def rotary_frequencies(model_cfg, dim: Optional[int] = None, kind: Optional[str]
     return inv_freq, 1.0
 
 
+def query_temperature(positions: torch.Tensor, floor_scale: int, scale: float) -> torch.Tensor:
+    """Llama 4's NoPE-layer query scale at ``positions``: 1 + scale * log(1 + floor((p + 1) /
+    floor_scale)), fp32, operation for operation as transformers' ``Llama4TextAttention``."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0
+
+
+class PositionTables(tuple):
+    """(cos, sin), as every rotating attention unpacks them, carrying ``query_scale`` [b|1, s]
+    (fp32): ``--attn-temperature-tuning``'s factor on the queries of the NoPE layers, from the
+    same positions the tables are of.  A NoPE layer gets ``without_rotation()``: no tables,
+    the scale kept."""
+
+    def __new__(cls, cos, sin, query_scale: Optional[torch.Tensor] = None):
+        tables = super().__new__(cls, (cos, sin))
+        tables.query_scale = query_scale
+        return tables
+
+    def without_rotation(self) -> Optional["PositionTables"]:
+        return None if self.query_scale is None else PositionTables(None, None, self.query_scale)
+
+
+def nope_tables(rotary) -> Optional[PositionTables]:
+    """What a layer without RoPE (``--no-rope-freq``) receives of ``rotary``: None, or the
+    query temperature alone."""
+    return rotary.without_rotation() if isinstance(rotary, PositionTables) else None
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of positions; ``inv_freq`` and ``attention_scaling`` (the factor on
     cos and sin, YaRN's) default to plain RoPE of ``head_dim`` and ``base``."""
@@ -163,6 +190,7 @@ class RotaryEmbedding(nn.Module):
         # A plain attribute, not a buffer: ``model.to(bfloat16)`` must not round it.
         self.inv_freq = default_inv_freq(head_dim, base) if inv_freq is None else inv_freq
         self.attention_scaling = float(attention_scaling)
+        self.query_temperature: Optional[Tuple[int, float]] = None  # (floor scale, scale)
         self._cache = None
 
     @classmethod
@@ -174,11 +202,16 @@ class RotaryEmbedding(nn.Module):
             return None
         dim = dim or rotary_dim(model_cfg.resolved_kv_channels(), model_cfg.rotary_percent)
         inv_freq, scaling = rotary_frequencies(model_cfg, dim, kind)
-        return cls(dim, inv_freq=inv_freq, attention_scaling=scaling)
+        emb = cls(dim, inv_freq=inv_freq, attention_scaling=scaling)
+        if getattr(model_cfg, "attn_temperature_tuning", False) and kind is None:
+            emb.query_temperature = (int(model_cfg.attn_temperature_floor_scale),
+                                     float(model_cfg.attn_temperature_scale))
+        return emb
 
     def forward(self, seq_len: int, position_ids: Optional[torch.Tensor] = None,
                 device=None) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of shape [b or 1, 1, s, d], ready for [b, heads, s, d] tensors."""
+        """(cos, sin) of shape [b or 1, 1, s, d], ready for [b, heads, s, d] tensors; with
+        ``--attn-temperature-tuning`` a ``PositionTables`` carrying the NoPE query scale."""
         device = device or self.inv_freq.device
         if position_ids is None:
             key = (seq_len, str(device))
@@ -193,6 +226,8 @@ class RotaryEmbedding(nn.Module):
         if self.attention_scaling != 1.0:       # YaRN: fp32, before any cast (as HF)
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         out = (cos[:, None], sin[:, None])
+        if self.query_temperature is not None:
+            out = PositionTables(*out, query_temperature(pos, *self.query_temperature))
         if position_ids is None:
             self._cache = (key, out)
         return out

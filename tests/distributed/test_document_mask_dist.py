@@ -2,7 +2,10 @@
 sliding windows (--window-size 7,0 on every other layer) on real gloo ranks equal the
 single-process run: documents at TP2+SP (core attention recomputed), CP2 (ring and
 all-to-all), CP4 ring, PP2 interleaved with full recomputation, CP2 with FSDP2; windows at
-CP2 / CP4 ring and CP4 all-to-all, and both at CP4 -- one launch, three iterations each.
+CP2 / CP4 ring and CP4 all-to-all, and both at CP4; Llama 4's chunked attention (with NoPE
+layers, their query temperature, L2 q/k norms and partial rotary) at CP2 / CP4 ring, CP4
+all-to-all, TP2+SP with CP2, and with documents at CP2 all-to-all -- one launch, three
+iterations each.
 A small vocabulary makes NullTokenizer's EOD (vocab - 1) frequent: about four documents
 per 64-token sample, so the mask changes the loss and ring blocks are skipped.
 """
@@ -41,6 +44,17 @@ WINDOW_CASES = {
     "window-cp4-a2a": ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
 }
 BOTH_CASES = {"both-cp4-p2p": ["--context-parallel-size", "4"]}
+# Llama 4's attention: chunks of 16 on the rotating layers (every other one NoPE, its queries
+# temperature-scaled), L2 q/k norms, half the channels rotated; with documents at CP2 a2a
+LLAMA4 = ["--attention-chunk-size", "16", "--no-rope-freq", "2", "--attn-temperature-tuning",
+          "--attn-temperature-floor-scale", "8", "--qk-l2-norm", "--rotary-percent", "0.5"]
+LLAMA4_CASES = {
+    "chunk-cp2-p2p": CP2,
+    "chunk-cp4-p2p": ["--context-parallel-size", "4"],
+    "chunk-cp4-a2a": ["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+    "chunk-tp2-sp-cp2": CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+}
+LLAMA4_DOCS_CASES = {"chunk-docs-cp2-a2a": CP2 + ["--cp-comm-type", "a2a"]}
 
 
 def _train(cases):
@@ -66,21 +80,27 @@ def results(dist):
     cases.update({name: (WORLD, DOCS + argv) for name, argv in CASES.items()})
     cases.update({name: (WORLD, WINDOW + argv) for name, argv in WINDOW_CASES.items()})
     cases.update({name: (WORLD, DOCS + WINDOW + argv) for name, argv in BOTH_CASES.items()})
+    cases.update({"ref-chunk": (1, LLAMA4), "ref-chunk-docs": (1, DOCS + LLAMA4)})
+    cases.update({name: (WORLD, LLAMA4 + argv) for name, argv in LLAMA4_CASES.items()})
+    cases.update({name: (WORLD, DOCS + LLAMA4 + argv) for name, argv in LLAMA4_DOCS_CASES.items()})
     return dist.run(WORLD, _train, cases)
 
 
 def test_the_masks_change_the_loss(results):
     plain = results[0]["ref-unmasked"]
-    for name in ("ref", "ref-window", "ref-both"):
+    for name in ("ref", "ref-window", "ref-both", "ref-chunk", "ref-chunk-docs"):
         ref = results[0][name]
         assert abs(ref["loss"][0] - plain["loss"][0]) > 1e-4 * plain["loss"][0], name
         assert len(set(ref["loss"])) == ITERS                  # the weights move
 
 
-@pytest.mark.parametrize("name", [*CASES, *WINDOW_CASES, *BOTH_CASES])
+@pytest.mark.parametrize("name", [*CASES, *WINDOW_CASES, *BOTH_CASES, *LLAMA4_CASES,
+                                  *LLAMA4_DOCS_CASES])
 def test_every_layout_gives_the_single_process_losses(results, name):
     ref = results[0]["ref-window" if name in WINDOW_CASES else
-                     "ref-both" if name in BOTH_CASES else "ref"]
+                     "ref-both" if name in BOTH_CASES else
+                     "ref-chunk" if name in LLAMA4_CASES else
+                     "ref-chunk-docs" if name in LLAMA4_DOCS_CASES else "ref"]
     (got,) = [r[name] for r in results if r[name]["writer"]]
     assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-5 * ref["loss"][0], (name, got, ref)
     for a, b in zip(got["loss"], ref["loss"]):
@@ -90,7 +110,7 @@ def test_every_layout_gives_the_single_process_losses(results, name):
 
 
 @pytest.mark.parametrize("name", ["cp4-p2p", "window-cp2-p2p", "window-cp4-p2p",
-                                  "both-cp4-p2p"])
+                                  "both-cp4-p2p", "chunk-cp4-p2p"])
 def test_ring_skips_block_pairs_with_nothing_kept(results, name):
     """With a mask each (local chunk, received chunk) pair the causal rule leaves is a block
     (3 at step 0, 2 at each other step); with ~4 documents per sample some pairs share no

@@ -6,7 +6,8 @@ window on layer 0, biased experts: also EP2) -- through ``convert.py`` both ways
 evaluated at TP2 and PP2 on gloo ranks, all in one launch: the loss equals transformers' on
 the same tokens (rel <= 1e-5), and the exported folder gives transformers' logits; the
 three switches trained together at TP2 and PP2 give the single process's losses (step 1
-within 1e-5, docs/architecture.md#numerical-contract).
+within 1e-5, docs/architecture.md#numerical-contract).  Llama 4 and GLM-4.5 (MoE) run at
+TP2 (with SP, as experts need), PP2 and EP2.
 (tests/unit/test_hf_families.py checks each one's import at TP1 in one process;
 tests/e2e/test_hf_families_e2e.py runs every family through pretrain_gpt.py, long tier.)"""
 import os
@@ -30,6 +31,9 @@ NEW = ("phi3", "smollm3", "olmo2", "gemma2", "gemma3",
 WINDOWS = 4
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
+# Llama 4 (chunks, NoPE temperature, L2 q/k, top-1 input-scaled MoE) and GLM-4.5 (partial
+# rotary, q/k/v biases, DeepSeek-style router): TP2, PP2 and EP2 (EXTRA_LAYOUTS)
+NEW += ("llama4", "glm4_moe")
 
 
 # OLMo 2's and SmolLM3's switches trained from scratch: TP2 (the projection norm's
@@ -80,6 +84,10 @@ EXTRA_LAYOUTS = {"gemma2": {"cp2-a2a": ["--context-parallel-size", "2", "--cp-co
                                                       "--expert-tensor-parallel-size", "1"],
                              "ep2": ["--expert-model-parallel-size", "2",
                                      "--micro-batch-size", "1"]}}
+EXTRA_LAYOUTS.update({f: dict(ep2=["--expert-model-parallel-size", "2",
+                                   "--micro-batch-size", "1"],                # DP2
+                              tp2=LAYOUTS["tp2"] + ["--sequence-parallel"])   # experts: SP
+                      for f in ("llama4", "glm4_moe")})
 
 
 def family_layouts(family: str) -> dict:

@@ -134,3 +134,29 @@ def test_gpt_oss_twin_with_run_local_matches_one_process(tmp_path):
     assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (twin, ref)
     for a, b in zip(twin, ref):
         assert abs(a - b) <= 1e-4 * abs(b), (twin, ref)
+
+
+def test_llama4_and_glm45_twins_train_side_by_side(tmp_path):
+    """Llama 4 Scout (TP2 SP EP2 expert-TP2), Maverick (EP4) and GLM-4.5-Air (PP2 uneven, EP2,
+    MTP) twins launched together with run_local.sh (on the fewest processes each layout
+    spans): each trains three steps with finite, moving losses (tests/distributed/test_document_mask_dist.py and
+    test_hf_families_dist.py hold the same features to the one-process and transformers'
+    losses)."""
+    import math
+
+    from megalite.cli.recipes import min_world
+
+    env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
+    twins = {name: min_world(os.path.join(ROOT, f"launch/recipes/twins/{name}.yaml"))
+             for name in ("llama-4-scout", "llama-4-maverick", "glm-4.5-air")}
+    procs = {name: subprocess.Popen(
+        ["bash", "launch/run_local.sh", f"launch/recipes/twins/{name}.yaml", "--train-iters",
+         "3", "--metrics-file", str(tmp_path / f"{name}.jsonl")], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for name in twins}
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0, f"{name}\n{out[-3000:]}"
+        assert f"[run_local] {twins[name]} process(es)" in out
+        losses = _losses(tmp_path / f"{name}.jsonl")
+        assert len(losses) == 3 and all(math.isfinite(x) for x in losses), (name, losses)
+        assert len(set(losses)) == 3, (name, losses)

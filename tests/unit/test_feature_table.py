@@ -269,6 +269,38 @@ RULE_CASES = {
         [_MLA + ["--attention-output-gate"], ["--attention-output-gate", "--qk-clip"],
          ["--attention-output-gate", "--optimizer", "muon"], _GDN + _MLA, _GDN + ["--qk-clip"]],
         [["--attention-output-gate"], _MLA, ["--qk-clip"], _GDN + ["--optimizer", "muon"]]),
+    # Llama 4's attention
+    "te refuses --attention-chunk-size with CP": (
+        [["--cp", "2", {"model": dict(_TE, attention_chunk_size=8)}]],
+        [["--cp", "2", "--attention-chunk-size", "8"],
+         [{"model": dict(_TE, attention_chunk_size=8)}]]),
+    "--attention-chunk-size and --qk-l2-norm exclude --multi-latent-attention": (
+        [_MLA + ["--attention-chunk-size", "8"], _MLA + ["--qk-l2-norm"]],
+        [_MLA, ["--attention-chunk-size", "8", "--qk-l2-norm",
+                "--position-embedding-type", "rope"]]),
+    "--qk-l2-norm excludes --qk-layernorm": (
+        [["--qk-l2-norm", "--qk-layernorm"]], [["--qk-l2-norm"], ["--qk-layernorm"]]),
+    "--qk-clip excludes --attention-chunk-size": (
+        [["--attention-chunk-size", "8", "--qk-clip"]],
+        [["--attention-chunk-size", "8"], ["--qk-clip"]]),
+    "--attn-temperature-tuning needs --no-rope-freq": (
+        [["--attn-temperature-tuning", "--position-embedding-type", "rope"]],
+        [["--attn-temperature-tuning", "--position-embedding-type", "rope",
+          "--no-rope-freq", "2"]]),
+    "--attn-temperature-floor-scale needs --attn-temperature-tuning": (
+        [["--attn-temperature-floor-scale", "16"]],
+        [["--attn-temperature-floor-scale", "16", "--attn-temperature-tuning",
+          "--position-embedding-type", "rope", "--no-rope-freq", "2"]]),
+    "--moe-apply-probs-on-input needs --moe-router-topk 1": (
+        [["--num-experts", "4", "--moe-router-topk", "2", "--moe-apply-probs-on-input"]],
+        [["--num-experts", "4", "--moe-router-topk", "1", "--moe-apply-probs-on-input"],
+         ["--num-experts", "4", "--moe-router-topk", "2"]]),
+    "--moe-apply-probs-on-input needs --num-experts": (
+        [["--moe-apply-probs-on-input"]], [["--num-experts", "4", "--moe-router-topk", "1"]]),
+    "--attn-temperature-scale needs --attn-temperature-tuning": (
+        [["--attn-temperature-scale", "0.2"]],
+        [["--attn-temperature-scale", "0.2", "--attn-temperature-tuning",
+          "--position-embedding-type", "rope", "--no-rope-freq", "2"]]),
     "schedule matches virtual stages": (
         [["--pp", "2", "--pipeline-schedule", "interleaved"],
          ["--pp", "2", "--pipeline-schedule", "1f1b",
@@ -464,6 +496,9 @@ USER_ERROR_PLACES = {
     "megalite/config/pipeline_layout.py": "the --pipeline-model-parallel-layout string (its "
                                           "one reader, for the runtime split and the planner)",
     "megalite/checkpointing/hf_adapters/gemma.py": "a Hugging Face checkpoint's contents",
+    # Llama 4 and GLM-4.5
+    "megalite/checkpointing/hf_adapters/llama4.py": "a Hugging Face checkpoint's contents",
+    "megalite/checkpointing/hf_adapters/glm4_moe.py": "a Hugging Face checkpoint's contents",
 }
 
 

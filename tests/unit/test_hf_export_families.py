@@ -38,9 +38,10 @@ def test_export_gives_back_the_hf_file_key_by_key_and_transformers_logits(tmp_pa
     back = adapter.to_hf(full, model_cfg)
     # export writes DeepSeek's release layout (per-expert MTP weights, its embedding and
     # head copies) where the fixture holds transformers' fused MTP experts
-    # (gpt-oss's release layout is the fused one: its experts come back key by key)
+    # (gpt-oss's and Llama 4's release layout is the fused one: their experts come back key
+    # by key)
     fused = {k for k in hf_sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
-             and family != "gpt_oss"}
+             and family not in ("gpt_oss", "llama4")}
     assert set(hf_sd) - set(back) == fused
     assert family == "deepseek_v3" or sorted(back) == sorted(hf_sd)
     for key in set(hf_sd) - fused:          # a pure re-mapping: the same numbers

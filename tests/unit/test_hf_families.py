@@ -63,12 +63,27 @@ EXPECT = {   # what each family's import must set
                        linear_num_key_heads=2, linear_num_value_heads=4,
                        moe_shared_expert_gate=True, moe_layer_freq=[0, 1]),
 }
+EXPECT.update({   # Llama 4 and GLM-4.5 (and Phi-3's partial rotary)
+    "phi4_mini": dict(rotary_percent=0.5, group_query_attention=True, qk_layernorm=False),
+    "llama4": dict(attention_chunk_size=8, no_rope_freq=2, attn_temperature_tuning=True,
+                   attn_temperature_floor_scale=4, attn_temperature_scale=0.1, qk_l2_norm=True,
+                   num_experts=4, moe_router_topk=1, moe_layer_freq=[0, 1],
+                   moe_apply_probs_on_input=True, moe_router_score_function="sigmoid",
+                   ffn_hidden_size=64, moe_ffn_hidden_size=56,
+                   moe_shared_expert_intermediate_size=56, qk_layernorm=False),
+    "glm4_moe": dict(add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5, num_experts=4,
+                     moe_router_topk=2, moe_layer_freq=[0, 1], moe_router_enable_expert_bias=True,
+                     moe_router_num_groups=2, moe_router_group_topk=1,
+                     moe_router_topk_scaling_factor=2.5, moe_shared_expert_intermediate_size=16),
+})
 EXPORTS_AS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
               "phi3": "llama", "smollm3": "smollm3", "olmo2": "olmo2",
               "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe",
               "gemma2": "gemma2", "gemma3": "gemma3",
               "gpt_oss": "gpt_oss",
-              "qwen3_next": "qwen3_next"}
+              "qwen3_next": "qwen3_next",
+              # Llama 4 and GLM-4.5
+              "phi4_mini": "phi3", "llama4": "llama4", "glm4_moe": "glm4_moe"}
 IDS = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
 
 
@@ -146,9 +161,6 @@ REFUSALS = [
     ("smollm3", dict(mlp_bias=True), "mlp_bias: true is not supported"),
     ("olmo2", dict(attention_bias=True), "attention_bias: true is not supported for Olmo2"),
     ("phi3", dict(sliding_window=2047), "sliding_window 2047 is not supported for Phi3"),
-    ("phi3", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4,
-                                       partial_rotary_factor=0.75)),
-     "partial_rotary_factor 0.75 is not supported"),
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
                                        short_factor=[1.0] * 4, long_factor=[2.0] * 4)),
      "rope_type 'longrope' is not supported"),
@@ -177,6 +189,20 @@ REFUSALS = [
      r"layer_types \['sliding_attention'\] are not supported"),
     ("qwen3_next", dict(attention_bias=True), "attention_bias: true is not supported for "
      "Qwen3-Next"),
+    # Llama 4 and GLM-4.5
+    ("phi3", dict(rope_parameters=dict(rope_type="default", rope_theta=1e4,
+                                       partial_rotary_factor=0.4)),
+     "partial_rotary_factor 0.4 rotates 3 of 8 channels"),
+    ("llama4", dict(attention_bias=True), "attention_bias: True is not supported for Llama4"),
+    ("llama4", dict(num_experts_per_tok=2), "num_experts_per_tok 2 is not supported"),
+    ("llama4", dict(router_jitter_noise=0.1), "router_jitter_noise: 0.1 is not supported"),
+    ("llama4", dict(layer_types=["full_attention", "chunked_attention"]),
+     r"layer_types \['full_attention', 'chunked_attention'\] is not supported: megalite "
+     "chunks exactly the layers with RoPE"),
+    ("glm4_moe", dict(norm_topk_prob=False), "norm_topk_prob: false is not supported"),
+    ("glm4_moe", dict(num_experts_per_tok=1), "num_experts_per_tok 1 is not supported"),
+    ("glm4_moe", dict(n_group=2, topk_group=2), "group-limited routing ranks groups"),
+    ("glm4_moe", dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
 ]
 
 

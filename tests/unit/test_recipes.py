@@ -50,7 +50,9 @@ def test_the_issue_lists_every_recipe_and_a_twin_each():
                             "mixtral-8x22b", "qwen3-235b-a22b"] +
                            ["gemma-3-27b"] +       # Gemma 3
                            ["gpt-oss-120b"] +      # gpt-oss
-                           ["qwen3-next-80b-a3b"])  # Qwen3-Next
+                           ["qwen3-next-80b-a3b"] +  # Qwen3-Next
+                           # Llama 4 and GLM-4.5
+                           ["llama-4-scout", "llama-4-maverick", "glm-4.5-air"])
     assert sorted(os.path.basename(f) for f in TWINS) == \
         sorted(os.path.basename(f) for f in PUBLISHED)
 

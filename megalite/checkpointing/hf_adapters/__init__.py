@@ -28,6 +28,9 @@ from megalite.checkpointing.hf_adapters.gemma import Gemma2Adapter, Gemma3Adapte
 from megalite.checkpointing.hf_adapters.gpt_oss import GptOssAdapter
 # Qwen3-Next (Gated DeltaNet hybrid)
 from megalite.checkpointing.hf_adapters.qwen3_next import Qwen3NextAdapter
+# Llama 4 and GLM-4.5
+from megalite.checkpointing.hf_adapters.llama4 import Llama4Adapter
+from megalite.checkpointing.hf_adapters.glm4_moe import Glm4MoeAdapter
 
 register_adapter(LlamaAdapter())
 register_adapter(MistralAdapter())
@@ -47,6 +50,9 @@ register_adapter(Gemma3Adapter())
 register_adapter(GptOssAdapter())
 # Qwen3-Next (Gated DeltaNet hybrid)
 register_adapter(Qwen3NextAdapter())
+# Llama 4 and GLM-4.5
+register_adapter(Llama4Adapter())
+register_adapter(Glm4MoeAdapter())
 
 __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "adapter_for_family", "adapter_for_hf", "adapter_for_model", "register_adapter",
@@ -56,4 +62,6 @@ __all__ = ["HFAdapter", "UnsupportedModelError", "adapter_for_architecture",
            "SmolLM3Adapter", "Olmo2Adapter",
            "Gemma2Adapter", "Gemma3Adapter",   # Gemma 2/3
            "GptOssAdapter",
-           "Qwen3NextAdapter"]
+           "Qwen3NextAdapter",
+           # Llama 4 and GLM-4.5
+           "Llama4Adapter", "Glm4MoeAdapter"]

@@ -62,7 +62,8 @@ def softmax_router_problems(mc) -> List[str]:
         (mc.moe_router_enable_expert_bias, "no --moe-router-enable-expert-bias"),
         (mc.moe_router_topk_scaling_factor not in (None, 1.0),
          "no --moe-router-topk-scaling-factor"),
-        (mc.moe_router_num_groups is not None, "no --moe-router-num-groups")) if bad]
+        (mc.moe_router_num_groups is not None, "no --moe-router-num-groups"),
+        (mc.moe_apply_probs_on_input, "no --moe-apply-probs-on-input")) if bad]
 
 
 _ADAPTERS: List[HFAdapter] = []

@@ -78,6 +78,121 @@ def _latent_eps(mc) -> float:
     return mc.norm_epsilon if mc.mla_latent_norm_epsilon is None else mc.mla_latent_norm_epsilon
 
 
+def sigmoid_moe_fields(hf: dict, experts: int, first_dense: int, family: str) -> dict:
+    """The MoE fields of a DeepSeek-V3-style config (GLM-4.5's too): layers from
+    ``first_dense`` on sparse, a sigmoid router with the aux-free expert bias
+    (``e_score_correction_bias``), group-limited top-k, ``routed_scaling_factor``,
+    ``n_shared_experts`` of ``moe_intermediate_size`` each."""
+    L = hf["num_hidden_layers"]
+    groups = hf.get("n_group") or 1
+    k = hf["num_experts_per_tok"]
+    if groups > 1 and k % (hf.get("topk_group") or 1) or \
+            groups > 1 and k // hf["topk_group"] != 2:
+        raise UnsupportedModelError(
+            f"{family} config not supported: group-limited routing ranks groups by "
+            "their top-2 scores in transformers, megalite by their top "
+            "num_experts_per_tok/topk_group; they agree only when that is 2")
+    shared = hf.get("n_shared_experts") or 0
+    return dict(num_experts=experts, moe_router_topk=k,
+                moe_ffn_hidden_size=hf["moe_intermediate_size"],
+                moe_layer_freq=[0] * first_dense + [1] * (L - first_dense),
+                moe_shared_expert_intermediate_size=(
+                    hf["moe_intermediate_size"] * shared if shared else None),
+                moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=hf["topk_group"] if groups > 1 else None,
+                moe_router_topk_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+                moe_aux_loss_coeff=0.0)
+
+
+def sigmoid_moe_export_problems(mc) -> List[str]:
+    """What a MoE model's router and shared expert lack to be written as DeepSeek-V3's."""
+    if not mc.num_experts:
+        return []
+    return [msg for bad, msg in (
+        (mc.moe_router_score_function != "sigmoid", "--moe-router-score-function sigmoid"),
+        (not mc.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
+        (mc.moe_router_topk < 2, "--moe-router-topk >= 2"),
+        (mc.moe_apply_probs_on_input, "no --moe-apply-probs-on-input"),
+        (bool(mc.moe_router_num_groups) and
+         mc.moe_router_topk // (mc.moe_router_group_topk or 1) != 2,
+         "--moe-router-topk / --moe-router-group-topk = 2 (transformers ranks groups by "
+         "their top-2 scores)"),
+        (mc.moe_shared_expert_intermediate_size is not None and
+         mc.moe_shared_expert_intermediate_size % mc.resolved_moe_ffn_hidden_size(),
+         "--moe-shared-expert-intermediate-size a multiple of --moe-ffn-hidden-size"),
+    ) if bad]
+
+
+def sigmoid_moe_to_hf(mc) -> dict:
+    """The router and expert keys of a DeepSeek-V3-style config.json."""
+    shared = mc.moe_shared_expert_intermediate_size
+    return dict(n_routed_experts=mc.num_experts, num_experts_per_tok=mc.moe_router_topk,
+                moe_intermediate_size=mc.resolved_moe_ffn_hidden_size(),
+                n_shared_experts=shared // mc.resolved_moe_ffn_hidden_size() if shared else 0,
+                n_group=mc.moe_router_num_groups or 1,
+                topk_group=mc.moe_router_group_topk or 1, norm_topk_prob=True,
+                routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0)
+
+
+def moe_mlp_tensors(get, has, hf: str, mg: str, moe: bool, to_hf: bool = False) -> dict:
+    """One layer's MLP tensors in either direction, DeepSeek-V3's names (GLM-4.5's too):
+    ``mlp.[gate_proj; up_proj] / down_proj`` dense; ``mlp.gate.weight`` and its
+    ``e_score_correction_bias``, ``mlp.experts.{e}.*`` (or transformers 5's fused
+    ``experts.gate_up_proj`` / ``down_proj``) and ``mlp.shared_experts.*`` MoE.  ``get`` reads
+    the source, ``has`` asks it; an absent expert bias imports as None."""
+    out = {}
+    if to_hf:
+        def pair(fc1, fc2, prefix):
+            gate, up = get(fc1).chunk(2, dim=0)
+            out.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
+                        prefix + "down_proj.weight": get(fc2)})
+        if not moe:
+            pair(mg + "mlp.linear_fc1.weight", mg + "mlp.linear_fc2.weight", hf + "mlp.")
+            return out
+        out[hf + "mlp.gate.weight"] = get(mg + "mlp.router.weight")
+        out[hf + "mlp.gate.e_score_correction_bias"] = get(mg + EXPERT_BIAS)
+        fc1, fc2 = get(mg + "mlp.experts.linear_fc1.weight"), \
+            get(mg + "mlp.experts.linear_fc2.weight")
+        for e in range(fc1.shape[0]):
+            gate, up = fc1[e].chunk(2, dim=0)
+            p = f"{hf}mlp.experts.{e}."
+            out.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up,
+                        p + "down_proj.weight": fc2[e]})
+        if has(mg + "mlp.shared_experts.linear_fc1.weight"):
+            pair(mg + "mlp.shared_experts.linear_fc1.weight",
+                 mg + "mlp.shared_experts.linear_fc2.weight", hf + "mlp.shared_experts.")
+        return out
+
+    def fused(prefix):
+        return torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")])
+
+    if not moe:
+        return {mg + "mlp.linear_fc1.weight": fused(hf + "mlp."),
+                mg + "mlp.linear_fc2.weight": get(hf + "mlp.down_proj.weight")}
+    out[mg + "mlp.router.weight"] = get(hf + "mlp.gate.weight")
+    out[mg + EXPERT_BIAS] = get(hf + "mlp.gate.e_score_correction_bias") \
+        if has(hf + "mlp.gate.e_score_correction_bias") else None
+    if has(hf + "mlp.experts.gate_up_proj"):          # transformers >= 5, in memory
+        out[mg + "mlp.experts.linear_fc1.weight"] = get(hf + "mlp.experts.gate_up_proj")
+        out[mg + "mlp.experts.linear_fc2.weight"] = get(hf + "mlp.experts.down_proj")
+    else:
+        E = 0
+        while has(f"{hf}mlp.experts.{E}.down_proj.weight"):
+            E += 1
+        if E == 0:
+            raise UnsupportedModelError(f"checkpoint has no experts under '{hf}mlp.experts.'")
+        out[mg + "mlp.experts.linear_fc1.weight"] = torch.stack(
+            [fused(f"{hf}mlp.experts.{e}.") for e in range(E)])
+        out[mg + "mlp.experts.linear_fc2.weight"] = torch.stack(
+            [get(f"{hf}mlp.experts.{e}.down_proj.weight") for e in range(E)])
+    if has(hf + "mlp.shared_experts.down_proj.weight"):
+        out[mg + "mlp.shared_experts.linear_fc1.weight"] = fused(hf + "mlp.shared_experts.")
+        out[mg + "mlp.shared_experts.linear_fc2.weight"] = \
+            get(hf + "mlp.shared_experts.down_proj.weight")
+    return out
+
+
 class DeepseekV3Adapter(HFAdapter):
     family = "deepseek_v3"
     architectures = ("DeepseekV3ForCausalLM",)
@@ -129,26 +244,7 @@ class DeepseekV3Adapter(HFAdapter):
         if cfg["norm_epsilon"] != _LATENT_NORM_EPS:     # transformers' latent norms keep 1e-6
             cfg["mla_latent_norm_epsilon"] = _LATENT_NORM_EPS
         if experts:
-            groups = hf.get("n_group") or 1
-            k = hf["num_experts_per_tok"]
-            if groups > 1 and k % (hf.get("topk_group") or 1) or \
-                    groups > 1 and k // hf["topk_group"] != 2:
-                raise UnsupportedModelError(
-                    "DeepSeek-V3 config not supported: group-limited routing ranks groups by "
-                    "their top-2 scores in transformers, megalite by their top "
-                    "num_experts_per_tok/topk_group; they agree only when that is 2")
-            shared = hf.get("n_shared_experts") or 0
-            cfg.update(num_experts=experts, moe_router_topk=k,
-                       moe_ffn_hidden_size=hf["moe_intermediate_size"],
-                       moe_layer_freq=[0] * first_dense + [1] * (L - first_dense),
-                       moe_shared_expert_intermediate_size=(
-                           hf["moe_intermediate_size"] * shared if shared else None),
-                       moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                       moe_router_num_groups=groups if groups > 1 else None,
-                       moe_router_group_topk=hf["topk_group"] if groups > 1 else None,
-                       moe_router_topk_scaling_factor=float(
-                           hf.get("routed_scaling_factor") or 1.0),
-                       moe_aux_loss_coeff=0.0)
+            cfg.update(sigmoid_moe_fields(hf, experts, first_dense, "DeepSeek-V3"))
         # what config.json announces; ``from_hf`` keeps only the MTP layers the weights hold
         cfg["mtp_num_layers"] = hf.get("num_nextn_predict_layers",
                                        hf.get("num_mtp_layers")) or None
@@ -168,18 +264,7 @@ class DeepseekV3Adapter(HFAdapter):
             (_latent_eps(mc) != _LATENT_NORM_EPS, "--mla-latent-norm-epsilon 1e-6"),
             (mc.norm_placement != "pre", "--norm-placement pre"),
             (moe and not dense_then_moe, "dense layers first, then MoE (--moe-layer-freq)"),
-            (moe and mc.moe_router_score_function != "sigmoid",
-             "--moe-router-score-function sigmoid"),
-            (moe and not mc.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias"),
-            (moe and mc.moe_router_topk < 2, "--moe-router-topk >= 2"),
-            (moe and bool(mc.moe_router_num_groups) and
-             mc.moe_router_topk // (mc.moe_router_group_topk or 1) != 2,
-             "--moe-router-topk / --moe-router-group-topk = 2 (transformers ranks groups by "
-             "their top-2 scores)"),
-            (moe and mc.moe_shared_expert_intermediate_size is not None and
-             mc.moe_shared_expert_intermediate_size % mc.resolved_moe_ffn_hidden_size(),
-             "--moe-shared-expert-intermediate-size a multiple of --moe-ffn-hidden-size"),
-        ) if bad]
+        ) if bad] + sigmoid_moe_export_problems(mc)
 
     @staticmethod
     def _first_moe(mc) -> int:
@@ -211,14 +296,7 @@ class DeepseekV3Adapter(HFAdapter):
             "torch_dtype": torch_dtype, "dtype": torch_dtype,
         }
         if mc.num_experts:
-            shared = mc.moe_shared_expert_intermediate_size
-            hf.update(n_routed_experts=mc.num_experts, num_experts_per_tok=mc.moe_router_topk,
-                      moe_intermediate_size=mc.resolved_moe_ffn_hidden_size(),
-                      first_k_dense_replace=self._first_moe(mc),
-                      n_shared_experts=shared // mc.resolved_moe_ffn_hidden_size() if shared else 0,
-                      n_group=mc.moe_router_num_groups or 1,
-                      topk_group=mc.moe_router_group_topk or 1, norm_topk_prob=True,
-                      routed_scaling_factor=mc.moe_router_topk_scaling_factor or 1.0,
+            hf.update(sigmoid_moe_to_hf(mc), first_k_dense_replace=self._first_moe(mc),
                       topk_method="noaux_tc", scoring_func="sigmoid")
         else:        # transformers builds MoE layers from first_k_dense_replace on
             hf.update(first_k_dense_replace=mc.num_layers, n_routed_experts=1,
@@ -252,58 +330,6 @@ class DeepseekV3Adapter(HFAdapter):
             elif mg_name.endswith("linear_kv_down_proj.weight"):
                 w = _permute_rope_rows(w, 1, w.shape[0], rope, inverse=to_hf)
             out[b + dst] = w
-        return out
-
-    def _mlp(self, get, has, hf: str, mg: str, moe: bool, to_hf: bool = False):
-        out = {}
-        if to_hf:
-            def pair(fc1, fc2, prefix):
-                gate, up = get(fc1).chunk(2, dim=0)
-                out.update({prefix + "gate_proj.weight": gate, prefix + "up_proj.weight": up,
-                            prefix + "down_proj.weight": get(fc2)})
-            if not moe:
-                pair(mg + "mlp.linear_fc1.weight", mg + "mlp.linear_fc2.weight", hf + "mlp.")
-                return out
-            out[hf + "mlp.gate.weight"] = get(mg + "mlp.router.weight")
-            out[hf + "mlp.gate.e_score_correction_bias"] = get(mg + EXPERT_BIAS)
-            fc1, fc2 = get(mg + "mlp.experts.linear_fc1.weight"), \
-                get(mg + "mlp.experts.linear_fc2.weight")
-            for e in range(fc1.shape[0]):
-                gate, up = fc1[e].chunk(2, dim=0)
-                p = f"{hf}mlp.experts.{e}."
-                out.update({p + "gate_proj.weight": gate, p + "up_proj.weight": up,
-                            p + "down_proj.weight": fc2[e]})
-            if has(mg + "mlp.shared_experts.linear_fc1.weight"):
-                pair(mg + "mlp.shared_experts.linear_fc1.weight",
-                     mg + "mlp.shared_experts.linear_fc2.weight", hf + "mlp.shared_experts.")
-            return out
-
-        def fused(prefix):
-            return torch.cat([get(prefix + "gate_proj.weight"), get(prefix + "up_proj.weight")])
-
-        if not moe:
-            return {mg + "mlp.linear_fc1.weight": fused(hf + "mlp."),
-                    mg + "mlp.linear_fc2.weight": get(hf + "mlp.down_proj.weight")}
-        out[mg + "mlp.router.weight"] = get(hf + "mlp.gate.weight")
-        out[mg + EXPERT_BIAS] = get(hf + "mlp.gate.e_score_correction_bias") \
-            if has(hf + "mlp.gate.e_score_correction_bias") else None
-        if has(hf + "mlp.experts.gate_up_proj"):          # transformers >= 5, in memory
-            out[mg + "mlp.experts.linear_fc1.weight"] = get(hf + "mlp.experts.gate_up_proj")
-            out[mg + "mlp.experts.linear_fc2.weight"] = get(hf + "mlp.experts.down_proj")
-        else:
-            E = 0
-            while has(f"{hf}mlp.experts.{E}.down_proj.weight"):
-                E += 1
-            if E == 0:
-                raise UnsupportedModelError(f"checkpoint has no experts under '{hf}mlp.experts.'")
-            out[mg + "mlp.experts.linear_fc1.weight"] = torch.stack(
-                [fused(f"{hf}mlp.experts.{e}.") for e in range(E)])
-            out[mg + "mlp.experts.linear_fc2.weight"] = torch.stack(
-                [get(f"{hf}mlp.experts.{e}.down_proj.weight") for e in range(E)])
-        if has(hf + "mlp.shared_experts.down_proj.weight"):
-            out[mg + "mlp.shared_experts.linear_fc1.weight"] = fused(hf + "mlp.shared_experts.")
-            out[mg + "mlp.shared_experts.linear_fc2.weight"] = \
-                get(hf + "mlp.shared_experts.down_proj.weight")
         return out
 
     def _layer_pairs(self, m: dict):
@@ -341,7 +367,7 @@ class DeepseekV3Adapter(HFAdapter):
             out[mg + "input_layernorm.weight"] = get(hf + "input_layernorm.weight")
             out[mg + "pre_mlp_layernorm.weight"] = get(hf + "post_attention_layernorm.weight")
             out.update(self._attention(get, hf, mg, m))
-            out.update(self._mlp(get, has, hf, mg, moe))
+            out.update(moe_mlp_tensors(get, has, hf, mg, moe))
         for k in range(mtp):
             hf, mg = f"model.layers.{L + k}.", f"mtp.layers.{k}."
             for mg_name, hf_name in (("enorm", "enorm"), ("hnorm", "hnorm"),
@@ -377,7 +403,7 @@ class DeepseekV3Adapter(HFAdapter):
             out[hf + "input_layernorm.weight"] = get(mg + "input_layernorm.weight")
             out[hf + "post_attention_layernorm.weight"] = get(mg + "pre_mlp_layernorm.weight")
             out.update(self._attention(get, hf, mg, m, to_hf=True))
-            out.update(self._mlp(get, has, hf, mg, moe, to_hf=True))
+            out.update(moe_mlp_tensors(get, has, hf, mg, moe, to_hf=True))
         L = mc.num_layers
         for k in range(mc.mtp_num_layers or 0):
             hf, mg = f"model.layers.{L + k}.", f"mtp.layers.{k}."

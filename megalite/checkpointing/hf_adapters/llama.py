@@ -94,6 +94,8 @@ class LlamaAdapter(HFAdapter):
     hf_norm_offset = 0.0
     # Qwen3-Next: whether the family writes Gated DeltaNet layers and gated attention
     linear_attention = False
+    partial_rotary = False   # whether the family rotates part of each head (rope.py)
+    llama4_attention = False  # chunks, L2 q/k norms, NoPE temperature (llama4.py)
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
@@ -125,7 +127,7 @@ class LlamaAdapter(HFAdapter):
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             add_bias_linear=False, init_method_std=hf.get("initializer_range", 0.02),
             hidden_dropout=0.0, attention_dropout=float(hf.get("attention_dropout", 0.0)))
-        cfg.update(rope_fields_from_hf(hf))
+        cfg.update(rope_fields_from_hf(hf, self.partial_rotary))
         cfg.update(self.family_fields_from_hf(hf))
         return cfg
 
@@ -151,7 +153,14 @@ class LlamaAdapter(HFAdapter):
             (mc.norm_placement != self.norm_placement,
              f"--norm-placement {self.norm_placement}"),
             (mc.qk_layernorm and mc.qk_layernorm_scope != self.qk_layernorm_scope,
-             f"--qk-layernorm-scope {self.qk_layernorm_scope}")) if bad] + \
+             f"--qk-layernorm-scope {self.qk_layernorm_scope}"),
+            (mc.rotary_percent != 1.0 and not self.partial_rotary, "no --rotary-percent"),
+            (mc.attention_chunk_size is not None and not self.llama4_attention,
+             "no --attention-chunk-size"),
+            (mc.qk_l2_norm and not self.llama4_attention, "no --qk-l2-norm"),
+            (mc.attn_temperature_tuning and not self.llama4_attention,
+             "no --attn-temperature-tuning"))
+            if bad] + \
             [f"no {flag}" for flag in GEMMA_FLAGS
              if flag not in self.writes and _set(mc, flag)] + \
             rope_export_problems(mc) + self.window_export_problems(mc) + \

@@ -5,9 +5,10 @@ that order) and the MLP's gate and up as one ``mlp.gate_up_proj`` ([gate; up]). 
 splits ``qkv_proj`` into q/k/v and fuses them per query group as Llama's are; export
 concatenates them back.  ``gate_up_proj`` is megalite's ``linear_fc1`` row for row.
 
-Refused in one line: a set ``sliding_window`` (Phi-3-mini-4k has 2047; megalite has no
-sliding-window attention), ``partial_rotary_factor`` < 1 (Phi-4-mini; ``rope.py``) and the
-128k variants' ``longrope`` scaling (``rope.py``).  Like Mistral, the model also exports as
+``partial_rotary_factor`` < 1 (Phi-4-mini) is ``--rotary-percent`` (``rope.py``: Phi-3
+rotates the leading channels, half-split).  Refused in one line: a set ``sliding_window``
+(Phi-3-mini-4k has 2047; megalite has no sliding-window attention) and the 128k variants'
+``longrope`` scaling (``rope.py``).  Like Mistral, the model also exports as
 Llama (the first registered fit): ``convert.py --hf-architecture Phi3ForCausalLM`` writes
 Phi-3.
 """
@@ -25,6 +26,7 @@ class Phi3Adapter(LlamaAdapter):
     family = "phi3"
     architectures = ("Phi3ForCausalLM",)
     model_type = "phi3"
+    partial_rotary = True
 
     def family_fields_from_hf(self, hf: dict) -> dict:
         if hf.get("sliding_window") is not None:

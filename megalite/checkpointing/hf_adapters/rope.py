@@ -12,8 +12,10 @@ any architecture, so a Qwen2 or Mistral config may carry Llama 3's or YaRN's sca
                 (--no-yarn-correction-range-round-to-int) --mscale --mscale-all-dim
 
 Both sides compute the tables with the same operations (``megalite.transformer.rotary``).
-Anything else (dynamic, longrope, partial rotary, per-layer RoPE) is a one-line
-refusal naming the key.
+``partial_rotary_factor`` p -> ``--rotary-percent p`` for the families whose transformers
+code rotates the leading int(d * p) channels of each head, half-split inside them
+(Phi-3, GLM-4.5: ``partial_rotary=True``); elsewhere, and any other kind (linear, dynamic,
+longrope, per-layer RoPE), a one-line refusal naming the key.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import math
 from typing import Dict
 
 from megalite.checkpointing.hf_adapters.base import UnsupportedModelError
+from megalite.config.domain_checks import rotary_dim
 from megalite.transformer.rotary import (YARN_BETA_FAST, YARN_BETA_SLOW,
                                          YARN_ORIGINAL_MAX_POSITION_EMBEDDINGS,
                                          yarn_concentration_factor)
@@ -47,18 +50,27 @@ def hf_rope_parameters(hf: dict) -> dict:
     return out
 
 
-def rope_fields_from_hf(hf: dict) -> Dict[str, object]:
-    """``ModelConfig`` fields for a HF config's rotary embedding (raises if unsupported)."""
+def rope_fields_from_hf(hf: dict, partial_rotary: bool = False) -> Dict[str, object]:
+    """``ModelConfig`` fields for a HF config's rotary embedding (raises if unsupported);
+    ``partial_rotary``: whether the family's transformers code rotates part of each head."""
     p = hf_rope_parameters(hf)
     kind = p["rope_type"]
     if kind not in ROPE_TYPES:
         raise UnsupportedModelError(f"rope_parameters.rope_type '{kind}' is not supported "
                                     f"(megalite maps {', '.join(ROPE_TYPES)})")
     partial = p.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    if partial is None:
+        partial = 1.0
+    if partial != 1.0 and not partial_rotary:
         raise UnsupportedModelError(f"partial_rotary_factor {partial} is not supported "
-                                    "(megalite rotates whole heads)")
-    out = {"position_embedding_type": "rope", "rotary_base": _number(p["rope_theta"])}
+                                    "(this family's transformers code rotates whole heads)")
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    rot = rotary_dim(head_dim, float(partial))
+    if rot < 2 or rot % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} rotates {rot} of "
+                                    f"{head_dim} channels: megalite rotates an even number")
+    out = {"position_embedding_type": "rope", "rotary_base": _number(p["rope_theta"]),
+           "rotary_percent": float(partial)}
     # transformers: the pretraining length falls back to a top-level key (Phi3), then
     # max_position_embeddings
     original = hf.get("original_max_position_embeddings") or \
@@ -112,6 +124,8 @@ def yarn_fields_from_hf(p: dict, hf: dict, original: int) -> Dict[str, object]:
 def rope_parameters_to_hf(mc) -> dict:
     """The ``rope_parameters`` dict of a megalite ``ModelConfig`` (transformers >= 5)."""
     out = {"rope_type": "default", "rope_theta": mc.rotary_base}
+    if mc.rotary_percent != 1.0:
+        out["partial_rotary_factor"] = mc.rotary_percent
     if mc.position_embedding_type == "rope" and mc.use_rope_scaling:
         out.update(rope_type="llama3", factor=mc.rope_scaling_factor,
                    low_freq_factor=mc.rope_scaling_low_freq_factor,
