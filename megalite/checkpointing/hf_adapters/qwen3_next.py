@@ -75,6 +75,7 @@ class Qwen3NextAdapter(QwenMoeMixin, Qwen3Adapter):
     model_type = "qwen3_next"
     shared_expert = True
     linear_attention = True
+    partial_rotary = True    # its own config_from_hf reads partial_rotary_factor (0.25)
 
     # -- configs -------------------------------------------------------------------------
     def config_from_hf(self, hf: dict) -> dict:
