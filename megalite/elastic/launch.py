@@ -21,6 +21,9 @@ torchrun's own agent with:
 - the hang diagnosis once the workers are gone, when a worker died of a signal (the
   backend's own abort: gloo's "Received data size doesn't match expected size", NCCL's
   async error handling) and no worker printed it (``hang_dumps.diagnosis_after_exit``);
+- ``--rdzv-backend etcd-v2 --rdzv-endpoint H1:P,H2:P,H3:P``: the rendezvous state in an
+  etcd cluster instead of a store on the first node (``etcd_rdzv``: the first member that
+  answers; none, or no etcd client: one line, exit status 2);
 - ``--result-file``: one line when the agent ends (``write_result``), which
   ``launch/slurm/pretrain.sbatch`` reads to end the job with the training's status without
   waiting for a node that is gone.
@@ -45,7 +48,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from megalite.diagnostics import hang_dumps
-from megalite.errors import EXIT_USER_ERROR
+from megalite.elastic import etcd_rdzv
+from megalite.errors import EXIT_USER_ERROR, UserError
 
 # Why each value: docs/fault_tolerance.md, "Rendezvous settings".
 RDZV_DEFAULTS: Dict[str, str] = {
@@ -192,8 +196,10 @@ def parse(argv: List[str]):
     ours, rest = own.parse_known_args(argv)
 
     args = torchrun.parse_args(rest)
-    if args.rdzv_backend == "c10d" and not args.standalone:
-        args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)
+    if args.rdzv_backend in ("c10d", etcd_rdzv.BACKEND) and not args.standalone:
+        args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)   # both are torch's dynamic rendezvous
+    if args.rdzv_backend == etcd_rdzv.BACKEND and not args.standalone:
+        args.rdzv_endpoint = etcd_rdzv.first_live_endpoint(args.rdzv_endpoint)
     return ours, args
 
 
@@ -201,7 +207,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    ours, args = parse(argv)
+    try:
+        ours, args = parse(argv)
+    except UserError as exc:     # e.g. no etcd member answers: one line, no restart
+        print(f"megalite launch: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     _install_agent(ours.exit_barrier_timeout, timeline=not args.standalone)
     notes = tempfile.mkdtemp(prefix="megalite-launch-")
     os.environ[hang_dumps.LAUNCHER_NOTE_ENV] = os.path.join(notes, "hang_note")
