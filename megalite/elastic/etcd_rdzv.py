@@ -18,11 +18,13 @@ docs/fault_tolerance.md, "No single point of failure", says how to run it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import List, Optional, Sequence, Tuple
@@ -33,6 +35,9 @@ BACKEND = "etcd-v2"
 CLIENT_PORT = 2379          # etcd's own defaults
 PEER_PORT = 2380
 PROBE_TIMEOUT_S = 3.0
+# How long a request is retried while the etcd cluster elects a new leader (a member died):
+# torch's backend turns the first "etcdserver: request timed out" into the agent's end.
+RETRY_S = 30.0
 
 
 class EtcdError(ConfigError):
@@ -99,6 +104,47 @@ def first_live_endpoint(endpoint: str) -> str:
     raise EtcdError(f"--rdzv-endpoint {endpoint}: no etcd member can be used ("
                     + "; ".join(tried) + "); start etcd (Debian: apt-get install etcd-server) "
                     "or give the site's members")
+
+
+def _transient(exc: BaseException) -> bool:
+    """An etcd failure that a retry can outlive: a leader election, a member that stopped
+    answering (the client moves to the next member), a timed-out proposal.  Not the
+    rendezvous' own outcomes (a key not found, a failed compare-and-swap, a watch that timed
+    out: torch handles those)."""
+    import etcd  # noqa: F401  (optional dependency: only the etcd rendezvous needs it)
+    import urllib3
+    cause = exc.__cause__ if exc.__cause__ is not None else exc
+    return type(cause) in (etcd.EtcdException, etcd.EtcdLeaderElectionInProgress,
+                           etcd.EtcdConnectionFailed) or \
+        isinstance(cause, (urllib3.exceptions.TimeoutError, urllib3.exceptions.ProtocolError))
+
+
+def _retrying(fn, seconds: float):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        end = time.monotonic() + seconds
+        while True:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (re-raised unless transient)
+                if not _transient(exc) or time.monotonic() > end:
+                    raise
+                time.sleep(0.2)
+    call.megalite_retrying = True
+    return call
+
+
+def install_retries(seconds: float = RETRY_S) -> None:
+    """Make torch's etcd rendezvous backend and store retry transient etcd failures for
+    ``seconds`` (once per process)."""
+    # torch's etcd modules: imported here, only when the etcd rendezvous is chosen
+    from torch.distributed.elastic.rendezvous import etcd_rendezvous_backend, etcd_store
+    for cls, names in ((etcd_rendezvous_backend.EtcdRendezvousBackend, ("get_state", "set_state")),
+                       (etcd_store.EtcdStore, ("set", "get", "add", "check", "wait"))):
+        for name in names:
+            fn = getattr(cls, name)
+            if not getattr(fn, "megalite_retrying", False):
+                setattr(cls, name, _retrying(fn, seconds))
 
 
 def parse_members(spec: str) -> List[Tuple[str, str, int, int]]:

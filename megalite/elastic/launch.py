@@ -200,6 +200,7 @@ def parse(argv: List[str]):
         args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)   # both are torch's dynamic rendezvous
     if args.rdzv_backend == etcd_rdzv.BACKEND and not args.standalone:
         args.rdzv_endpoint = etcd_rdzv.first_live_endpoint(args.rdzv_endpoint)
+        etcd_rdzv.install_retries()
     return ours, args
 
 

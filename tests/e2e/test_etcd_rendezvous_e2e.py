@@ -1,10 +1,12 @@
 """``python -m megalite.elastic.launch --rdzv-backend etcd-v2`` on one host, as a user runs it:
 three local etcd members (megalite.testing.etcd_local), the launcher given all three.
 
-- The member the launcher talks to first is SIGKILLed after iteration KILL_ETCD_AT, then a
-  worker after iteration KILL_WORKER_AT: the agent's restart re-forms through the surviving
-  members (the client fails over), the workers resume from the in-memory snapshot, the run
-  finishes with exit status 0 and the uninterrupted run's losses.
+- The member the launcher talks to first is SIGKILLed once the workers are up, then a worker
+  fails: the agent's restart re-forms through the surviving members (the client fails
+  over) and the run finishes with exit status 0 (a two-process worker, a few seconds).
+- The same with training (long tier): the member dies after iteration KILL_ETCD_AT, a worker
+  after KILL_WORKER_AT; the workers resume from the in-memory snapshot with the
+  uninterrupted run's losses.
 - No member answers, or an endpoint that is not HOST:PORT: one line, exit status 2.
 
 Skips (saying why) where the machine has no etcd binary or no python-etcd client.
@@ -23,6 +25,7 @@ from megalite.testing import etcd_local
 from slurm_local import ROOT, TWIN, TWIN_FLAGS, assert_same_losses, losses, reference_losses
 
 PY = sys.executable
+ENTRY = os.path.join(ROOT, "tests", "e2e", "etcd_restart_entry.py")
 ITERS = 8
 KILL_ETCD_AT = 2
 KILL_WORKER_AT = 4
@@ -34,7 +37,7 @@ pytestmark = pytest.mark.skipif(etcd_local.unavailable() is not None,
 def _launcher(endpoint, *args):
     return [PY, "-m", "megalite.elastic.launch", "--nnodes", "1:2", "--nproc-per-node", "2",
             "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", endpoint, "--rdzv-id", "etcd-e2e",
-            "--max-restarts", "2", *args]
+            "--max-restarts", "1", *args]
 
 
 def _wait_iteration(metrics, it, proc, timeout=300):
@@ -48,7 +51,36 @@ def _wait_iteration(metrics, it, proc, timeout=300):
     raise AssertionError(f"iteration {it} not reached in {timeout} s")
 
 
-def test_first_etcd_member_and_a_worker_die_the_run_finishes(tmp_path, tmp_path_factory):
+def test_first_etcd_member_dies_then_a_restart_re_forms_through_the_others(tmp_path):
+    go = tmp_path / "go"
+    with etcd_local.LocalEtcd(str(tmp_path)) as etcd:
+        log = open(tmp_path / "launch.log", "w")
+        proc = subprocess.Popen(_launcher(etcd.endpoint, ENTRY), cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, GO_FILE=str(go)))
+        try:
+            end = time.time() + 120
+            while "rank 1 attempt 0 up" not in (tmp_path / "launch.log").read_text():
+                assert proc.poll() is None and time.time() < end, \
+                    (tmp_path / "launch.log").read_text()[-3000:]
+                time.sleep(0.05)
+            etcd.kill(0)                       # the member the launcher was handed
+            go.write_text("")                  # rank 1 fails: the agent re-forms
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+    out = (tmp_path / "launch.log").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"worker group failed \(status [^)]*3[^)]*\); 1 restart\(s\) left", out), \
+        out[-4000:]
+    assert re.search(r"rendezvous done in [\d.]+ s: node 0 of 1, world 2, restart 1", out), \
+        out[-4000:]
+    assert "rank 0 attempt 1 done" in out and "rank 1 attempt 1 done" in out, out[-4000:]
+
+
+def test_first_etcd_member_and_a_worker_die_training_finishes(tmp_path, tmp_path_factory):
     ref = reference_losses(tmp_path_factory, ITERS)
     metrics = tmp_path / "metrics.jsonl"
     with etcd_local.LocalEtcd(str(tmp_path)) as etcd:
