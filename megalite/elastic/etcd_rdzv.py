@@ -12,7 +12,8 @@ re-formed world.  A three-member etcd cluster keeps its quorum when one member d
   member dies later, the agent's next request goes to another one.
 - ``python -m megalite.elastic.etcd_rdzv member NAME DATA_DIR NAME1=HOST1,NAME2=HOST2,...``
   runs one member (``launch/slurm/pretrain.sbatch`` starts three on the allocation's first
-  three nodes; tests start three on one host with ``HOST:CLIENT_PORT:PEER_PORT``).
+  three nodes; tests start three on one host with ``HOST:CLIENT_PORT:PEER_PORT``);
+  ``... wait H1:P,... SECONDS`` returns once the cluster accepts a write.
 
 docs/fault_tolerance.md, "No single point of failure", says how to run it.
 """
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 import urllib.error
@@ -170,11 +172,15 @@ def member_command(name: str, data_dir: str, members: Sequence[Tuple[str, str, i
     if not me:
         raise EtcdError(f"etcd member {name} is not one of {[m[0] for m in members]}")
     _, host, client, peer = me[0]
+    try:
+        ip = socket.gethostbyname(host)      # etcd listens on addresses, not names
+    except OSError as exc:
+        raise EtcdError(f"etcd member {name}: cannot resolve {host}: {exc}") from None
     cluster = ",".join(f"{n}=http://{h}:{p}" for n, h, _, p in members)
     return [etcd, "--name", name, "--data-dir", data_dir, "--enable-v2",
-            "--listen-client-urls", f"http://{host}:{client}",
+            "--listen-client-urls", f"http://{ip}:{client}",
             "--advertise-client-urls", f"http://{host}:{client}",
-            "--listen-peer-urls", f"http://{host}:{peer}",
+            "--listen-peer-urls", f"http://{ip}:{peer}",
             "--initial-advertise-peer-urls", f"http://{host}:{peer}",
             "--initial-cluster", cluster, "--initial-cluster-state", "new",
             "--initial-cluster-token", "megalite-" + hashlib.sha1(cluster.encode()).hexdigest()[:12],
@@ -185,18 +191,44 @@ def client_endpoints(members: Sequence[Tuple[str, str, int, int]]) -> str:
     return ",".join(f"{h}:{c}" for _, h, c, _ in members)
 
 
+def wait_healthy(endpoint: str, timeout: float) -> None:
+    """Until a write through one of the members succeeds (the cluster has a leader), else a
+    one-line ``EtcdError``."""
+    end = time.monotonic() + timeout
+    why = "not tried"
+    while True:
+        for host, port in split_endpoints(endpoint):
+            try:
+                req = urllib.request.Request(f"http://{host}:{port}/v2/keys/megalite-up",
+                                             data=b"value=1", method="PUT")
+                urllib.request.urlopen(req, timeout=PROBE_TIMEOUT_S).close()
+                return
+            except OSError as exc:
+                why = f"{host}:{port}: {getattr(exc, 'reason', exc)}"
+        if time.monotonic() > end:
+            raise EtcdError(f"the etcd cluster {endpoint} did not accept a write within "
+                            f"{timeout:.0f} s (last: {why}); see its members' logs")
+        time.sleep(0.3)
+
+
+USAGE = ("usage: python -m megalite.elastic.etcd_rdzv member NAME DATA_DIR "
+         "NAME1=HOST1[:CLIENT:PEER],...  |  wait HOST:PORT[,...] SECONDS")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) != 4 or argv[0] != "member":
-        print("usage: python -m megalite.elastic.etcd_rdzv member NAME DATA_DIR "
-              "NAME1=HOST1[:CLIENT:PEER],...", file=sys.stderr)
-        return 2
-    _, name, data_dir, spec = argv
-    etcd = shutil.which("etcd")
     try:
+        if len(argv) == 3 and argv[0] == "wait":
+            wait_healthy(argv[1], float(argv[2]))
+            return 0
+        if len(argv) != 4 or argv[0] != "member":
+            print(USAGE, file=sys.stderr)
+            return 2
+        _, name, data_dir, spec = argv
+        etcd = shutil.which("etcd")
         if etcd is None:
             raise EtcdError("etcd not found on this node: apt-get install etcd-server (Debian),"
-                            " or give the site's members with --rdzv-endpoint")
+                            " or give the site's members (MEGALITE_RDZV_ENDPOINT)")
         cmd = member_command(name, data_dir, parse_members(spec), etcd)
     except EtcdError as exc:
         print(f"megalite etcd: error: {exc}", file=sys.stderr, flush=True)

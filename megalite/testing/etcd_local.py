@@ -12,8 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from typing import List, Optional
 
 from megalite.elastic import etcd_rdzv
@@ -61,20 +59,11 @@ class LocalEtcd:
         self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        """Until a write through member 0 succeeds (a leader is elected)."""
-        _, host, port, _ = self.members[0]
-        end = time.time() + timeout
-        while True:
-            try:
-                req = urllib.request.Request(f"http://{host}:{port}/v2/keys/megalite-up",
-                                             data=b"value=1", method="PUT")
-                urllib.request.urlopen(req, timeout=2).close()
-                return
-            except OSError:
-                if time.time() > end:
-                    self.stop()
-                    raise RuntimeError(f"etcd cluster {self.endpoint} not healthy in {timeout} s")
-                time.sleep(0.2)
+        try:
+            etcd_rdzv.wait_healthy(self.endpoint, timeout)
+        except etcd_rdzv.EtcdError:
+            self.stop()
+            raise
 
     def kill(self, i: int) -> None:
         try:
