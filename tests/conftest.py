@@ -29,6 +29,7 @@ _PAIRS = "tests/distributed/test_feature_pairs_dist.py::test_combination_matches
 LONG_TESTS = (
     "tests/e2e/test_slurm_citizen_e2e.py",      # exit status, ports, requeue, CPUs, logs, link
     "tests/e2e/test_slurm_elastic_e2e.py",      # lost nodes, spares, a node rejoining
+    "tests/e2e/test_slurm_first_node_e2e.py",   # the first node lost, with the etcd rendezvous
     # sbatch on two nodes and its restart (the default run keeps megalite.elastic.launch's
     # restart and exit status, test_elastic_launch_e2e.py)
     "tests/e2e/test_slurm_e2e.py",
