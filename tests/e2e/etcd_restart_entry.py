@@ -12,7 +12,8 @@ import torch.distributed as dist
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 dist.barrier()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-print(f"rank {dist.get_rank()} attempt {attempt} up", flush=True)
+warm = " (warm)" if os.environ.get("MEGALITE_WARM_WORKER") else ""
+print(f"rank {dist.get_rank()} attempt {attempt} up{warm}", flush=True)
 if attempt == 0 and dist.get_rank() == 1:
     while not os.path.exists(os.environ["GO_FILE"]):
         time.sleep(0.05)
