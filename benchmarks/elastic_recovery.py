@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """A lost node, side by side: torchrun's default rendezvous settings vs megalite's launcher,
-and a restart from the disk checkpoint vs from the survivors' in-memory snapshots.
+a restart from the disk checkpoint vs from the survivors' in-memory snapshots, and restarted
+workers that start cold vs in warm spare processes (``--warm-spares 2``: torch and megalite
+imported before they are needed, megalite/elastic/warm.py).
 
 Two agents on this machine stand for two nodes (``--nnodes 1:2``, c10d rendezvous on
 localhost, 2 workers each: the GPT-3 twin at TP2 DP2, --save-interval larger than the run).
@@ -11,12 +13,14 @@ with it: its shards come back from the replicas A holds.  The disk-only cases pa
 ``--snapshot-interval 0``.
 
 Printed per launcher: the time from the kill to the re-formed group (A's agent log: the
-rendezvous of restart 1 completes) and to the next new iteration (metrics file), the
+rendezvous of restart 1 completes) and to the next new iteration (metrics file), the restart
+time between the two (the workers' start-up, the restore and the first iteration: what warm
+spares shorten), the
 iterations trained twice, and whether every loss equals the uninterrupted run's (DP2 with
 no failure, run first).  Both use TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it a
 restart across nodes fails outright (docs/launching.md, "Restarts").
 
-    python benchmarks/elastic_recovery.py [--kill-at 4] [--iters 12]
+    python benchmarks/elastic_recovery.py [--kill-at 4] [--iters 12] [--cases launch-snap,launch-warm]
 """
 from __future__ import annotations
 
@@ -113,6 +117,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kill-at", type=int, default=4)
     ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--cases", default="", help="comma-separated tags (default: all): "
+                    "torchrun, launch-disk, launch-snap, launch-warm")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="elastic-recovery-")
     ref_metrics = os.path.join(work, "reference.jsonl")
@@ -124,17 +130,22 @@ def main():
     off = ["--snapshot-interval", "0"]
     cases = [("torchrun defaults, disk only", "torchrun", torchrun, 29731, off),
              ("megalite launch, disk only", "launch-disk", launch, 29732, off),
-             ("megalite launch, snapshots", "launch-snap", launch, 29733, [])]
+             ("megalite launch, snapshots", "launch-snap", launch, 29733, []),
+             ("megalite launch, snapshots, warm", "launch-warm", [*launch, "--warm-spares", "2"],
+              29734, [])]
+    if a.cases:
+        cases = [c for c in cases if c[1] in a.cases.split(",")]
     print(f"two agents x 2 workers on localhost, agent B SIGKILLed after iteration {a.kill_at}"
           f" of {a.iters}; load average {os.getloadavg()[0]:.1f}")
-    print(f"  {'launcher, restart source':<30}{'kill -> re-formed':>18}{'kill -> new iteration':>23}"
-          f"{'retrained':>11}{'losses = uninterrupted':>24}{'exit':>6}")
+    print(f"  {'launcher, restart source':<34}{'kill -> re-formed':>18}{'kill -> new iteration':>23}"
+          f"{'restart':>9}{'retrained':>11}{'losses = uninterrupted':>24}{'exit':>6}")
     for name, tag, launcher, port, flags in cases:
         r = run_case(tag, launcher, work, a.iters, a.kill_at, port, flags)
         same = sorted(r["losses"]) == sorted(ref) and all(
             abs(r["losses"][i] - ref[i]) <= 1e-4 * abs(ref[i]) for i in ref)
         fmt = lambda v: "?" if v is None else f"{v:.1f} s"    # noqa: E731
-        print(f"  {name:<30}{fmt(r['reform']):>18}{fmt(r['kill_to_new']):>23}"
+        restart = r["kill_to_new"] - r["reform"] if r["kill_to_new"] and r["reform"] else None
+        print(f"  {name:<34}{fmt(r['reform']):>18}{fmt(r['kill_to_new']):>23}{fmt(restart):>9}"
               f"{r['retrained'] if r['retrained'] is not None else '?':>11}"
               f"{'yes' if same else 'NO':>24}{r['rc']:>6}")
     print(f"logs: {work}")

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", timeout=timedelta(seconds=600))
 dist.barrier()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 warm = " (warm)" if os.environ.get("MEGALITE_WARM_WORKER") else ""

@@ -4,6 +4,8 @@ three local etcd members (megalite.testing.etcd_local), the launcher given all t
 - The member the launcher talks to first is SIGKILLed once the workers are up, then a worker
   fails: the agent's restart re-forms through the surviving members (the client fails
   over) and the run finishes with exit status 0 (a two-process worker, a few seconds).
+  The same launch keeps two warm spares (``--warm-spares 2``): both restarted workers run
+  in them.
 - The same with training (long tier): the member dies after iteration KILL_ETCD_AT, a worker
   after KILL_WORKER_AT; the workers resume from the in-memory snapshot with the
   uninterrupted run's losses.
@@ -40,6 +42,19 @@ def _launcher(endpoint, *args):
             "--max-restarts", "1", *args]
 
 
+def _warm_ready(launcher_pid, count):
+    """Whether ``count`` warm processes of the launcher wait in its pool (their sockets)."""
+    pools = set()
+    for pid in process_tree(launcher_pid, include_self=False):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline").read().split("\0")
+        except OSError:
+            continue
+        if "megalite.elastic.warm" in cmd and "serve" in cmd:
+            pools.add(cmd[cmd.index("serve") + 1])
+    return sum(len([f for f in os.listdir(p) if f.endswith(".sock")]) for p in pools) >= count
+
+
 def _wait_iteration(metrics, it, proc, timeout=300):
     end = time.time() + timeout
     while time.time() < end:
@@ -55,18 +70,20 @@ def test_first_etcd_member_dies_then_a_restart_re_forms_through_the_others(tmp_p
     go = tmp_path / "go"
     with etcd_local.LocalEtcd(str(tmp_path)) as etcd:
         log = open(tmp_path / "launch.log", "w")
-        proc = subprocess.Popen(_launcher(etcd.endpoint, ENTRY), cwd=ROOT, stdout=log,
+        proc = subprocess.Popen(_launcher(etcd.endpoint, "--warm-spares", "2", ENTRY),
+                                cwd=ROOT, stdout=log,
                                 stderr=subprocess.STDOUT, text=True,
                                 env=dict(os.environ, GO_FILE=str(go)))
         try:
-            end = time.time() + 120
-            while "rank 1 attempt 0 up" not in (tmp_path / "launch.log").read_text():
+            end = time.time() + 400        # warm processes import torch: slow on a loaded machine
+            while "rank 1 attempt 0 up" not in (tmp_path / "launch.log").read_text() or \
+                    not _warm_ready(proc.pid, 2):
                 assert proc.poll() is None and time.time() < end, \
                     (tmp_path / "launch.log").read_text()[-3000:]
                 time.sleep(0.05)
             etcd.kill(0)                       # the member the launcher was handed
             go.write_text("")                  # rank 1 fails: the agent re-forms
-            proc.wait(timeout=120)
+            proc.wait(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -78,6 +95,9 @@ def test_first_etcd_member_dies_then_a_restart_re_forms_through_the_others(tmp_p
     assert re.search(r"rendezvous done in [\d.]+ s: node 0 of 1, world 2, restart 1", out), \
         out[-4000:]
     assert "rank 0 attempt 1 done" in out and "rank 1 attempt 1 done" in out, out[-4000:]
+    assert "attempt 0 up (warm)" not in out, out[-4000:]     # the first start is cold
+    assert "rank 0 attempt 1 up (warm)" in out and "rank 1 attempt 1 up (warm)" in out, \
+        out[-4000:]
 
 
 def test_first_etcd_member_and_a_worker_die_training_finishes(tmp_path, tmp_path_factory):
