@@ -67,7 +67,7 @@ def check_client() -> None:
     """torch's etcd backend imports ``etcd`` (PyPI: python-etcd) and otherwise fails only at
     the first rendezvous, with a stub's ImportError."""
     try:
-        import etcd  # noqa: F401  (optional dependency: only the etcd rendezvous needs it)
+        import etcd  # noqa: F401  # optional dependency: python-etcd, for this backend only
     except ImportError:
         raise EtcdError(f"--rdzv-backend {BACKEND} needs the etcd v2 client: "
                         f"pip install python-etcd") from None
@@ -113,8 +113,8 @@ def _transient(exc: BaseException) -> bool:
     answering (the client moves to the next member), a timed-out proposal.  Not the
     rendezvous' own outcomes (a key not found, a failed compare-and-swap, a watch that timed
     out: torch handles those)."""
-    import etcd  # noqa: F401  (optional dependency: only the etcd rendezvous needs it)
-    import urllib3
+    import etcd  # optional dependency: python-etcd, for this backend only
+    import urllib3  # optional dependency: python-etcd's transport
     cause = exc.__cause__ if exc.__cause__ is not None else exc
     return type(cause) in (etcd.EtcdException, etcd.EtcdLeaderElectionInProgress,
                            etcd.EtcdConnectionFailed) or \
@@ -139,7 +139,7 @@ def _retrying(fn, seconds: float):
 def install_retries(seconds: float = RETRY_S) -> None:
     """Make torch's etcd rendezvous backend and store retry transient etcd failures for
     ``seconds`` (once per process)."""
-    # torch's etcd modules: imported here, only when the etcd rendezvous is chosen
+    # start-up time: the member command (same module) runs without torch
     from torch.distributed.elastic.rendezvous import etcd_rendezvous_backend, etcd_store
     for cls, names in ((etcd_rendezvous_backend.EtcdRendezvousBackend, ("get_state", "set_state")),
                        (etcd_store.EtcdStore, ("set", "get", "add", "check", "wait"))):

@@ -109,7 +109,7 @@ def _agent_class():
             python = os.path.basename(spec.entrypoint or "").startswith("python")
             if not (self.warm_spares and python):
                 return super()._start_workers(worker_group)
-            original = spec.args
+            original = self._warm_args = spec.args
             spec.args = ("-m", "megalite.elastic.warm", "client", self.warm_pool, *original)
             try:
                 return super()._start_workers(worker_group)
@@ -122,7 +122,7 @@ def _agent_class():
             procs = getattr(self, "_warm_procs", [])
             procs = [p for p in procs if p.poll() is None]
             for _ in range(self.warm_spares - sum(warm.idle(self.warm_pool, p) for p in procs)):
-                procs.append(warm.spawn(self.warm_pool))
+                procs.append(warm.spawn(self.warm_pool, warm.script_of(self._warm_args)))
             self._warm_procs = procs
 
         def _say(self, line: str) -> None:

@@ -3,8 +3,8 @@
 A restarted worker spends most of its start-up importing torch and megalite (about 11 s of
 wall time on this project's loaded 2-core machine) before it can join a process group.  With
 ``python -m megalite.elastic.launch --warm-spares N`` the agent keeps N processes that have
-done that already (``serve``: torch, torch.distributed with its gloo backend, the training
-entry point, imported; nothing rank-specific built), each waiting on a unix socket in the
+done that already (``serve``: torch, torch.distributed and the modules the training script
+imports at its top level, imported; nothing rank-specific built), each waiting on a unix socket in the
 agent's pool folder.
 
 Every worker the agent starts is a small client (``client``: no torch) that claims one warm
@@ -17,7 +17,9 @@ start, so the next restart finds it warm again; a warm process dies with its age
 """
 from __future__ import annotations
 
+import ast
 import ctypes
+import importlib
 import glob
 import json
 import os
@@ -43,9 +45,36 @@ def _die_with_parent() -> None:
         pass
 
 
-def spawn(pool: str) -> "object":
-    """Start one warm process for ``pool`` (a child of the caller: it dies with it)."""
-    return subprocess.Popen([sys.executable, "-m", "megalite.elastic.warm", "serve", pool],
+def script_of(python_args) -> Optional[str]:
+    """The script of ``python [-u ...] SCRIPT ARGS`` (None for ``-m MODULE``)."""
+    for arg in python_args:
+        if arg == "-m":
+            return None
+        if not arg.startswith("-"):
+            return arg
+    return None
+
+
+def top_level_imports(script: Optional[str]) -> List[str]:
+    """The modules ``script`` imports at its top level (what a warm process imports ahead)."""
+    try:
+        tree = ast.parse(open(script).read())
+    except (OSError, SyntaxError, TypeError, ValueError):
+        return []
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out.append(node.module)
+    return out
+
+
+def spawn(pool: str, script: Optional[str]) -> "object":
+    """Start one warm process for ``pool`` that imports what ``script`` imports (a child of
+    the caller: it dies with it)."""
+    return subprocess.Popen([sys.executable, "-m", "megalite.elastic.warm", "serve", pool,
+                             *top_level_imports(script)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
@@ -57,14 +86,16 @@ def idle(pool: str, proc) -> bool:
                                     os.path.exists(base + ".sock"))
 
 
-def serve(pool: str) -> int:
-    """A warm process: import what every worker imports, then wait for one client."""
+def serve(pool: str, modules: List[str]) -> int:
+    """A warm process: import torch and ``modules``, then wait for one client."""
     _die_with_parent()
     path = os.path.join(pool, f"warm-{os.getpid()}.sock")
     open(path[:-len(".sock")] + ".starting", "w").close()
-    import torch  # noqa: F401,PLC0415  (the point of a warm process: imported before it is needed)
-    import torch.distributed  # noqa: F401,PLC0415
-    from megalite.training import entry  # noqa: F401,PLC0415
+    for name in ("torch", "torch.distributed", *modules):   # the point: imported before needed
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001  (the worker will meet the same error, cold)
+            pass
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path + ".tmp")
     srv.listen(1)
@@ -162,11 +193,11 @@ def client(pool: str, argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if len(argv) == 2 and argv[0] == "serve":
-        return serve(argv[1])
+    if len(argv) >= 2 and argv[0] == "serve":
+        return serve(argv[1], argv[2:])
     if len(argv) >= 3 and argv[0] == "client":
         return client(argv[1], argv[2:])
-    print("usage: python -m megalite.elastic.warm serve POOL | client POOL PYTHON-ARGS...",
+    print("usage: python -m megalite.elastic.warm serve POOL [MODULE...] | client POOL PYTHON-ARGS...",
           file=sys.stderr)
     return 2
 

@@ -1,5 +1,5 @@
 """``python -m megalite.elastic.launch --rdzv-backend etcd-v2`` on one host, as a user runs it:
-three local etcd members (megalite.testing.etcd_local), the launcher given all three.
+three local etcd members (tests/e2e/etcd_local.py), the launcher given all three.
 
 - The member the launcher talks to first is SIGKILLed once the workers are up, then a worker
   fails: the agent's restart re-forms through the surviving members (the client fails
@@ -23,7 +23,7 @@ import time
 import pytest
 
 from megalite.testing import process_tree
-from megalite.testing import etcd_local
+import etcd_local
 from slurm_local import ROOT, TWIN, TWIN_FLAGS, assert_same_losses, losses, reference_losses
 
 PY = sys.executable

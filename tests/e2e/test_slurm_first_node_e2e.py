@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from megalite.testing import etcd_local
+import etcd_local
 from slurm_local import (ITERS, SBATCH, TWIN, TWIN_FLAGS, IterationWatch, assert_same_losses,
                          cluster_fixture, job_env, losses, reference_losses)
 
