@@ -219,6 +219,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if len(argv) == 3 and argv[0] == "wait":
+            check_client()                   # the agents need it: say so before they start
             wait_healthy(argv[1], float(argv[2]))
             return 0
         if len(argv) != 4 or argv[0] != "member":
