@@ -67,7 +67,11 @@ def run_case(name, launcher, work, iters, kill_at, port, flags):
     logs = {n: open(os.path.join(work, f"{name}-{n}.log"), "w") for n in "ab"}
     agents = {}
     for n in "ab":     # each agent's own snapshot folder: a "node" of its own
-        agents[n] = subprocess.Popen(cmd, cwd=ROOT, stdout=logs[n], stderr=subprocess.STDOUT,
+        # A hosts the rendezvous store (is_host): the store dies with the agent that hosts
+        # it, and on one machine either could otherwise win the port
+        own = cmd[:len(launcher)] + ["--rdzv-conf", f"is_host={int(n == 'a')}"] + \
+            cmd[len(launcher):]
+        agents[n] = subprocess.Popen(own, cwd=ROOT, stdout=logs[n], stderr=subprocess.STDOUT,
                                      env=dict(env, MEGALITE_SNAPSHOT_DIR=os.path.join(
                                          work, f"{name}-shm-{n}")))
         time.sleep(0.5)
