@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from typing import List, Optional
 
@@ -91,6 +92,7 @@ def serve(pool: str, modules: List[str]) -> int:
     _die_with_parent()
     path = os.path.join(pool, f"warm-{os.getpid()}.sock")
     open(path[:-len(".sock")] + ".starting", "w").close()
+    started = time.monotonic()
     for name in ("torch", "torch.distributed", *modules):   # the point: imported before needed
         try:
             importlib.import_module(name)
@@ -101,6 +103,7 @@ def serve(pool: str, modules: List[str]) -> int:
     srv.listen(1)
     os.rename(path + ".tmp", path)          # visible to clients only once listening
     os.unlink(path[:-len(".sock")] + ".starting")
+    imported = time.monotonic() - started
     conn, _ = srv.accept()
     srv.close()
     msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
@@ -111,6 +114,9 @@ def serve(pool: str, modules: List[str]) -> int:
     os.environ.clear()
     os.environ.update(job["env"])
     os.environ[WORKER_ENV] = "1"             # tests and logs can tell a warm start
+    print(f"> warm spare: this worker runs in a process that imported torch and "
+          f"{len(modules)} more module(s) ({imported:.1f} s) before it was needed",
+          file=sys.stderr, flush=True)
     os.chdir(job["cwd"])
     conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
 
