@@ -20,7 +20,11 @@ setup(
         # megatron-core is the oracle of the Megatron parity tests (CPU: its wheel ships the
         # compiled dataset helpers; launch/setup_env.sh installs it with --no-deps first)
         "test": ["pytest>=7", "transformers>=4.40", "matplotlib", "tokenizers", "tiktoken",
-                 "megatron-core", "einops"],
+                 "megatron-core", "einops",
+                 # the etcd rendezvous' client (tests/e2e/test_etcd_rendezvous_e2e.py)
+                 "python-etcd"],
+        # --rdzv-backend etcd-v2 (megalite.elastic.launch; docs/fault_tolerance.md)
+        "etcd": ["python-etcd"],
         # --tokenizer-type TikTokenizer / Llama3Tokenizer
         "tiktoken": ["tiktoken"],
         "te": ["transformer-engine[pytorch]"],

@@ -29,6 +29,7 @@ _PAIRS = "tests/distributed/test_feature_pairs_dist.py::test_combination_matches
 LONG_TESTS = (
     "tests/e2e/test_slurm_citizen_e2e.py",      # exit status, ports, requeue, CPUs, logs, link
     "tests/e2e/test_slurm_elastic_e2e.py",      # lost nodes, spares, a node rejoining
+    "tests/e2e/test_slurm_first_node_e2e.py",   # the first node lost, with the etcd rendezvous
     # sbatch on two nodes and its restart (the default run keeps megalite.elastic.launch's
     # restart and exit status, test_elastic_launch_e2e.py)
     "tests/e2e/test_slurm_e2e.py",
@@ -40,6 +41,9 @@ LONG_TESTS = (
     # the rest of the hook's matrix (the default run keeps three representative cases)
     "tests/e2e/test_hang_matrix_e2e.py::test_more_layouts_name_the_cause",
     "tests/e2e/test_elastic_launch_e2e.py::test_misfit_world_trains_on_the_largest_fitting_part",
+    # the etcd rendezvous with training and a snapshot resume (the default run keeps the
+    # member loss and the restart through the others with a two-process worker)
+    "tests/e2e/test_etcd_rendezvous_e2e.py::test_first_etcd_member_and_a_worker_die_training",
     # families: the default run keeps Llama and Mixtral through test_user_paths_e2e.py,
     # end to end; every family's import is checked in-process by
     # tests/unit/test_hf_families.py, its export by tests/unit/test_hf_export_families.py

@@ -3,7 +3,10 @@
 # munge, each "node" a network namespace with its own address, hostname and /etc/hosts.
 #
 #   launch/slurm/local_cluster.sh check              # can this machine? (prints why not; exit 1)
-#   launch/slurm/local_cluster.sh up DIR [NODES]     # install if needed, start NODES (default 2)
+#   launch/slurm/local_cluster.sh up DIR [NODES] [ctl]  # install if needed, start NODES
+#                                                    # (default 2); ctl: slurmctld on a host
+#                                                    # "ctl" of its own (10.77.0.250), so that
+#                                                    # node1 can die as any other node
 #   launch/slurm/local_cluster.sh down DIR           # stop what 'up' started, remove namespaces
 #   launch/slurm/local_cluster.sh kill-node DIR NODE # the node dies: SIGKILL all its processes
 #                                                    # (its /dev/shm goes with them)
@@ -57,6 +60,7 @@ node_names() { cat "$DIR/nodes"; }
 write_conf() {
   local ncpu mem n i
   n="$1"
+  ctl_host="node1(10.77.0.1)"
   ncpu=$(nproc)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / (n + 2) ))
   : > "$DIR/nodes"
@@ -65,10 +69,15 @@ write_conf() {
     echo "node$i" >> "$DIR/nodes"
     echo "10.77.0.$i node$i" >> "$DIR/hosts"
   done
+  if [ "${2:-}" = ctl ]; then
+    echo "10.77.0.250 ctl" >> "$DIR/hosts"; echo ctl > "$DIR/ctl"; ctl_host="ctl(10.77.0.250)"
+  else
+    echo node1 > "$DIR/ctl"
+  fi
   mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
   cat > "$DIR/slurm.conf" <<CONF
 ClusterName=megalite
-SlurmctldHost=node1(10.77.0.1)
+SlurmctldHost=$ctl_host
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket=$DIR/munge.socket
@@ -131,6 +140,14 @@ make_network() {
     ip -n "$prefix-$node" link set lo up
     i=$((i + 1))
   done
+  if [ "$(cat "$DIR/ctl")" = ctl ]; then
+    ip netns add "$prefix-ctl"
+    ip -n "$prefix-br" link add p0 type veth peer name eth0 netns "$prefix-ctl"
+    ip -n "$prefix-br" link set p0 master br0 up
+    ip -n "$prefix-ctl" addr add 10.77.0.250/24 dev eth0
+    ip -n "$prefix-ctl" link set eth0 up
+    ip -n "$prefix-ctl" link set lo up
+  fi
 }
 
 wait_idle() {
@@ -163,24 +180,24 @@ case "$CMD" in
     start=$(date +%s.%N)
     mkdir -p "$DIR"; DIR="$(cd "$DIR" && pwd)"
     install_packages || { echo "cannot run a local SLURM cluster: installing slurm with apt-get failed" >&2; exit 4; }
-    write_conf "${3:-2}"
+    write_conf "${3:-2}" "${4:-}"
     start_munge
     make_network || { echo "cannot run a local SLURM cluster: network namespaces failed" >&2
                       "$0" down "$DIR"; exit 3; }
-    "$DIR/on" node1 slurmctld
+    "$DIR/on" "$(cat "$DIR/ctl")" slurmctld
     for node in $(node_names); do "$DIR/on" "$node" slurmd -N "$node"; done
     wait_idle
     echo "[local-cluster] $(node_names | wc -l) nodes up in $(echo "$(date +%s.%N) - $start" | bc 2>/dev/null || echo '?') s: $DIR" ;;
   down)
     [ -n "$DIR" ] && [ -d "$DIR" ] || exit 0
     if [ -f "$DIR/netns-prefix" ] && [ -f "$DIR/nodes" ]; then
-      for node in $(node_names); do          # slurmd, slurmctld, jobs: all on some node
+      for node in $(node_names) ctl; do      # slurmd, slurmctld, jobs: all on some node
         [ -e "/run/netns/$(cat "$DIR/netns-prefix")-$node" ] || continue
         pids=$(node_pids "$node")
         [ -n "$pids" ] && kill -TERM $pids 2>/dev/null || true
       done
       sleep 0.5
-      for node in $(node_names); do
+      for node in $(node_names) ctl; do
         [ -e "/run/netns/$(cat "$DIR/netns-prefix")-$node" ] || continue
         pids=$(node_pids "$node")
         [ -n "$pids" ] && kill -KILL $pids 2>/dev/null || true
@@ -189,7 +206,7 @@ case "$CMD" in
     [ -f "$DIR/munged.pid" ] && kill "$(cat "$DIR/munged.pid")" 2>/dev/null || true
     if [ -f "$DIR/netns-prefix" ]; then
       prefix="$(cat "$DIR/netns-prefix")"
-      for node in $(node_names 2>/dev/null); do ip netns del "$prefix-$node" 2>/dev/null || true; done
+      for node in $(node_names 2>/dev/null) ctl; do ip netns del "$prefix-$node" 2>/dev/null || true; done
       ip netns del "$prefix-br" 2>/dev/null || true
     fi ;;
   kill-node)
@@ -206,5 +223,5 @@ case "$CMD" in
     node="${3:?usage: $0 link DIR NODE down|up}"; state="${4:?down or up}"
     ip -n "$(cat "$DIR/netns-prefix")-br" link set "p$(node_index "$node")" "$state" ;;
   *)
-    sed -n '2,18p' "$0"; exit 2 ;;
+    sed -n '2,21p' "$0"; exit 2 ;;
 esac

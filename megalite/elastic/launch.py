@@ -21,6 +21,11 @@ torchrun's own agent with:
 - the hang diagnosis once the workers are gone, when a worker died of a signal (the
   backend's own abort: gloo's "Received data size doesn't match expected size", NCCL's
   async error handling) and no worker printed it (``hang_dumps.diagnosis_after_exit``);
+- ``--rdzv-backend etcd-v2 --rdzv-endpoint H1:P,H2:P,H3:P``: the rendezvous state in an
+  etcd cluster instead of a store on the first node (``etcd_rdzv``: the first member that
+  answers; none, or no etcd client: one line, exit status 2);
+- ``--warm-spares N`` (``MEGALITE_WARM_SPARES``): N processes kept with torch and megalite
+  imported, which a restart's workers run in instead of starting cold (``warm``);
 - ``--result-file``: one line when the agent ends (``write_result``), which
   ``launch/slurm/pretrain.sbatch`` reads to end the job with the training's status without
   waiting for a node that is gone.
@@ -45,7 +50,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from megalite.diagnostics import hang_dumps
-from megalite.errors import EXIT_USER_ERROR
+from megalite.elastic import etcd_rdzv, warm
+from megalite.errors import EXIT_USER_ERROR, UserError
 
 # Why each value: docs/fault_tolerance.md, "Rendezvous settings".
 RDZV_DEFAULTS: Dict[str, str] = {
@@ -95,6 +101,29 @@ def _agent_class():
             super().__init__(*args, **kwargs)
 
         timeline = True     # the launcher's own timestamped lines (off for --standalone)
+        warm_spares = 0     # --warm-spares: processes kept with torch imported (warm.py)
+        warm_pool = ""
+
+        def _start_workers(self, worker_group):
+            spec = worker_group.spec
+            python = os.path.basename(spec.entrypoint or "").startswith("python")
+            if not (self.warm_spares and python):
+                return super()._start_workers(worker_group)
+            original = self._warm_args = spec.args
+            spec.args = ("-m", "megalite.elastic.warm", "client", self.warm_pool, *original)
+            try:
+                return super()._start_workers(worker_group)
+            finally:
+                spec.args = original
+                self._top_up_warm()
+
+        def _top_up_warm(self):
+            """Spawn warm processes until ``warm_spares`` are starting or waiting."""
+            procs = getattr(self, "_warm_procs", [])
+            procs = [p for p in procs if p.poll() is None]
+            for _ in range(self.warm_spares - sum(warm.idle(self.warm_pool, p) for p in procs)):
+                procs.append(warm.spawn(self.warm_pool, warm.script_of(self._warm_args)))
+            self._warm_procs = procs
 
         def _say(self, line: str) -> None:
             if self.timeline:
@@ -163,10 +192,12 @@ def say(line: str) -> None:
     print(f"[megalite launch {stamp}] {line}", file=sys.stderr, flush=True)
 
 
-def _install_agent(exit_barrier_timeout: float, timeline: bool = True) -> None:
+def _install_agent(exit_barrier_timeout: float, timeline: bool = True, warm_spares: int = 0,
+                   warm_pool: str = "") -> None:
     agent = _agent_class()
     agent.exit_barrier_timeout = exit_barrier_timeout
     agent.timeline = timeline
+    agent.warm_spares, agent.warm_pool = warm_spares, warm_pool
     launcher_api.LocalElasticAgent = agent
 
 
@@ -189,11 +220,18 @@ def parse(argv: List[str]):
     own.add_argument("--result-file", default=os.environ.get("MEGALITE_RESULT_FILE"))
     own.add_argument("--exit-barrier-timeout", type=float, default=float(
         os.environ.get("MEGALITE_EXIT_BARRIER_TIMEOUT", EXIT_BARRIER_TIMEOUT_S)))
+    own.add_argument("--warm-spares", type=int, default=int(os.environ.get(warm.ENV, "0")))
     ours, rest = own.parse_known_args(argv)
+    if ours.warm_spares < 0:
+        raise UserError(f"--warm-spares {ours.warm_spares}: give 0 (off) or the number of "
+                        f"warm processes to keep (the workers per node restart warm)")
 
     args = torchrun.parse_args(rest)
-    if args.rdzv_backend == "c10d" and not args.standalone:
-        args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)
+    if args.rdzv_backend in ("c10d", etcd_rdzv.BACKEND) and not args.standalone:
+        args.rdzv_conf = merge_rdzv_conf(args.rdzv_conf)   # both are torch's dynamic rendezvous
+    if args.rdzv_backend == etcd_rdzv.BACKEND and not args.standalone:
+        args.rdzv_endpoint = etcd_rdzv.first_live_endpoint(args.rdzv_endpoint)
+        etcd_rdzv.install_retries()
     return ours, args
 
 
@@ -201,9 +239,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    ours, args = parse(argv)
-    _install_agent(ours.exit_barrier_timeout, timeline=not args.standalone)
+    try:
+        ours, args = parse(argv)
+    except UserError as exc:     # e.g. no etcd member answers: one line, no restart
+        print(f"megalite launch: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     notes = tempfile.mkdtemp(prefix="megalite-launch-")
+    pool = os.path.join(notes, "warm")
+    os.makedirs(pool)
+    _install_agent(ours.exit_barrier_timeout, timeline=not args.standalone,
+                   warm_spares=ours.warm_spares, warm_pool=pool)
     os.environ[hang_dumps.LAUNCHER_NOTE_ENV] = os.path.join(notes, "hang_note")
     try:
         return _run(ours, args)

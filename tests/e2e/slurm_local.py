@@ -35,7 +35,9 @@ def run(cmd, timeout=600, check=True, **kw):
     return p
 
 
-def cluster_fixture(nodes: int):
+def cluster_fixture(nodes: int, ctl: bool = False):
+    """``ctl``: slurmctld on a host of its own (local_cluster.sh up ... ctl), so that a test
+    can kill node1 as any other node; client commands then run on that host."""
     @pytest.fixture(scope="module")
     def cluster(tmp_path_factory):
         check = subprocess.run(["bash", CLUSTER, "check"], capture_output=True, text=True)
@@ -46,7 +48,8 @@ def cluster_fixture(nodes: int):
         with open(LOCK, "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)      # another run's SLURM tests finish first
             d = str(tmp_path_factory.mktemp("slurm"))
-            up = subprocess.run(["bash", CLUSTER, "up", d, str(nodes)], capture_output=True,
+            up = subprocess.run(["bash", CLUSTER, "up", d, str(nodes), *(["ctl"] if ctl else [])],
+                                capture_output=True,
                                 text=True, timeout=600)
             if up.returncode in (3, 4):    # cannot (no root / install failed): say why, skip
                 print(up.stderr.strip())
@@ -54,15 +57,15 @@ def cluster_fixture(nodes: int):
             assert up.returncode == 0, f"local cluster did not start:\n{up.stdout}\n{up.stderr}"
             print(up.stdout.strip())
             try:
-                yield Cluster(d)
+                yield Cluster(d, client="ctl" if ctl else "node1")
             finally:
                 subprocess.run(["bash", CLUSTER, "down", d], capture_output=True, timeout=120)
     return cluster
 
 
 class Cluster:
-    def __init__(self, path):
-        self.path = path
+    def __init__(self, path, client="node1"):
+        self.path, self.client = path, client      # where sbatch, scontrol, sinfo run
 
     def on(self, node, *cmd):
         return [os.path.join(self.path, "on"), node, *cmd]
@@ -72,11 +75,11 @@ class Cluster:
         return run(["bash", CLUSTER, args[0], self.path, *args[1:]])
 
     def sbatch(self, *args, env=None, cwd=ROOT):
-        out = run(self.on("node1", "sbatch", "--parsable", *args), env=env, cwd=cwd).stdout
+        out = run(self.on(self.client, "sbatch", "--parsable", *args), env=env, cwd=cwd).stdout
         return out.strip().split(";")[0]
 
     def job(self, job) -> dict:
-        info = run(self.on("node1", "scontrol", "show", "job", "-o", job), check=False).stdout
+        info = run(self.on(self.client, "scontrol", "show", "job", "-o", job), check=False).stdout
         return dict(tok.split("=", 1) for tok in info.split() if "=" in tok)
 
     def wait_job(self, job, timeout=600, final=True):
@@ -99,7 +102,7 @@ class Cluster:
     def wait_idle(self, nodes, timeout=120):
         end = time.time() + timeout
         while time.time() < end:
-            out = run(self.on("node1", "sinfo", "-h", "-N", "-o", "%N %T"), check=False).stdout
+            out = run(self.on(self.client, "sinfo", "-h", "-N", "-o", "%N %T"), check=False).stdout
             states = dict(line.split() for line in out.splitlines() if line.strip())
             if all(states.get(n) == "idle" for n in nodes):
                 return
@@ -110,8 +113,8 @@ class Cluster:
         """Until ``node``'s slurmd answers the controller again (after start-node)."""
         end = time.time() + timeout
         while time.time() < end:
-            out = run(self.on("node1", "scontrol", "ping"), check=False)
-            state = run(self.on("node1", "sinfo", "-h", "-n", node, "-o", "%T"),
+            out = run(self.on(self.client, "scontrol", "ping"), check=False)
+            state = run(self.on(self.client, "sinfo", "-h", "-n", node, "-o", "%T"),
                         check=False).stdout.strip()
             if out.returncode == 0 and state and not state.endswith("*"):
                 return state
@@ -119,7 +122,7 @@ class Cluster:
         raise AssertionError(f"{node} does not respond: {state}")
 
     def scancel(self, job):
-        run(self.on("node1", "scancel", job), check=False)
+        run(self.on(self.client, "scancel", job), check=False)
 
 
 def job_env(**extra):
