@@ -160,7 +160,6 @@ REFUSALS = [
      "per layer"),
     ("smollm3", dict(mlp_bias=True), "mlp_bias: true is not supported"),
     ("olmo2", dict(attention_bias=True), "attention_bias: true is not supported for Olmo2"),
-    ("phi3", dict(sliding_window=2047), "sliding_window 2047 is not supported for Phi3"),
     ("phi3", dict(rope_parameters=dict(rope_type="longrope", rope_theta=1e4,
                                        short_factor=[1.0] * 4, long_factor=[2.0] * 4)),
      "rope_type 'longrope' is not supported"),

@@ -77,6 +77,9 @@ SWA = {   # transformers config class, model class, config: windows 6 < the 40 p
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True,
                                                       sliding_window=6, max_window_layers=1,
                                                       num_hidden_layers=3)),
+    # Phi-3-mini-4k's sliding_window (2047 there) on every layer, as Mistral's
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(sliding_window=6, pad_token_id=None,
+                                                   bos_token_id=1, eos_token_id=2)),
 }
 
 
@@ -92,8 +95,9 @@ def _swa_model(family):
 
 @pytest.mark.parametrize("family", list(SWA))
 def test_hf_sliding_windows_import_exactly_and_export_back(tmp_path, family):
-    """Mistral (every layer) and Qwen2 (from max_window_layers on): transformers' logits on
-    40 positions past the window of 6, and the exported config slides the same layers."""
+    """Mistral and Phi-3 (every layer) and Qwen2 (from max_window_layers on): transformers'
+    logits on 40 positions past the window of 6, and the exported config slides the same
+    layers."""
     from hf_families import VOCAB, rel
     from megalite.checkpointing import hf
     from megalite.checkpointing.model_io import load_full_state_dict
@@ -108,14 +112,15 @@ def test_hf_sliding_windows_import_exactly_and_export_back(tmp_path, family):
     types = getattr(ref.config, "layer_types", None) or ["sliding_attention"] * m.num_layers
     want = [t == "sliding_attention" for t in types]                 # Mistral: every layer
     assert [m.layer_window(i) is not None for i in range(m.num_layers)] == want
-    assert any(want) and (family == "mistral") == all(want)
+    assert any(want) and (family in ("mistral", "phi3")) == all(want)
     model = build_model(MegaliteConfig(model=m), single_rank_state())
     load_full_state_dict(model.eval(), full, single_rank_state())
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         got, expected = model(ids)[..., :VOCAB], ref(ids).logits
     assert rel(got, expected) <= 1e-5
-    back = hf.model_config_to_hf_config(model_cfg)
+    back = hf.adapter_for_model(model_cfg, SWA[family][1]).config_to_hf(model_cfg, "float32") \
+        if family == "phi3" else hf.model_config_to_hf_config(model_cfg)   # Phi-3: when asked
     assert back["architectures"] == [SWA[family][1]]
     assert back["sliding_window"] == 6
     if family == "qwen2":

@@ -70,8 +70,9 @@ def attention_shape(m: dict) -> Tuple[int, int, int, int]:
 def refuse_sliding_window(hf: dict) -> None:
     """Qwen2/Qwen3/Mistral configs: only full attention in every layer maps."""
     if hf.get("use_sliding_window"):
-        raise UnsupportedModelError("use_sliding_window: true is not supported (megalite has "
-                                    "no sliding-window attention)")
+        raise UnsupportedModelError("use_sliding_window: true is not supported for this "
+                                    "family (megalite maps the windows of Mistral, Qwen2, "
+                                    "Phi-3, Gemma and gpt-oss)")
     types = hf.get("layer_types") or []
     other = sorted({t for t in types if t != "full_attention"})
     if other:

@@ -6,20 +6,21 @@ splits ``qkv_proj`` into q/k/v and fuses them per query group as Llama's are; ex
 concatenates them back.  ``gate_up_proj`` is megalite's ``linear_fc1`` row for row.
 
 ``partial_rotary_factor`` < 1 (Phi-4-mini) is ``--rotary-percent`` (``rope.py``: Phi-3
-rotates the leading channels, half-split).  Refused in one line: a set ``sliding_window``
-(Phi-3-mini-4k has 2047; megalite has no sliding-window attention) and the 128k variants'
-``longrope`` scaling (``rope.py``).  Like Mistral, the model also exports as
+rotates the leading channels, half-split).  A set ``sliding_window`` (Phi-3-mini-4k has
+2047) slides every layer, as Mistral's (``--window-size W-1,0``, ``sliding_window.py``).
+Refused in one line: the 128k variants' ``longrope`` scaling (``rope.py``).  Like Mistral, the model also exports as
 Llama (the first registered fit): ``convert.py --hf-architecture Phi3ForCausalLM`` writes
 Phi-3.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, List
 
 import torch
 
-from megalite.checkpointing.hf_adapters.base import UnsupportedModelError
 from megalite.checkpointing.hf_adapters.llama import LlamaAdapter, attention_shape
+from megalite.checkpointing.hf_adapters.sliding_window import (hf_window, layer_windows,
+                                                               windows_from_hf)
 
 
 class Phi3Adapter(LlamaAdapter):
@@ -29,17 +30,20 @@ class Phi3Adapter(LlamaAdapter):
     partial_rotary = True
 
     def family_fields_from_hf(self, hf: dict) -> dict:
-        if hf.get("sliding_window") is not None:
-            raise UnsupportedModelError(
-                f"sliding_window {hf['sliding_window']} is not supported for Phi3ForCausalLM "
-                "(megalite has no sliding-window attention)")
         super().family_fields_from_hf(hf)           # no biases
-        return {"hidden_dropout": float(hf.get("resid_pdrop") or 0.0)}
+        return {"hidden_dropout": float(hf.get("resid_pdrop") or 0.0),
+                **windows_from_hf(hf, hf.get("sliding_window"),
+                                  [True] * hf["num_hidden_layers"])}
+
+    def window_export_problems(self, mc) -> List[str]:
+        windows = layer_windows(mc)
+        return [] if len(set(windows)) == 1 else \
+            ["--window-size on every layer or none (Phi-3's one sliding_window)"]
 
     def family_config_to_hf(self, mc) -> dict:
         # the special token ids are the tokenizer's: what the import recorded, else unset
         # (Phi3Config's defaults name a 32k vocabulary)
-        return {"sliding_window": None, "resid_pdrop": mc.hidden_dropout,
+        return {"sliding_window": hf_window(mc), "resid_pdrop": mc.hidden_dropout,
                 "embd_pdrop": mc.hidden_dropout, "bos_token_id": None, "eos_token_id": None,
                 "pad_token_id": None}
 
