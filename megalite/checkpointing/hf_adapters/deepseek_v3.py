@@ -66,9 +66,11 @@ def mla_rope_fields(hf: dict) -> dict:
     """The rope part's fields: the shared mapping (``rope.py``), with YaRN as MLA's
     ``--rope-type yarn`` under ``--position-embedding-type rope`` (Megatron's MLA flags)."""
     out = rope_fields_from_hf(hf)
-    if out.get("use_rope_scaling"):
-        raise UnsupportedModelError("rope type 'llama3' is not supported for DeepSeek-V3 "
-                                    "(default or yarn)")
+    for key, kind in (("use_rope_scaling", "llama3"),
+                      ("rotary_seq_len_interpolation_factor", "linear")):
+        if out.get(key):      # MLA's rope part rotates with default or YaRN tables only
+            raise UnsupportedModelError(f"rope_type '{kind}' is not supported for DeepSeek-V3 "
+                                        "(default or yarn)")
     out["rope_type"] = "yarn" if out["position_embedding_type"] == "yarn" else "rope"
     out["position_embedding_type"] = "rope"
     return out
