@@ -87,53 +87,41 @@ def test_deepseek_v3_twin_trains_with_its_extra_losses_logged(tmp_path):
         assert "moe_layer_3_tokens_per_expert" in r
 
 
-def test_gemma3_twin_with_run_local_matches_one_process(tmp_path):
-    """Gemma 3's pieces (GeGLU, (1 + w) sandwich and q/k norms, scaled embedding, softmax
-    scale, a window shorter than the sequence with its own RoPE base, linear RoPE, the fused
-    loss) at TP2 x PP2 on 4 CPU processes, as a user launches the twin: one process's losses."""
+def _twin_matches_one_process(tmp_path, twin_path, extra=()):
+    """The twin launched with run_local.sh on 4 processes, then the same model and run on one
+    process (its ``parallel`` block dropped): the same losses."""
     import yaml
 
-    twin_path = "launch/recipes/twins/gemma-3-27b.yaml"
     env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
-    out = _run(["bash", "launch/run_local.sh", twin_path, "--train-iters", "3",
+    out = _run(["bash", "launch/run_local.sh", twin_path, "--train-iters", "3", *extra,
                 "--metrics-file", str(tmp_path / "twin.jsonl")], env=env)
     assert "[run_local] 4 process(es)" in out
     one = yaml.safe_load(open(os.path.join(ROOT, twin_path)))
     one.pop("parallel")
     (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
     _run([sys.executable, "pretrain_gpt.py", "--config", str(tmp_path / "one.yaml"),
-          "--train-iters", "3", "--world-size", "1",
+          "--train-iters", "3", "--world-size", "1", *extra,
           "--metrics-file", str(tmp_path / "one.jsonl")])
     twin, ref = _losses(tmp_path / "twin.jsonl"), _losses(tmp_path / "one.jsonl")
     assert len(twin) == len(ref) == 3 and len(set(ref)) == 3
     assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (twin, ref)
     for a, b in zip(twin, ref):
         assert abs(a - b) <= 1e-4 * abs(b), (twin, ref)
+
+
+def test_gemma3_twin_with_run_local_matches_one_process(tmp_path):
+    """Gemma 3's pieces (GeGLU, (1 + w) sandwich and q/k norms, scaled embedding, softmax
+    scale, a window shorter than the sequence with its own RoPE base, linear RoPE, the fused
+    loss) at TP2 x PP2 on 4 CPU processes, as a user launches the twin: one process's losses."""
+    _twin_matches_one_process(tmp_path, "launch/recipes/twins/gemma-3-27b.yaml")
 
 
 def test_gpt_oss_twin_with_run_local_matches_one_process(tmp_path):
     """gpt-oss's twin (sinks, the 7-token window on alternate layers, biased experts, the
     clamped quick-GeGLU) at TP2 + SP, PP2, EP2 with expert-TP 1 and the distributed optimizer
     on 4 CPU processes gives the one-process losses."""
-    import yaml
-
-    twin_path = "launch/recipes/twins/gpt-oss-120b.yaml"
-    SHORT = ["--global-batch-size", "4"]
-    env = dict(os.environ, MEGALITE_PYTHON=sys.executable)
-    out = _run(["bash", "launch/run_local.sh", twin_path, "--train-iters", "3", *SHORT,
-                "--metrics-file", str(tmp_path / "twin.jsonl")], env=env)
-    assert "[run_local] 4 process(es)" in out
-    one = yaml.safe_load(open(os.path.join(ROOT, twin_path)))
-    one.pop("parallel")                     # the same model and run on one process
-    (tmp_path / "one.yaml").write_text(yaml.safe_dump(one))
-    _run([sys.executable, "pretrain_gpt.py", "--config", str(tmp_path / "one.yaml"),
-          "--train-iters", "3", "--world-size", "1", *SHORT,
-          "--metrics-file", str(tmp_path / "one.jsonl")])
-    twin, ref = _losses(tmp_path / "twin.jsonl"), _losses(tmp_path / "one.jsonl")
-    assert len(twin) == len(ref) == 3 and len(set(ref)) == 3
-    assert abs(twin[0] - ref[0]) <= 1e-5 * abs(ref[0]), (twin, ref)
-    for a, b in zip(twin, ref):
-        assert abs(a - b) <= 1e-4 * abs(b), (twin, ref)
+    _twin_matches_one_process(tmp_path, "launch/recipes/twins/gpt-oss-120b.yaml",
+                              ["--global-batch-size", "4"])
 
 
 def test_llama4_and_glm45_twins_train_side_by_side(tmp_path):
