@@ -493,6 +493,8 @@ USER_ERROR_PLACES = {
     "megalite/planner/moe_cost.py": "the planner's MoE routing-statistics file",
     "megalite/planner/search.py": "re-raises validation's reason for a layout asked for",
     "megalite/commands/validate_run.py": "the plan-validation command's own flags",
+    "megalite/elastic/etcd_rdzv.py": "the etcd rendezvous' endpoints and client (found when "
+                                     "the launcher reaches them)",
     "megalite/config/pipeline_layout.py": "the --pipeline-model-parallel-layout string (its "
                                           "one reader, for the runtime split and the planner)",
     "megalite/checkpointing/hf_adapters/gemma.py": "a Hugging Face checkpoint's contents",
