@@ -463,7 +463,6 @@ USER_ERROR_PLACES = {
     "megalite/checkpointing/hf_adapters/deepseek_v3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/llama.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/mixtral.py": "a Hugging Face checkpoint's contents",
-    "megalite/checkpointing/hf_adapters/phi3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen3.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/qwen_moe.py": "a Hugging Face checkpoint's contents",
     "megalite/checkpointing/hf_adapters/rope.py": "a Hugging Face checkpoint's rope settings",
@@ -495,6 +494,7 @@ USER_ERROR_PLACES = {
     "megalite/commands/validate_run.py": "the plan-validation command's own flags",
     "megalite/elastic/etcd_rdzv.py": "the etcd rendezvous' endpoints and client (found when "
                                      "the launcher reaches them)",
+    "megalite/elastic/launch.py": "the launcher's own flags (--warm-spares)",
     "megalite/config/pipeline_layout.py": "the --pipeline-model-parallel-layout string (its "
                                           "one reader, for the runtime split and the planner)",
     "megalite/checkpointing/hf_adapters/gemma.py": "a Hugging Face checkpoint's contents",
