@@ -89,6 +89,29 @@ LONG_TESTS = (
     # Llama 4 and GLM-4.5 twins (the default run dry-runs them, tests/unit/test_recipes.py, and
     # holds their features to one process and to transformers in the distributed tests)
     "tests/e2e/test_recipes_e2e.py::test_llama4_and_glm45_twins_train_side_by_side",
+    # gpt-oss's layer trained at TP2+SP, CP2 ring, CP2 a2a x TP2, EP2, PP2 (the default run
+    # keeps the converted gpt-oss at TP2+SP, PP2 and EP2 against transformers,
+    # tests/distributed/test_hf_families_dist.py, and the sinks' ring / all-to-all kernels
+    # against the unfused one in tests/unit/test_attention_sinks.py)
+    "tests/distributed/test_attention_sinks_dist.py",
+    # Gated DeltaNet at CP4, CP4 with documents, CP2 x TP2+SP, CP2 x PP2, PP2 x VPP2 (the
+    # default run keeps the converted Qwen3-Next at CP2, TP2, PP2, EP2 against transformers in
+    # tests/distributed/test_hf_families_dist.py, and the packed batch in
+    # tests/unit/test_gated_delta_net.py)
+    "tests/distributed/test_gated_delta_net_cp_dist.py",
+    # two more cases of the hook's matrix (the default run keeps the distributed optimizer's
+    # all-gather at TP2 x DP2, the case that was misattributed, and the FSDP2 refusal)
+    "tests/e2e/test_hang_matrix_e2e.py::test_the_cause_is_named_at_run_time_and_before_launch"
+    "[loss-all-reduce-dp4]",
+    "tests/e2e/test_hang_matrix_e2e.py::test_the_cause_is_named_at_run_time_and_before_launch"
+    "[ep-all-to-all]",
+    # fp16 + ramp-up + (1 + w) norms through pretrain_gpt.py (the default run keeps them in
+    # tests/distributed/test_fp16_rampup_dist.py and tests/megatron_parity)
+    "tests/e2e/test_megatron_flags_e2e.py::test_fp16_ramp_layernorm1p_log_metrics_and_resume",
+    # the gpt-oss example's CPU twin (the default run keeps the example's dry run, in-process
+    # and as a subprocess; the other examples' twins train)
+    "tests/megatron_parity/test_megatron_scripts.py::test_cpu_twin_trains_a_few_iterations"
+    "[gptoss_20b]",
 )
 
 
