@@ -32,3 +32,17 @@ def train_steps(trainer: Trainer, n: int, save_every=None, after_save=None) -> l
             if after_save:
                 after_save(trainer)
     return losses
+
+
+def train_cases(run, cases: dict, iters: int) -> dict:
+    """Each case ``name: (world, argv)`` trained ``iters`` steps on this rank (argv after
+    ``run``): its losses, grad norms and whether this rank writes (equivalence tests compare
+    a layout's writer with the one-process case)."""
+    out = {}
+    for name, (world, argv) in cases.items():
+        trainer = build_cpu_trainer([*run, *argv], world)
+        it = trainer.data_iterator(trainer.train_ds, 0)
+        rows = [trainer.train_step(it) for _ in range(iters)]
+        out[name] = dict(writer=trainer.is_writer or world == 1,
+                         loss=[r["lm_loss"] for r in rows], norm=[r["grad_norm"] for r in rows])
+    return out

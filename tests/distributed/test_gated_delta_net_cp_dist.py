@@ -40,16 +40,9 @@ CASES = {
 
 
 def _train(cases):
-    from cpu_trainer import build_cpu_trainer
+    from cpu_trainer import train_cases
 
-    out = {}
-    for name, (world, argv) in cases.items():
-        trainer = build_cpu_trainer([*RUN, *argv], world)
-        it = trainer.data_iterator(trainer.train_ds, 0)
-        rows = [trainer.train_step(it) for _ in range(ITERS)]
-        out[name] = dict(writer=trainer.is_writer or world == 1,
-                         loss=[r["lm_loss"] for r in rows], norm=[r["grad_norm"] for r in rows])
-    return out
+    return train_cases(RUN, cases, ITERS)
 
 
 @pytest.fixture(scope="module")
