@@ -344,7 +344,8 @@ class Trainer:
                     logger.info(f"> snapshot: iteration {self.iteration}: {line}")
             self.memory_reporter.after_step(logger, cfg, self.state.rank, self.iteration,
                                             self.iteration == self.train_iters,
-                                            record["peak_mem_bytes"])   # planner vs measured
+                                            record["peak_mem_bytes"],   # planner vs measured
+                                            quiesce=self.join_background_writers)
             check_finite(out["lm_loss"], out["grad_norm"], self.iteration, self.state.rank,
                          cfg.checkpoint.check_for_nan_in_loss_and_grad)
             if t.eval_interval and t.eval_iters and self.valid_ds is not None and \
@@ -374,6 +375,13 @@ class Trainer:
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
             pending.wait()
+
+    def join_background_writers(self):
+        """Wait for the threads that write beside training: the --async-save checkpoint
+        and the peer snapshot."""
+        self.finish_saves()
+        if self.snapshotter is not None:
+            self.snapshotter.wait()
 
     def load_checkpoint(self):
         """Resume from ``--load`` (``checkpoint.load``: the newest complete checkpoint)."""

@@ -96,12 +96,19 @@ class MemoryReporter:
             self.step_peaks[iteration] = int(torch.cuda.max_memory_allocated())
 
     def after_step(self, logger, cfg, rank: int, iteration: int, last: bool,
-                   fallback_peak: int) -> None:
-        """Log the report after the ``METERED_STEPS``-th step (or the last one)."""
+                   fallback_peak: int, quiesce=None) -> None:
+        """Log the report after the ``METERED_STEPS``-th step (or the last one).
+
+        ``quiesce``: called just before the CPU meter stops, to join the threads that run
+        torch ops beside training (an ``--async-save`` write, a peer snapshot): the
+        profiler's global state goes away when it stops, and an op recorded on another
+        thread at that moment crashes the process (SIGSEGV)."""
         if self.done or not (last or self.metered >= METERED_STEPS):
             return
         source = "cuda allocator" if self.device == "cuda" else "resident high-water mark"
         if self.meter is not None:
+            if quiesce is not None:
+                quiesce()
             result = self.meter.stop()
             self.meter = None
             self.step_peaks = {int(k): w.peak_bytes for k, w in result.windows.items()}
