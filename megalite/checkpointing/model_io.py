@@ -27,10 +27,10 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megalite import comm
 from megalite.checkpointing.sharding import unshard_tensors
+from megalite.torch_classes import is_dtensor
 from megalite.param_spec import ParamSpec, group_coords, param_table
 from megalite.state_format.dcp_format import ChunkedTensor, load_chunked
 from megalite.state_format.sharded_state import model_sharded_state_dict
@@ -72,7 +72,7 @@ def local_shards(model_chunks, whole: Optional[Dict[str, torch.Tensor]] = None
             tensors[name] = whole[name]
             metas[name] = ParamSpec(tuple(whole[name].shape)).to_meta_dict()
         elif name not in tensors:      # FSDP2: the TP-local tensor (collective over DP)
-            full = p.full_tensor() if isinstance(p, DTensor) else p
+            full = p.full_tensor() if is_dtensor(p) else p
             tensors[name] = full.detach().cpu().clone()
             metas[name] = spec.to_meta_dict()
     return tensors, metas
@@ -129,7 +129,7 @@ def save_model_shards(directory: str, iteration: int, model_chunks, cfg, state,
     is JSON-serializable, global rank 0's copy also goes into metadata.json["extra"].
     """
     whole = gather_expert_params(model_chunks, state)
-    fsdp = any(isinstance(p, DTensor) for c in _chunks(model_chunks) for p in c.parameters())
+    fsdp = any(is_dtensor(p) for c in _chunks(model_chunks) for p in c.parameters())
     gathered = local_shards(model_chunks, whole) if fsdp else None  # every DP rank gathers
     if state["dp"].rank == 0 and state["cp"].rank == 0:
         path = shard_dir(directory, iteration, state.tp.rank, state.pp.rank)
@@ -245,7 +245,9 @@ def load_model_shards(directory: str, model_chunks, cfg, state,
             missing.append(name)
             continue
         value = reader.shard(name, spec, coords)
-        if isinstance(p, DTensor):     # FSDP2: keep this rank's dim-0 piece (no communication)
+        if is_dtensor(p):     # FSDP2: keep this rank's dim-0 piece (no communication)
+            # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+            from torch.distributed.tensor import distribute_tensor
             value = distribute_tensor(value.to(p.dtype), p.device_mesh, p.placements,
                                       src_data_rank=None)
         p.copy_(value)

@@ -29,10 +29,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.stateful import Stateful
+
+if TYPE_CHECKING:   # the package costs ~0.5 s of start-up; the protocol is two methods
+    from torch.distributed.checkpoint.stateful import Stateful
 
 from megalite import comm
 from megalite.state_format.dcp_format import ChunkedTensor
@@ -74,7 +76,8 @@ class TrainState:
                  before_save: Optional[Callable[[], None]] = None, trains: bool = True):
         self.parts: List[Tuple[str, Stateful]] = list(parts)
         for name, part in self.parts:
-            if not isinstance(part, Stateful):
+            if not (callable(getattr(part, "state_dict", None)) and
+                    callable(getattr(part, "load_state_dict", None))):
                 raise TypeError(f"training-state part '{name}' is not a DCP Stateful")
         self.parallel, self.description = parallel, description or {}
         self.before_save = before_save or (lambda: None)

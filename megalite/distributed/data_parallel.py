@@ -42,8 +42,6 @@ import dataclasses
 from typing import Dict, List, Optional
 
 import torch
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from megalite import comm
 from megalite.state_format.sharded_state import param_index
@@ -55,6 +53,7 @@ from megalite.distributed.grad_sync import (PARAM_CLASS_GROUPS, allreduce_data_p
                                             is_tied_embedding, param_class,
                                             reduce_model_parallel_grads)
 from megalite.distributed.replicas import broadcast_tied_embeddings
+from megalite.torch_classes import is_dtensor, is_fsdp_module
 from megalite.distributed.sharded_buffer import ShardedBuffer, contiguous_runs
 from megalite.optimizer.grad_scaler import build_grad_scaler, unscale_and_find_inf
 from megalite.optimizer.lr_schedule import StepSettings
@@ -526,7 +525,7 @@ class FSDP2Strategy(DataParallelStrategy):
         DTensors again (the optimizer's, the checkpoint's)."""
         for chunk in model_chunks:
             for m in chunk.modules():
-                if isinstance(m, FSDPModule):
+                if is_fsdp_module(m):
                     m.reshard()
 
     def finish_grad_sync(self):
@@ -560,7 +559,7 @@ def build_data_parallel(model_chunks, cfg, state) -> DataParallelStrategy:
     if len(specs) != len(triples):
         raise ValueError("parameter names repeat across this rank's model chunks")
     if cfg.parallel.use_torch_fsdp2:
-        if not all(isinstance(p, DTensor) for _, p in named):
+        if not all(is_dtensor(p) for _, p in named):
             raise ValueError("--use-torch-fsdp2: the model chunks were not fully sharded; build "
                              "them through the model family's parallelize step")
         strategy = FSDP2Strategy(named, cfg, state, specs)

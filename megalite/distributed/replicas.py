@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Iterable, List, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
+from megalite.torch_classes import is_dtensor
 
 from megalite import comm
 from megalite.distributed.grad_sync import dp_group_name, is_tied_embedding
@@ -48,7 +48,7 @@ def broadcast_tied_embeddings(params: Iterable[torch.nn.Parameter], state, specs
         return
     with torch.no_grad():
         for p in tied:      # FSDP2: both stages hold the same rows (same DP x CP position)
-            local = p.to_local() if isinstance(p, DTensor) else p.data
+            local = p.to_local() if is_dtensor(p) else p.data
             comm.broadcast(local, src=group.ranks[0], group=group)
 
 
@@ -76,7 +76,7 @@ def _replica_groups(model_chunks, state) -> List[Tuple[str, str, torch.Tensor]]:
         table = param_table(chunk)
         for fqn, p, spec in named_specs(chunk):
             name = table.canonical(fqn)
-            if isinstance(p, DTensor):   # FSDP2: DP ranks hold different shards, TP ranks
+            if is_dtensor(p):   # FSDP2: DP ranks hold different shards, TP ranks
                 p = p.to_local()         # the same shard of their (replicated) tensor
             else:
                 out.append((dp_group_name(spec), f"{i}:{name}", p))

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from megalite import comm
 from megalite.checkpointing import checkpoint, train_state
@@ -104,6 +103,8 @@ def restore_snapshot(trainer, plan: SnapshotPlan) -> None:
     gathered = comm.all_gather_object((index, shapes, meta is not None), world)
     src = next(r for r, g in enumerate(gathered) if g[2])
     meta = comm.broadcast_object(meta, src, world)
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
     saved = {}
     for _, sh, _ in gathered:
         for key, (shape, dtype) in sh.items():

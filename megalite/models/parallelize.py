@@ -38,7 +38,6 @@ from megalite import comm
 from megalite.backends import compile as layer_compile   # a module: tests patch its compile_layers
 from megalite.backends import (context_parallel_spec, get_layer_spec, layer_spec_kwargs,
                                multi_latent_attention_spec)
-from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
 from megalite.config.pipeline_schedules import resolve_schedule
 from megalite.tensor_parallel.random import attach_rng_tracker, model_parallel_tracker
 from megalite.transformer.recompute import configure_layer_recompute, configure_recompute
@@ -143,6 +142,8 @@ def shard_then_initialize(chunk: nn.Module, cfg, state, device, dtype) -> None:
     """Step 6 under --use-torch-fsdp2, before the values: ``fully_shard`` (on the meta
     device when the chunk was built there), then allocate and initialize only this rank's
     shards -- a ZeRO-3 rank never holds its whole model."""
+    # start-up time: torch's FSDP2 and DTensor cost ~0.8 s of every process's start-up
+    from megalite.distributed.fsdp2 import materialize_shards, shard_chunk
     target = torch.device(device) if device is not None else \
         next(chunk.parameters()).device
     if not is_meta(chunk):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Callable, List, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
+from megalite.torch_classes import is_dtensor
 
 # Keller Jordan's quintic coefficients (github.com/KellerJordan/Muon), Megatron's "quintic"
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -103,7 +103,7 @@ def qkv_split_rows(model_cfg) -> List[int]:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 # (stepped tensors, their momentum-updated inputs) -> the orthogonalised, scaled updates

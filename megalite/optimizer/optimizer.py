@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
+from megalite.torch_classes import is_dtensor
 
 from megalite.state_format.dcp_format import ChunkedTensor
 from megalite.state_format.sharded_state import fsdp_piece, param_writer, spec_chunks
@@ -348,9 +348,9 @@ class MixedPrecisionOptimizer(MasterWeightOptimizer):
         master."""
         i = next(i for i, q in enumerate(self.params) if q is p)
         for t in {id(p): p, id(self.masters[i]): self.masters[i]}.values():
-            local = t.to_local() if isinstance(t, DTensor) else t
+            local = t.to_local() if is_dtensor(t) else t
             lo = 0
-            if isinstance(t, DTensor):
+            if is_dtensor(t):
                 (meta,) = t.__create_chunk_list__()
                 lo = meta.offsets[0]
             rows = row_scale[lo:lo + local.shape[0]].to(local.dtype)
@@ -392,5 +392,7 @@ def _like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     other parameter's state is the local tensor itself."""
     if not hasattr(p, "device_mesh"):
         return local
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.tensor import DTensor
     return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
                               stride=p.stride())

@@ -26,14 +26,13 @@ from __future__ import annotations
 import types
 from typing import Iterable, List
 
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining.stage import _PipelineStageBase
+from megalite.torch_classes import is_fsdp_module
 from megalite.transformer.loss_reduction import GRAD_DIVIDE_FACTOR
 
 
 def fsdp_chunks(chunks: Iterable) -> List:
     """The chunks fully sharded by FSDP2 (their root is an ``FSDPModule``)."""
-    return [c for c in chunks if isinstance(c, FSDPModule)]
+    return [c for c in chunks if is_fsdp_module(c)]
 
 
 def defer_gradient_sync(chunk) -> None:
@@ -46,6 +45,8 @@ def reduce_gradients(chunk) -> None:
     """Reduce the chunk's accumulated gradients now (and reshard): torch's REDUCE_GRAD,
     with the loss-reduction policy's divide factor (a plain sum: the loss is already over
     the global token count)."""
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.pipelining.stage import _PipelineStageBase
     _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=chunk),
                                            GRAD_DIVIDE_FACTOR)
 
@@ -53,5 +54,5 @@ def reduce_gradients(chunk) -> None:
 def reshard(chunk) -> None:
     """Free every unit's gathered parameters (after a forward-only run under PP)."""
     for module in chunk.modules():
-        if isinstance(module, FSDPModule):
+        if is_fsdp_module(module):
             module.reshard()

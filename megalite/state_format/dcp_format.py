@@ -18,23 +18,26 @@ data itself is read by DCP with ``weights_only=True``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import pickle
+import types
 import warnings
 import traceback
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
-                                                  WriteItemType)
+
+if TYPE_CHECKING:
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex,
+                                                       TensorStorageMetadata)
+
+# torch.distributed.checkpoint is imported where it is used: it pulls in DTensor and
+# torch._dynamo, ~0.5 s of start-up that a process which never saves or loads (a torchrun
+# worker of a run without --save, a one-line user error) should not pay.
 
 METADATA_FILE = ".metadata"
 
@@ -54,6 +57,12 @@ class ChunkedTensor:
         return self.global_shape
 
     def __create_write_items__(self, fqn: str, obj) -> list:
+        # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+        from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                           TensorProperties)
+        # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+        from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                          WriteItemType)
         if not self.writer:
             return []
         return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
@@ -64,6 +73,8 @@ class ChunkedTensor:
                 for off, t in self.chunks]
 
     def __create_chunk_list__(self) -> list:
+        # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
         return [ChunkStorageMetadata(offsets=off, sizes=t.shape) for off, t in self.chunks]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
@@ -79,39 +90,6 @@ class ChunkedTensor:
 def _lookup(state_dict: dict, index: MetadataIndex):
     obj = state_dict[index.fqn]
     return obj.__get_tensor_shard__(index) if isinstance(obj, ChunkedTensor) else None
-
-
-class ChunkedSavePlanner(DefaultSavePlanner):
-    """DCP's default save planner, resolving ``ChunkedTensor`` chunks by offset."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def lookup_object(self, index: MetadataIndex):
-        found = _lookup(self.state_dict, index)
-        return found if found is not None else super().lookup_object(index)
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default (resharding) load planner that never unpickles a checkpoint entry."""
-
-    def __init__(self):
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
-                         allow_partial_load=False)
-
-    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
-        # The default set-up first materializes meta tensors in place, which would replace
-        # ChunkedTensor values; ours hold real tensors already.
-        self.original_state_dict = self.state_dict = state_dict
-        self.metadata, self.is_coordinator = metadata, is_coordinator
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        found = _lookup(self.state_dict, index)
-        return found if found is not None else super().lookup_tensor(index)
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        raise ValueError(f"checkpoint entry '{read_item.dest_index.fqn}' is a pickled object; "
-                         f"megalite never unpickles checkpoint contents")
 
 
 # DCP's metadata pickle holds only these classes (plus builtins); nothing else is trusted.
@@ -152,20 +130,67 @@ def read_dcp_metadata(directory: str) -> Metadata:
         except Exception as exc:  # truncated or garbled pickle
             raise ValueError(f"{path}: unreadable DCP metadata ({type(exc).__name__}: "
                              f"{exc})") from None
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.checkpoint.metadata import Metadata
     if not isinstance(meta, Metadata):
         raise ValueError(f"{path}: not DCP metadata ({type(meta).__name__})")
     return meta
 
 
-class SafeFileSystemReader(dcp.FileSystemReader):
-    """DCP's file reader whose metadata is unpickled with the allow-list."""
+@functools.lru_cache(maxsize=None)
+def _dcp_classes() -> types.SimpleNamespace:
+    """The DCP planner and reader subclasses, defined at the first save or load (their bases
+    live in torch.distributed.checkpoint)."""
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    import torch.distributed.checkpoint as dcp
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        meta = read_dcp_metadata(str(self.path))
-        if getattr(meta, "storage_meta", None) is None:
-            meta.storage_meta = StorageMeta()
-        meta.storage_meta.load_id = self.load_id
-        return meta
+    class ChunkedSavePlanner(DefaultSavePlanner):
+        """DCP's default save planner, resolving ``ChunkedTensor`` chunks by offset."""
+
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+        def lookup_object(self, index: MetadataIndex):
+            found = _lookup(self.state_dict, index)
+            return found if found is not None else super().lookup_object(index)
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        """DCP's default (resharding) load planner that never unpickles a checkpoint entry."""
+
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
+                             allow_partial_load=False)
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+            # The default set-up first materializes meta tensors in place, which would replace
+            # ChunkedTensor values; ours hold real tensors already.
+            self.original_state_dict = self.state_dict = state_dict
+            self.metadata, self.is_coordinator = metadata, is_coordinator
+
+        def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+            found = _lookup(self.state_dict, index)
+            return found if found is not None else super().lookup_tensor(index)
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            raise ValueError(f"checkpoint entry '{read_item.dest_index.fqn}' is a pickled object; "
+                             f"megalite never unpickles checkpoint contents")
+
+    class SafeFileSystemReader(dcp.FileSystemReader):
+        """DCP's file reader whose metadata is unpickled with the allow-list."""
+
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            meta = read_dcp_metadata(str(self.path))
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return types.SimpleNamespace(dcp=dcp, save_planner=ChunkedSavePlanner,
+                                 load_planner=SafeLoadPlanner, reader=SafeFileSystemReader)
 
 
 def _pg_args(single: bool, group=None) -> dict:
@@ -185,6 +210,8 @@ def _one_line_failure(what: str, directory: str):
     """DCP reports a failure on any rank to every rank as a ``CheckpointException`` (a
     BaseException carrying tracebacks); make it one ordinary error line naming the
     directory, the ranks and the first cause (e.g. ENOSPC)."""
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.checkpoint import CheckpointException
     try:
         yield
     except CheckpointException as exc:
@@ -207,8 +234,10 @@ def save_chunked(state_dict: Dict[str, object], directory: str, single: bool = F
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
         with _one_line_failure("saving", directory):
-            dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(directory, thread_count=1),
-                     planner=ChunkedSavePlanner(), **_pg_args(single, group))
+            c = _dcp_classes()
+            c.dcp.save(state_dict,
+                       storage_writer=c.dcp.FileSystemWriter(directory, thread_count=1),
+                       planner=c.save_planner(), **_pg_args(single, group))
 
 
 def load_chunked(state_dict: Dict[str, object], directory: str, single: bool = False) -> None:
@@ -216,12 +245,15 @@ def load_chunked(state_dict: Dict[str, object], directory: str, single: bool = F
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single")
         with _one_line_failure("loading", directory):
-            dcp.load(state_dict, storage_reader=SafeFileSystemReader(directory),
-                     planner=SafeLoadPlanner(), **_pg_args(single))
+            c = _dcp_classes()
+            c.dcp.load(state_dict, storage_reader=c.reader(directory),
+                       planner=c.load_planner(), **_pg_args(single))
 
 
 def saved_tensors(directory: str) -> Dict[str, TensorStorageMetadata]:
     """{key: DCP tensor metadata (global size, dtype)} of a DCP checkpoint."""
+    # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     return {k: v for k, v in read_dcp_metadata(directory).state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)}
 

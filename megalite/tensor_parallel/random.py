@@ -20,7 +20,6 @@ from typing import Dict, Iterable, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
 
 from megalite.param_spec import Coords, ParamSpec
 
@@ -178,6 +177,8 @@ def copy_into_param(p: torch.Tensor, local: torch.Tensor) -> None:
     """``p.copy_(local)``; when ``p`` is a DTensor (FSDP2), each rank keeps its placement's
     piece of ``local`` (identical on every rank of the mesh, so no communication)."""
     if hasattr(p, "device_mesh") and hasattr(p, "placements"):
+        # start-up time: torch.distributed's DCP/DTensor/FSDP packages, ~0.5 s
+        from torch.distributed.tensor import distribute_tensor   # loaded by FSDP2 already
         local = distribute_tensor(local.to(device=p.device, dtype=p.dtype), p.device_mesh,
                                   p.placements, src_data_rank=None)
     p.copy_(local)

@@ -222,7 +222,8 @@ def describe(cycles: List[List[str]], edges: List[Edge], private: List[PrivateUs
 # ``__main__`` and the ``megalite`` command, which dispatches by name) are applications
 # inside a lower package.
 LAYERS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
-    ("foundations", ("megalite.errors", "megalite.param_spec", "megalite.testing")),
+    ("foundations", ("megalite.errors", "megalite.param_spec", "megalite.testing",
+                     "megalite.torch_classes")),
     ("configuration and torch-free registries", ("megalite.config",)),
     ("groups and collectives", ("megalite.parallel_state", "megalite.comm")),
     ("data, state format", ("megalite.data", "megalite.state_format")),
