@@ -78,17 +78,21 @@ def _losses(tmp_path, tag, extra):
 
 def test_every_activation_trains_and_megatron_switches_spell_it(tmp_path):
     """Each registry entry with a Megatron switch (--swiglu, --squared-relu) trains through
-    pretrain_gpt.py as --activation NAME, and the switch runs the very same model (the
-    default, gelu, trains in every other e2e test); two switches at once are one line
-    naming both, exit 2 (not the first switch winning)."""
+    pretrain_gpt.py as Megatron's switch, and runs the very model --activation NAME builds
+    (trained in this process: the same losses); the default, gelu, trains in every other
+    e2e test.  Two switches at once are one line naming both, exit 2 (not the first switch
+    winning)."""
+    from cpu_trainer import build_cpu_trainer, train_steps  # (tests/ is on sys.path)
+
     losses = {}
     for name, a in ACTIVATIONS.items():
         if not a.flag:
             continue
-        losses[name] = _losses(tmp_path, name, ["--activation", name])
-        assert len(losses[name]) == 2 and all(math.isfinite(x) for x in losses[name])
         switch = "--" + a.flag.replace("_", "-")
-        assert _losses(tmp_path, a.flag, [switch]) == losses[name], name
+        losses[name] = _losses(tmp_path, a.flag, [switch])
+        assert len(losses[name]) == 2 and all(math.isfinite(x) for x in losses[name])
+        named = train_steps(build_cpu_trainer(ACT_FLAGS + ["--activation", name], 1), 2)
+        assert all(abs(x - y) <= 1e-6 * abs(y) for x, y in zip(named, losses[name])), name
     assert len({tuple(v) for v in losses.values()}) == len(losses)   # different models
     switches = ["--" + a.flag.replace("_", "-") for a in ACTIVATIONS.values() if a.flag]
     if len(switches) >= 2:
