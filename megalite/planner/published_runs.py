@@ -302,7 +302,11 @@ RUNS += [
               overrides=QWEN3_30B),
     _bridge26("bridge26-qwen3-30b-h100", "qwen3-235b-a22b", "h100-80gb", 16, 1024, 4096,
               dict(ep=16, etp=1, micro_batch=1), 203, "FP8", 132, moe=True,
-              overrides=QWEN3_30B),
+              overrides=QWEN3_30B, opts=dict(ep_overlap=False),
+              assumed="no EP A2A overlap: the recipe's moe_a2a_overlap = False, and its "
+              "CommOverlapConfig leaves overlap_moe_expert_parallel_comm off (perf_recipes/"
+              "qwen/h100/qwen3_moe.py, qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config, "
+              "lines 92 and 97)"),
     _bridge26("bridge26-qwen3-235b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 256, 8192, 4096,
               dict(tp=1, pp=4, vpp=12, ep=32, etp=1, micro_batch=2, **EMB_LOSS), 1306,
               "MXFP8", 73, moe=True, source=BRIDGE26),
