@@ -315,3 +315,28 @@ RUNS += [
               "MXFP8", 74, moe=True, source=BRIDGE26),
 ]
 BY_NAME = {r.name: r for r in RUNS}
+
+# ---- MaxText (JAX / XLA) on one A3 VM (8 H100-80GB), TFLOP/s per chip -------------------
+# Source: AI-Hypercomputer/maxtext, README of the A3 Llama2-7B configs (commit efb6d9e4a,
+# 2024-04-09, MaxText/configs/a3/llama_2_7b/README.md line 24; now src/maxtext/configs/gpu/
+# a3/llama_2_7b/README.md, commit e591f30c), the run its 1vm.sh (same commit) states: FSDP 8
+# over the VM's GPUs (ici_fsdp_parallelism=8), per_device_batch_size 4 of 4096 tokens,
+# cuDNN flash attention through TE, remat_policy minimal_flash (matmul and attention
+# outputs saved, elementwise ops recomputed), bf16 compute.  Its 2-16 VM rows are DCN data
+# parallelism over FSDP-8 groups (hybrid sharding), which the planner's layouts do not
+# express: left out.  MaxText counted full (non-causal) attention until July 2025.
+MAXTEXT = ("AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/README.md line 24 "
+           "(commit efb6d9e4a), run as its 1vm.sh")
+LLAMA2_7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                 num_query_groups=32, kv_channels=128, ffn_hidden_size=11008,
+                 vocab_size=32000)
+RUNS += [
+    PublishedRun("maxtext-llama2-7b-8gpu", "llama3-8b", MAXTEXT, "h100-80gb", 8, 4096, 32,
+                 dict(zero=3, micro_batch=4), "model_tflops", 492, "full",
+                 options=dict(attention_kernel="cudnn"), model_overrides=LLAMA2_7B,
+                 assumed="XLA's fusions priced like Transformer Engine's (fused passes); "
+                 "fp32 weights (MaxText's weight_dtype) and fp32 gradient reduce-scatter; "
+                 "minimal_flash's elementwise recomputation not counted; Llama 2 7B as "
+                 "llama3-8b's preset with Llama 2's sizes (32000 vocabulary, MHA, 11008)"),
+]
+BY_NAME = {r.name: r for r in RUNS}
