@@ -290,7 +290,13 @@ RUNS += [
     _bridge26("bridge26-dsv3-b300", "deepseek-v3", "b300", 256, 4096, 4096,
               dict(tp=1, pp=8, ep=8, etp=1, micro_batch=2, recompute="selective",
                    **DSV3_8), 920, "MXFP8", 115, moe=True,
-              opts=dict(recompute_modules=("mla_up_proj",))),
+              opts=dict(recompute_modules=("mla_up_proj",)),
+              assumed="the 26.06 config (commit 8f341b04f, scripts/performance/configs/"
+              "deepseek/deepseek_workload_base_configs.py lines 224-233, DEEPSEEK_V3_"
+              "PRETRAIN_CONFIG_B300_V2): PP8 without VPP, mbs 2, recompute mla_up_proj, "
+              "moe_a2a_overlap=False (line 140) -- Megatron allows no EP overlap at PP > 1 "
+              "without VPP anyway; the row keeps the planner's ep_overlap switch on to show "
+              "the rule (estimate.ep_overlap_applies)"),
     _bridge26("bridge26-qwen3-30b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 8, 512, 4096,
               dict(ep=8, etp=1, micro_batch=8), 1029, "MXFP8", 66, moe=True,
               source=BRIDGE26, overrides=QWEN3_30B),
@@ -303,10 +309,11 @@ RUNS += [
     _bridge26("bridge26-qwen3-30b-h100", "qwen3-235b-a22b", "h100-80gb", 16, 1024, 4096,
               dict(ep=16, etp=1, micro_batch=1), 203, "FP8", 132, moe=True,
               overrides=QWEN3_30B, opts=dict(ep_overlap=False),
-              assumed="no EP A2A overlap: the recipe's moe_a2a_overlap = False, and its "
-              "CommOverlapConfig leaves overlap_moe_expert_parallel_comm off (perf_recipes/"
-              "qwen/h100/qwen3_moe.py, qwen3_30b_a3b_pretrain_16gpu_h100_fp8cs_config, "
-              "lines 92 and 97)"),
+              assumed="no EP A2A overlap and no CUDA graphs, as the 26.06 config ran it "
+              "(commit 8f341b04f, scripts/performance/configs/qwen/qwen3_workload_base_"
+              "configs.py lines 470-477, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: "
+              "moe_a2a_overlap=False; the current recipe perf_recipes/qwen/h100/qwen3_moe.py "
+              "line 92 keeps it off)"),
     _bridge26("bridge26-qwen3-235b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 256, 8192, 4096,
               dict(tp=1, pp=4, vpp=12, ep=32, etp=1, micro_batch=2, **EMB_LOSS), 1306,
               "MXFP8", 73, moe=True, source=BRIDGE26),
