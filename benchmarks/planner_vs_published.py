@@ -113,6 +113,8 @@ def main(argv=None) -> int:
     summary("calibration rows", [c for c in rows if c.run.name in cal])
     held = [c for c in rows if c.run.name not in cal]
     summary("held-out rows", held)
+    summary("held out, issue 40's 2026 rows (bridge25-/bridge26-)",
+            [c for c in held if c.run.name.startswith(("bridge25-", "bridge26-"))])
     for tag, key in (("Llama 3 405B", "llama3-405b"), ("MoE", None)):
         group = [c for c in held if (c.model.num_experts if key is None
                                      else c.run.name.startswith(key))]

@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "forward (PyTorch async TP)")
     o.add_argument("--ep-overlap", action="store_true",
                    help="EP all-to-all behind another micro-batch's compute (Megatron's "
-                   "--overlap-moe-expert-parallel-comm)")
+                   "--overlap-moe-expert-parallel-comm; at PP > 1 only with VPP, as there)")
     o.add_argument("--moe-routing", default="uniform", metavar="uniform|balanced|FILE|X",
                    help="routing imbalance of the MoE layers: uniform routing (default), "
                    "balanced, a run's --metrics-file, or a max/mean factor")

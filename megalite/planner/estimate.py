@@ -56,7 +56,7 @@ class ModelOptions:
     eager: bool = False                    # eager PyTorch (no fusion): torchtitan uncompiled
     local_layers: bool = False             # megalite's local layers (memory.local_layer_bytes)
     fp8: Optional[str] = None              # FP8 GEMMs: kernels.FP8_RECIPES key, None = bf16
-    fp4_gemm: Optional[float] = None       # NVFP4 GEMMs' share of FP4's ceiling (calibration)
+    fp4_gemm: Optional[float] = None       # NVFP4 GEMMs over the FP8 ceiling (calibration)
     attention_kernel: str = "cudnn"        # kernels.ATTENTION_TFLOPS key (flash kernels)
     causal: bool = True                    # causal mask: flash kernels skip half the scores
     recompute_modules: tuple = ("core_attn",)   # selective recompute (+ "every_other_mm")
@@ -285,6 +285,16 @@ def _unpaired_share(L: Layout, r: int) -> float:
     return get_schedule(L.schedule).unpaired_forwards(p, m, v, r) / (m * v)
 
 
+def ep_overlap_applies(L: Layout, opts: ModelOptions) -> bool:
+    """Whether ``--ep-overlap`` (Megatron's --overlap-moe-expert-parallel-comm) can run on
+    this layout.  Megatron pairs one micro-batch's forward with another's backward inside
+    the interleaved schedule only: with PP > 1 it requires virtual stages (megatron/core/
+    transformer/transformer_config.py, __post_init__: "If enabling EP A2A overlap,
+    virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size
+    > 1").  On plain 1F1B the all-to-alls stay on the critical path."""
+    return opts.ep_overlap and (L.pp == 1 or L.vpp > 1)
+
+
 def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
                opts: ModelOptions, imbalance: float = 1.0) -> dict:
     """Per-micro-batch times of pipeline rank ``r``: compute (t_f, t_b) and exposed comm."""
@@ -315,7 +325,7 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     pp = comm.get("pp", 0.0) / mbs
     interleaved_p2p = L.vpp > 1 and opts.pp_overlap
     nic_shared = 0.0
-    if opts.ep_overlap:
+    if ep_overlap_applies(L, opts):
         # Megatron's EP A2A overlap pairs one micro-batch's forward with another's
         # backward, the all-to-alls of each behind the other's compute -- in the 1F1B
         # steady state only: the warm-up's forwards and the cool-down's backwards run alone.

@@ -293,9 +293,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     if opts.fp32:
         rate = gpu.matmul_tflops * 0.5 * 1e12 * sustain     # TF32 tensor cores: half rate
     elif fp8:
-        gemm = fp8.gemm if fp8.bits == 8 else (opts.fp4_gemm if opts.fp4_gemm is not None
-                                                else calibration.NVFP4_GEMM)
-        rate = low_precision_tflops(gpu, fp8) * gemm * 1e12 * sustain
+        rate = low_precision_rate(gpu, fp8, opts.fp4_gemm) * 1e12 * sustain
     else:
         rate = gpu.matmul_tflops * 1e12 * sustain
     hbm = gpu.hbm_gbps * 1e9 * eff.hbm
@@ -399,6 +397,22 @@ def _quantized_elements(gs: List[Gemm]) -> float:
     """Elements FP8 quantizes per layer: each GEMM's input forward, its output gradient
     backward (the weights are cast once per step, counted in ``weight_cast_seconds``)."""
     return sum(gm.groups * (gm.rows * gm.k + gm.rows * gm.n) for gm in gs)
+
+
+def low_precision_rate(gpu, recipe: Fp8Recipe, fp4_gemm: Optional[float] = None) -> float:
+    """The measured-ceiling rate (TFLOP/s, before the sustained fraction) a recipe's GEMMs
+    run at.  FP8 recipes: the FP8 ceiling times the recipe's ``gemm`` share.  NVFP4: a
+    multiple of the *FP8* ceiling (calibration.NVFP4_GEMM), not a share of the FP4 peak:
+    Blackwell Ultra raises the FP4 datasheet peak 1.5x over Blackwell at the same FP8 peak
+    (hardware.py), yet the published NVFP4-over-FP8 gain of Llama 3.1 405B is the same on
+    GB300 and GB200 (Megatron-Bridge performance-summary-archive.md lines 100-105: 3575 /
+    2646 = 1.35, 2944 / 2129 = 1.38) -- the two-level block scales, the RHT'd wgrad operands
+    and the FP4 operands' unpacking, not the FP4 MMA rate, bound TE's NVFP4 GEMMs at
+    training shapes.  A share of the FP4 peak fitted on GB300 under-predicted GB200 by 23%."""
+    if recipe.bits == 4:
+        mult = fp4_gemm if fp4_gemm is not None else calibration.NVFP4_GEMM
+        return gpu.fp8_matmul_tflops * mult
+    return gpu.fp8_matmul_tflops * recipe.gemm
 
 
 def low_precision_tflops(gpu, recipe: Fp8Recipe) -> Optional[float]:

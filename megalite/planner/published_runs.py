@@ -290,7 +290,13 @@ RUNS += [
     _bridge26("bridge26-dsv3-b300", "deepseek-v3", "b300", 256, 4096, 4096,
               dict(tp=1, pp=8, ep=8, etp=1, micro_batch=2, recompute="selective",
                    **DSV3_8), 920, "MXFP8", 115, moe=True,
-              opts=dict(recompute_modules=("mla_up_proj",))),
+              opts=dict(recompute_modules=("mla_up_proj",)),
+              assumed="the 26.06 config (commit 8f341b04f, scripts/performance/configs/"
+              "deepseek/deepseek_workload_base_configs.py lines 224-233, DEEPSEEK_V3_"
+              "PRETRAIN_CONFIG_B300_V2): PP8 without VPP, mbs 2, recompute mla_up_proj, "
+              "moe_a2a_overlap=False (line 140) -- Megatron allows no EP overlap at PP > 1 "
+              "without VPP anyway; the row keeps the planner's ep_overlap switch on to show "
+              "the rule (estimate.ep_overlap_applies)"),
     _bridge26("bridge26-qwen3-30b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 8, 512, 4096,
               dict(ep=8, etp=1, micro_batch=8), 1029, "MXFP8", 66, moe=True,
               source=BRIDGE26, overrides=QWEN3_30B),
@@ -302,12 +308,42 @@ RUNS += [
               overrides=QWEN3_30B),
     _bridge26("bridge26-qwen3-30b-h100", "qwen3-235b-a22b", "h100-80gb", 16, 1024, 4096,
               dict(ep=16, etp=1, micro_batch=1), 203, "FP8", 132, moe=True,
-              overrides=QWEN3_30B),
+              overrides=QWEN3_30B, opts=dict(ep_overlap=False),
+              assumed="no EP A2A overlap and no CUDA graphs, as the 26.06 config ran it "
+              "(commit 8f341b04f, scripts/performance/configs/qwen/qwen3_workload_base_"
+              "configs.py lines 470-477, QWEN3_30B_A3B_PRETRAIN_CONFIG_H100_FP8_CS_V1: "
+              "moe_a2a_overlap=False; the current recipe perf_recipes/qwen/h100/qwen3_moe.py "
+              "line 92 keeps it off)"),
     _bridge26("bridge26-qwen3-235b-gb300", "qwen3-235b-a22b", "gb300-nvl72", 256, 8192, 4096,
               dict(tp=1, pp=4, vpp=12, ep=32, etp=1, micro_batch=2, **EMB_LOSS), 1306,
               "MXFP8", 73, moe=True, source=BRIDGE26),
     _bridge26("bridge26-qwen3-235b-gb200", "qwen3-235b-a22b", "gb200-nvl72", 256, 8192, 4096,
               dict(tp=1, pp=8, vpp=3, ep=32, etp=1, micro_batch=1, **EMB_LOSS), 1077,
               "MXFP8", 74, moe=True, source=BRIDGE26),
+]
+BY_NAME = {r.name: r for r in RUNS}
+
+# ---- MaxText (JAX / XLA) on one A3 VM (8 H100-80GB), TFLOP/s per chip -------------------
+# Source: AI-Hypercomputer/maxtext, README of the A3 Llama2-7B configs (commit efb6d9e4a,
+# 2024-04-09, MaxText/configs/a3/llama_2_7b/README.md line 24; now src/maxtext/configs/gpu/
+# a3/llama_2_7b/README.md, commit e591f30c), the run its 1vm.sh (same commit) states: FSDP 8
+# over the VM's GPUs (ici_fsdp_parallelism=8), per_device_batch_size 4 of 4096 tokens,
+# cuDNN flash attention through TE, remat_policy minimal_flash (matmul and attention
+# outputs saved, elementwise ops recomputed), bf16 compute.  Its 2-16 VM rows are DCN data
+# parallelism over FSDP-8 groups (hybrid sharding), which the planner's layouts do not
+# express: left out.  MaxText counted full (non-causal) attention until July 2025.
+MAXTEXT = ("AI-Hypercomputer/maxtext MaxText/configs/a3/llama_2_7b/README.md line 24 "
+           "(commit efb6d9e4a), run as its 1vm.sh")
+LLAMA2_7B = dict(num_layers=32, hidden_size=4096, num_attention_heads=32,
+                 num_query_groups=32, kv_channels=128, ffn_hidden_size=11008,
+                 vocab_size=32000)
+RUNS += [
+    PublishedRun("maxtext-llama2-7b-8gpu", "llama3-8b", MAXTEXT, "h100-80gb", 8, 4096, 32,
+                 dict(zero=3, micro_batch=4), "model_tflops", 492, "full",
+                 options=dict(attention_kernel="cudnn"), model_overrides=LLAMA2_7B,
+                 assumed="XLA's fusions priced like Transformer Engine's (fused passes); "
+                 "fp32 weights (MaxText's weight_dtype) and fp32 gradient reduce-scatter; "
+                 "minimal_flash's elementwise recomputation not counted; Llama 2 7B as "
+                 "llama3-8b's preset with Llama 2's sizes (32000 vocabulary, MHA, 11008)"),
 ]
 BY_NAME = {r.name: r for r in RUNS}

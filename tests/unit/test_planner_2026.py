@@ -8,7 +8,7 @@ import pytest
 
 from megalite.config import ConfigError
 from megalite.planner import comm_model as cm
-from megalite.planner import kernels, moe_cost
+from megalite.planner import calibration, kernels, moe_cost
 from megalite.planner import model_spec as ms
 from megalite.planner.estimate import ModelOptions, estimate
 from megalite.planner.hardware import (DATASHEET_BF16_TFLOPS, GPU_PRESETS, datasheet_peak_flops,
@@ -170,3 +170,53 @@ def test_cuda_graphs_hide_only_the_launch_time_a_layer_does_not_cover():
     assert kernels.exposed_launch_seconds(1.0, True, True, False) == 0.0
     assert kernels.exposed_launch_seconds(0.0, False, False, False) == \
         kernels.KERNELS_PER_LAYER[False] * kernels.HOST_SECONDS_PER_KERNEL
+
+
+def test_nvfp4_gemms_run_at_a_multiple_of_the_fp8_ceiling_on_every_blackwell():
+    """NVFP4's rate is NVFP4_GEMM x the FP8 ceiling: GB300's 1.5x FP4 datasheet peak over
+    GB200 does not reach the GEMMs (equal FP8 peaks give equal NVFP4 rates)."""
+    nv = kernels.FP8_RECIPES["nvfp4"]
+    gb300, gb200 = GPU_PRESETS["gb300-nvl72"], GPU_PRESETS["gb200-nvl72"]
+    assert gb300.fp4_peak_tflops == 1.5 * gb200.fp4_peak_tflops
+    for gpu in (gb300, gb200, GPU_PRESETS["b200"]):
+        assert kernels.low_precision_rate(gpu, nv) == pytest.approx(
+            gpu.fp8_matmul_tflops * calibration.NVFP4_GEMM)
+        assert kernels.low_precision_rate(gpu, nv, 2.0) == pytest.approx(
+            2 * gpu.fp8_matmul_tflops)
+    assert kernels.low_precision_rate(gb300, nv) == pytest.approx(
+        kernels.low_precision_rate(gb200, nv) * gb300.fp8_matmul_tflops /
+        gb200.fp8_matmul_tflops)
+    mx = kernels.FP8_RECIPES["mxfp8"]
+    assert kernels.low_precision_rate(gb200, mx) == pytest.approx(gb200.fp8_matmul_tflops)
+    # the step follows: NVFP4 beats MXFP8 by the same factor on both racks
+    m = replace(ms.recipe("llama3-8b"), num_layers=4)
+    L = Layout(world=8, micro_batch=1, global_batch=8)
+    gains = []
+    for gpu in ("gb300-nvl72", "gb200-nvl72"):
+        cl = make_cluster(8, None, gpu)
+        fp4 = estimate(m, L, 4096, cl, ModelOptions(fp8="nvfp4"))
+        fp8 = estimate(m, L, 4096, cl, ModelOptions(fp8="mxfp8"))
+        gains.append(fp8.times["compute"] / fp4.times["compute"])
+    assert gains[0] > 1.0 and gains[1] == pytest.approx(gains[0], rel=0.05)
+
+
+def test_ep_overlap_needs_virtual_stages_under_pipeline_parallelism():
+    """Megatron refuses EP A2A overlap at PP > 1 without VPP: there the all-to-alls stay
+    on the critical path (estimate.ep_overlap_applies); PP 1 and interleaved PP hide them."""
+    from megalite.planner.estimate import ep_overlap_applies
+    on = ModelOptions(ep_overlap=True, moe_routing="balanced")
+    assert ep_overlap_applies(Layout(world=8, ep=8, micro_batch=1, global_batch=64), on)
+    assert ep_overlap_applies(Layout(world=16, ep=8, pp=2, vpp=2, micro_batch=1,
+                                     global_batch=64), on)
+    plain = Layout(world=16, ep=8, pp=2, micro_batch=1, global_batch=64)
+    assert not ep_overlap_applies(plain, on)
+    assert not ep_overlap_applies(Layout(world=8, ep=8, micro_batch=1, global_batch=64),
+                                  ModelOptions())
+    m = replace(MIXTRAL, num_layers=4)
+    cl = make_cluster(16, 8, "h100-80gb")
+    off = estimate(m, plain, 4096, cl, ModelOptions(moe_routing="balanced"))
+    asked = estimate(m, plain, 4096, cl, on)
+    assert asked.times["ep"] == pytest.approx(off.times["ep"]) and off.times["ep"] > 0
+    inter = replace(plain, vpp=2, schedule="interleaved")
+    assert estimate(m, inter, 4096, cl, on).times["ep"] < estimate(
+        m, inter, 4096, cl, ModelOptions(moe_routing="balanced")).times["ep"]
