@@ -527,11 +527,6 @@ RULES += (
              "--overlap-moe-expert-parallel-comm overlaps the paired forward and backward of "
              "a pipeline step: it needs --pipeline-model-parallel-size > 1 with "
              f"--pipeline-schedule {PAIRED_SCHEDULES} (or auto without virtual stages)"),
-    Relation("--overlap-moe-expert-parallel-comm excludes --use-torch-fsdp2", lambda c: (
-        c.parallel.overlap_moe_expert_parallel_comm and c.parallel.use_torch_fsdp2),
-        "--overlap-moe-expert-parallel-comm with --use-torch-fsdp2: FSDP2's per-module "
-        "state machine is not shown safe with two micro-batches' forward and backward "
-        "interleaved on one chunk; drop one of the two"),
     Relation("--delay-wgrad-compute excludes a recomputed MoE layer", lambda c: (
         c.parallel.overlap_moe_expert_parallel_comm and c.parallel.delay_wgrad_compute and
         _recomputes_moe_layers(c)),

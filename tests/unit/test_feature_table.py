@@ -204,9 +204,6 @@ RULE_CASES = {
           "--overlap-moe-expert-parallel-comm"]],
         [["--pp", "2", "--overlap-moe-expert-parallel-comm"],
          _DV + ["--overlap-moe-expert-parallel-comm"]]),
-    "--overlap-moe-expert-parallel-comm excludes --use-torch-fsdp2": (
-        [["--pp", "2", "--overlap-moe-expert-parallel-comm", "--use-torch-fsdp2"]],
-        [["--pp", "2", "--use-torch-fsdp2"]]),
     "--delay-wgrad-compute excludes a recomputed MoE layer": (
         [["--pp", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm",
           "--delay-wgrad-compute", "--recompute-granularity", "full",
