@@ -319,15 +319,17 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
     if group.size == 1:
         output.copy_(input)
         return output
-    entry, mode = _note("all_to_all", group, input, input)
+    overlap = overlap and paired.may_switch()
+    entry, mode = _note("all_to_all", group, input, input, waiting=not overlap)
     if mode is not REAL:
         return output if mode is SKIP else _faked(entry, "all_to_all", output, input, group)
     t0 = time.perf_counter()
     with _named_failure("all_to_all", group, entry=entry):
-        if overlap and paired.may_switch():
-            paired.switch_while(dist.all_to_all_single(
-                output, input.contiguous(), output_split_sizes, input_split_sizes,
-                group=group.handle, async_op=True))
+        if overlap:
+            work = dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
+                                          input_split_sizes, group=group.handle,
+                                          async_op=True)
+            paired.switch_while(work, entry)
         else:
             dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
                                    input_split_sizes, group=group.handle)

@@ -91,10 +91,11 @@ def _give(pair: _Pair, me: int, finished: bool = False) -> None:
             pair.cond.notify_all()
 
 
-def switch_while(work) -> None:
+def switch_while(work, entry=None) -> None:
     """Called by ``megalite.comm`` right after issuing ``work`` asynchronously: let the
     other half run (if it is still running), then wait for ``work``.  Outside a pair it
-    is a plain ``work.wait()``."""
+    is a plain ``work.wait()``.  ``entry``: the flight recorder's, marked waiting only from
+    the wait on (a hang dump then tells an in-flight all-to-all from a blocked one)."""
     half = current()
     if half is None:
         t0 = time.perf_counter()
@@ -107,6 +108,8 @@ def switch_while(work) -> None:
         stats["switches"] += 1
         _give(pair, me)
         _wait_turn(pair, me)
+    if entry is not None:
+        entry.waiting = True
     t0 = time.perf_counter()
     work.wait()
     waited = time.perf_counter() - t0
