@@ -47,6 +47,8 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, c
     """Gradient accumulation: forward and backward each micro-batch in turn.  ``events``,
     when a list, receives each F and BW with wall-clock times (the DP overlap timeline)."""
     (model,) = model_chunks
+    if cfg.parallel.overlap_moe_expert_parallel_comm and not forward_only and len(batches) > 1:
+        return _no_pipelining_paired(forward_step, batches, model, events)
     reports = []
     for i, batch in enumerate(batches):
         t0 = time.time()
@@ -62,6 +64,36 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, c
                 [] if forward_only else [(backward, t1, time.time())])
         reports.append(report)
     site.step = None
+    return reports
+
+
+def _no_pipelining_paired(forward_step, batches, model, events):
+    """PP = 1 with ``--overlap-moe-expert-parallel-comm`` (Megatron's combined 1F1B without
+    pipelining): F0, then F(i) beside BW(i-1) as an overlapped pair (``comm/overlap.py``),
+    then the last BW -- one more micro-batch's activations held than plain accumulation."""
+    losses, reports, log = {}, [], []
+
+    def forward(i):
+        t0 = time.time()
+        site.step = op = pipeline_schedules.Op("F", i, paired=True)
+        output, loss_func = forward_step(batches[i], model)
+        losses[i], report = loss_func(output)
+        reports.append(report)
+        log.append((op, t0, time.time()))
+
+    def backward(i):
+        t0 = time.time()
+        site.step = op = pipeline_schedules.Op("BW", i, paired=True)
+        losses.pop(i).backward()
+        log.append((op, t0, time.time()))
+
+    forward(0)
+    for i in range(1, len(batches)):
+        overlap.run_pair(lambda i=i: forward(i), lambda i=i: backward(i - 1))
+    backward(len(batches) - 1)
+    site.step = None
+    if events is not None:
+        events += log
     return reports
 
 

@@ -93,6 +93,8 @@ OVERLAP_CONFIGS = {
     "dense-pp4-dualpipev-overlap-full": (DENSE8, PP4 + DV + OVERLAP + P.FULL),
     "moe-ep2-pp2-1f1b-overlap-fsdp2": (MOE, P.EP2 + P.PP2 + OVERLAP + P.FSDP2),
     "moe-ep2-pp2-dualpipev-overlap-fsdp2": (MOE, P.EP2 + P.PP2 + DV + OVERLAP + P.FSDP2),
+    # PP 1: F(i) beside BW(i-1), with the distributed optimizer's overlapped reduce
+    "moe-ep2-overlap-distopt": (MOE, P.EP2 + OVERLAP + P.DO),
 }
 
 

@@ -203,7 +203,12 @@ RULE_CASES = {
          ["--pp", "2", "--pipeline-schedule", "zero-bubble",
           "--overlap-moe-expert-parallel-comm"]],
         [["--pp", "2", "--overlap-moe-expert-parallel-comm"],
-         _DV + ["--overlap-moe-expert-parallel-comm"]]),
+         _DV + ["--overlap-moe-expert-parallel-comm"],
+         ["--ep", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm"]]),
+    "--overlap-moe-expert-parallel-comm without PP excludes --use-torch-fsdp2": (
+        [["--ep", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm",
+          "--use-torch-fsdp2"]],
+        [["--pp", "2", "--overlap-moe-expert-parallel-comm", "--use-torch-fsdp2"]]),
     "--delay-wgrad-compute excludes a recomputed MoE layer": (
         [["--pp", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm",
           "--delay-wgrad-compute", "--recompute-granularity", "full",
