@@ -514,6 +514,40 @@ def _requirement_rule(section: str, f) -> Relation:
     return Relation(f"{field_flag(f)} needs {needs}", problem, problem)
 
 
+# the overlapped F&B execution (pipeline_parallel/schedules.py, comm/overlap.py)
+def _overlap_without_pairs(cfg) -> bool:
+    """PP = 1 pairs consecutive micro-batches, which only the EP all-to-all gains from."""
+    p = cfg.parallel
+    if not p.overlap_moe_expert_parallel_comm:
+        return False
+    if p.pp == 1:
+        return p.ep == 1
+    return not resolve_schedule(p.pipeline_schedule, _vpp(cfg)).pairs_f_and_b
+
+
+PAIRED_SCHEDULES = " or ".join(n for n, s in SCHEDULES.items() if s.pairs_f_and_b)
+RULES += (
+    Relation("--overlap-moe-expert-parallel-comm needs F&B pairs", _overlap_without_pairs,
+             "--overlap-moe-expert-parallel-comm overlaps the paired forward and backward of "
+             "two micro-batches: it needs --expert-model-parallel-size > 1 (PP 1), or "
+             f"--pipeline-model-parallel-size > 1 with --pipeline-schedule {PAIRED_SCHEDULES} "
+             "(or auto without virtual stages)"),
+    Relation("--overlap-moe-expert-parallel-comm without PP excludes --use-torch-fsdp2",
+             lambda c: (c.parallel.overlap_moe_expert_parallel_comm and c.parallel.pp == 1 and
+                        c.parallel.use_torch_fsdp2),
+             "--overlap-moe-expert-parallel-comm with --use-torch-fsdp2 and PP 1: FSDP2 "
+             "reshards a layer after each backward while the paired forward may be using its "
+             "gathered parameters (under PP it keeps them gathered); use PP > 1 or drop one"),
+    Relation("--delay-wgrad-compute excludes a recomputed MoE layer", lambda c: (
+        c.parallel.overlap_moe_expert_parallel_comm and c.parallel.delay_wgrad_compute and
+        _recomputes_moe_layers(c)),
+        "--delay-wgrad-compute splits the paired backwards into B and W, and a recomputed "
+        "MoE layer (--recompute-granularity full, or selective with --recompute-modules mlp) "
+        "saves other tensors in its recomputation under that split (torch.utils.checkpoint "
+        "refuses); drop --delay-wgrad-compute or recompute core_attn only"),
+)
+
+
 REQUIREMENTS: Tuple[Relation, ...] = tuple(
     _requirement_rule(section, f) for section, f in all_fields() if requirements(f))
 RULES += REQUIREMENTS

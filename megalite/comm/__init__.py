@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from megalite.comm import flight_recorder as fr
+from megalite.comm import overlap as paired
 from megalite.parallel_state import Group
 
 
@@ -311,16 +312,28 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: Grou
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
                       output_split_sizes: Optional[List[int]] = None,
-                      input_split_sizes: Optional[List[int]] = None):
+                      input_split_sizes: Optional[List[int]] = None,
+                      overlap: bool = False):
+    """``overlap``: inside one half of an overlapped F&B pair (``comm.overlap``), issue it
+    asynchronously and let the other half compute until this one's data is needed."""
     if group.size == 1:
         output.copy_(input)
         return output
-    entry, mode = _note("all_to_all", group, input, input)
+    overlap = overlap and paired.may_switch()
+    entry, mode = _note("all_to_all", group, input, input, waiting=not overlap)
     if mode is not REAL:
         return output if mode is SKIP else _faked(entry, "all_to_all", output, input, group)
+    t0 = time.perf_counter()
     with _named_failure("all_to_all", group, entry=entry):
-        dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
-                               input_split_sizes, group=group.handle)
+        if overlap:
+            work = dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
+                                          input_split_sizes, group=group.handle,
+                                          async_op=True)
+            paired.switch_while(work, entry)
+        else:
+            dist.all_to_all_single(output, input.contiguous(), output_split_sizes,
+                                   input_split_sizes, group=group.handle)
+            paired.note_blocking(time.perf_counter() - t0)
     fr.recorder.end(entry)
     return output
 

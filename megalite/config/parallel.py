@@ -40,6 +40,15 @@ class ParallelConfig:
     pipeline_schedule: str = opt(
         AUTO, "Pipeline schedule: auto picks 1F1B, or interleaved with virtual stages.",
         choices=[AUTO, *SCHEDULE_NAMES])
+    overlap_moe_expert_parallel_comm: bool = opt(
+        False, "Overlapped F&B: in each paired pipeline step the MoE dispatch/combine "
+        "all-to-alls and the p2p of one micro-batch run while the other computes (1F1B "
+        "becomes combined 1F1B; DualPipeV overlaps its pairs).", action="store_true")
+    delay_wgrad_compute: bool = opt(
+        False, "With --overlap-moe-expert-parallel-comm: split each paired backward into B "
+        "and W and run W after B in the pair (weight-gradient GEMMs hide the forward "
+        "half's last all-to-all).", action="store_true",
+        requires="overlap_moe_expert_parallel_comm")
     context_parallel_size: int = opt(1, "Context-parallel size (CP).", aliases=("--cp",), gt=0)
     cp_comm_type: str = opt("p2p", "Context-parallel communication: ring (p2p) or all-to-all.",
                             choices=["p2p", "a2a"])

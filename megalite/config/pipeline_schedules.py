@@ -104,6 +104,21 @@ def order_1f1b(p: int, m: int, rank: int, forward_only: bool = False) -> List[Op
     return ops + [Op("BW", i) for i in range(m - warmup, m)]
 
 
+def order_combined_1f1b(p: int, m: int, rank: int, forward_only: bool = False) -> List[Op]:
+    """Combined 1F1B (Megatron's ``--overlap-moe-expert-parallel-comm``): 1F1B whose every
+    steady-state forward is paired with the backward of another micro-batch, run side by
+    side by the overlapped executor.  One more warm-up forward than 1F1B (p - rank), so
+    the last stage's pair is F(i+1) beside BW(i), not a backward of the forward beside it;
+    the price is one more micro-batch in flight per rank."""
+    if forward_only:
+        return [Op("F", i) for i in range(m)]
+    warmup = min(p - rank, m)
+    ops = [Op("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        ops += [Op("F", warmup + i, paired=True), Op("BW", i, paired=True)]
+    return ops + [Op("BW", i) for i in range(m - warmup, m)]
+
+
 def _interleaved_id(k: int, p: int, v: int, backward: bool) -> Tuple[int, int]:
     """(micro-batch, chunk) of the k-th forward/backward of a rank (Megatron's order:
     groups of p micro-batches per chunk)."""
@@ -620,13 +635,78 @@ def _name_receives(program: List[List[Op]], p: int, v: int) -> List[List[Op]]:
     return named
 
 
+def pairs_adjacent(program: List[List[Op]]) -> List[List[Op]]:
+    """Each paired F directly followed by its backward: the batches the generic placement
+    put between them are split, receives moved before the F and sends after the backward
+    (per rank pair the order is kept, so FIFO matching still holds)."""
+    out = []
+    for prog in program:
+        prog, j = list(prog), 0
+        while j < len(prog):
+            op = prog[j]
+            if op.kind == "F" and op.paired:
+                k = j + 1
+                while prog[k].kind == "comm":
+                    k += 1
+                between = prog[j + 1:k]
+                recvs = tuple(r for c in between for r in c.recvs)
+                sends = tuple(x for c in between for x in c.sends)
+                head, tail = [], []
+                if recvs:
+                    if j > 0 and prog[j - 1].kind == "comm":
+                        prev = prog[j - 1]
+                        prog[j - 1] = Op("comm", sends=prev.sends, recvs=prev.recvs + recvs)
+                    else:
+                        head = [Op("comm", recvs=recvs)]
+                if sends:
+                    nxt = prog[k + 1] if k + 1 < len(prog) else None
+                    if nxt is not None and nxt.kind == "comm":
+                        prog[k + 1] = Op("comm", sends=sends + nxt.sends, recvs=nxt.recvs)
+                    else:
+                        tail = [Op("comm", sends=sends)]
+                prog[j:k + 1] = head + [op, prog[k]] + tail
+                j += len(head) + 2 + len(tail)
+            else:
+                j += 1
+        out.append(prog)
+    return out
+
+
+def delay_wgrad(program: List[List[Op]]) -> List[List[Op]]:
+    """``--delay-wgrad-compute``: each paired backward split into B and its W, the W right
+    behind (in the pair's backward half: its weight-gradient GEMMs are compute the forward
+    half's last all-to-all can hide behind)."""
+    out = []
+    for prog in program:
+        new = []
+        for op in prog:
+            if op.paired and op.kind == "BW":
+                new += [Op("B", op.mb, op.chunk, paired=True),
+                        Op("W", op.mb, op.chunk, paired=True)]
+            else:
+                new.append(op)
+        out.append(new)
+    return out
+
+
 @functools.lru_cache(maxsize=64)
-def plan(schedule: str, p: int, m: int, v: int = 1, forward_only: bool = False):
-    """The program every rank walks for one iteration (cached; unit-cost placement)."""
+def plan(schedule: str, p: int, m: int, v: int = 1, forward_only: bool = False,
+         overlap: bool = False, delay: bool = False):
+    """The program every rank walks for one iteration (cached; unit-cost placement).
+    ``overlap`` (``--overlap-moe-expert-parallel-comm``): the schedule's F&B-paired
+    variant (1F1B: combined 1F1B; DualPipeV pairs anyway); ``delay``
+    (``--delay-wgrad-compute``): paired backwards split into B + W (``delay_wgrad``)."""
     spec = get_schedule(schedule)
-    if spec.program is not None:
-        return spec.program(p, m, v, forward_only)
-    return build_program(spec.orders(p, m, v, forward_only), p, v, vshape=spec.vshape)
+    if overlap and spec.combined is not None:
+        program = pairs_adjacent(build_program(
+            [spec.combined(p, m, r, forward_only) for r in range(p)], p, v))
+        check_fifo(program, p)
+        simulate(program)          # raises DeadlockError if some batch never completes
+    elif spec.program is not None:
+        program = spec.program(p, m, v, forward_only)
+    else:
+        program = build_program(spec.orders(p, m, v, forward_only), p, v, vshape=spec.vshape)
+    return delay_wgrad(program) if overlap and delay else program
 
 
 def bubble(schedule: str, p: int, m: int, v: int = 1, costs: Costs = UNIT_COSTS,
@@ -669,6 +749,11 @@ class Schedule:
     # the executor posts each batch's messages and waits only where one is read (so an F&B
     # pair's second op receives while the first computes); ``simulate`` stays blocking
     async_p2p: bool = False
+    # (p, m, rank, forward_only) -> the rank's order with steady-state F&B pairs, what
+    # --overlap-moe-expert-parallel-comm runs (combined 1F1B); None: the schedule's own
+    # program pairs them (DualPipeV) or it has no pairs (``pairs_f_and_b``)
+    combined: Optional[Callable] = None
+    pairs_f_and_b: bool = False   # the overlapped F&B execution has pairs to overlap
 
 
 def _orders_1f1b(p, m, v, forward_only):
@@ -729,7 +814,8 @@ SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
              virtual_stages=False, split_backward=False, orders=_orders_1f1b,
              bubble_time=lambda p, v, work, hop, fwd: (p - 1) * (work + hop),
              in_flight=lambda p, m, v, rank: float(min(p - rank, m)),
-             unpaired_forwards=_1f1b_unpaired),
+             unpaired_forwards=_1f1b_unpaired, combined=order_combined_1f1b,
+             pairs_f_and_b=True),
     Schedule("interleaved", "interleaved 1F1B over v model chunks per rank (VPP): bubble "
              "(p-1)/(v m)", virtual_stages=True, split_backward=False,
              orders=_orders_interleaved, program=interleaved_program,
@@ -747,7 +833,7 @@ SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
              bubble_time=_dualpipev_bubble,
              in_flight=_dualpipev_in_flight, unpaired_forwards=_dualpipev_unpaired,
              searched=False, searched_for_moe=True, chunks_per_rank=2, vshape=True,
-             min_micro_batches=lambda p: 2 * p, async_p2p=True),
+             min_micro_batches=lambda p: 2 * p, async_p2p=True, pairs_f_and_b=True),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 AUTO = "auto"     # --pipeline-schedule auto: interleaved with virtual stages, else 1F1B

@@ -2,6 +2,8 @@
 ``megalite.comm``, which counts them).
 
 * ``all_to_all``: uneven all-to-all; backward is the all-to-all with the splits swapped.
+  Both may overlap with the other half of an F&B pair (``comm/overlap.py``); a forward
+  recomputed during backward blocks.
 * ``gather_uneven`` / ``reduce_scatter_uneven``: all-gather and reduce-scatter of blocks of
   different lengths per rank (expert-TP: every peer received a different number of
   tokens), done as equal-size collectives over blocks padded to the longest; each is the
@@ -25,7 +27,10 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.splits = group, (output_splits, input_splits)
         ctx.where = captured_where()       # the flight recorder's site, for the backward's
         out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        return comm.all_to_all_single(out, x, group, output_splits, input_splits)
+        # a recomputed forward (inside a backward) never hands over: ``comm/overlap.py``
+        recompute = torch._C._current_graph_task_id() != -1
+        return comm.all_to_all_single(out, x, group, output_splits, input_splits,
+                                      overlap=not recompute)
 
     @staticmethod
     def backward(ctx, grad):
@@ -33,7 +38,7 @@ class _AllToAll(torch.autograd.Function):
         out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
         with restored_site(ctx.where):
             comm.all_to_all_single(out, grad.contiguous(), ctx.group, input_splits,
-                                   output_splits)
+                                   output_splits, overlap=True)
         return out, None, None, None
 
 

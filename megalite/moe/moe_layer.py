@@ -53,9 +53,12 @@ class MoELayer(nn.Module):
         probs, indices, keep = self.router(tokens, b)
         if self.probs_on_input:         # top-1: one pair per token (module docstring)
             tokens, probs = tokens * probs, torch.ones_like(probs)
+        # read before dispatching: an overlapped F&B pair's other half may recompute this
+        # layer (and set the router's stats) while the dispatch all-to-all is in flight
+        stats = self.router.last_stats
         out = self.token_dispatcher(tokens, probs, indices, keep, self.experts).view(s, b, h)
         if self.training and torch.is_grad_enabled() and is_collecting():
-            self._record(self.router.last_stats)
+            self._record(stats)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return out

@@ -33,6 +33,7 @@ from typing import List
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from megalite.comm import overlap
 from megalite.comm.flight_recorder import site
 from megalite.config import pipeline_schedules
 from megalite.config.pipeline_schedules import stage_index
@@ -46,6 +47,8 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, c
     """Gradient accumulation: forward and backward each micro-batch in turn.  ``events``,
     when a list, receives each F and BW with wall-clock times (the DP overlap timeline)."""
     (model,) = model_chunks
+    if cfg.parallel.overlap_moe_expert_parallel_comm and not forward_only and len(batches) > 1:
+        return _no_pipelining_paired(forward_step, batches, model, events)
     reports = []
     for i, batch in enumerate(batches):
         t0 = time.time()
@@ -64,17 +67,49 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, c
     return reports
 
 
+def _no_pipelining_paired(forward_step, batches, model, events):
+    """PP = 1 with ``--overlap-moe-expert-parallel-comm`` (Megatron's combined 1F1B without
+    pipelining): F0, then F(i) beside BW(i-1) as an overlapped pair (``comm/overlap.py``),
+    then the last BW -- one more micro-batch's activations held than plain accumulation."""
+    losses, reports, log = {}, [], []
+
+    def forward(i):
+        t0 = time.time()
+        site.step = op = pipeline_schedules.Op("F", i, paired=True)
+        output, loss_func = forward_step(batches[i], model)
+        losses[i], report = loss_func(output)
+        reports.append(report)
+        log.append((op, t0, time.time()))
+
+    def backward(i):
+        t0 = time.time()
+        site.step = op = pipeline_schedules.Op("BW", i, paired=True)
+        losses.pop(i).backward()
+        log.append((op, t0, time.time()))
+
+    forward(0)
+    for i in range(1, len(batches)):
+        overlap.run_pair(lambda i=i: forward(i), lambda i=i: backward(i - 1))
+    backward(len(batches) - 1)
+    site.step = None
+    if events is not None:
+        events += log
+    return reports
+
+
 class PipelineExecutor:
     """Runs one rank's program; keeps stored activations, messages and a wall-clock log."""
 
     def __init__(self, forward_step, batches, model_chunks, state, cfg, forward_only: bool,
                  split_backward: bool = False, vshape: bool = False,
-                 async_p2p: bool = False):
+                 async_p2p: bool = False, overlap: bool = False):
         self.forward_step, self.batches, self.chunks = forward_step, batches, model_chunks
         self.state, self.forward_only = state, forward_only
         self.split_backward = split_backward and not forward_only
         self.p, self.v, self.rank = state.pp.size, len(model_chunks), state.pp.rank
         self.vshape = vshape
+        # --overlap-moe-expert-parallel-comm: F&B pairs run as two cooperative halves
+        self.overlap, self.pair_switches = overlap and not forward_only, 0
         # asynchronous p2p: each message posted on its own at its batch, a receive waited
         # for only by the op that reads it, the sends at the next batch (they hold memory)
         self.async_p2p, self.arriving, self.sending = async_p2p, {}, []
@@ -104,14 +139,23 @@ class PipelineExecutor:
                 if op.kind in ("BW", "B", "W") and self.chunks[op.chunk] in fsdp:
                     last_grad_op[op.chunk] = i
         reduce_after = {i: c for c, i in last_grad_op.items()}
-        for i, op in enumerate(program):
-            t0 = self._now()
-            site.step = op                 # the flight recorder's call site
-            getattr(self, "_" + op.kind)(op)
-            if i in reduce_after:
-                fsdp_sync.reduce_gradients(self.chunks[reduce_after[i]])
-            self.events.append((op, t0, self._now()))
+        i = 0
+        while i < len(program):
+            halves = self._pair_at(program, i) if self.overlap else None
+            if halves is None:
+                op, t0 = program[i], self._now()
+                site.step = op                 # the flight recorder's call site
+                getattr(self, "_" + op.kind)(op)
+                self.events.append((op, t0, self._now()))
+                done = [i]
+            else:
+                self._run_pair(*halves)
+                done = list(range(i, i + len(halves[0]) + len(halves[1])))
+            for j in done:
+                if j in reduce_after:
+                    fsdp_sync.reduce_gradients(self.chunks[reduce_after[j]])
             self.max_in_flight = max(self.max_in_flight, len(self.stash) + len(self.pending_w))
+            i = done[-1] + 1
         site.step = None
         self._finish_sends()
         if self.forward_only:
@@ -120,6 +164,37 @@ class PipelineExecutor:
         if self.stash or self.pending_w or self.to_send or self.received or self.arriving:
             raise RuntimeError("pipeline program ended with work left over")
         return self
+
+    # -- overlapped F&B pairs (comm/overlap.py) ---------------------------------------------
+    @staticmethod
+    def _pair_at(program, i):
+        """([F], [B or BW, W?]) when ``program[i]`` opens an F&B pair, else None."""
+        op = program[i]
+        if not (op.paired and op.kind == "F" and i + 1 < len(program)):
+            return None
+        b = program[i + 1]
+        if not (b.paired and b.kind in ("B", "BW")):
+            return None
+        back = [b]
+        w = program[i + 2] if i + 2 < len(program) else None
+        if w is not None and w.paired and w.kind == "W" and (w.mb, w.chunk) == (b.mb, b.chunk):
+            back.append(w)
+        return [op], back
+
+    def _run_pair(self, forward_ops, backward_ops):
+        """The two halves side by side: each half's MoE all-to-alls are issued async and the
+        other half computes meanwhile.  Each op is logged with its own start and end (the
+        two halves' intervals overlap)."""
+        def half(ops):
+            def run():
+                for op in ops:
+                    t0 = self._now()
+                    site.step = op
+                    getattr(self, "_" + op.kind)(op)
+                    self.events.append((op, t0, self._now()))
+            return run
+        record = overlap.run_pair(half(forward_ops), half(backward_ops))
+        self.pair_switches += record.switches
 
     def _is_last(self, op) -> bool:
         return stage_index(self.rank, op.chunk, self.p, self.vshape) == self.p * self.v - 1
@@ -235,18 +310,27 @@ def pipeline_schedule_name(cfg, state) -> str:
 
 
 def run_schedule(schedule: str, forward_step, batches, model_chunks, state, cfg,
-                 forward_only: bool = False, async_p2p=None) -> PipelineExecutor:
+                 forward_only: bool = False, async_p2p=None,
+                 overlap=None) -> PipelineExecutor:
     """Walk this rank's program of ``schedule``; returns the executor (reports, events,
-    peak in-flight micro-batches, p2p wait) -- tests and benchmarks read it.
-    ``async_p2p``: None = what the schedule's entry says."""
+    peak in-flight micro-batches, p2p wait, pair switches) -- tests and benchmarks read it.
+    ``async_p2p``: None = what the schedule's entry says (always on when overlapping);
+    ``overlap``: None = ``--overlap-moe-expert-parallel-comm`` (with
+    ``--delay-wgrad-compute`` splitting the paired backwards)."""
     if len(model_chunks) != max(state.vpp_size, 1):
         raise ValueError(f"{len(model_chunks)} model chunks for VPP={state.vpp_size}")
+    par = cfg.parallel
+    if overlap is None:
+        overlap = bool(par.overlap_moe_expert_parallel_comm)
+    delay = overlap and bool(par.delay_wgrad_compute)
     program = pipeline_schedules.plan(schedule, state.pp.size, len(batches), len(model_chunks),
-                             forward_only)[state.pp.rank]
+                                      forward_only, overlap, delay)[state.pp.rank]
     spec = pipeline_schedules.get_schedule(schedule)
+    if async_p2p is None:
+        async_p2p = spec.async_p2p or overlap
     ex = PipelineExecutor(forward_step, batches, model_chunks, state, cfg, forward_only,
-                          split_backward=spec.split_backward, vshape=spec.vshape,
-                          async_p2p=spec.async_p2p if async_p2p is None else async_p2p)
+                          split_backward=spec.split_backward or delay, vshape=spec.vshape,
+                          async_p2p=async_p2p, overlap=overlap)
     return ex.run(program)
 
 

@@ -18,11 +18,21 @@ name the family did not declare is an error: the loop reduces a fixed list of na
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import List, Sequence, Tuple
 
 import torch
 
-_COLLECTORS: List["ExtraLosses"] = []
+class _Collectors(threading.local):
+    """Per thread: the two halves of an overlapped F&B pair (``comm/overlap.py``) run on
+    two threads, and the backward half's recomputation must not see the forward half's
+    collection."""
+
+    def __init__(self):
+        self.stack: List["ExtraLosses"] = []
+
+
+_LOCAL = _Collectors()
 
 
 class _AttachTerms(torch.autograd.Function):
@@ -76,22 +86,22 @@ class ExtraLosses:
 @contextlib.contextmanager
 def collect_extra_losses(names: Sequence[str]):
     collector = ExtraLosses(names)
-    _COLLECTORS.append(collector)
+    _LOCAL.stack.append(collector)
     try:
         yield collector
     finally:
-        _COLLECTORS.remove(collector)
+        _LOCAL.stack.remove(collector)
 
 
 def is_collecting() -> bool:
     """True inside a forward step's collection (not in recomputation or plain inference):
     where per-step statistics such as MoE token counts should be recorded, once."""
-    return bool(_COLLECTORS)
+    return bool(_LOCAL.stack)
 
 
 def add_extra_loss(name: str, value: torch.Tensor, weight: float = 1.0) -> None:
     """Register a scalar loss term from inside a model's forward (see module docstring).
     It is logged as ``value``; the objective gets ``weight * value`` (MTP logs its cross
     entropy and trains on a scaled share of it)."""
-    if _COLLECTORS:
-        _COLLECTORS[-1].add(name, value, weight)
+    if _LOCAL.stack:
+        _LOCAL.stack[-1].add(name, value, weight)

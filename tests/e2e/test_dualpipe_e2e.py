@@ -1,5 +1,7 @@
 """``pretrain_gpt.py --pipeline-schedule dualpipev`` as a user runs it: torchrun, 2 CPU
-processes, PP 2.  One launch checks the training losses and grad norms and the evaluation
+processes, PP 2, with the overlapped F&B flags (``--overlap-moe-expert-parallel-comm
+--delay-wgrad-compute``: the pairs run as two cooperative halves, the paired backwards split
+into B + W).  One launch checks the training losses and grad norms and the evaluation
 loss (the forward-only program) against a single-process run of the same flags, the
 metrics writer sitting on pp rank 0 (where the V ends, tied embeddings: one matrix there)
 and the pipeline timeline trace;
@@ -18,6 +20,7 @@ FLAGS = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4
          "--eval-iters", "1", "--log-interval", "1", "--hidden-dropout", "0",
          "--attention-dropout", "0", "--device", "cpu"]
 DUALPIPEV = ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "dualpipev"]
+OVERLAP = ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
 
 
 def _run(cmd, ok=True):
@@ -40,7 +43,8 @@ def test_pretrain_gpt_dualpipev_matches_one_process(tmp_path):
     one, two, trace = tmp_path / "one.jsonl", tmp_path / "two.jsonl", tmp_path / "trace.json"
     _run([PY, "pretrain_gpt.py", *FLAGS, "--metrics-file", str(one)])
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = _run([*torchrun, "pretrain_gpt.py", *FLAGS, *DUALPIPEV, "--metrics-file", str(two),
+    out = _run([*torchrun, "pretrain_gpt.py", *FLAGS, *DUALPIPEV, *OVERLAP,
+                "--metrics-file", str(two),
                 "--pipeline-timeline", str(trace)]).stdout
     assert "iteration        2/       2" in out
     (ref, ref_valid), (got, got_valid) = _rows(one), _rows(two)

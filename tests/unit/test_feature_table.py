@@ -197,6 +197,27 @@ RULE_CASES = {
         [[{"model": dict(_TE)}], ["--attn-logit-softcapping", "30"]]),
     "cp-p2p refuses --attn-logit-softcapping": (
         [["--cp", "2", "--attn-logit-softcapping", "30"]], [["--cp", "2"]]),
+    # the overlapped F&B execution
+    "--overlap-moe-expert-parallel-comm needs F&B pairs": (
+        [["--overlap-moe-expert-parallel-comm"],
+         ["--pp", "2", "--pipeline-schedule", "zero-bubble",
+          "--overlap-moe-expert-parallel-comm"]],
+        [["--pp", "2", "--overlap-moe-expert-parallel-comm"],
+         _DV + ["--overlap-moe-expert-parallel-comm"],
+         ["--ep", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm"]]),
+    "--overlap-moe-expert-parallel-comm without PP excludes --use-torch-fsdp2": (
+        [["--ep", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm",
+          "--use-torch-fsdp2"]],
+        [["--pp", "2", "--overlap-moe-expert-parallel-comm", "--use-torch-fsdp2"]]),
+    "--delay-wgrad-compute excludes a recomputed MoE layer": (
+        [["--pp", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm",
+          "--delay-wgrad-compute", "--recompute-granularity", "full",
+          "--recompute-method", "uniform", "--recompute-num-layers", "1"]],
+        [["--pp", "2", "--num-experts", "4", "--overlap-moe-expert-parallel-comm",
+          "--delay-wgrad-compute"]]),
+    "--delay-wgrad-compute needs --overlap-moe-expert-parallel-comm": (
+        [["--pp", "2", "--delay-wgrad-compute"]],
+        [["--pp", "2", "--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]]),
     # the flags declared beside their fields to need another (requires=)
     "--use-rope-scaling needs --position-embedding-type rope": (
         [["--use-rope-scaling", "--position-embedding-type", "learned_absolute"]],
