@@ -218,8 +218,10 @@ def recompute_working_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     if L.recompute != "full" or not sum(kinds):
         return 0
-    return max(layer_activation_bytes(m, L, moe, seq, opts, "none")
-               for n, moe in zip(kinds, (False, True)) if n)
+    return max([layer_activation_bytes(m, L, moe, seq, opts, "none")
+                for n, moe in zip(kinds, (False, True)) if n] +
+               [layer_activation_bytes(m, L, moe, seq, opts, "none", linear=True)
+                for moe in lac.linear_layer_counts(m, L, pp_rank)])    # DeltaNet layers
 
 
 def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,

@@ -49,15 +49,21 @@ def test_mixer_bytes_are_what_the_chunked_rule_saves(dtype, seq):
 
 
 def test_recurrent_state_is_heads_dk_dv_and_the_conv_tail():
+    from megalite.transformer.gated_delta_net import CHUNK_SIZE
+
+    assert lac.CHUNK == CHUNK_SIZE          # the planner imports no torch: its own copy
     m = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=100, **GDN)
     assert lac.recurrent_state_bytes(m, 2) == 4 * 2 * (4 * 16 * 8 + 3 * (2 * 2 * 16 + 4 * 8))
     assert lac.recurrent_state_bytes(m, 2, tp=2) == lac.recurrent_state_bytes(m, 2) // 2
 
 
-def test_hybrid_step_peak_matches_the_tensor_meter(tmp_path):
+@pytest.mark.parametrize("recompute", [[], ["--recompute-granularity", "full",
+                                             "--recompute-method", "uniform"]])
+def test_hybrid_step_peak_matches_the_tensor_meter(tmp_path, recompute):
     """One DeltaNet layer and one attention layer at sequence 128: the DeltaNet mixer is
     most of the activations (counting it as attention predicts 35% less: measured /
-    predicted 1.5), so a wrong count misses the 10% band."""
+    predicted 1.5), so a wrong count misses the 10% band.  With full recomputation the
+    peak is the re-made DeltaNet layer's (memory.recompute_working_bytes)."""
     cfg = parse_args(["--world-size", "1", "--num-layers", "2", "--hidden-size", "32",
                       "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "64",
                       "--experimental-attention-variant", "gated_delta_net",
@@ -68,7 +74,7 @@ def test_hybrid_step_peak_matches_the_tensor_meter(tmp_path):
                       "--mock-data", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0",
                       "--global-batch-size", "2", "--micro-batch-size", "2",
                       "--hidden-dropout", "0", "--attention-dropout", "0", "--no-progress-bar",
-                      "--metrics-file", str(tmp_path / "m.jsonl")])
+                      "--metrics-file", str(tmp_path / "m.jsonl"), *recompute])
     trainer = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
     trainer.memory_reporter.start()
     trainer.setup()
