@@ -2,9 +2,10 @@
 
 Why a file of its own: a hybrid model (``--experimental-attention-variant gated_delta_net``)
 runs a DeltaNet token mixer instead of attention in the layers ``--linear-attention-freq``
-marks, and memory.py's per-kind formulas count attention there.  The call sites add, for
-each such layer of a stage, ``delta_layer_bytes`` (DeltaNet's mixer minus attention's);
-FLOPs and parameters live in flops.py / model_spec.py (``gated_delta_net_*``).
+marks, and memory.py's per-kind formulas count attention there.  memory.py's
+``layer_activation_bytes(..., linear=True)`` puts ``gated_delta_net_mixer_bytes`` in
+attention's place, and ``activation_bytes`` adds the difference for each such layer of a
+stage (``linear_layer_counts``).  Parameters live in model_spec.py (``gated_delta_net_*``).
 
 What megalite's chunked delta rule (transformer/delta_rule.py) keeps for backward, per
 micro-batch on one rank, measured buffer by buffer with ``activation_memory.measure_saved``
