@@ -6,7 +6,7 @@ walk is the whole token mixer) trains ``--iters`` steps on ``--seq``-token seque
 on gloo, at CP=1 and at each ``--cp``; per layout it prints the step time and its ratio to
 CP=1, the delta rule's time per step (forward, per rank), the bytes each rank sent over the
 CP group per step (states + convolution tails, forward and backward) against the count
-the walk predicts, and the first loss (equal to CP=1's).  The walk is serial (rank r waits
+the walk predicts and the planner's (``planner.comm_model``), and the first loss (equal to CP=1's).  The walk is serial (rank r waits
 for r - 1; context_parallel/delta_state.py): the delta rule takes as long at CP N as at
 CP 1 while the projections, the convolution and the MLPs split N ways.
 
@@ -54,7 +54,11 @@ def measure(argv, iters: int) -> dict:
     losses += [trainer.train_step(it)["lm_loss"] for _ in range(iters)]
     seconds = (time.perf_counter() - t0) / iters
     sent = comm.counter.get("cp", "send")["bytes"] / iters
-    return dict(losses=losses, seconds=seconds, recurrence=spent[0] / iters, sent=sent)
+    from megalite.planner.comm_model import predict_comm_volume
+
+    planner = predict_comm_volume(cfg, torch_dist.get_rank() if world > 1 else 0)
+    return dict(losses=losses, seconds=seconds, recurrence=spent[0] / iters, sent=sent,
+                planner=planner.get("cp/send", {}).get("bytes", 0))
 
 
 def run(world: int, argv, iters: int) -> list:
@@ -110,17 +114,18 @@ def main(argv=None):
           f"{args.key_heads}/{args.value_heads} q-k/v heads of {args.head_dim}, seq {args.seq}, "
           f"fp32 on gloo ({args.iters} steps after one warm-up)")
     print(f"{'layout':8s} {'step s':>8s} {'vs CP1':>7s} {'rule fwd':>8s} {'vs CP1':>7s} "
-          f"{'sent/rank MiB':>14s} {'predicted':>10s} {'loss':>10s}")
+          f"{'sent/rank MiB':>14s} {'predicted':>10s} {'planner':>8s} {'loss':>10s}")
     print(f"{'cp1':8s} {one['seconds']:8.3f} {1.0:7.2f} {one['recurrence']:8.3f} {1.0:7.2f} "
-          f"{0.0:14.3f} {0.0:10.3f} {one['losses'][0]:10.6f}")
+          f"{0.0:14.3f} {0.0:10.3f} {0.0:8.3f} {one['losses'][0]:10.6f}")
     for cp in (int(c) for c in args.cp.split(",")):
         rows = run(cp, model + ["--context-parallel-size", str(cp)], args.iters)
         step = max(r["seconds"] for r in rows)
         rule = max(r["recurrence"] for r in rows)
         sent = max(r["sent"] for r in rows) / 2 ** 20
         pred = max(predicted_bytes(args, cp, r) for r in range(cp)) / 2 ** 20
+        planner = max(r["planner"] for r in rows) / 2 ** 20    # planner/comm_model.py
         print(f"{'cp' + str(cp):8s} {step:8.3f} {step / one['seconds']:7.2f} {rule:8.3f} "
-              f"{rule / one['recurrence']:7.2f} {sent:14.3f} {pred:10.3f} "
+              f"{rule / one['recurrence']:7.2f} {sent:14.3f} {pred:10.3f} {planner:8.3f} "
               f"{rows[-1]['losses'][0]:10.6f}")
 
 

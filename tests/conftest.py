@@ -99,6 +99,8 @@ LONG_TESTS = (
     # tests/distributed/test_hf_families_dist.py, and the packed batch in
     # tests/unit/test_gated_delta_net.py)
     "tests/distributed/test_gated_delta_net_cp_dist.py",
+    # (its planner CP-bytes check: the default run holds the planner's CP bytes at CP2 in
+    # tests/distributed/test_hf_families_dist.py's Qwen3-Next test)
     # two more cases of the hook's matrix (the default run keeps the distributed optimizer's
     # all-gather at TP2 x DP2, the case that was misattributed, and the FSDP2 refusal)
     "tests/e2e/test_hang_matrix_e2e.py::test_the_cause_is_named_at_run_time_and_before_launch"

@@ -37,12 +37,21 @@ def train_steps(trainer: Trainer, n: int, save_every=None, after_save=None) -> l
 def train_cases(run, cases: dict, iters: int) -> dict:
     """Each case ``name: (world, argv)`` trained ``iters`` steps on this rank (argv after
     ``run``): its losses, grad norms and whether this rank writes (equivalence tests compare
-    a layout's writer with the one-process case)."""
+    a layout's writer with the one-process case) and the CP group's sent bytes per step,
+    measured (``comm.counter``) and as the planner counts them for this rank."""
+    from megalite import comm
+    from megalite.planner.comm_model import predict_comm_volume
+
     out = {}
     for name, (world, argv) in cases.items():
         trainer = build_cpu_trainer([*run, *argv], world)
         it = trainer.data_iterator(trainer.train_ds, 0)
+        comm.counter.reset()
         rows = [trainer.train_step(it) for _ in range(iters)]
+        rank = torch_dist.get_rank() if world > 1 else 0
         out[name] = dict(writer=trainer.is_writer or world == 1,
-                         loss=[r["lm_loss"] for r in rows], norm=[r["grad_norm"] for r in rows])
+                         loss=[r["lm_loss"] for r in rows], norm=[r["grad_norm"] for r in rows],
+                         cp_sent=comm.counter.get("cp", "send")["bytes"] / iters,
+                         cp_planned=predict_comm_volume(trainer.cfg, rank).get(
+                             "cp/send", {}).get("bytes", 0))
     return out

@@ -24,6 +24,7 @@ from typing import Dict, List
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.moe.loss_names import extra_loss_names
 from megalite.parallel_state import shard_group_names
+from megalite.planner import linear_attention_cost as lac
 from megalite.planner import model_spec as ms
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout, layout_from_config
@@ -202,6 +203,10 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
     # to the last tensor backward needs (non-reentrant checkpointing stops there).
     if L.cp > 1:
         fwd = 2 if L.recompute in ("full", "selective") else 1
+        state, sends = lac.cp_state_sends(m, L, pp_rank)  # Gated DeltaNet: the state walk
+        if sends:
+            out += [Event("cp", op, state, sends, 4, kind="cp") for op in ("send", "recv")]
+        n_attn = n_layers - sum(lac.linear_layer_counts(m, L, pp_rank).values())
         a_q, g, d, dv = ms.attention_head_dims(m)     # MLA: expanded heads, v narrower
         if L.cp_comm == "a2a":
             # q|k|v in and the output back, forward; the same two on the gradients backward.
@@ -209,20 +214,20 @@ def events(m: ModelConfig, L: Layout, seq: int, pp_rank: int, grad_bytes: int = 
             # all-to-all (which saves nothing); a full-layer recompute runs it too.
             qkv = T * (a_q * d + g * (d + dv)) // t
             ctx = T * a_q * dv // t
-            out += [Event("cp", "all_to_all", qkv, n_layers * mbs * (fwd + 1), a, kind="cp"),
-                    Event("cp", "all_to_all", ctx, n_layers * mbs * (3 if full else 2), a,
+            out += [Event("cp", "all_to_all", qkv, n_attn * mbs * (fwd + 1), a, kind="cp"),
+                    Event("cp", "all_to_all", ctx, n_attn * mbs * (3 if full else 2), a,
                           kind="cp")]
         elif L.cp_comm == "allgather":
             # Llama 3's CP (and Megatron's --cp-comm-type allgather): all-gather K/V before
             # attention (again when recomputing), reduce-scatter dK/dV after its backward.
             # Planner-only: megalite runs p2p and a2a.
             kv = 2 * T * g * d // t * L.cp                 # the gathered K and V
-            out += [Event("cp", "all_gather", kv, n_layers * mbs * (fwd + 1), a, kind="cp"),
-                    Event("cp", "reduce_scatter", kv, n_layers * mbs, a, kind="cp")]
+            out += [Event("cp", "all_gather", kv, n_attn * mbs * (fwd + 1), a, kind="cp"),
+                    Event("cp", "reduce_scatter", kv, n_attn * mbs, a, kind="cp")]
         else:
             # ring: CP-1 K/V transfers forward; backward CP-1 K/V and CP dK/dV transfers
             kv = T * g * (d + dv) // t
-            steps = n_layers * mbs * ((L.cp - 1) * (fwd + 1) + L.cp)
+            steps = n_attn * mbs * ((L.cp - 1) * (fwd + 1) + L.cp)
             out += [Event("cp", "send", kv, steps, a, kind="cp"),
                     Event("cp", "recv", kv, steps, a, kind="cp")]
     # Expert parallel: dispatch + combine forward, the same backward.

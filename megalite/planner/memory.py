@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.config.pipeline_schedules import get_schedule
 from megalite.planner import model_spec as ms
+from megalite.planner import linear_attention_cost as lac
 from megalite.planner import muon_cost
 from megalite.planner.layout import Layout, layout_from_config
 from megalite.config.activations import activation_of
@@ -99,16 +100,17 @@ class ActivationOptions:
 
 def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
                            opts: ActivationOptions = ActivationOptions(),
-                           recompute: Optional[str] = None) -> int:
+                           recompute: Optional[str] = None, linear: bool = False) -> int:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one rank.
 
     Without parallelism, GPT (a = heads, dropout on, no flash) this is
     s*b*h*(34 + 5*a*s/h), the paper's per-layer total.  With TP t and SP every term is /t;
     TP without SP leaves the 10*s*b*h of norms, their outputs and dropout masks replicated.
+    ``linear``: a Gated DeltaNet layer (its mixer: linear_attention_cost.py).
     """
     recompute = L.recompute if recompute is None else recompute
     if opts.local_layers:
-        return local_layer_bytes(m, L, seq, opts, recompute, moe)
+        return local_layer_bytes(m, L, seq, opts, recompute, moe, linear)
     t, T = L.tp, (seq // L.cp) * L.micro_batch      # tokens on this rank
     h, a, g, d = m.hidden_size, m.num_attention_heads, m.resolved_query_groups(), \
         m.resolved_kv_channels()
@@ -129,7 +131,10 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
             m, T, t, 2, up_recomputed="mla_up_proj" in modules)
     else:
         attn = 2 * T * (a * d + 2 * g * d) // t + 2 * T * a * d // t
-    if "core_attn" not in modules:
+    if linear:                                     # megalite's chunked rule's buffers
+        attn = lac.gated_delta_net_mixer_bytes(m, seq // L.cp, L.micro_batch, t, L.sp,
+                                               2 * opts.element_scale) // opts.element_scale
+    elif "core_attn" not in modules:
         kv_len = seq                               # each query sees the whole (ring) sequence
         if opts.flash_attention:
             attn += 4 * a * T // t                 # fp32 log-sum-exp per head and query
@@ -213,8 +218,10 @@ def recompute_working_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     if L.recompute != "full" or not sum(kinds):
         return 0
-    return max(layer_activation_bytes(m, L, moe, seq, opts, "none")
-               for n, moe in zip(kinds, (False, True)) if n)
+    return max([layer_activation_bytes(m, L, moe, seq, opts, "none")
+                for n, moe in zip(kinds, (False, True)) if n] +
+               [layer_activation_bytes(m, L, moe, seq, opts, "none", linear=True)
+                for moe in lac.linear_layer_counts(m, L, pp_rank)])    # DeltaNet layers
 
 
 def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
@@ -223,6 +230,9 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
     per_mb = sum(n * layer_activation_bytes(m, L, moe, seq, opts)
                  for n, moe in zip(kinds, (False, True)) if n)
+    for moe, n in lac.linear_layer_counts(m, L, pp_rank).items():   # DeltaNet's mixers
+        per_mb += n * (layer_activation_bytes(m, L, moe, seq, opts, linear=True)
+                       - layer_activation_bytes(m, L, moe, seq, opts))
     if pp_rank == L.output_rank:                    # the MTP modules (none: 0)
         per_mb += mtp_activation_bytes(m, L, seq, opts)
     total = per_mb * in_flight(L, pp_rank) + recompute_working_bytes(m, L, seq, pp_rank, opts)
@@ -266,7 +276,7 @@ def _qk_norm_bytes(m: ModelConfig, tokens: int, t: int, e: int) -> int:
 
 
 def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions,
-                      recompute: str, moe: bool = False) -> int:
+                      recompute: str, moe: bool = False, linear: bool = False) -> int:
     """One dense layer of megalite's local kernels per micro-batch (docs/planner.md, "Local
     layers"): they keep more than the fused kernels Korthikanti et al. count -- RoPE'd q
     and k are new buffers, the attention output is copied for the projection, SwiGLU keeps
@@ -276,11 +286,12 @@ def local_layer_bytes(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
     if recompute == "full":
         e, Tn = 2 * opts.element_scale, (seq // L.cp) * L.micro_batch // (L.tp if L.sp else 1)
         return e * Tn * m.hidden_size               # the checkpointed layer input
-    return sum(local_layer_parts(m, L, seq, opts, recompute, moe))
+    return sum(local_layer_parts(m, L, seq, opts, recompute, moe, linear))
 
 
 def local_layer_parts(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptions,
-                      recompute: str, moe: bool = False) -> Tuple[int, int]:
+                      recompute: str, moe: bool = False, linear: bool = False
+                      ) -> Tuple[int, int]:
     """``local_layer_bytes`` (without full recomputation) as (up to and with the core
     attention, after it): backward frees the second part before it reaches the core."""
     t, T = L.tp, (seq // L.cp) * L.micro_batch
@@ -326,6 +337,9 @@ def local_layer_parts(m: ModelConfig, L: Layout, seq: int, opts: ActivationOptio
         mlp = local_moe_bytes(m, L, Tn, e)
     else:                                          # fc1 input; fc1 output, (silu,) fc2 input
         mlp = e * Tn * h + activation_of(m).saved_elements * e * T * f // t
+    if linear:                                     # Gated DeltaNet's mixer instead
+        mixer = lac.gated_delta_net_mixer_bytes(m, seq // L.cp, L.micro_batch, t, L.sp, e)
+        return norm + drop + mixer, norm + drop + mlp
     return norm + drop + attn, proj + norm + drop + mlp
 
 

@@ -66,3 +66,16 @@ def test_context_parallel_gated_delta_net_gives_the_single_process_losses(result
     assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-5 * ref["loss"][0], (name, got, ref)
     for a, b in zip(got["loss"] + got["norm"], ref["loss"] + ref["norm"]):
         assert abs(a - b) <= 1e-4 * b, (name, got, ref)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if "cp" in n])
+def test_planner_counts_the_cp_bytes_of_the_state_walk(results, name):
+    """The planner's CP sends (planner/linear_attention_cost.py: the DeltaNet layers' state
+    and convolution tail per hop, forward, backward and a full recomputation's re-run; ring
+    attention's K/V for the attention layers) against the bytes comm.counter saw, on the
+    busiest rank (the planner counts a middle rank's two neighbours)."""
+    sent = max(r[name]["cp_sent"] for r in results)
+    planned = max(r[name]["cp_planned"] for r in results)
+    print(f"{name}: CP bytes sent per step {sent:.0f}, planner {planned:.0f}")
+    assert sent == planned, (name, [(r[name]["cp_sent"], r[name]["cp_planned"])
+                                    for r in results])

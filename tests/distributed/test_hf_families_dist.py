@@ -204,12 +204,21 @@ NEXT_TRAIN = [
 
 
 def _next_evals(ckpt, data):
+    from megalite import comm
+    from megalite.planner.comm_model import predict_comm_volume
+
     out = {}
     if torch_dist.get_rank() == 0:
         out["train", "ref"] = train_steps(build_cpu_trainer(NEXT_TRAIN, 1), STEPS)
     torch_dist.barrier()
     for name, flags in NEXT_TRAIN_LAYOUTS.items():
-        out["train", name] = train_steps(build_cpu_trainer(NEXT_TRAIN + flags, 2), STEPS)
+        trainer = build_cpu_trainer(NEXT_TRAIN + flags, 2)
+        comm.counter.reset()
+        out["train", name] = train_steps(trainer, STEPS)
+        # the CP group's bytes per step: measured, and as the planner counts them
+        out["cp bytes", name] = (comm.counter.get("cp", "send")["bytes"] / STEPS,
+                                 predict_comm_volume(trainer.cfg, torch_dist.get_rank())
+                                 .get("cp/send", {}).get("bytes", 0))
     for name, flags in NEXT_LAYOUTS.items():
         trainer = build_cpu_trainer(
             ["--load", ckpt, "--use-checkpoint-args", "--skip-train", "--data-path", data,
@@ -245,6 +254,11 @@ def test_qwen3_next_converts_both_ways_and_gives_transformers_loss_at_tp2_pp2_ep
         print(f"Qwen3-Next switches {name}: step 1 rel {step1:.1e}, {STEPS} steps max rel "
               f"{worst:.1e}")
         assert step1 <= 1e-5 and worst <= 1e-4, (name, losses["train", name], steps)
+    # the planner's CP sends at CP2 (linear_attention_cost.py: three DeltaNet layers' state
+    # walk, ring attention's K/V for the fourth) are the bytes the ranks sent
+    sent = [r["cp bytes", "cp2"] for r in results]
+    print(f"Qwen3-Next cp2: CP bytes sent per step and rank, measured / planner {sent}")
+    assert all(got == planned > 0 for got, planned in sent), sent
     expected = hf_loss(ref, windows)
     for name in NEXT_LAYOUTS:
         loss = losses["hf", name]
