@@ -314,7 +314,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     last = r == L.output_rank
     kinds = ms.with_mtp_layers(m, kinds, last)          # + the MTP layers on the last stage
     t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0,
-             launch_f=0.0, launch_b=0.0)
+             launch_f=0.0, launch_b=0.0, mlp_f=0.0, mlp_b=0.0, moe_f=0.0, moe_b=0.0)
     tokens = seq * L.micro_batch              # the micro-batch's tokens, all CP ranks together
     T = (seq // L.cp) * L.micro_batch         # ... on this rank's CP shard
     for n, moe in zip(kinds, (False, True)):
@@ -343,9 +343,10 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
                 scale if gm.tp_split else 1.0)
 
         fwd_pieces = L.tp if ov in ("all", "forward") else 1
-        gf = sum(secs(gm, gm.rows, gm.n, gm.k, fwd_pieces if gm.tp_split else 1) for gm in gs)
-        gb = sum(secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and gm.split == "row"
-                      else 1) + secs(gm, gm.k, gm.n, gm.rows) for gm in gs)
+        gfs = [secs(gm, gm.rows, gm.n, gm.k, fwd_pieces if gm.tp_split else 1) for gm in gs]
+        gbs = [secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and gm.split == "row"
+                    else 1) + secs(gm, gm.k, gm.n, gm.rows) for gm in gs]
+        gf, gb = sum(gfs), sum(gbs)
         core = lin["core"] * tokens / per_gpu * causal
         if kernel == "unfused":          # batched GEMMs per head: QK^T then P V (roofline)
             ab = _unfused_attention_gemms(m, L, seq)
@@ -372,6 +373,18 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
                                                     opts.cuda_graphs)
         if fp8:
             t["cast"] += n * fp8.cast_bytes * _quantized_elements(gs) / hbm
+        if moe:
+            # The MoE layers' passes and, within them, the MLP side (shared + routed
+            # experts' GEMMs and their casts): what EP A2A overlap pairs each all-to-all
+            # with (estimate.paired_ep_exposed).
+            mlp = gs[_attention_gemm_count(m):]
+            mcast = fp8.cast_bytes * _quantized_elements(mlp) / hbm if fp8 else 0.0
+            t["mlp_f"] += n * (sum(gfs[-len(mlp):]) + mcast / 2)
+            t["mlp_b"] += n * (sum(gbs[-len(mlp):]) + mcast / 2)
+            t["moe_f"] += n * (gf + af + layer_hbm / 3) + (
+                n * fp8.cast_bytes * _quantized_elements(gs) / hbm / 2 if fp8 else 0.0)
+            t["moe_b"] += n * (gb + ab_t + 2 * layer_hbm / 3) + (
+                n * fp8.cast_bytes * _quantized_elements(gs) / hbm / 2 if fp8 else 0.0)
     head = 0.0
     if last:                  # output layer; the MTP depths' eh_proj and output-layer passes
         mtp = fl.mtp_forward_flops(m, seq)
@@ -390,7 +403,13 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     return {"t_f": t_f, "t_b": t_b, "rec": t["rec"] + rec_hbm,
             "core": t["attn_f"] + t["attn_b"], "gemm": t["gemm_f"] + t["gemm_b"],
             "cast": t["cast"], "hbm": t["hbm"], "head": head,
-            "launch": t["launch_f"] + t["launch_b"]}
+            "launch": t["launch_f"] + t["launch_b"],
+            "mlp_f": t["mlp_f"], "mlp_b": t["mlp_b"], "moe_f": t["moe_f"], "moe_b": t["moe_b"]}
+
+
+def _attention_gemm_count(m: ModelConfig) -> int:
+    """How many of ``layer_gemms``' GEMMs belong to the attention block (the rest: MLP)."""
+    return len(ms.mla_projections(m)) if m.multi_latent_attention else 2
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:
