@@ -374,13 +374,16 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         if fp8:
             t["cast"] += n * fp8.cast_bytes * _quantized_elements(gs) / hbm
         if moe:
-            # The MoE layers' passes and, within them, the MLP side (shared + routed
-            # experts' GEMMs and their casts): what EP A2A overlap pairs each all-to-all
-            # with (estimate.paired_ep_exposed).
-            mlp = gs[_attention_gemm_count(m):]
+            # The MoE layers' passes and, within them, the routed experts' GEMMs and
+            # their casts: what EP A2A overlap pairs the dispatches with
+            # (estimate.paired_ep_exposed).  The shared experts run in the attention-side
+            # node (megatron/core/models/gpt/fine_grained_callables.py, pre_dispatch_
+            # computation: "attention -> pre-MLP layernorm -> router -> dispatch
+            # preprocess", shared_experts_compute inside it).
+            mlp = [gm for gm in gs if gm.expert]
             mcast = fp8.cast_bytes * _quantized_elements(mlp) / hbm if fp8 else 0.0
-            t["mlp_f"] += n * (sum(gfs[-len(mlp):]) + mcast / 2)
-            t["mlp_b"] += n * (sum(gbs[-len(mlp):]) + mcast / 2)
+            t["mlp_f"] += n * (sum(x for x, gm in zip(gfs, gs) if gm.expert) + mcast / 2)
+            t["mlp_b"] += n * (sum(x for x, gm in zip(gbs, gs) if gm.expert) + mcast / 2)
             t["moe_f"] += n * (gf + af + layer_hbm / 3) + (
                 n * fp8.cast_bytes * _quantized_elements(gs) / hbm / 2 if fp8 else 0.0)
             t["moe_b"] += n * (gb + ab_t + 2 * layer_hbm / 3) + (
@@ -406,10 +409,6 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             "launch": t["launch_f"] + t["launch_b"],
             "mlp_f": t["mlp_f"], "mlp_b": t["mlp_b"], "moe_f": t["moe_f"], "moe_b": t["moe_b"]}
 
-
-def _attention_gemm_count(m: ModelConfig) -> int:
-    """How many of ``layer_gemms``' GEMMs belong to the attention block (the rest: MLP)."""
-    return len(ms.mla_projections(m)) if m.multi_latent_attention else 2
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:

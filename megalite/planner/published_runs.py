@@ -143,7 +143,7 @@ RUNS = [
                  "routing; DeepEP dispatch, EP A2A "
                  "overlap, selective recompute of mla_up_proj + mlp, no grad-reduce overlap "
                  "(run_script.py); the all-to-all counted per token copy as NCCL sends it, "
-                 "not DeepEP's once-per-node (docs/planner.md: +25% with it, +36% before each "
+                 "not DeepEP's once-per-node (docs/planner.md: +23.5% with it, +35.6% before each "
                  "all-to-all hid only behind its paired block); "
                  "338 is per-tensor current scaling (330 blockwise); 1297 tokens/s/GPU"),
     # ---- Megatron-Core MoE, Mixtral 8x7B, BF16 -----------------------------------------
