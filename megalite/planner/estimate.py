@@ -302,7 +302,8 @@ def paired_ep_exposed(ep: float, c: dict) -> tuple:
     """(exposed, overlapped) seconds of one micro-batch's EP all-to-alls ``ep`` when
     Megatron's EP A2A overlap pairs its layers with another micro-batch's, and ``c`` holds
     the MoE layers' compute (kernels.stage_compute: ``moe_f`` / ``moe_b`` their passes,
-    ``mlp_f`` / ``mlp_b`` the MLP side of them).  The pairing is fixed per layer
+    ``mlp_f`` / ``mlp_b`` their routed experts; the rest, shared experts included, is the
+    attention side).  The pairing is fixed per layer
     (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan
     .run's docstring):
         comm stream:    combine_bwd      | dispatch_fwd -> dispatch_bwd     | combine_fwd

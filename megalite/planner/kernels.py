@@ -283,8 +283,10 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     """Seconds of one micro-batch on a rank of pipeline stage ``r``: ``t_f``, ``t_b``
     (recomputation included), ``rec`` (the recomputation alone), ``core`` (attention's
     share of t_f + t_b, what CP's ring hides behind), ``gemm`` (the dense GEMMs, what
-    TP's comm-GEMM overlap hides behind) and ``head`` (the output layer, forward and
-    backward: outside the layers, so outside the EP overlap)."""
+    TP's comm-GEMM overlap hides behind), ``head`` (the output layer, forward and
+    backward: outside the layers, so outside the EP overlap), ``moe_f`` / ``moe_b`` (the
+    MoE layers' forward / backward) and ``mlp_f`` / ``mlp_b`` (their routed experts: what
+    the EP overlap pairs the dispatches with, estimate.paired_ep_exposed)."""
     gpu, eff = cluster.gpu, cluster.eff
     sustain = eff.compute
     fp8 = FP8_RECIPES.get(opts.fp8) if opts.fp8 else None
@@ -408,7 +410,6 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             "cast": t["cast"], "hbm": t["hbm"], "head": head,
             "launch": t["launch_f"] + t["launch_b"],
             "mlp_f": t["mlp_f"], "mlp_b": t["mlp_b"], "moe_f": t["moe_f"], "moe_b": t["moe_b"]}
-
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:
