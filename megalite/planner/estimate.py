@@ -311,11 +311,18 @@ def paired_ep_exposed(ep: float, c: dict) -> tuple:
     so each all-to-all hides only behind its partner: a combine longer than the other
     micro-batch's attention block sticks out even where the step as a whole has compute
     to spare, and dense layers, the embedding and the output layer hide nothing.  The four
-    all-to-alls move the same bytes (dispatch = combine, forward = backward): a quarter each."""
+    all-to-alls move the same bytes (dispatch = combine, forward = backward): a quarter each.
+    In the middle block the data decide the order: the expert forward needs the dispatch
+    forward's tokens, the dispatch backward the experts' data gradients (``mlp_bd``; their
+    weight gradients are delayed behind it)."""
+    if ep <= 0:
+        return 0.0, 0.0
     q = ep / 4
     attn_f, attn_b = c["moe_f"] - c["mlp_f"], c["moe_b"] - c["mlp_b"]
-    pairs = ((q, attn_f), (2 * q, c["mlp_b"] + c["mlp_f"]), (q, attn_b))
-    return (sum(max(0.0, x - y) for x, y in pairs), sum(min(x, y) for x, y in pairs))
+    dgrad, wgrad, fwd = c["mlp_bd"], c["mlp_b"] - c["mlp_bd"], c["mlp_f"]
+    middle = max(max(q, dgrad) + q, max(dgrad + wgrad, q) + fwd) - (dgrad + wgrad + fwd)
+    exposed = max(0.0, q - attn_f) + middle + max(0.0, q - attn_b)
+    return exposed, ep - exposed
 
 
 def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,

@@ -286,7 +286,8 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     TP's comm-GEMM overlap hides behind), ``head`` (the output layer, forward and
     backward: outside the layers, so outside the EP overlap), ``moe_f`` / ``moe_b`` (the
     MoE layers' forward / backward) and ``mlp_f`` / ``mlp_b`` (their routed experts: what
-    the EP overlap pairs the dispatches with, estimate.paired_ep_exposed)."""
+    the EP overlap pairs the dispatches with, estimate.paired_ep_exposed; ``mlp_bd`` the
+    backward's data-gradient part)."""
     gpu, eff = cluster.gpu, cluster.eff
     sustain = eff.compute
     fp8 = FP8_RECIPES.get(opts.fp8) if opts.fp8 else None
@@ -316,7 +317,8 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     last = r == L.output_rank
     kinds = ms.with_mtp_layers(m, kinds, last)          # + the MTP layers on the last stage
     t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0,
-             launch_f=0.0, launch_b=0.0, mlp_f=0.0, mlp_b=0.0, moe_f=0.0, moe_b=0.0)
+             launch_f=0.0, launch_b=0.0, mlp_f=0.0, mlp_bd=0.0, mlp_bw=0.0, moe_f=0.0,
+             moe_b=0.0)
     tokens = seq * L.micro_batch              # the micro-batch's tokens, all CP ranks together
     T = (seq // L.cp) * L.micro_batch         # ... on this rank's CP shard
     for n, moe in zip(kinds, (False, True)):
@@ -346,9 +348,10 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
 
         fwd_pieces = L.tp if ov in ("all", "forward") else 1
         gfs = [secs(gm, gm.rows, gm.n, gm.k, fwd_pieces if gm.tp_split else 1) for gm in gs]
-        gbs = [secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and gm.split == "row"
-                    else 1) + secs(gm, gm.k, gm.n, gm.rows) for gm in gs]
-        gf, gb = sum(gfs), sum(gbs)
+        gbd = [secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and gm.split == "row"
+                    else 1) for gm in gs]                          # dgrad
+        gbw = [secs(gm, gm.k, gm.n, gm.rows) for gm in gs]           # wgrad
+        gf, gb = sum(gfs), sum(gbd) + sum(gbw)
         core = lin["core"] * tokens / per_gpu * causal
         if kernel == "unfused":          # batched GEMMs per head: QK^T then P V (roofline)
             ab = _unfused_attention_gemms(m, L, seq)
@@ -385,7 +388,12 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             mlp = [gm for gm in gs if gm.expert]
             mcast = fp8.cast_bytes * _quantized_elements(mlp) / hbm if fp8 else 0.0
             t["mlp_f"] += n * (sum(x for x, gm in zip(gfs, gs) if gm.expert) + mcast / 2)
-            t["mlp_b"] += n * (sum(x for x, gm in zip(gbs, gs) if gm.expert) + mcast / 2)
+            # backward: the data gradients (the output gradients' casts with them), then
+            # the weight gradients -- Bridge delays them with the overlap (delay_wgrad_
+            # compute, scripts/performance/utils/overrides.py), so the dispatch backward
+            # waits for the data gradients only
+            t["mlp_bd"] += n * (sum(x for x, gm in zip(gbd, gs) if gm.expert) + mcast / 2)
+            t["mlp_bw"] += n * sum(x for x, gm in zip(gbw, gs) if gm.expert)
             t["moe_f"] += n * (gf + af + layer_hbm / 3) + (
                 n * fp8.cast_bytes * _quantized_elements(gs) / hbm / 2 if fp8 else 0.0)
             t["moe_b"] += n * (gb + ab_t + 2 * layer_hbm / 3) + (
@@ -409,7 +417,8 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             "core": t["attn_f"] + t["attn_b"], "gemm": t["gemm_f"] + t["gemm_b"],
             "cast": t["cast"], "hbm": t["hbm"], "head": head,
             "launch": t["launch_f"] + t["launch_b"],
-            "mlp_f": t["mlp_f"], "mlp_b": t["mlp_b"], "moe_f": t["moe_f"], "moe_b": t["moe_b"]}
+            "mlp_f": t["mlp_f"], "mlp_b": t["mlp_bd"] + t["mlp_bw"], "mlp_bd": t["mlp_bd"],
+            "moe_f": t["moe_f"], "moe_b": t["moe_b"]}
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:

@@ -337,11 +337,16 @@ def test_each_ep_all_to_all_hides_only_behind_its_partner():
     attention backward.  Where the step has compute to spare but a combine outlasts its
     attention block, that excess is exposed; the flex dispatchers' SMs slow what runs
     beside them by their share (moe_dispatch_sms)."""
-    c = dict(moe_f=3.0, moe_b=6.0, mlp_f=2.0, mlp_b=4.0)       # attention: 1 fwd, 2 bwd
+    c = dict(moe_f=3.0, moe_b=6.0, mlp_f=2.0, mlp_b=4.0, mlp_bd=2.0)  # attention: 1, 2
     exposed, hidden = est_mod.paired_ep_exposed(8.0, c)         # 2 s per all-to-all
     assert 8.0 < c["moe_f"] + c["moe_b"]                        # the sum would hide it all
     assert exposed == pytest.approx(1.0) and hidden == pytest.approx(7.0)
     assert est_mod.paired_ep_exposed(0.0, c) == (0.0, 0.0)
+    # the expert forward waits for its tokens: a 3 s dispatch beside a 1 s expert
+    # backward starts the 5 s expert forward at 3 s -- 6 s of comm beside 6 s of compute
+    # in the middle block, and still 2 s exposed
+    late = dict(moe_f=8.0, moe_b=8.0, mlp_f=5.0, mlp_b=1.0, mlp_bd=0.5)
+    assert est_mod.paired_ep_exposed(12.0, late) == pytest.approx((2.0, 10.0))
     from megalite.planner.published import compare
     c = compare("bridge26-dsv3-gb200", with_search=False)     # HybridEP, EP A2A overlap
     m, L, rack = c.model, c.as_run.layout, c.cluster
