@@ -64,6 +64,9 @@ class ModelOptions:
     ep_overlap: bool = False               # EP all-to-all behind another micro-batch's compute
     moe_dispatcher: str = "alltoall"       # moe_cost.DISPATCHERS: NCCL, DeepEP, HybridEP
     moe_pad_to_capacity: bool = False      # --moe-pad-expert-input-to-capacity
+    # SMs a flex dispatcher's kernels hold (Megatron's moe_flex_dispatcher_num_sms, formerly
+    # moe_{deepep,hybridep}_num_sms); None: FLEX_DISPATCH_SMS, DeepEP's historical default
+    moe_dispatch_sms: Optional[int] = None
     # Megatron's --cpu-offloading --cpu-offloading-num-layers N: the activations of the
     # first N layers of each model chunk go to host memory in forward, back in backward
     cpu_offload_layers: int = 0
@@ -295,6 +298,33 @@ def ep_overlap_applies(L: Layout, opts: ModelOptions) -> bool:
     return opts.ep_overlap and (L.pp == 1 or L.vpp > 1)
 
 
+def paired_ep_exposed(ep: float, c: dict) -> tuple:
+    """(exposed, overlapped) seconds of one micro-batch's EP all-to-alls ``ep`` when
+    Megatron's EP A2A overlap pairs its layers with another micro-batch's, and ``c`` holds
+    the MoE layers' compute (kernels.stage_compute: ``moe_f`` / ``moe_b`` their passes,
+    ``mlp_f`` / ``mlp_b`` their routed experts; the rest, shared experts included, is the
+    attention side).  The pairing is fixed per layer
+    (megatron/core/models/common/model_chunk_schedule_plan.py, TransformerLayerSchedulePlan
+    .run's docstring):
+        comm stream:    combine_bwd      | dispatch_fwd -> dispatch_bwd     | combine_fwd
+        compute stream: pre_dispatch_fwd | mlp_bwd -> mlp_bwd_dw -> mlp_fwd | pre_dispatch_bwd
+    so each all-to-all hides only behind its partner: a combine longer than the other
+    micro-batch's attention block sticks out even where the step as a whole has compute
+    to spare, and dense layers, the embedding and the output layer hide nothing.  The four
+    all-to-alls move the same bytes (dispatch = combine, forward = backward): a quarter each.
+    In the middle block the data decide the order: the expert forward needs the dispatch
+    forward's tokens, the dispatch backward the experts' data gradients (``mlp_bd``; their
+    weight gradients are delayed behind it)."""
+    if ep <= 0:
+        return 0.0, 0.0
+    q = ep / 4
+    attn_f, attn_b = c["moe_f"] - c["mlp_f"], c["moe_b"] - c["mlp_b"]
+    dgrad, wgrad, fwd = c["mlp_bd"], c["mlp_b"] - c["mlp_bd"], c["mlp_f"]
+    middle = max(max(q, dgrad) + q, max(dgrad + wgrad, q) + fwd) - (dgrad + wgrad + fwd)
+    exposed = max(0.0, q - attn_f) + middle + max(0.0, q - attn_b)
+    return exposed, ep - exposed
+
+
 def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
                opts: ModelOptions, imbalance: float = 1.0) -> dict:
     """Per-micro-batch times of pipeline rank ``r``: compute (t_f, t_b) and exposed comm."""
@@ -334,7 +364,6 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         # (megatron/core/models/common/model_chunk_schedule_plan.py, the chunk schedule's
         # phases 0 and 6), so they hide no all-to-all.
         alone = _unpaired_share(L, r)
-        beside = t_f + t_b - c["head"]
         if interleaved_p2p and cm.leaves_node(L, cluster, "ep"):
             # Meanwhile the interleaved schedule's p2p (asynchronous, beside the paired
             # chunks: schedules.py, send_forward_recv_forward(overlap_p2p_comm=True)) goes
@@ -344,14 +373,16 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             # PXN sends what is bound for rail j through NIC j.  Where the all-to-all keeps
             # that NIC busy, the p2p's bytes add to its time.
             nic_shared = pp
+        exposed, hidden_behind = paired_ep_exposed(ep + nic_shared, c)
         stolen = 0.0
         if opts.moe_dispatcher != "alltoall":
             # DeepEP / HybridEP kernels move the tokens on SMs of their own (Megatron's
             # moe_flex_dispatcher_num_sms: "historical default 20", transformer_config.py),
             # so the compute beside them runs on the rest while they are in flight.
-            s = min(FLEX_DISPATCH_SMS, cluster.gpu.sms - 1) / cluster.gpu.sms
-            stolen = (1 - alone) * min(ep, beside) * s / (1 - s)
-        ep = alone * ep + (1 - alone) * max(0.0, ep + nic_shared - beside) + stolen
+            sms = opts.moe_dispatch_sms or FLEX_DISPATCH_SMS
+            s = min(sms, cluster.gpu.sms - 1) / cluster.gpu.sms
+            stolen = (1 - alone) * hidden_behind * s / (1 - s)
+        ep = alone * ep + (1 - alone) * exposed + stolen
     # p2p: 1F1B's sends block in the steady state; interleaving overlaps them with the
     # next chunk (Megatron's --overlap-p2p-communication, 2023; ``pp_overlap``), leaving
     # what a message takes beyond a chunk (nothing more when it shares the NIC above).

@@ -283,8 +283,11 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     """Seconds of one micro-batch on a rank of pipeline stage ``r``: ``t_f``, ``t_b``
     (recomputation included), ``rec`` (the recomputation alone), ``core`` (attention's
     share of t_f + t_b, what CP's ring hides behind), ``gemm`` (the dense GEMMs, what
-    TP's comm-GEMM overlap hides behind) and ``head`` (the output layer, forward and
-    backward: outside the layers, so outside the EP overlap)."""
+    TP's comm-GEMM overlap hides behind), ``head`` (the output layer, forward and
+    backward: outside the layers, so outside the EP overlap), ``moe_f`` / ``moe_b`` (the
+    MoE layers' forward / backward) and ``mlp_f`` / ``mlp_b`` (their routed experts: what
+    the EP overlap pairs the dispatches with, estimate.paired_ep_exposed; ``mlp_bd`` the
+    backward's data-gradient part)."""
     gpu, eff = cluster.gpu, cluster.eff
     sustain = eff.compute
     fp8 = FP8_RECIPES.get(opts.fp8) if opts.fp8 else None
@@ -314,7 +317,8 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     last = r == L.output_rank
     kinds = ms.with_mtp_layers(m, kinds, last)          # + the MTP layers on the last stage
     t = dict(gemm_f=0.0, gemm_b=0.0, attn_f=0.0, attn_b=0.0, rec=0.0, hbm=0.0, cast=0.0,
-             launch_f=0.0, launch_b=0.0)
+             launch_f=0.0, launch_b=0.0, mlp_f=0.0, mlp_bd=0.0, mlp_bw=0.0, moe_f=0.0,
+             moe_b=0.0)
     tokens = seq * L.micro_batch              # the micro-batch's tokens, all CP ranks together
     T = (seq // L.cp) * L.micro_batch         # ... on this rank's CP shard
     for n, moe in zip(kinds, (False, True)):
@@ -343,9 +347,11 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
                 scale if gm.tp_split else 1.0)
 
         fwd_pieces = L.tp if ov in ("all", "forward") else 1
-        gf = sum(secs(gm, gm.rows, gm.n, gm.k, fwd_pieces if gm.tp_split else 1) for gm in gs)
-        gb = sum(secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and gm.split == "row"
-                      else 1) + secs(gm, gm.k, gm.n, gm.rows) for gm in gs)
+        gfs = [secs(gm, gm.rows, gm.n, gm.k, fwd_pieces if gm.tp_split else 1) for gm in gs]
+        gbd = [secs(gm, gm.rows, gm.k, gm.n, L.tp if ov == "all" and gm.split == "row"
+                    else 1) for gm in gs]                          # dgrad
+        gbw = [secs(gm, gm.k, gm.n, gm.rows) for gm in gs]           # wgrad
+        gf, gb = sum(gfs), sum(gbd) + sum(gbw)
         core = lin["core"] * tokens / per_gpu * causal
         if kernel == "unfused":          # batched GEMMs per head: QK^T then P V (roofline)
             ab = _unfused_attention_gemms(m, L, seq)
@@ -372,6 +378,26 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
                                                     opts.cuda_graphs)
         if fp8:
             t["cast"] += n * fp8.cast_bytes * _quantized_elements(gs) / hbm
+        if moe:
+            # The MoE layers' passes and, within them, the routed experts' GEMMs and
+            # their casts: what EP A2A overlap pairs the dispatches with
+            # (estimate.paired_ep_exposed).  The shared experts run in the attention-side
+            # node (megatron/core/models/gpt/fine_grained_callables.py, pre_dispatch_
+            # computation: "attention -> pre-MLP layernorm -> router -> dispatch
+            # preprocess", shared_experts_compute inside it).
+            mlp = [gm for gm in gs if gm.expert]
+            mcast = fp8.cast_bytes * _quantized_elements(mlp) / hbm if fp8 else 0.0
+            t["mlp_f"] += n * (sum(x for x, gm in zip(gfs, gs) if gm.expert) + mcast / 2)
+            # backward: the data gradients (the output gradients' casts with them), then
+            # the weight gradients -- Bridge delays them with the overlap (delay_wgrad_
+            # compute, scripts/performance/utils/overrides.py), so the dispatch backward
+            # waits for the data gradients only
+            t["mlp_bd"] += n * (sum(x for x, gm in zip(gbd, gs) if gm.expert) + mcast / 2)
+            t["mlp_bw"] += n * sum(x for x, gm in zip(gbw, gs) if gm.expert)
+            t["moe_f"] += n * (gf + af + layer_hbm / 3) + (
+                n * fp8.cast_bytes * _quantized_elements(gs) / hbm / 2 if fp8 else 0.0)
+            t["moe_b"] += n * (gb + ab_t + 2 * layer_hbm / 3) + (
+                n * fp8.cast_bytes * _quantized_elements(gs) / hbm / 2 if fp8 else 0.0)
     head = 0.0
     if last:                  # output layer; the MTP depths' eh_proj and output-layer passes
         mtp = fl.mtp_forward_flops(m, seq)
@@ -390,7 +416,9 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     return {"t_f": t_f, "t_b": t_b, "rec": t["rec"] + rec_hbm,
             "core": t["attn_f"] + t["attn_b"], "gemm": t["gemm_f"] + t["gemm_b"],
             "cast": t["cast"], "hbm": t["hbm"], "head": head,
-            "launch": t["launch_f"] + t["launch_b"]}
+            "launch": t["launch_f"] + t["launch_b"],
+            "mlp_f": t["mlp_f"], "mlp_b": t["mlp_bd"] + t["mlp_bw"], "mlp_bd": t["mlp_bd"],
+            "moe_f": t["moe_f"], "moe_b": t["moe_b"]}
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:

@@ -143,7 +143,8 @@ RUNS = [
                  "routing; DeepEP dispatch, EP A2A "
                  "overlap, selective recompute of mla_up_proj + mlp, no grad-reduce overlap "
                  "(run_script.py); the all-to-all counted per token copy as NCCL sends it, "
-                 "not DeepEP's once-per-node (docs/planner.md: +54% with it); "
+                 "not DeepEP's once-per-node (docs/planner.md: +23.5% with it, +35.6% before each "
+                 "all-to-all hid only behind its paired block); "
                  "338 is per-tensor current scaling (330 blockwise); 1297 tokens/s/GPU"),
     # ---- Megatron-Core MoE, Mixtral 8x7B, BF16 -----------------------------------------
     PublishedRun("mcore-mixtral-8x7b", "mixtral-8x7b", MCORE_MOE, "h100-80gb", 64, 4096, 256,
@@ -217,7 +218,11 @@ BY_NAME = {r.name: r for r in RUNS}
 BRIDGE26 = "Megatron-Bridge docs/performance-summary.md (26.08), commit 067f987d"
 BRIDGE26_ARCHIVE = "Megatron-Bridge docs/performance-summary-archive.md, commit 067f987d"
 BF_DENSE = dict(attention_kernel="cudnn", grad_bytes=2)
-BF_MOE = dict(BF_DENSE, moe_routing="uniform", ep_overlap=True, moe_dispatcher="hybridep")
+# Every HybridEP run of these tables holds 32 SMs for its kernels: the benchmark scripts set
+# moe_hybridep_num_sms = 32 whenever the backend is hybridep (scripts/performance/utils/
+# overrides.py line 89 at commit 067f987d, line 75 at 8f341b04f, the 26.06 configs' commit).
+BF_MOE = dict(BF_DENSE, moe_routing="uniform", ep_overlap=True, moe_dispatcher="hybridep",
+              moe_dispatch_sms=32)
 # The embedding, the MTP depth and the loss each take a pipeline slot: 61 + 3 = 64 slots over
 # the stages, as --pipeline-model-parallel-layout strings (16 stages of 4; 8 stages of 8).
 DSV3_16 = dict(pipeline_layout="Ettt|(tttt|)*14,ttmL")
