@@ -28,6 +28,9 @@ Attention sinks (``--softmax-type``): the sink joins the merged log-sum-exp once
 last block (``transformer/attention_sinks.fold``); backward's block formulas then use that
 final LSE and output unchanged, and the sink's gradient comes from them alone.
 
+Score modifications (config/score_mods.py: Gemma 2's soft-cap) act on each block's scores
+(``block_attention``), forward and backward: they are elementwise, so blocks still merge.
+
 Backward sends K/V around the ring again (CP - 1 transfers), with a dK/dV accumulator that
 travels with them and is back at its owner after CP transfers.  Forward keeps only q, k, v,
 the output and the LSE (fp32 for 16-bit inputs).
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 
 from megalite import comm
+from megalite.config import score_mods
 from megalite.context_parallel.block_attention import (accum_dtype, block_backward,
                                                        block_flops, block_forward, merge)
 from megalite.context_parallel.load_balance import token_indices
@@ -133,7 +137,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale: float, causal: bool, docs=None, window=None,
-                sinks=None):
+                sinks=None, mods=()):
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -153,14 +157,14 @@ class RingAttentionFunction(torch.autograd.Function):
                 k_now, v_now = _split_kv(kv, dk)
                 qb, kb, vb = q[:, :, qs], k_now[:, :, ks], v_now[:, :, ks]
                 work.add(qb, kb, masked, mask)
-                blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked, mask)
+                blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked, mask, mods)
                 merge(out[:, :, qs], lse[:, :, qs], blk_out.to(acc), blk_lse)
             if pending is not None:
                 pending.wait()
                 kv = incoming
         out, lse = fold(out, lse, sinks)                             # the sinks, once
         out = out.to(q.dtype)
-        ctx.sinks = sinks
+        ctx.sinks, ctx.mods = sinks, mods
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.causal, ctx.docs, ctx.window = group, scale, causal, docs, \
             window
@@ -192,7 +196,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 k_now, v_now = _split_kv(kv, dk_dim)
                 dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_now[:, :, ks],
                                                   v_now[:, :, ks], lse[:, :, qs],
-                                                  delta[:, :, qs], scale, masked, mask)
+                                                  delta[:, :, qs], scale, masked, mask,
+                                                  ctx.mods)
                 dq[:, :, qs] += dq_b
                 grads.append((ks, dk_b, dv_b))
             # the dK/dV accumulator of the K/V held now arrives from the previous rank
@@ -214,7 +219,7 @@ class RingAttentionFunction(torch.autograd.Function):
         dk, dv = _split_kv(dkv_in, dk_dim)
         sinks = ctx.sinks
         d_sinks = sink_grad(sinks, lse, delta) if ctx.needs_input_grad[8] else None
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_sinks
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_sinks, None
 
 
 class RingAttention(nn.Module):
@@ -234,6 +239,7 @@ class RingAttention(nn.Module):
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
         build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
+        self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py, per block
         # --qk-clip: this step's largest logit per local head (context_parallel/max_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)
         self.max_logits: Optional[torch.Tensor] = None
@@ -246,10 +252,11 @@ class RingAttention(nn.Module):
         if self.group.size == 1:
             pos = torch.arange(q.shape[2], device=q.device)
             mask = keep(pos, pos, self.is_causal, document_ids, document_ids, self.window)
-            out, lse = block_forward(q, k, v, self.scale, self.is_causal, mask)
+            out, lse = block_forward(q, k, v, self.scale, self.is_causal, mask, self.score_mods)
             return fold(out, lse, self.softmax_offset)[0]
         return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal,
-                                           document_ids, self.window, self.softmax_offset)
+                                           document_ids, self.window, self.softmax_offset,
+                                           self.score_mods)
 
     def _record_max_logits(self, q, k) -> None:
         """This rank's queries against every key of the ring, on their true positions."""

@@ -195,8 +195,6 @@ RULE_CASES = {
     "te refuses --attn-logit-softcapping": (
         [[{"model": dict(_TE, attn_logit_softcapping=30.0)}]],
         [[{"model": dict(_TE)}], ["--attn-logit-softcapping", "30"]]),
-    "cp-p2p refuses --attn-logit-softcapping": (
-        [["--cp", "2", "--attn-logit-softcapping", "30"]], [["--cp", "2"]]),
     # the flags declared beside their fields to need another (requires=)
     "--use-rope-scaling needs --position-embedding-type rope": (
         [["--use-rope-scaling", "--position-embedding-type", "learned_absolute"]],
