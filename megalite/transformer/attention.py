@@ -39,7 +39,7 @@ from torch import nn
 from megalite.config import score_mods
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
-from megalite.transformer.attention_masks import chunk_documents, keep
+from megalite.transformer.attention_masks import LayerMask, chunk_documents
 from megalite.transformer.attention_sinks import build_softmax_offset
 from megalite.transformer.projection_norm import build_projection_qk_norms, norm_qkv_projection
 from megalite.transformer.rotary import apply_rotary
@@ -93,7 +93,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py
-        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        self.mask = LayerMask(model_cfg, layer_number)       # --window-size on this layer
         build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
         # --qk-clip: this step's largest logit per local head (transformer/qk_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)
@@ -102,15 +102,15 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``document_ids`` [b, s] (``--reset-attention-mask``): a query attends only to keys
-        of its own document; ``self.window``: only to the last w + 1 keys
-        (``attention_masks.keep``), as a boolean mask for SDPA and an additive one for the
-        unfused kernel."""
+        of its own document; ``self.mask``: the layer's own rule (a window: only the last
+        w + 1 keys; ``attention_masks.LayerMask``), as a boolean mask for SDPA and an
+        additive one for the unfused kernel."""
         p = self.dropout if self.training else 0.0
         mask = None
-        if document_ids is not None or self.window is not None:
+        if document_ids is not None or self.mask.masks_alone:
             pos = torch.arange(q.shape[2], device=q.device)
-            mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
-                        self.window)                                     # [b|1, s, s]
+            mask = self.mask.keep(pos, pos, self.is_causal, document_ids,
+                                  document_ids)                          # [b|1, s, s]
         causal = self.is_causal and mask is None
         if self.record_max_logits and self.training:
             self.max_logits = record_max(self.max_logits, max_logit_per_head(

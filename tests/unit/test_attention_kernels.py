@@ -250,8 +250,6 @@ def test_softcaps_reach_the_model_and_auto_runs_unfused(monkeypatch):
 @pytest.mark.parametrize("extra,words", [
     (["--attn-logit-softcapping", "50", "--attention-backend", "flash"],
      ["--attn-logit-softcapping", "--attention-backend flash", "unfused"]),
-    (["--attn-logit-softcapping", "50", "--context-parallel-size", "2", "--world-size", "2"],
-     ["--attn-logit-softcapping with ring attention (CP)"]),
     (["--attn-logit-softcapping", "0"], ["--attn-logit-softcapping must be"]),
 ])
 def test_softcap_refusals_are_one_line(extra, words):
