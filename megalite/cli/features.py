@@ -458,12 +458,10 @@ RULES: Tuple[Rule, ...] = (
         "layers (--experimental-attention-variant) have no MLA form and no attention logits "
         "to clip: drop one of them"),
     # Llama 4's attention (its chunk rules: config/attention_variants.py)
-    Relation("--attention-chunk-size and --qk-l2-norm exclude --multi-latent-attention",
-             lambda c: c.model.multi_latent_attention and (
-                 c.model.attention_chunk_size is not None or c.model.qk_l2_norm),
-             "--attention-chunk-size / --qk-l2-norm act on linear_qkv's heads and the layers "
-             "that rotate; Multi-Latent Attention has neither: drop them or "
-             "--multi-latent-attention"),
+    Relation("--qk-l2-norm excludes --multi-latent-attention",
+             lambda c: c.model.multi_latent_attention and c.model.qk_l2_norm,
+             "--qk-l2-norm acts on linear_qkv's heads and the layers that rotate; Multi-Latent "
+             "Attention has neither: drop it or --multi-latent-attention"),
     Relation("--qk-l2-norm excludes --qk-layernorm", lambda c: (
         c.model.qk_l2_norm and c.model.qk_layernorm),
         "--qk-l2-norm normalizes q and k without a weight, --qk-layernorm with one: give one"),

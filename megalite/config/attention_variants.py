@@ -115,7 +115,12 @@ VARIANTS: Dict[str, AttentionVariant] = {
             lambda c: c.model.qk_clip and c.model.attention_chunk_size is not None,
             "--qk-clip records each head's largest causal logit, not the one inside a chunk "
             "(it would clip on pairs attention never sees): drop --qk-clip or "
-            "--attention-chunk-size")),
+            "--attention-chunk-size"),
+            VariantRule(
+            "--attention-chunk-size excludes --multi-latent-attention",
+            lambda c: c.model.multi_latent_attention and c.model.attention_chunk_size is not None,
+            "--attention-chunk-size acts on linear_qkv's heads and the layers that rotate; "
+            "Multi-Latent Attention has neither: drop it or --multi-latent-attention")),
         layer_keep=_chunks),
     # packed documents and sliding windows: TE maps the document mask onto its THD format
     # without CP only (its THD ring splits each document itself, a layout get_batch does

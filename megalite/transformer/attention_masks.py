@@ -69,12 +69,24 @@ def keep(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
 
 
 class LayerMask:
-    """The (query, key) rule of one layer's core attention beyond causality and documents
-    (a sliding window today); every core attention holds one (``LayerMask(cfg, layer)``)
-    and asks it, with the true sequence positions of both sides."""
+    """The (query, key) rules of one layer beyond causality: the ones given as documents
+    (``documents``: Llama 4's chunks, folded into the ids before core attention, so that
+    every backend that honours documents honours them -- TE's THD format included) and the
+    rest (``keep``: a sliding window), which every core attention asks with the true
+    sequence positions of both sides.  ``SelfAttention`` and each core attention hold one
+    (``LayerMask(cfg, layer)``)."""
 
     def __init__(self, model_cfg, layer: int):
         self.window = model_cfg.layer_window(layer)   # --window-size on this layer
+        self.chunk = model_cfg.layer_chunk(layer)     # --attention-chunk-size on this layer
+
+    def documents(self, docs: Optional[torch.Tensor], seq: int, batch: int,
+                  device) -> Optional[torch.Tensor]:
+        """The document ids [b, seq] core attention is handed (``seq``: the WHOLE sequence,
+        all CP ranks): ``docs`` with this layer's chunks folded in."""
+        if self.chunk is None:    # chunked attention: a chunk is a fixed-length document
+            return docs
+        return chunk_documents(docs, seq, self.chunk, batch, device)
 
     @property
     def masks_alone(self) -> bool:

@@ -272,10 +272,12 @@ RULE_CASES = {
         [["--cp", "2", {"model": dict(_TE, attention_chunk_size=8)}]],
         [["--cp", "2", "--attention-chunk-size", "8"],
          [{"model": dict(_TE, attention_chunk_size=8)}]]),
-    "--attention-chunk-size and --qk-l2-norm exclude --multi-latent-attention": (
-        [_MLA + ["--attention-chunk-size", "8"], _MLA + ["--qk-l2-norm"]],
-        [_MLA, ["--attention-chunk-size", "8", "--qk-l2-norm",
-                "--position-embedding-type", "rope"]]),
+    "--attention-chunk-size excludes --multi-latent-attention": (
+        [_MLA + ["--attention-chunk-size", "8"]],
+        [_MLA, ["--attention-chunk-size", "8", "--position-embedding-type", "rope"]]),
+    "--qk-l2-norm excludes --multi-latent-attention": (
+        [_MLA + ["--qk-l2-norm"]],
+        [_MLA, ["--qk-l2-norm", "--position-embedding-type", "rope"]]),
     "--qk-l2-norm excludes --qk-layernorm": (
         [["--qk-l2-norm", "--qk-layernorm"]], [["--qk-l2-norm"], ["--qk-layernorm"]]),
     "--qk-clip excludes --attention-chunk-size": (
