@@ -67,6 +67,7 @@ class VariantRule:
 
 @dataclass(frozen=True)
 class AttentionVariant:
+    field: str                                       # the ModelConfig field that turns it on
     flag: str
     summary: str
     on: Callable                                     # (MegaliteConfig) -> bool
@@ -92,7 +93,7 @@ def _window(m, layer: int, seq: int) -> dict:
 
 VARIANTS: Dict[str, AttentionVariant] = {
     "sinks": AttentionVariant(
-        "--softmax-type", "a per-head sink logit in the softmax denominator (gpt-oss)",
+        "softmax_type", "--softmax-type", "a per-head sink logit in the softmax denominator (gpt-oss)",
         lambda c: sinks_on(c.model),
         rules=(VariantRule(
             "--softmax-type with CP", lambda c: sinks_on(c.model) and _cp(c),
@@ -102,7 +103,7 @@ VARIANTS: Dict[str, AttentionVariant] = {
             "or CP 1", refused_by="te"),),
         params=lambda m, tp: m.num_attention_heads // tp if learned_sinks(m) else 0),
     "chunked": AttentionVariant(
-        "--attention-chunk-size", "chunked local attention on the rotating layers (Llama 4)",
+        "attention_chunk_size", "--attention-chunk-size", "chunked local attention on the rotating layers (Llama 4)",
         lambda c: c.model.attention_chunk_size is not None,
         rules=(VariantRule(
             "--attention-chunk-size with CP",
@@ -126,7 +127,7 @@ VARIANTS: Dict[str, AttentionVariant] = {
     # without CP only (its THD ring splits each document itself, a layout get_batch does
     # not make); TE's ring has no sliding window
     "window": AttentionVariant(
-        "--window-size", "a sliding window, per layer (Mistral, Gemma, gpt-oss)",
+        "window_size", "--window-size", "a sliding window, per layer (Mistral, Gemma, gpt-oss)",
         lambda c: bool(c.model.window_size),
         rules=(VariantRule(
             "--reset-attention-mask or --window-size with CP",
@@ -143,6 +144,13 @@ VARIANTS: Dict[str, AttentionVariant] = {
             "--qk-clip or the mask")),
         layer_keep=_window),
 }
+
+
+def keeps_less(m) -> bool:
+    """Whether a variant on ``m`` may keep less than the causal core on some layer (the
+    planner's fast path: its search asks for every layout)."""
+    return any(v.layer_keep is not None and getattr(m, v.field, None)
+               for v in VARIANTS.values())
 
 
 def layer_keep(m, layer: int, seq: int) -> dict:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megalite.config import ModelConfig
-from megalite.config.attention_variants import layer_keep
+from megalite.config.attention_variants import keeps_less, layer_keep
 from megalite.planner import model_spec as ms
 from megalite.config.activations import activation_of
 
@@ -79,10 +79,13 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
         linear += 2 * h * m.resolved_ffn_hidden_size() * gate
     _, _, dqk, dv = ms.attention_head_dims(m)
     core = 2 * seq * a * (dqk + dv)                # q k^T and p v
-    same = [i for i in range(m.num_layers) if ms.is_moe_layer(m, i) == moe] or [0]
-    keeps = [layer_keep(m, i, seq) for i in same]   # config/attention_variants.py
-    if any(keeps):
-        core *= sum(attention_work_fraction(seq, **k) for k in keeps) / len(same)
+    per_layer = keeps_less(m)                      # config/attention_variants.py
+    same = [0]                                     # this kind's layers, when they differ
+    if per_layer or m.experimental_attention_variant:
+        same = [i for i in range(m.num_layers) if ms.is_moe_layer(m, i) == moe] or [0]
+    if per_layer:
+        core *= sum(attention_work_fraction(seq, **layer_keep(m, i, seq))
+                    for i in same) / len(same)
     if m.attention_output_gate:
         linear += 2 * h * a * d                    # the gate rows of linear_qkv
     if m.experimental_attention_variant:           # Gated DeltaNet layers of this kind
