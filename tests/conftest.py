@@ -92,7 +92,9 @@ LONG_TESTS = (
     # gpt-oss's layer trained at TP2+SP, CP2 ring, CP2 a2a x TP2, EP2, PP2 (the default run
     # keeps the converted gpt-oss at TP2+SP, PP2 and EP2 against transformers,
     # tests/distributed/test_hf_families_dist.py, and the sinks' ring / all-to-all kernels
-    # against the unfused one in tests/unit/test_attention_sinks.py)
+    # against the unfused one in tests/unit/test_attention_sinks.py, and the learned sinks
+    # with the other attention variants at CP2 ring, CP2 a2a x TP2+SP and PP2 x VPP2 in
+    # tests/distributed/test_document_mask_dist.py)
     "tests/distributed/test_attention_sinks_dist.py",
     # Gated DeltaNet at CP4, CP4 with documents, CP2 x TP2+SP, CP2 x PP2, PP2 x VPP2 (the
     # default run keeps the converted Qwen3-Next at CP2, TP2, PP2, EP2 against transformers in

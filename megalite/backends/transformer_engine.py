@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megalite.config.sinks import learned_sinks, sinks_on
+from megalite.config.attention_variants import learned_sinks, sinks_on
 from megalite.moe.shared_experts import shared_expert_spec
 from megalite.param_spec import ParamSpec, Split
 from megalite.transformer.attention import SelfAttention

@@ -42,7 +42,7 @@ from megalite.config import all_fields, field_flag, find_field
 from megalite.config.domains import requirement_problem, requirements
 from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
 from megalite.config.score_mods import SCORE_MODS, refusal_reason
-from megalite.config.sinks import sinks_on
+from megalite.config.attention_variants import VARIANTS
 
 LAYOUT, STRATEGY, IMPLEMENTATION = "layout", "strategy", "implementation"
 
@@ -412,15 +412,11 @@ RULES: Tuple[Rule, ...] = (
         (c.data.reset_position_ids or c.data.reset_attention_mask) and not c.data.tokenizer_type),
         "--reset-position-ids / --reset-attention-mask find the documents by the tokenizer's "
         "end-of-document token: give --tokenizer-type (NullTokenizer's is vocab size - 1)"),
-    # packed documents: TE maps the mask onto its THD format without CP only (its THD ring
-    # splits each document itself, a layout get_batch does not make); TE's ring has no
-    # sliding window
-    Refuses("te", "--reset-attention-mask or --window-size with CP",
-            lambda c: (c.data.reset_attention_mask or c.model.window_size) and c.parallel.cp > 1,
-            "--reset-attention-mask / --window-size with Transformer Engine and "
-            "--context-parallel-size > 1: TE's packed (THD) ring needs its own per-document "
-            "split and its ring has no window; use --transformer-impl local (ring or "
-            "all-to-all CP apply both masks) or CP 1"),
+    # the attention variants' own rules (config/attention_variants.py: sinks, chunks,
+    # windows and documents), each with the entry's reason
+    *(Refuses(r.refused_by, r.name, r.when, r.reason) if r.refused_by else
+      Relation(r.name, r.when, r.reason)
+      for variant in VARIANTS.values() for r in variant.rules),
     # OLMo 2's post-norm: TE fuses the input norms into the next linears (LayerNormLinear)
     Refuses("te", "--norm-placement post", lambda c: c.model.norm_placement == "post",
             "--norm-placement post with Transformer Engine layers: TE fuses each norm into "
@@ -435,17 +431,7 @@ RULES: Tuple[Rule, ...] = (
         c.model.qk_clip and c.model.multi_latent_attention),
         "--qk-clip scales linear_qkv's Q and K rows; Multi-Latent Attention has no linear_qkv: "
         "drop --qk-clip or --multi-latent-attention"),
-    Relation("--qk-clip excludes --reset-attention-mask and --window-size", lambda c: (
-        c.model.qk_clip and (c.data.reset_attention_mask or c.model.window_size)),
-        "--qk-clip records each head's largest causal logit, not the one under a document mask "
-        "or a sliding window (it would clip on pairs attention never sees): drop --qk-clip or "
-        "the mask"),
-    # gpt-oss: TE's sinks (its own softmax_type) without CP only; one fc2 bias per expert
-    Refuses("te", "--softmax-type with CP", lambda c: sinks_on(c.model) and c.parallel.cp > 1,
-            lambda c: f"--softmax-type {c.model.softmax_type} with Transformer Engine and "
-            "--context-parallel-size > 1: TE's context-parallel attention is not given the "
-            "sinks here; use --transformer-impl local (ring and all-to-all CP fold them in) or "
-            "CP 1"),
+    # gpt-oss: one fc2 bias per expert
     Refuses("expert-tp", "--moe-expert-bias", lambda c: c.model.moe_expert_bias,
             "--moe-expert-bias with --expert-tensor-parallel-size > 1: each shard's fc2 output "
             "is a partial sum, so the expert's bias would be added once per shard; use "
@@ -471,25 +457,14 @@ RULES: Tuple[Rule, ...] = (
         "lacks and --optimizer muon / --qk-clip split as [q, k, v] only, and Gated DeltaNet "
         "layers (--experimental-attention-variant) have no MLA form and no attention logits "
         "to clip: drop one of them"),
-    # Llama 4's attention: chunks are documents to core attention (attention_masks.py)
-    Refuses("te", "--attention-chunk-size with CP",
-            lambda c: c.model.attention_chunk_size is not None and c.parallel.cp > 1,
-            "--attention-chunk-size with Transformer Engine and --context-parallel-size > 1: "
-            "TE's ring has no chunk mask and its packed (THD) ring splits each chunk itself; "
-            "use --transformer-impl local (ring or all-to-all CP) or CP 1"),
-    Relation("--attention-chunk-size and --qk-l2-norm exclude --multi-latent-attention",
-             lambda c: c.model.multi_latent_attention and (
-                 c.model.attention_chunk_size is not None or c.model.qk_l2_norm),
-             "--attention-chunk-size / --qk-l2-norm act on linear_qkv's heads and the layers "
-             "that rotate; Multi-Latent Attention has neither: drop them or "
-             "--multi-latent-attention"),
+    # Llama 4's attention (its chunk rules: config/attention_variants.py)
+    Relation("--qk-l2-norm excludes --multi-latent-attention",
+             lambda c: c.model.multi_latent_attention and c.model.qk_l2_norm,
+             "--qk-l2-norm acts on linear_qkv's heads and the layers that rotate; Multi-Latent "
+             "Attention has neither: drop it or --multi-latent-attention"),
     Relation("--qk-l2-norm excludes --qk-layernorm", lambda c: (
         c.model.qk_l2_norm and c.model.qk_layernorm),
         "--qk-l2-norm normalizes q and k without a weight, --qk-layernorm with one: give one"),
-    Relation("--qk-clip excludes --attention-chunk-size", lambda c: (
-        c.model.qk_clip and c.model.attention_chunk_size is not None),
-        "--qk-clip records each head's largest causal logit, not the one inside a chunk (it "
-        "would clip on pairs attention never sees): drop --qk-clip or --attention-chunk-size"),
     Relation("--moe-apply-probs-on-input needs --moe-router-topk 1", lambda c: (
         c.model.moe_apply_probs_on_input and c.model.num_experts and
         c.model.moe_router_topk != 1),

@@ -13,7 +13,7 @@ from megalite.config.fields import opt
 from megalite.config.score_mods import kernel_check
 from megalite.config.activations import (ACTIVATIONS, activation_of, choice_problem,
                                          glu_knob_problem)
-from megalite.config.sinks import sinks_kernel_problem
+from megalite.config.attention_variants import sinks_kernel_problem
 from megalite.config.moe_layer_freq import (MoeLayerFreqError, parse_moe_layer_freq,  # noqa: F401
                                            parse_no_rope_freq)
 from megalite.config.moe_layer_freq import parse_layer_pattern

@@ -2,14 +2,17 @@
 each, read by every place that depends on it.
 
 An entry says what it does to the scores (``apply``: elementwise on the scaled scores, so
-it composes with any mask that follows), what backward keeps for it (the activation-memory
-model's extra score-sized tensors), and which attention implementations cannot run it
+it composes with any mask that follows), its derivative (``grad``: the block kernels of ring
+CP rebuild the scores in backward and chain it into FlashAttention's score gradient, so the
+ring runs every entry), what backward keeps for it (the activation-memory model's extra
+score-sized tensors), and which attention implementations cannot run it
 (each becomes a refusal of the rule engine, megalite/cli/features.py, with the reason
 given here; SDPA's kernels are ruled out by the field's own domain check, ``kernel_check``).
 The local core attention (``transformer/attention.py``) applies every active entry and so
 runs its unfused kernel; so does all-to-all CP attention (``context_parallel/a2a.py``), which
-holds the whole sequence of its heads.  So a new score modification is an entry here and its
-field in ``config/model.py`` (``check=kernel_check(FIELD)``); docs/extending.md measured it.
+holds the whole sequence of its heads; ring CP (``context_parallel/block_attention.py``)
+applies ``apply`` to each block's scores and ``grad`` in backward.  So a new score
+modification is an entry here and its field in ``config/model.py`` (``check=kernel_check(FIELD)``); docs/extending.md measured it.
 
 Importing this module does not import torch (the rule engine and the planner read it).
 """
@@ -29,6 +32,7 @@ class ScoreMod:
     field: str                   # the ModelConfig field that turns it on (its value: the knob)
     summary: str
     apply: Callable              # (scaled scores, value) -> scores, before the mask
+    grad: Callable               # (modified scores, value) -> d modified / d scores
     saved_scores: int            # extra score-sized tensors backward keeps (per head, s x s)
     refused_by: Tuple[str, ...]  # IMPLEMENTATIONS that cannot run it
 
@@ -44,10 +48,14 @@ def _softcap(scores, cap):
     return scores.div(cap).tanh().mul(cap)
 
 
+def _softcap_grad(capped, cap):
+    """d/ds cap * tanh(s / cap) = 1 - tanh^2, from the capped scores themselves."""
+    return 1 - (capped / cap) ** 2
+
+
 SCORE_MODS: Dict[str, ScoreMod] = {m.field: m for m in (
     ScoreMod("attn_logit_softcapping", "scores -> cap * tanh(scores / cap) (Gemma 2)",
-             _softcap, saved_scores=1,
-             refused_by=("te", "cp-p2p")),
+             _softcap, _softcap_grad, saved_scores=1, refused_by=("te",)),
 )}
 
 
@@ -61,6 +69,16 @@ def apply_all(scores, mods: List[Tuple[ScoreMod, float]]):
     for mod, value in mods:
         scores = mod.apply(scores, value)
     return scores
+
+
+def apply_all_with_grad(scores, mods: List[Tuple[ScoreMod, float]]):
+    """(modified scores, d modified / d scores or None): the chain rule over the entries."""
+    grad = None
+    for mod, value in mods:
+        scores = mod.apply(scores, value)
+        g = mod.grad(scores, value)
+        grad = g if grad is None else grad * g
+    return scores, grad
 
 
 def refusal_reason(mod: ScoreMod, implementation: str) -> str:

@@ -30,7 +30,7 @@ from megalite.context_parallel.load_balance import gathered_order
 from megalite.context_parallel.max_logits import head_block
 from megalite.context_parallel.ring import check_cp_attention_args, work
 from megalite.transformer.attention_kernels import unfused_attention
-from megalite.transformer.attention_masks import keep
+from megalite.transformer.attention_masks import LayerMask
 from megalite.transformer.attention_sinks import build_softmax_offset
 from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
@@ -76,7 +76,7 @@ class UlyssesAttention(nn.Module):
             f"heads ({heads}) and query groups ({groups}), CP {self.group.size}")
         self.layer_number = layer_number
         self.is_causal = attn_mask_type == AttnMaskType.causal
-        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        self.mask = LayerMask(model_cfg, layer_number)       # --window-size on this layer
         self.score_mods = score_mods.active(model_cfg)   # whole sequence: any applies
         build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
         self.scale = softmax_scale if softmax_scale is not None else \
@@ -114,8 +114,8 @@ class UlyssesAttention(nn.Module):
         qf, kf, vf = whole_sequence(qy, hq, d), whole_sequence(ky, hk, d), \
             whole_sequence(vy, hk, dv)
         pos = torch.arange(cp * s, device=q.device)
-        mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
-                    self.window)                                       # [b|1, S, S] or None
+        mask = self.mask.keep(pos, pos, self.is_causal, document_ids,
+                              document_ids)                            # [b|1, S, S] or None
         work.add(qf, kf, self.is_causal, mask)
         if self.record_max_logits and self.training:    # this rank's block of the heads
             self.max_logits = record_max(self.max_logits, head_block(

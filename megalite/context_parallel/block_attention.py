@@ -9,15 +9,20 @@ keeping any s x s matrix between forward and backward.
 Layout ``bhsd``: q [b, np, sq, d], k [b, ng, sk, d] and v [b, ng, sk, dv] (dv = d except
 for Multi-Latent Attention); query head j reads K/V head j // (np/ng), so K/V heads are
 never repeated (GQA costs no extra memory or messages).
+A score modification (config/score_mods.py, ``mods``: Gemma 2's soft-cap) is applied to each
+tile's scaled scores before the mask; backward rebuilds them and multiplies the score
+gradient by the entry's derivative.
 Query rows are processed in tiles of at most ``TILE_ELEMENTS`` scores, so the transient
 score matrix stays small however long the sequence (rows are independent: tiling changes
 no result).
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
+
+from megalite.config.score_mods import apply_all_with_grad
 
 TILE_ELEMENTS = 1 << 20     # scores per tile (4 MiB in fp32)
 
@@ -40,12 +45,18 @@ def _grouped(q: torch.Tensor, groups: int) -> torch.Tensor:
     return q.reshape(b, groups, (h // groups) * s, d)
 
 
-def _scores(q, k, scale: float, causal: bool, row0: int, keep=None) -> torch.Tensor:
-    """Scaled scores [b, ng, rep*rows, sk] of query rows ``row0``.. (a tile); ``causal``
-    masks key j > query i, both counted from the block's origin; ``keep`` [b, sq, sk]
-    (a document mask, ``transformer/attention_masks.py``) replaces it."""
+def _scores(q, k, scale: float, causal: bool, row0: int, keep=None, mods: Sequence = (),
+            grad: list = None) -> torch.Tensor:
+    """Scaled scores [b, ng, rep*rows, sk] of query rows ``row0``.. (a tile), modified by
+    ``mods`` (their derivative appended to ``grad`` when given); ``causal`` masks key
+    j > query i, both counted from the block's origin; ``keep`` [b, sq, sk] (a document
+    mask, ``transformer/attention_masks.py``) replaces it."""
     g, rows, sk = k.shape[1], q.shape[2], k.shape[2]
     s = torch.matmul(_grouped(q, g), k.transpose(-1, -2)).mul_(scale)
+    if mods:                     # before the mask: the mask follows the modification
+        s, d = apply_all_with_grad(s, mods)
+        if grad is not None:
+            grad.append(d)
     if keep is not None:
         tile = keep[:, None, None, row0:row0 + rows]                 # [b, 1, 1, rows, sk]
         s.view(s.shape[0], g, -1, rows, sk).masked_fill_(~tile, float("-inf"))
@@ -56,8 +67,8 @@ def _scores(q, k, scale: float, causal: bool, row0: int, keep=None) -> torch.Ten
     return s.to(accum_dtype(s.dtype))
 
 
-def block_forward(q, k, v, scale: float, causal: bool,
-                  keep=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def block_forward(q, k, v, scale: float, causal: bool, keep=None,
+                  mods: Sequence = ()) -> Tuple[torch.Tensor, torch.Tensor]:
     """(softmax(q k^T * scale) v [b, np, sq, dv], LSE [b, np, sq] in ``accum_dtype``).
     A row whose keys are all masked (possible with ``keep``) gives output 0, LSE -inf."""
     b, h, sq, d = q.shape
@@ -65,7 +76,7 @@ def block_forward(q, k, v, scale: float, causal: bool,
     lse = torch.empty(q.shape[:3], dtype=accum_dtype(q.dtype), device=q.device)
     for r0, r1 in query_tiles(q, k.shape[2]):
         qt = q[:, :, r0:r1]
-        s = _scores(qt, k, scale, causal, r0, keep)
+        s = _scores(qt, k, scale, causal, r0, keep, mods)
         tile_lse = torch.logsumexp(s, dim=-1)
         shift = tile_lse if keep is None else tile_lse.masked_fill(tile_lse == float("-inf"), 0)
         p = s.sub_(shift[..., None]).exp_().to(v.dtype)          # in place: one tile alive
@@ -86,9 +97,11 @@ def merge(out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor,
     lse.copy_(new)
 
 
-def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool, keep=None):
+def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool, keep=None,
+                   mods: Sequence = ()):
     """(dq, dk, dv) of one block pair given the *final* LSE and delta = rowsum(dout * out):
-    p = exp(s - lse), dv = p^T dout, ds = p (dout v^T - delta), dq = ds k, dk = ds^T q."""
+    p = exp(s - lse), dv = p^T dout, ds = p (dout v^T - delta) (times the score
+    modifications' derivative), dq = ds k, dk = ds^T q."""
     b, h, sq, d = q.shape
     g = k.shape[1]
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -96,13 +109,16 @@ def block_backward(dout, q, k, v, lse, delta, scale: float, causal: bool, keep=N
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     for r0, r1 in query_tiles(q, k.shape[2]):
         qt = q[:, :, r0:r1]
-        s = _scores(qt, k, scale, causal, r0, keep)
+        dmod = []
+        s = _scores(qt, k, scale, causal, r0, keep, mods, dmod)
         p = s.sub_(lse[:, :, r0:r1].reshape(b, g, -1)[..., None]).exp_().to(q.dtype)
         do = _grouped(dout[:, :, r0:r1], g)
         dv += torch.matmul(p.transpose(-1, -2), do)                  # [b, ng, sk, d]
         dp = torch.matmul(do, v.transpose(-1, -2))
         row_delta = delta[:, :, r0:r1].reshape(b, g, -1)[..., None].to(dp.dtype)
         ds = dp.sub_(row_delta).mul_(p).mul_(scale)                  # dp's buffer reused
+        if dmod:
+            ds.mul_(dmod[0].to(ds.dtype))
         dq[:, :, r0:r1] = torch.matmul(ds, k).view(qt.shape)
         dk += torch.matmul(ds.transpose(-1, -2), _grouped(qt, g))
     return dq, dk, dv

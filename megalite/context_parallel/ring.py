@@ -28,6 +28,9 @@ Attention sinks (``--softmax-type``): the sink joins the merged log-sum-exp once
 last block (``transformer/attention_sinks.fold``); backward's block formulas then use that
 final LSE and output unchanged, and the sink's gradient comes from them alone.
 
+Score modifications (config/score_mods.py: Gemma 2's soft-cap) act on each block's scores
+(``block_attention``), forward and backward: they are elementwise, so blocks still merge.
+
 Backward sends K/V around the ring again (CP - 1 transfers), with a dK/dV accumulator that
 travels with them and is back at its owner after CP transfers.  Forward keeps only q, k, v,
 the output and the LSE (fp32 for 16-bit inputs).
@@ -41,11 +44,12 @@ import torch
 from torch import nn
 
 from megalite import comm
+from megalite.config import score_mods
 from megalite.context_parallel.block_attention import (accum_dtype, block_backward,
                                                        block_flops, block_forward, merge)
 from megalite.context_parallel.load_balance import token_indices
 from megalite.context_parallel.max_logits import ring_keys
-from megalite.transformer.attention_masks import keep
+from megalite.transformer.attention_masks import LayerMask
 from megalite.transformer.attention_sinks import build_softmax_offset, fold, sink_grad
 from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
@@ -96,13 +100,14 @@ def _pairs(step: int, rank: int, cp: int, causal: bool, c: int):
     return slice(c, None), every, False
 
 
-def _blocks(step: int, rank: int, cp: int, causal: bool, c: int, docs, window, device):
+def _blocks(step: int, rank: int, cp: int, causal: bool, c: int, docs, layer_mask, device):
     """([(query slice, key slice, causal, keep-mask)] computed at ``step``, block pairs
-    skipped).  Without a mask (``docs`` and ``window`` None) the one pair of ``_pairs``,
-    keep-mask None.  With one (``docs`` [b, S]: the documents of the whole sequence;
-    ``window``: this layer's sliding window) each (local chunk, received chunk) pair the
-    causal rule leaves is its own block, skipped when its mask keeps nothing."""
-    if docs is None and window is None:
+    skipped).  Without a mask (``docs`` None, ``layer_mask`` masking nothing alone) the one
+    pair of ``_pairs``, keep-mask None.  With one (``docs`` [b, S]: the documents of the
+    whole sequence; ``layer_mask``: this layer's ``attention_masks.LayerMask``, a sliding
+    window) each (local chunk, received chunk) pair the causal rule leaves is its own
+    block, skipped when its mask keeps nothing."""
+    if docs is None and not layer_mask.masks_alone:
         return [(*_pairs(step, rank, cp, causal, c), None)], 0
     s = 2 * c * cp
     q_idx = token_indices(s, cp, rank, device)
@@ -113,8 +118,9 @@ def _blocks(step: int, rank: int, cp: int, causal: bool, c: int, docs, window, d
             q_pos, k_pos = q_idx[qs], k_idx[ks]
             if causal and k_pos[0] > q_pos[-1]:
                 continue                            # after every query: not a causal pair
-            mask = keep(q_pos, k_pos, causal, None if docs is None else docs[:, q_pos],
-                        None if docs is None else docs[:, k_pos], window)
+            mask = layer_mask.keep(q_pos, k_pos, causal,
+                                   None if docs is None else docs[:, q_pos],
+                                   None if docs is None else docs[:, k_pos])
             if bool(mask.any()):
                 blocks.append((qs, ks, causal, mask))
             else:
@@ -132,8 +138,8 @@ class RingAttentionFunction(torch.autograd.Function):
     [b, np, s, dv].  K and V travel as one message, concatenated along the head dim."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale: float, causal: bool, docs=None, window=None,
-                sinks=None):
+    def forward(ctx, q, k, v, group, scale: float, causal: bool, docs, layer_mask,
+                sinks=None, mods=()):
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -147,30 +153,30 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            blocks, skipped = _blocks(step, rank, cp, causal, c, docs, window, q.device)
+            blocks, skipped = _blocks(step, rank, cp, causal, c, docs, layer_mask, q.device)
             work.skipped += skipped
             for qs, ks, masked, mask in blocks:
                 k_now, v_now = _split_kv(kv, dk)
                 qb, kb, vb = q[:, :, qs], k_now[:, :, ks], v_now[:, :, ks]
                 work.add(qb, kb, masked, mask)
-                blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked, mask)
+                blk_out, blk_lse = block_forward(qb, kb, vb, scale, masked, mask, mods)
                 merge(out[:, :, qs], lse[:, :, qs], blk_out.to(acc), blk_lse)
             if pending is not None:
                 pending.wait()
                 kv = incoming
         out, lse = fold(out, lse, sinks)                             # the sinks, once
         out = out.to(q.dtype)
-        ctx.sinks = sinks
+        ctx.sinks, ctx.mods = sinks, mods
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale, ctx.causal, ctx.docs, ctx.window = group, scale, causal, docs, \
-            window
+        ctx.group, ctx.scale, ctx.causal, ctx.docs, ctx.layer_mask = group, scale, causal, docs, \
+            layer_mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, scale, causal, docs, window = ctx.group, ctx.scale, ctx.causal, ctx.docs, \
-            ctx.window
+        group, scale, causal, docs, layer_mask = ctx.group, ctx.scale, ctx.causal, ctx.docs, \
+            ctx.layer_mask
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -186,13 +192,14 @@ class RingAttentionFunction(torch.autograd.Function):
             if step < cp - 1:
                 incoming = torch.empty_like(kv)
                 kv_pending = comm.batch_send_recv_async([(kv, nxt)], [(incoming, prv)], group)
-            blocks, _ = _blocks(step, rank, cp, causal, c, docs, window, q.device)
+            blocks, _ = _blocks(step, rank, cp, causal, c, docs, layer_mask, q.device)
             grads = []
             for qs, ks, masked, mask in blocks:
                 k_now, v_now = _split_kv(kv, dk_dim)
                 dq_b, dk_b, dv_b = block_backward(dout[:, :, qs], q[:, :, qs], k_now[:, :, ks],
                                                   v_now[:, :, ks], lse[:, :, qs],
-                                                  delta[:, :, qs], scale, masked, mask)
+                                                  delta[:, :, qs], scale, masked, mask,
+                                                  ctx.mods)
                 dq[:, :, qs] += dq_b
                 grads.append((ks, dk_b, dv_b))
             # the dK/dV accumulator of the K/V held now arrives from the previous rank
@@ -214,7 +221,7 @@ class RingAttentionFunction(torch.autograd.Function):
         dk, dv = _split_kv(dkv_in, dk_dim)
         sinks = ctx.sinks
         d_sinks = sink_grad(sinks, lse, delta) if ctx.needs_input_grad[8] else None
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_sinks
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_sinks, None
 
 
 class RingAttention(nn.Module):
@@ -232,8 +239,9 @@ class RingAttention(nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
-        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        self.mask = LayerMask(model_cfg, layer_number)       # --window-size on this layer
         build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
+        self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py, per block
         # --qk-clip: this step's largest logit per local head (context_parallel/max_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)
         self.max_logits: Optional[torch.Tensor] = None
@@ -245,11 +253,12 @@ class RingAttention(nn.Module):
             self._record_max_logits(q, k)
         if self.group.size == 1:
             pos = torch.arange(q.shape[2], device=q.device)
-            mask = keep(pos, pos, self.is_causal, document_ids, document_ids, self.window)
-            out, lse = block_forward(q, k, v, self.scale, self.is_causal, mask)
+            mask = self.mask.keep(pos, pos, self.is_causal, document_ids, document_ids)
+            out, lse = block_forward(q, k, v, self.scale, self.is_causal, mask, self.score_mods)
             return fold(out, lse, self.softmax_offset)[0]
         return RingAttentionFunction.apply(q, k, v, self.group, self.scale, self.is_causal,
-                                           document_ids, self.window, self.softmax_offset)
+                                           document_ids, self.mask, self.softmax_offset,
+                                           self.score_mods)
 
     def _record_max_logits(self, q, k) -> None:
         """This rank's queries against every key of the ring, on their true positions."""

@@ -20,7 +20,8 @@ layers ``--linear-attention-freq`` marks by their projections and a core linear 
 sequence (``gated_delta_net_forward_flops``); a kind's count is the mean over its layers.
 
 Masks that remove work scale the attention core by the causal (query, key) pairs they keep
-(``attention_work_fraction``): a sliding window (``--window-size``, per layer) and Llama 4's
+(``attention_work_fraction``), as each variant's ``layer_keep`` says
+(config/attention_variants.py): a sliding window (``--window-size``, per layer) and Llama 4's
 chunks (``--attention-chunk-size``, on the rotating layers: seq / C documents of C tokens) in
 every count; packed documents (``--reset-attention-mask``) depend on the data, so only a caller
 that knows the documents per sequence passes them (benchmarks/attention_masks.py).
@@ -30,6 +31,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megalite.config import ModelConfig
+from megalite.config.attention_variants import keeps_less, layer_keep
 from megalite.planner import model_spec as ms
 from megalite.config.activations import activation_of
 
@@ -57,13 +59,6 @@ def attention_work_fraction(seq: int, window: Optional[int] = None,
     return causal_pairs_kept(seq, window, documents) / causal_pairs_kept(seq)
 
 
-def _chunks(m: ModelConfig, layer: int, seq: int) -> float:
-    """Layer ``layer``'s chunks of ``--attention-chunk-size`` per sequence (1: none), as the
-    equal documents ``causal_pairs_kept`` counts."""
-    chunk = m.layer_chunk(layer)
-    return max(1.0, seq / chunk) if chunk else 1
-
-
 def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
     """Per-token forward FLOPs of one dense or MoE layer, split into GEMMs and the
     attention core (MLA: scores over q/k heads of qk + rope, values of v_head_dim); the
@@ -84,14 +79,16 @@ def kind_forward_flops(m: ModelConfig, moe: bool, seq: int) -> Dict[str, float]:
         linear += 2 * h * m.resolved_ffn_hidden_size() * gate
     _, _, dqk, dv = ms.attention_head_dims(m)
     core = 2 * seq * a * (dqk + dv)                # q k^T and p v
-    if m.window_size or m.attention_chunk_size:
+    per_layer = keeps_less(m)                      # config/attention_variants.py
+    same = [0]                                     # this kind's layers, when they differ
+    if per_layer or m.experimental_attention_variant:
         same = [i for i in range(m.num_layers) if ms.is_moe_layer(m, i) == moe] or [0]
-        core *= sum(attention_work_fraction(seq, m.layer_window(i), _chunks(m, i, seq))
+    if per_layer:
+        core *= sum(attention_work_fraction(seq, **layer_keep(m, i, seq))
                     for i in same) / len(same)
     if m.attention_output_gate:
         linear += 2 * h * a * d                    # the gate rows of linear_qkv
     if m.experimental_attention_variant:           # Gated DeltaNet layers of this kind
-        same = [i for i in range(m.num_layers) if ms.is_moe_layer(m, i) == moe] or [0]
         share = sum(m.is_linear_attention_layer(i) for i in same) / len(same)
         mixer = 2 * h * a * d * (2 if m.attention_output_gate else 1) + 4 * g * d * h
         gdn = gated_delta_net_forward_flops(m)

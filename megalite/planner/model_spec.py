@@ -19,7 +19,7 @@ from megalite.cli.presets import MODEL_PRESETS, preset_model
 from megalite.pipeline_parallel.split import PipelineSplit, split_layers
 from megalite.config.activations import DEFAULT as DEFAULT_ACTIVATION
 from megalite.config.activations import activation_for_hf, activation_of, switches
-from megalite.config.sinks import learned_sinks
+from megalite.config.attention_variants import attention_params
 
 # Model presets live in one place (megalite/cli/presets.py): the planner's --recipe and the
 # launch recipes (launch/recipes/*.yaml, ``recipe: {model: NAME}``) read the same shapes.
@@ -301,7 +301,7 @@ def kind_params(m: ModelConfig, moe: bool, tp: int = 1, etp: int = 1, ep: int = 
         elif m.qk_layernorm:
             n += 2 * _norm(m, d)                        # q/k norms: replicated over TP
         n += h * a * d // tp + (h if bias else 0)                   # row-parallel projection
-    n += a // tp if learned_sinks(m) else 0             # --softmax-type learnable: sinks
+    n += attention_params(m, tp)               # the variants' own (config/attention_variants.py)
     gate = activation_of(m).fc1_blocks
     if not moe:
         f = m.resolved_ffn_hidden_size()

@@ -22,7 +22,7 @@ and k over the head dimension before RoPE, Qwen3).  The head dimension is
 ``--kv-channels``, independent of hidden / heads.
 
 Llama 4's switches, per layer: ``--attention-chunk-size`` (chunked local attention on the
-layers that rotate, handed to core attention as documents: ``attention_masks.chunk_documents``),
+layers that rotate, handed to core attention as documents: ``attention_masks.LayerMask``),
 ``--qk-l2-norm`` (q and k of the rotating layers scaled to unit RMS after RoPE, as
 transformers' ``Llama4TextL2Norm``) and ``--attn-temperature-tuning`` (the NoPE layers' queries
 times ``rotary.query_temperature`` of their positions).
@@ -39,7 +39,7 @@ from torch import nn
 from megalite.config import score_mods
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
-from megalite.transformer.attention_masks import chunk_documents, keep
+from megalite.transformer.attention_masks import LayerMask
 from megalite.transformer.attention_sinks import build_softmax_offset
 from megalite.transformer.projection_norm import build_projection_qk_norms, norm_qkv_projection
 from megalite.transformer.rotary import apply_rotary
@@ -93,7 +93,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py
-        self.window = model_cfg.layer_window(layer_number)   # --window-size on this layer
+        self.mask = LayerMask(model_cfg, layer_number)       # --window-size on this layer
         build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
         # --qk-clip: this step's largest logit per local head (transformer/qk_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)
@@ -102,15 +102,15 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``document_ids`` [b, s] (``--reset-attention-mask``): a query attends only to keys
-        of its own document; ``self.window``: only to the last w + 1 keys
-        (``attention_masks.keep``), as a boolean mask for SDPA and an additive one for the
-        unfused kernel."""
+        of its own document; ``self.mask``: the layer's own rule (a window: only the last
+        w + 1 keys; ``attention_masks.LayerMask``), as a boolean mask for SDPA and an
+        additive one for the unfused kernel."""
         p = self.dropout if self.training else 0.0
         mask = None
-        if document_ids is not None or self.window is not None:
+        if document_ids is not None or self.mask.masks_alone:
             pos = torch.arange(q.shape[2], device=q.device)
-            mask = keep(pos, pos, self.is_causal, document_ids, document_ids,
-                        self.window)                                     # [b|1, s, s]
+            mask = self.mask.keep(pos, pos, self.is_causal, document_ids,
+                                  document_ids)                          # [b|1, s, s]
         causal = self.is_causal and mask is None
         if self.record_max_logits and self.training:
             self.max_logits = record_max(self.max_logits, max_logit_per_head(
@@ -198,10 +198,11 @@ class SelfAttention(nn.Module):
         # --softmax-scale (Gemma's query_pre_attn_scalar ** -0.5): every core attention
         # takes it, as Multi-Latent Attention's does
         scale = {} if m.softmax_scale is None else {"softmax_scale": m.softmax_scale}
-        # Llama 4 (module docstring): this layer's chunk, L2 q/k norm epsilon, whether its
-        # queries take the NoPE temperature (``rotary.query_scale``)
-        self.chunk = m.layer_chunk(layer_number)
-        self.cp_size = comm_groups.cp.size      # chunk ids span the whole sequence
+        # Llama 4 (module docstring): this layer's masks given as documents (its chunk), L2
+        # q/k norm epsilon, whether its queries take the NoPE temperature
+        # (``rotary.query_scale``)
+        self.layer_mask = LayerMask(m, layer_number)   # the masks given as documents
+        self.cp_size = comm_groups.cp.size      # document ids span the whole sequence
         self.l2_norm_eps = m.norm_epsilon if m.qk_l2_norm and m.layer_uses_rotary(layer_number) \
             else None
         self.query_temperature = m.layer_query_temperature(layer_number) is not None
@@ -242,9 +243,8 @@ class SelfAttention(nn.Module):
         if self.qk_norm_over_projection:
             qkv = norm_qkv_projection(qkv, self.q_layernorm, self.k_layernorm,
                                       self.local_groups, self.heads_per_group, self.head_dim)
-        if self.chunk is not None:      # chunked attention: a chunk is a fixed-length document
-            document_ids = chunk_documents(document_ids, qkv.shape[0] * self.cp_size,
-                                           self.chunk, qkv.shape[1], qkv.device)
+        document_ids = self.layer_mask.documents(document_ids, qkv.shape[0] * self.cp_size,
+                                                 qkv.shape[1], qkv.device)
         docs = {} if document_ids is None else {"document_ids": document_ids}
         if self.qkv_format == "sbhd":
             return self._attend_sbhd(qkv, rotary, docs)

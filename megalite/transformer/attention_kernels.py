@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config.score_mods import ScoreMod, apply_all
-from megalite.config.sinks import sinks_on
+from megalite.config.attention_variants import sinks_on
 from megalite.transformer.attention_masks import additive
 from megalite.transformer.attention_sinks import sink_column
 

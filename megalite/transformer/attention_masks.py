@@ -18,9 +18,11 @@ into the document ids (same document and same chunk), and every path that honour
 documents honours chunks: the local kernels, ring attention (a block pair of two
 different chunks is skipped), all-to-all attention, and TE's packed (THD) format without CP.
 
-Every core attention reads the one rule here (``keep``): the local kernels as a boolean or
-additive mask, ring attention per block pair (and to skip a pair none of whose queries
-shares a document with its keys), all-to-all attention on the gathered sequence.
+Every core attention reads the one rule here through its layer's ``LayerMask`` (``keep``):
+the local kernels as a boolean or additive mask, ring attention per block pair (and to skip
+a pair none of whose queries shares a document with its keys), all-to-all attention on the
+gathered sequence.  So a new mask is its per-layer value (``ModelConfig.layer_*``), its rule
+here and its entry in config/attention_variants.py -- not a change to each core attention.
 """
 from __future__ import annotations
 
@@ -64,6 +66,38 @@ def keep(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
     if q_docs is not None:
         ok = ok & (q_docs[:, :, None] == k_docs[:, None, :])
     return ok
+
+
+class LayerMask:
+    """The (query, key) rules of one layer beyond causality: the ones given as documents
+    (``documents``: Llama 4's chunks, folded into the ids before core attention, so that
+    every backend that honours documents honours them -- TE's THD format included) and the
+    rest (``keep``: a sliding window), which every core attention asks with the true
+    sequence positions of both sides.  ``SelfAttention`` and each core attention hold one
+    (``LayerMask(cfg, layer)``)."""
+
+    def __init__(self, model_cfg, layer: int):
+        self.window = model_cfg.layer_window(layer)   # --window-size on this layer
+        self.chunk = model_cfg.layer_chunk(layer)     # --attention-chunk-size on this layer
+
+    def documents(self, docs: Optional[torch.Tensor], seq: int, batch: int,
+                  device) -> Optional[torch.Tensor]:
+        """The document ids [b, seq] core attention is handed (``seq``: the WHOLE sequence,
+        all CP ranks): ``docs`` with this layer's chunks folded in."""
+        if self.chunk is None:    # chunked attention: a chunk is a fixed-length document
+            return docs
+        return chunk_documents(docs, seq, self.chunk, batch, device)
+
+    @property
+    def masks_alone(self) -> bool:
+        """Whether it masks pairs even without documents (else: None is the fast path)."""
+        return self.window is not None
+
+    def keep(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+             q_docs: Optional[torch.Tensor] = None,
+             k_docs: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``keep`` with this layer's rule: boolean [b|1, sq, sk] or None (plain causal)."""
+        return keep(q_pos, k_pos, causal, q_docs, k_docs, self.window)
 
 
 def chunk_documents(docs: Optional[torch.Tensor], seq: int, chunk: int, batch: int,

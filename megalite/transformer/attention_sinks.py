@@ -1,4 +1,5 @@
-"""Attention sinks in the core attentions (``--softmax-type``, config/sinks.py).
+"""Attention sinks in the core attentions (``--softmax-type``,
+config/attention_variants.py).
 
 A sink is one more key per head, score ``sink_h`` for every query, value 0: the softmax
 denominator gains ``e^sink_h`` and the output nothing.  So
@@ -21,7 +22,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megalite.config.sinks import learned_sinks, sinks_on
+from megalite.config.attention_variants import learned_sinks, sinks_on
 from megalite.param_spec import ParamSpec, Split, make_param
 
 

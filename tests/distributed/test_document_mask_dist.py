@@ -4,8 +4,11 @@ single-process run: documents at TP2+SP (core attention recomputed), CP2 (ring a
 all-to-all), CP4 ring, PP2 interleaved with full recomputation, CP2 with FSDP2; windows at
 CP2 / CP4 ring and CP4 all-to-all, and both at CP4; Llama 4's chunked attention (with NoPE
 layers, their query temperature, L2 q/k norms and partial rotary) at CP2 / CP4 ring, CP4
-all-to-all, TP2+SP with CP2, and with documents at CP2 all-to-all -- one launch, three
-iterations each.
+all-to-all, TP2+SP with CP2, and with documents at CP2 all-to-all; and the four attention
+variants of one model together (gpt-oss's learned sinks, Gemma 2's soft-cap, Llama 4's
+chunks with NoPE layers, a window on every other layer) at PP2 x VPP2 with full
+recomputation, CP2 ring with FSDP2 and selective recomputation, CP2 all-to-all x TP2+SP --
+one launch, three iterations each.
 A small vocabulary makes NullTokenizer's EOD (vocab - 1) frequent: about four documents
 per 64-token sample, so the mask changes the loss and ring blocks are skipped.
 """
@@ -55,6 +58,23 @@ LLAMA4_CASES = {
     "chunk-tp2-sp-cp2": CP2 + ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
 }
 LLAMA4_DOCS_CASES = {"chunk-docs-cp2-a2a": CP2 + ["--cp-comm-type", "a2a"]}
+# the attention variants together (a larger init, so that the soft-cap and the sinks bite)
+VARIANT_FLAGS = {
+    "sinks": ["--softmax-type", "learnable"], "softcap": ["--attn-logit-softcapping", "0.5"],
+    "chunk": ["--attention-chunk-size", "16", "--no-rope-freq", "2"],
+    "window": ["--window-size", "7,0", "--window-attn-skip-freq", "2"]}
+VARIANTS_BASE = ["--init-method-std", "0.1"]
+VARIANTS = VARIANTS_BASE + [f for flags in VARIANT_FLAGS.values() for f in flags]
+VARIANTS_CASES = {
+    "variants-pp2-vpp2-full": ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "1",
+                               "--num-virtual-stages-per-pipeline-rank", "2",
+                               "--recompute-granularity", "full", "--recompute-method", "uniform"],
+    "variants-cp2-p2p-fsdp2-selective": CP2 + ["--use-torch-fsdp2", "--micro-batch-size", "1",
+                                               "--recompute-granularity", "selective",
+                                               "--recompute-modules", "core_attn"],
+    "variants-cp2-a2a-tp2-sp": CP2 + ["--cp-comm-type", "a2a", "--tensor-model-parallel-size",
+                                      "2", "--sequence-parallel"],
+}
 
 
 def _train(cases):
@@ -83,6 +103,11 @@ def results(dist):
     cases.update({"ref-chunk": (1, LLAMA4), "ref-chunk-docs": (1, DOCS + LLAMA4)})
     cases.update({name: (WORLD, LLAMA4 + argv) for name, argv in LLAMA4_CASES.items()})
     cases.update({name: (WORLD, DOCS + LLAMA4 + argv) for name, argv in LLAMA4_DOCS_CASES.items()})
+    cases["ref-variants"] = (1, VARIANTS)
+    cases.update({f"ref-variants-no-{v}": (1, VARIANTS_BASE + [
+        f for other, flags in VARIANT_FLAGS.items() if other != v for f in flags])
+        for v in VARIANT_FLAGS})
+    cases.update({name: (WORLD, VARIANTS + argv) for name, argv in VARIANTS_CASES.items()})
     return dist.run(WORLD, _train, cases)
 
 
@@ -94,13 +119,21 @@ def test_the_masks_change_the_loss(results):
         assert len(set(ref["loss"])) == ITERS                  # the weights move
 
 
+@pytest.mark.parametrize("variant", list(VARIANT_FLAGS))
+def test_each_attention_variant_changes_the_loss(results, variant):
+    """None of the four is a no-op in the model they share."""
+    ref, without = results[0]["ref-variants"], results[0][f"ref-variants-no-{variant}"]
+    assert abs(ref["loss"][0] - without["loss"][0]) > 1e-4 * without["loss"][0], variant
+
+
 @pytest.mark.parametrize("name", [*CASES, *WINDOW_CASES, *BOTH_CASES, *LLAMA4_CASES,
-                                  *LLAMA4_DOCS_CASES])
+                                  *LLAMA4_DOCS_CASES, *VARIANTS_CASES])
 def test_every_layout_gives_the_single_process_losses(results, name):
     ref = results[0]["ref-window" if name in WINDOW_CASES else
                      "ref-both" if name in BOTH_CASES else
                      "ref-chunk" if name in LLAMA4_CASES else
-                     "ref-chunk-docs" if name in LLAMA4_DOCS_CASES else "ref"]
+                     "ref-chunk-docs" if name in LLAMA4_DOCS_CASES else
+                     "ref-variants" if name in VARIANTS_CASES else "ref"]
     (got,) = [r[name] for r in results if r[name]["writer"]]
     assert abs(got["loss"][0] - ref["loss"][0]) <= 1e-5 * ref["loss"][0], (name, got, ref)
     for a, b in zip(got["loss"], ref["loss"]):

@@ -195,8 +195,6 @@ RULE_CASES = {
     "te refuses --attn-logit-softcapping": (
         [[{"model": dict(_TE, attn_logit_softcapping=30.0)}]],
         [[{"model": dict(_TE)}], ["--attn-logit-softcapping", "30"]]),
-    "cp-p2p refuses --attn-logit-softcapping": (
-        [["--cp", "2", "--attn-logit-softcapping", "30"]], [["--cp", "2"]]),
     # the overlapped F&B execution
     "--overlap-moe-expert-parallel-comm needs F&B pairs": (
         [["--overlap-moe-expert-parallel-comm"],
@@ -295,10 +293,12 @@ RULE_CASES = {
         [["--cp", "2", {"model": dict(_TE, attention_chunk_size=8)}]],
         [["--cp", "2", "--attention-chunk-size", "8"],
          [{"model": dict(_TE, attention_chunk_size=8)}]]),
-    "--attention-chunk-size and --qk-l2-norm exclude --multi-latent-attention": (
-        [_MLA + ["--attention-chunk-size", "8"], _MLA + ["--qk-l2-norm"]],
-        [_MLA, ["--attention-chunk-size", "8", "--qk-l2-norm",
-                "--position-embedding-type", "rope"]]),
+    "--attention-chunk-size excludes --multi-latent-attention": (
+        [_MLA + ["--attention-chunk-size", "8"]],
+        [_MLA, ["--attention-chunk-size", "8", "--position-embedding-type", "rope"]]),
+    "--qk-l2-norm excludes --multi-latent-attention": (
+        [_MLA + ["--qk-l2-norm"]],
+        [_MLA, ["--qk-l2-norm", "--position-embedding-type", "rope"]]),
     "--qk-l2-norm excludes --qk-layernorm": (
         [["--qk-l2-norm", "--qk-layernorm"]], [["--qk-l2-norm"], ["--qk-layernorm"]]),
     "--qk-clip excludes --attention-chunk-size": (
