@@ -12,6 +12,31 @@ from megalite.cli import features as F
 PAGE = "docs/compatibility.md"
 
 
+
+class _Value:
+    """A stand-in config for a reason that quotes the run's values: each attribute read
+    is itself, and prints as ``<field>``."""
+
+    def __init__(self, name: str = "cfg"):
+        self._name = name
+
+    def __getattr__(self, name: str) -> "_Value":
+        return _Value(name)
+
+    def __str__(self) -> str:
+        return f"<{self._name}>"
+
+    def __format__(self, spec: str) -> str:
+        return str(self)
+
+
+def _render(reason) -> str:
+    """A reason written as ``cfg -> text``, with the values it quotes shown as <field>."""
+    try:
+        return str(reason(_Value()))
+    except Exception:  # noqa: BLE001  (a reason that computes with the values)
+        return "the message names the values given"
+
 def _cells() -> Dict[tuple, str]:
     """(a, b) -> cell: ``ok`` (an equivalence test runs them together), ``xN`` (exclusion
     N below), ``alt`` (alternatives of one choice), ``-`` (the diagonal)."""
@@ -104,6 +129,7 @@ def render() -> str:
             lines.append(f"* `{rule.feature}`{when} needs {needs}: {text}{run}")
         elif isinstance(rule, F.Refuses):
             who = " / ".join(f"`{n}`" for n in F.any_of(rule.feature))
+            text = text or _render(rule.reason)
             lines.append(f"* {who} refuses {rule.setting}: {text}{run}")
         elif isinstance(rule, F.Relation):
             relations.append(f"* {rule.name}" + (f": {text}" if text else "") + run)
