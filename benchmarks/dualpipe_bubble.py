@@ -17,6 +17,7 @@ from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.config import pipeline_program as P  # noqa: E402
 from megalite.config import pipeline_schedules as S  # noqa: E402
 
 UNIT = {k: Fraction(1) for k in "FBW"}
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
             for name, v in ROWS:
                 spec = S.get_schedule(name)
                 program = S.plan(name, p, m, v)
-                sim = Fraction(S.simulate(program, UNIT).bubble_fraction).limit_denominator(10**6)
+                sim = Fraction(P.simulate(program, UNIT).bubble_fraction).limit_denominator(10**6)
                 want = _formula_bubble(name, p, m, v)
                 peaks = [Fraction(_peak(program, r), v) for r in range(p)]
                 want_peak = [Fraction(spec.in_flight(p, m, v, r)).limit_denominator(100)

@@ -86,7 +86,7 @@ def _run(name: str, args: dict):
 def compare(name: str, per_rank_events, m: int) -> dict:
     """Simulate the schedule's program with (a) each op's measured duration and (b) the
     mean duration per (rank, chunk, kind); p2p latency = the fastest batch observed."""
-    from megalite.config import pipeline_schedules
+    from megalite.config import pipeline_program, pipeline_schedules
 
     schedule = name.partition(":")[0]
     waits = [ev[-1][4] for ev in per_rank_events]
@@ -108,9 +108,9 @@ def compare(name: str, per_rank_events, m: int) -> dict:
     latency = min(comm) if comm else 0.0
     measured = t_end - t_start
     program = pipeline_schedules.plan(schedule, 2, m, v)
-    exact = pipeline_schedules.simulate(program, lambda r, op: actual[(r, op.chunk, op.kind, op.mb)],
+    exact = pipeline_program.simulate(program, lambda r, op: actual[(r, op.chunk, op.kind, op.mb)],
                                comm_cost=latency)
-    planned = pipeline_schedules.simulate(program, lambda r, op: mean[(r, op.chunk, op.kind)],
+    planned = pipeline_program.simulate(program, lambda r, op: mean[(r, op.chunk, op.kind)],
                                  comm_cost=latency)
     return dict(schedule=name, p2p_wait=max(waits), measured=measured, exact=exact.makespan,
                 planned=planned.makespan, ratio=exact.makespan / measured,

@@ -35,8 +35,8 @@ from torch.autograd.graph import get_gradient_edge
 
 from megalite.comm import overlap
 from megalite.comm.flight_recorder import site
-from megalite.config import pipeline_schedules
-from megalite.config.pipeline_schedules import stage_index
+from megalite.config import pipeline_program, pipeline_schedules
+from megalite.config.pipeline_program import stage_index
 from megalite.pipeline_parallel import fsdp_sync
 from megalite.pipeline_parallel.p2p import StageLink, activation_shape
 from megalite.pipeline_parallel.weight_grad import backward_input
@@ -52,12 +52,12 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, c
     reports = []
     for i, batch in enumerate(batches):
         t0 = time.time()
-        site.step = forward = pipeline_schedules.Op("F", i)      # the flight recorder's call site
+        site.step = forward = pipeline_program.Op("F", i)        # the flight recorder's call site
         output, loss_func = forward_step(batch, model)
         loss, report = loss_func(output)
         t1 = time.time()
         if not forward_only:
-            site.step = backward = pipeline_schedules.Op("BW", i)
+            site.step = backward = pipeline_program.Op("BW", i)
             loss.backward()
         if events is not None:
             events += [(forward, t0, t1)] + (
@@ -75,7 +75,7 @@ def _no_pipelining_paired(forward_step, batches, model, events):
 
     def forward(i):
         t0 = time.time()
-        site.step = op = pipeline_schedules.Op("F", i, paired=True)
+        site.step = op = pipeline_program.Op("F", i, paired=True)
         output, loss_func = forward_step(batches[i], model)
         losses[i], report = loss_func(output)
         reports.append(report)
@@ -83,7 +83,7 @@ def _no_pipelining_paired(forward_step, batches, model, events):
 
     def backward(i):
         t0 = time.time()
-        site.step = op = pipeline_schedules.Op("BW", i, paired=True)
+        site.step = op = pipeline_program.Op("BW", i, paired=True)
         losses.pop(i).backward()
         log.append((op, t0, time.time()))
 
@@ -200,12 +200,12 @@ class PipelineExecutor:
         return stage_index(self.rank, op.chunk, self.p, self.vshape) == self.p * self.v - 1
 
     def _needs(self, op):
-        return pipeline_schedules.needs(op, self.rank, self.p, self.v, self.vshape)
+        return pipeline_program.needs(op, self.rank, self.p, self.v, self.vshape)
 
     def _deliver(self, op, tensor) -> None:
         """What ``op`` produced: to the next p2p batch, or straight to this rank's other
         chunk when it consumes it (detached, as a received message would be)."""
-        msg, dst = pipeline_schedules.produces(op, self.rank, self.p, self.v, self.vshape)
+        msg, dst = pipeline_program.produces(op, self.rank, self.p, self.v, self.vshape)
         if dst == self.rank:
             self.received[msg] = None if tensor is None else tensor.detach()
         else:
@@ -259,7 +259,7 @@ class PipelineExecutor:
             grads, pending = backward_input([out], [grad], [x], params)
             self.pending_w[(op.mb, op.chunk)] = pending
             gx = grads[0] if x is not None and x.is_leaf else None
-        if pipeline_schedules.produces(op, self.rank, self.p, self.v, self.vshape):
+        if pipeline_program.produces(op, self.rank, self.p, self.v, self.vshape):
             self._deliver(op, gx)
 
     _B = _BW  # input-gradient half (zero bubble): same bookkeeping, split inside

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from megalite.config.pipeline_layout import parse_layout
-from megalite.config.pipeline_schedules import stage_index, stage_place
+from megalite.config.pipeline_program import stage_index, stage_place
 
 
 @dataclass(frozen=True)

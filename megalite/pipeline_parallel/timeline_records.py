@@ -47,7 +47,7 @@ def records_from_buckets(trace: List[dict], pp_rank: int, global_rank: int) -> L
 
 
 def records_from_sim(result) -> List[dict]:
-    """A ``pipeline_schedules.SimResult`` in the same form (unit time = 1 second)."""
+    """A ``pipeline_program.SimResult`` in the same form (unit time = 1 second)."""
     return [dict(rank=e.rank, global_rank=e.rank, start=e.start, end=e.end, mb=e.mb,
                  chunk=e.chunk, kind="send+recv" if e.kind == "comm" else e.kind,
                  detail=e.detail) for e in result.events]

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from megalite.errors import DataError
 from megalite.config.pipeline_schedules import SCHEDULE_NAMES, get_schedule
-from megalite.config import pipeline_schedules
+from megalite.config import pipeline_program, pipeline_schedules
 from megalite.pipeline_parallel.timeline_records import load_records, records_from_sim
 from megalite.cli.boundary import run_cli
 from megalite.cli.arguments import OneLineErrorParser
@@ -86,8 +86,8 @@ def draw_pipeline(records: List[dict], out: str, title: Optional[str] = None,
 
 def simulated_records(schedule: str, pp: int, micro_batches: int, vpp: int = 1,
                       costs: Optional[dict] = None) -> List[dict]:
-    result = pipeline_schedules.simulate(pipeline_schedules.plan(schedule, pp, micro_batches, vpp),
-                                costs or pipeline_schedules.UNIT_COSTS)
+    result = pipeline_program.simulate(pipeline_schedules.plan(schedule, pp, micro_batches, vpp),
+                                       costs or pipeline_program.UNIT_COSTS)
     return records_from_sim(result)
 
 

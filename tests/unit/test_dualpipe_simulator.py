@@ -8,8 +8,9 @@ import pytest
 from megalite.cli.arguments import parse_args
 from megalite.config import ConfigError
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.config import pipeline_program as P
 from megalite.config import pipeline_schedules as S
-from megalite.config.pipeline_schedules import stage_index, stage_place
+from megalite.config.pipeline_program import stage_index, stage_place
 from megalite.pipeline_parallel.split import split_layers
 
 UNIT = {k: Fraction(1) for k in "FBW"}
@@ -34,8 +35,8 @@ def test_v_shape_split_puts_the_first_and_last_layers_on_rank_0():
 def test_programs_are_complete_fifo_and_deadlock_free(p, m):
     for forward_only in (False, True):
         program = S.plan("dualpipev", p, m, 2, forward_only)
-        S.check_fifo(program, p)
-        S.simulate(program)
+        P.check_fifo(program, p)
+        P.simulate(program)
         for r, prog in enumerate(program):
             done = {}
             for op in prog:
@@ -54,7 +55,7 @@ def test_programs_are_complete_fifo_and_deadlock_free(p, m):
 @pytest.mark.parametrize("p,m", CASES)
 def test_bubble_and_peak_in_flight_match_the_formulas(p, m):
     spec = S.get_schedule("dualpipev")
-    res = S.simulate(S.plan("dualpipev", p, m, 2), UNIT)
+    res = P.simulate(S.plan("dualpipev", p, m, 2), UNIT)
     # DeepSeek: (S/2 - 1)(F&B + B - 3W) per rank over S = 2p stages, B the full backward
     f, b, w = UNIT["F"], UNIT["B"] + UNIT["W"], UNIT["W"]
     idle = (p - 1) * ((f + b) + b - 3 * w)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megalite.comm import overlap
+from megalite.config import pipeline_program as pp
 from megalite.config import pipeline_schedules as ps
 from megalite.transformer import extra_losses
 
@@ -77,8 +78,8 @@ def test_grad_mode_of_the_caller_reaches_both_halves():
 @pytest.mark.parametrize("delay", [False, True])
 def test_combined_1f1b_pairs_a_forward_with_another_micro_batchs_backward(p, m, delay):
     program = ps.plan("1f1b", p, m, 1, False, True, delay)
-    ps.check_fifo(program, p)
-    ps.simulate(program)                    # no deadlock
+    pp.check_fifo(program, p)
+    pp.simulate(program)                    # no deadlock
     for rank, prog in enumerate(program):
         computed = [op for op in prog if op.kind != "comm"]
         assert sorted(o.mb for o in computed if o.kind == "F") == list(range(m))

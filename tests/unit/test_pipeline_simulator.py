@@ -3,11 +3,13 @@ from fractions import Fraction
 
 import pytest
 
+from megalite.config import pipeline_orders as O
+from megalite.config import pipeline_program as P
 from megalite.config import pipeline_schedules as S
 
 
-def _bubble(schedule, p, m, v=1, costs=S.UNIT_COSTS):
-    return Fraction(S.simulate(S.plan(schedule, p, m, v), costs).bubble_fraction) \
+def _bubble(schedule, p, m, v=1, costs=P.UNIT_COSTS):
+    return Fraction(P.simulate(S.plan(schedule, p, m, v), costs).bubble_fraction) \
         .limit_denominator(100000)
 
 
@@ -48,8 +50,8 @@ def test_programs_are_complete_fifo_and_deadlock_free(schedule, v, forward_only)
     for p in (2, 3, 4, 5, 8):
         for m in ((p, 2 * p) if schedule == "interleaved" else (1, p - 1 or 1, p, 2 * p + 1)):
             prog = S.plan(schedule, p, m, v, forward_only)
-            S.check_fifo(prog, p)
-            S.simulate(prog)                 # raises DeadlockError otherwise
+            P.check_fifo(prog, p)
+            P.simulate(prog)                 # raises DeadlockError otherwise
             for r, ops in enumerate(prog):
                 kinds = [(o.kind, o.mb, o.chunk) for o in ops if o.kind != "comm"]
                 want = {("F", i, c) for i in range(m) for c in range(v)}
@@ -75,7 +77,7 @@ def test_1f1b_order_and_in_flight_bound():
 
 def test_zero_bubble_memory_capped_at_p():
     p, m = 4, 12
-    for order in S.orders_zero_bubble(p, m):
+    for order in O.orders_zero_bubble(p, m):
         live = peak = 0
         for o in order:
             live += {"F": 1, "B": 0, "W": -1}[o.kind]
@@ -85,19 +87,19 @@ def test_zero_bubble_memory_capped_at_p():
 
 def test_interleaved_needs_multiple_of_p():
     with pytest.raises(ValueError, match="multiple"):
-        S.order_interleaved(4, 6, 2, 0)
+        O.order_interleaved(4, 6, 2, 0)
 
 
 def test_deadlock_detected():
     prog = [list(ops) for ops in S.plan("1f1b", 2, 2)]
     # rank 1 waits for a message rank 0 never sends
-    bogus = S.Op("comm", recvs=((S.Msg("act", 99, 1), 0),))
+    bogus = P.Op("comm", recvs=((P.Msg("act", 99, 1), 0),))
     prog[1].insert(0, bogus)
-    with pytest.raises(S.DeadlockError):
-        S.simulate(prog)
+    with pytest.raises(P.DeadlockError):
+        P.simulate(prog)
     prog = [list(ops) for ops in S.plan("1f1b", 2, 3)]
     sends = [i for i, o in enumerate(prog[0]) if o.kind == "comm" and o.sends]
     a, b = sends[0], sends[1]
     prog[0][a], prog[0][b] = prog[0][b], prog[0][a]   # sends out of the receiver's order
-    with pytest.raises(S.DeadlockError):
-        S.check_fifo(prog, 2)
+    with pytest.raises(P.DeadlockError):
+        P.check_fifo(prog, 2)

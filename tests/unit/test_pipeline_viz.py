@@ -5,7 +5,7 @@ import os
 import pytest
 
 from megalite.cli.main import main as cli
-from megalite.config import pipeline_schedules
+from megalite.config import pipeline_program, pipeline_schedules
 from megalite.pipeline_parallel.timeline import (chrome_trace, load_records, records_from_sim,
                                                  write_chrome_trace)
 from megalite.viz.timeline import bubble_of
@@ -21,7 +21,7 @@ def test_viz_schedule_cli(tmp_path, args):
 
 
 def test_trace_round_trip_keeps_bubble(tmp_path):
-    sim = pipeline_schedules.simulate(pipeline_schedules.plan("1f1b", 4, 8))
+    sim = pipeline_program.simulate(pipeline_schedules.plan("1f1b", 4, 8))
     records = records_from_sim(sim)
     assert bubble_of(records) == pytest.approx(3 / 8)
     path = tmp_path / "t.json"
@@ -37,7 +37,7 @@ def test_trace_round_trip_keeps_bubble(tmp_path):
 
 
 def test_chrome_trace_events_are_complete_events():
-    trace = chrome_trace(records_from_sim(pipeline_schedules.simulate(pipeline_schedules.plan("zero-bubble", 2, 4))),
+    trace = chrome_trace(records_from_sim(pipeline_program.simulate(pipeline_schedules.plan("zero-bubble", 2, 4))),
                          {})
     xs = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert all(e["dur"] >= 0 and e["tid"] in (0, 1) for e in xs)
