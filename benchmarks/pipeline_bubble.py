@@ -2,7 +2,7 @@
 
 Runs a few training iterations of a small GPT on PP=2 for each schedule, takes the
 fastest iteration's executor events (wall clock) and replays the same program in
-``pipeline_schedules.simulate`` with (a) every op's measured duration -- this checks that the
+``pipeline_program.simulate`` with (a) every op's measured duration -- this checks that the
 simulator's order and blocking-p2p semantics are what ran -- and (b) one mean cost per
 (rank, chunk, op kind), the way a planner would use it.  p2p latency is the fastest
 batch seen.  Prints predicted vs measured iteration time and bubble side by side, and the
