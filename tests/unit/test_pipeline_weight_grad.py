@@ -38,7 +38,7 @@ def _run(model, pre, x, ids, labels, split):
         return inp.grad if not pre else None
     grads, pending = backward_input([loss], [None], [inp], list(model.parameters()))
     assert all(p.grad is None for p in model.parameters()), "B must not produce weight grads"
-    assert pending.groups and not pending.fallback
+    assert len(pending.stash) and not pending.fallback, "the linears' dW must be deferred"
     pending.run()
     return grads[0] if not pre else None
 
