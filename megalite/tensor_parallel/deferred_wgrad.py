@@ -34,7 +34,6 @@ from torch.autograd.graph import GradientEdge
 
 _LOCK = threading.Lock()
 _ACTIVE: Dict[int, "WgradStash"] = {}      # graph-task id -> the stash of that B
-FLUSH_BYTES = 64 << 20                     # W's deferred dW held before one accumulation
 
 
 class WgradStash:
@@ -48,23 +47,20 @@ class WgradStash:
         self.entries.append((list(edges), compute))
 
     def run(self) -> None:
-        """Compute every deferred dW and accumulate it through its gradient edge: one
-        engine call per ``FLUSH_BYTES`` of gradients (each call costs about as much as
-        accumulating a small weight; holding every dW at once would cost memory)."""
+        """Compute each deferred dW and accumulate it through its gradient edge at once,
+        one linear at a time as a plain backward does: holding many dW before one
+        accumulation costs memory, and on CPU fresh pages (measured: 7-9% of W)."""
         entries, self.entries = self.entries, []
-        roots, grads, size = [], [], 0
-        for i, (edges, compute) in enumerate(entries):
+        for edges, compute in entries:
             with torch.no_grad():           # as inside backward (in-place collectives)
                 computed = compute()
-            for (node, nr), g in zip(edges, computed):
-                if g is not None and node is not None:
-                    roots.append(GradientEdge(node, nr))
-                    grads.append(g)
-                    size += g.numel() * g.element_size()
-            if roots and (size >= FLUSH_BYTES or i == len(entries) - 1):
-                # retain: a cast node two linears share is walked once per flush
-                torch.autograd.backward(roots, grads, retain_graph=True)
-                roots, grads, size = [], [], 0
+            roots = [GradientEdge(n, i) for (n, i), g in zip(edges, computed)
+                     if n is not None and g is not None]
+            if roots:   # retain: a cast node two linears share is walked twice
+                torch.autograd.backward(roots, [g for (n, _), g in zip(edges, computed)
+                                                if n is not None and g is not None],
+                                        retain_graph=True)
+            del computed
 
     def __len__(self):
         return len(self.entries)
