@@ -170,3 +170,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
                                            (bias is not None and bias.requires_grad)):
         return torch.nn.functional.linear(x, weight, bias)
     return LinearWithDeferredWgrad.apply(x, weight, bias)
+
+
+class GroupedMMWithDeferredWgrad(torch.autograd.Function):
+    """``torch._grouped_mm(x, w.transpose(1, 2), offs=offs)`` -- rows of group e times
+    ``w[e].t()`` -- whose expert-weight gradient a collecting B defers to W.  Backward is
+    the native one's: ``dX = grouped_mm(dY, w)``, ``dW = grouped_mm(dYᵀ, X)`` grouped
+    along the token dimension (an empty group gets a zero gradient)."""
+
+    defers_wgrad = (1,)
+
+    @staticmethod
+    def forward(ctx, x, w, offs):
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, offs = ctx.saved_tensors
+        grad_x = torch._grouped_mm(grad, w, offs=offs) if engine_wants(ctx, 0) else None
+        stash = stash_for(ctx, (1,))
+        if stash is not None:
+            stash.add(weight_edges(ctx, (1,)),
+                      lambda: (torch._grouped_mm(grad.t(), x, offs=offs),))
+            return grad_x, None, None
+        grad_w = torch._grouped_mm(grad.t(), x, offs=offs) if engine_wants(ctx, 1) else None
+        return grad_x, grad_w, None
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, w.transpose(1, 2), offs=offs)`` whose dW zero bubble's W
+    computes from stored (input, grad_output)."""
+    if not torch.is_grad_enabled() or not w.requires_grad:
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    return GroupedMMWithDeferredWgrad.apply(x, w, offs)
