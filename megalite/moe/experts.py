@@ -97,9 +97,10 @@ class LoopedGroupedLinear(torch.autograd.Function):
         sizes = ctx.sizes
         grad = grad.contiguous()
         gx = torch.empty_like(x) if engine_wants(ctx, 0) else None
-        stash = stash_for(ctx, (1,))
+        stash, later = stash_for(ctx, (1,))
         if stash is not None:
-            stash.add(weight_edges(ctx, (1,)), lambda: (_looped_wgrad(x, w, grad, sizes),))
+            stash.add(weight_edges(ctx, (1,), later),
+                      lambda: (_looped_wgrad(x, w, grad, sizes),))
         elif engine_wants(ctx, 1):
             return _looped_dgrad(x, w, grad, sizes, gx), _looped_wgrad(x, w, grad, sizes), None
         return _looped_dgrad(x, w, grad, sizes, gx), None, None

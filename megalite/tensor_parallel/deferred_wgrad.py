@@ -14,9 +14,9 @@ How a backward finds where to store: ``collecting(roots)`` registers a pre-hook 
 root nodes that maps the engine's graph-task id (``torch._C._current_graph_task_id``, set
 on whichever thread runs the backward -- CUDA backwards run on the device's engine thread)
 to a ``WgradStash``.  A deferring ``autograd.Function`` calls ``stash_for(ctx, slots)``: it
-gets the stash only if one is registered for the running backward *and* the engine does
-not want those slots (the weights are not among B's inputs); otherwise it computes dW
-now, as in any backward.  So a plain ``loss.backward()`` and a user's
+gets the stash only if one is registered for the running backward, and defers only the
+slots the engine does not want (the weights that are not among B's inputs); what the
+engine wants it computes now, as in any backward.  So a plain ``loss.backward()`` and a user's
 ``torch.autograd.grad`` are unchanged.
 
 W hands each dW to the gradient edge the weight came in on (``ctx.next_functions``), so
@@ -109,21 +109,23 @@ def engine_wants(ctx, i: int) -> bool:
         return True
 
 
-def stash_for(ctx, slots: Sequence[int]) -> Optional[WgradStash]:
-    """The stash to defer ``forward`` inputs ``slots`` (the weights) to, or None to
-    compute them now: None unless this backward is a collecting B that does not want any
-    of them while at least one needs a gradient."""
+def stash_for(ctx, slots: Sequence[int]):
+    """``(stash, later)`` for ``forward`` inputs ``slots`` (the weights): ``later[k]`` says
+    slot k needs a gradient that the running backward does not want, so W computes it into
+    ``stash``.  ``(None, all False)`` unless this backward is a collecting B; the slots the
+    engine wants (a weight B takes too, module docstring) are computed now either way."""
+    none = None, (False,) * len(slots)
     if not _ACTIVE:
-        return None
-    need = [i for i in slots if ctx.needs_input_grad[i] and ctx.next_functions[i][0] is not None]
-    if not need or any(engine_wants(ctx, i) for i in need):
-        return None
-    return _ACTIVE.get(torch._C._current_graph_task_id())
+        return none
+    later = tuple(bool(ctx.needs_input_grad[i]) and ctx.next_functions[i][0] is not None
+                  and not engine_wants(ctx, i) for i in slots)
+    stash = _ACTIVE.get(torch._C._current_graph_task_id()) if any(later) else None
+    return (stash, later) if stash is not None else none
 
 
-def weight_edges(ctx, slots: Sequence[int]):
-    """(node, input_nr) of each slot, None where it takes no gradient."""
-    return [ctx.next_functions[i] if ctx.needs_input_grad[i] else (None, 0) for i in slots]
+def weight_edges(ctx, slots: Sequence[int], later: Sequence[bool]):
+    """(node, input_nr) of each slot W computes, (None, 0) for the others."""
+    return [ctx.next_functions[i] if defer else (None, 0) for i, defer in zip(slots, later)]
 
 
 def _linear_wgrad(x, grad, has_bias: bool, want_w: bool, want_b: bool):
@@ -152,14 +154,13 @@ class LinearWithDeferredWgrad(torch.autograd.Function):
         grad_x = grad.matmul(weight) if engine_wants(ctx, 0) else None
         has_bias = ctx.has_bias
         slots = (1, 2) if has_bias else (1,)
-        stash = stash_for(ctx, slots)
+        stash, later = stash_for(ctx, slots)
         if stash is not None:
-            want_w, want_b = ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2]
-            stash.add(weight_edges(ctx, slots),
-                      lambda: _linear_wgrad(x, grad, has_bias, want_w, want_b))
-            return grad_x, None, None
-        grad_w, grad_b = _linear_wgrad(x, grad, ctx.has_bias, engine_wants(ctx, 1),
-                                       ctx.has_bias and engine_wants(ctx, 2))
+            later_w, later_b = later[0], has_bias and later[1]
+            stash.add(weight_edges(ctx, slots, later),
+                      lambda: _linear_wgrad(x, grad, has_bias, later_w, later_b))
+        grad_w, grad_b = _linear_wgrad(x, grad, has_bias, engine_wants(ctx, 1),
+                                       has_bias and engine_wants(ctx, 2))
         return grad_x, grad_w, grad_b
 
 
@@ -189,9 +190,9 @@ class GroupedMMWithDeferredWgrad(torch.autograd.Function):
     def backward(ctx, grad):
         x, w, offs = ctx.saved_tensors
         grad_x = torch._grouped_mm(grad, w, offs=offs) if engine_wants(ctx, 0) else None
-        stash = stash_for(ctx, (1,))
+        stash, later = stash_for(ctx, (1,))
         if stash is not None:
-            stash.add(weight_edges(ctx, (1,)),
+            stash.add(weight_edges(ctx, (1,), later),
                       lambda: (torch._grouped_mm(grad.t(), x, offs=offs),))
             return grad_x, None, None
         grad_w = torch._grouped_mm(grad.t(), x, offs=offs) if engine_wants(ctx, 1) else None

@@ -9,6 +9,9 @@ which dim, fused blocks, vocab padding, init rule, sequence-parallel flag) in th
 generator and slices it, which makes the initial weights independent of TP and PP.
 A replicated parameter that only sees this rank's sequence shard (``sequence_parallel``)
 has its grad summed over that group by ``allreduce_sequence_parallel_grads``.
+Every linear's matmul goes through ``deferred_wgrad`` (``linear`` or the SP column
+Function): the same forward and backward, except that zero bubble's B stores what dW needs
+and its W computes it.
 """
 from __future__ import annotations
 
@@ -62,14 +65,12 @@ class _SPColumnLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group, has_bias = ctx.group, ctx.has_bias
         slots = (1, 2) if has_bias else (1,)
-        stash = stash_for(ctx, slots)
+        stash, later = stash_for(ctx, slots)
         if stash is not None:           # zero bubble's B: dX now, dW/db in W
-            later = (ctx.needs_input_grad[1], has_bias and ctx.needs_input_grad[2])
-            stash.add(weight_edges(ctx, slots),
-                      lambda: _sp_column_grads(x, weight, grad, group, False, *later)[1:])
-            now = (False, False)
-        else:
-            now = (engine_wants(ctx, 1), has_bias and engine_wants(ctx, 2))
+            w_b = (later[0], has_bias and later[1])
+            stash.add(weight_edges(ctx, slots, later),
+                      lambda: _sp_column_grads(x, weight, grad, group, False, *w_b)[1:])
+        now = (engine_wants(ctx, 1), has_bias and engine_wants(ctx, 2))
         return (*_sp_column_grads(x, weight, grad, group, engine_wants(ctx, 0), *now), None)
 
 

@@ -155,3 +155,27 @@ def test_deferred_linear_plain_backward_and_bf16_main_grad_hook():
     assert len(fired) == 2
     want = 2 * (dy.bfloat16().reshape(-1, 6).t() @ x.bfloat16().reshape(-1, 8)).float()
     assert torch.allclose(wb.main_grad, want, rtol=1e-2, atol=1e-2)
+
+
+def test_weight_shared_with_another_op_is_formed_in_b_and_its_bias_still_deferred():
+    """A weight that also feeds a non-deferring op is one of B's inputs (its dW is formed
+    in B); the same linear's bias is not wanted by B and waits for W."""
+    from megalite.tensor_parallel.deferred_wgrad import linear
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((5, 4), (3, 4), (3,)))
+    dy = torch.randn(5, 3, generator=g)
+
+    def run(split):
+        wp, bp = torch.nn.Parameter(w.clone()), torch.nn.Parameter(b.clone())
+        xi = x.clone().requires_grad_()
+        y = linear(torch.tanh(xi), wp, bp) + wp.sum(1)       # wp also used outside
+        if not split:
+            y.backward(dy)
+            return xi.grad, wp.grad, bp.grad
+        (gx,), pending = backward_input([y], [dy], [xi], [wp, bp])
+        assert [p for p, _ in pending.held] == [wp] and len(pending.stash) == 1
+        pending.run()
+        return gx, wp.grad, bp.grad
+    for got, want in zip(run(True), run(False)):
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7)
