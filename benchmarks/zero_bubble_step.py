@@ -114,8 +114,9 @@ def stage_costs(args: dict, where: str, recompute: bool, reps: int) -> dict:
 
 
 # -- part 2: the pipelined step -----------------------------------------------------------
-def _run(schedule: str, pp: int, args: dict):
-    """On every rank: ``iters`` + 1 steps of ``schedule``; per step the ops' wall times."""
+def _run(schedules, pp: int, args: dict):
+    """On every rank: ``iters`` + 1 steps of each schedule, alternating (so that both see
+    the same machine); per schedule and step the ops' wall times."""
     import torch
     import torch.distributed as dist
 
@@ -124,7 +125,7 @@ def _run(schedule: str, pp: int, args: dict):
     from megalite.pipeline_parallel.schedules import run_schedule
 
     torch.set_num_threads(1)
-    cfg = _cfg(args, pp=pp, schedule=schedule)
+    cfg = _cfg(args, pp=pp, schedule=schedules[0])
     state = ParallelState.build(RankGrid.from_config(cfg), dist.get_rank())
     chunks = build_model_chunks(cfg, state)
     m = args["micro_batches"]
@@ -137,14 +138,16 @@ def _run(schedule: str, pp: int, args: dict):
         out = model(batch["tokens"], labels=batch["labels"])
         return out, lambda o: (o.float().mean() / m, {"loss_sum": o.detach().sum()})
 
-    steps = []
+    steps = {s: [] for s in schedules}
     for i in range(args["iters"] + 1):          # step 0 warms up
-        for c in chunks:
-            c.zero_grad(set_to_none=False)
-        dist.barrier()
-        ex = run_schedule(schedule, forward_step, batches, chunks, state, cfg)
-        if i:
-            steps.append([(op.kind, op.mb, op.chunk, t0, t1) for op, t0, t1 in ex.events])
+        for schedule in schedules:
+            for c in chunks:
+                c.zero_grad(set_to_none=False)
+            dist.barrier()
+            ex = run_schedule(schedule, forward_step, batches, chunks, state, cfg)
+            if i:
+                steps[schedule].append([(op.kind, op.mb, op.chunk, t0, t1)
+                                        for op, t0, t1 in ex.events])
     return steps
 
 
@@ -216,8 +219,8 @@ def main(argv=None) -> int:
 
     from megalite.testing import WorkerPool
 
-    print(f"\nPipelined step (ms; best of {a.iters}; sim = the simulator with this run's "
-          "mean op costs)")
+    print(f"\nPipelined step (ms; best of {a.iters}, the two schedules' steps alternating; "
+          "sim = the simulator with this run's mean op costs)")
     print(f"{'PP':>2} {'m':>3} {'1F1B':>8} {'ZB-H1':>8} {'ZB/1F1B':>8} | {'sim 1F1B':>8} "
           f"{'sim ZB':>8} {'ratio':>6} | {'bubble 1F1B':>11} {'bubble ZB':>9} | "
           "mean op ms: 1F1B | ZB-H1")
@@ -226,8 +229,9 @@ def main(argv=None) -> int:
         try:
             for m in a.micro_batches:
                 run = dict(args, micro_batches=m)
-                rows = {s: _step_row(s, pp, m, pool.run(_run, s, pp, run))
-                        for s in ("1f1b", "zero-bubble")}
+                names = ("1f1b", "zero-bubble")
+                per_rank = pool.run(_run, names, pp, run)
+                rows = {s: _step_row(s, pp, m, [r[s] for r in per_rank]) for s in names}
                 o, z = rows["1f1b"], rows["zero-bubble"]
                 fmt = lambda d: ", ".join(f"{k} {v:.1f}" for k, v in d.items())   # noqa: E731
                 print(f"{pp:>2} {m:>3} {1e3 * o['measured']:>8.1f} {1e3 * z['measured']:>8.1f} "
