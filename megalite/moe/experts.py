@@ -12,9 +12,9 @@ grad norm and checkpoints follow without anything expert-specific in those place
 the other.  Each linear is one grouped GEMM over the whole buffer (``torch._grouped_mm``
 where the device and dtype support it; otherwise a loop over the local experts into one
 output buffer, never a loop over tokens), and the activation runs once on the whole
-buffer.  ``torch._grouped_mm`` is a native autograd node that computes only the gradients
-asked for, so the zero-bubble schedule's B pass gets the input gradient alone and its W
-pass the weight gradient alone, as for a dense linear.  With expert-TP the output is this
+buffer.  Both paths defer their weight gradient as the dense linears do
+(``tensor_parallel.deferred_wgrad``): zero bubble's B computes the input gradient alone
+and stores (input, dY); its W runs only the expert-weight GEMMs.  With expert-TP the output is this
 shard's partial sum (the dispatcher reduces it).
 
 ``--moe-expert-bias`` (gpt-oss): ``linear_fc1.bias`` [E, 2F] and ``linear_fc2.bias`` [E, h],
@@ -32,6 +32,8 @@ from torch import nn
 
 from megalite.param_spec import ParamSpec, Split, make_param
 from megalite.config.activations import activation_of
+from megalite.tensor_parallel.deferred_wgrad import (engine_wants, grouped_mm, stash_for,
+                                                     weight_edges)
 
 Counts = Union[List[int], torch.Tensor]
 
@@ -86,21 +88,36 @@ class LoopedGroupedLinear(torch.autograd.Function):
             torch.mm(rows, w[e].t(), out=dst)
         return out
 
+    defers_wgrad = (1,)     # zero bubble's W computes gw (tensor_parallel.deferred_wgrad)
+
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         sizes = ctx.sizes
         grad = grad.contiguous()
-        gx = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        gw = torch.empty_like(w) if ctx.needs_input_grad[1] else None
-        gx_rows = gx.split(sizes) if gx is not None else [None] * len(sizes)
-        for e, (g, rows, dst) in enumerate(zip(grad.split(sizes), x.split(sizes), gx_rows)):
-            if dst is not None:
-                torch.mm(g, w[e], out=dst)
-            if gw is not None:
-                torch.mm(g.t(), rows, out=gw[e])
-        return gx, gw, None
+        gx = torch.empty_like(x) if engine_wants(ctx, 0) else None
+        stash, later = stash_for(ctx, (1,))
+        if stash is not None:
+            stash.add(weight_edges(ctx, (1,), later),
+                      lambda: (_looped_wgrad(x, w, grad, sizes),))
+        elif engine_wants(ctx, 1):
+            return _looped_dgrad(x, w, grad, sizes, gx), _looped_wgrad(x, w, grad, sizes), None
+        return _looped_dgrad(x, w, grad, sizes, gx), None, None
+
+
+def _looped_dgrad(x, w, grad, sizes, gx):
+    if gx is not None:
+        for e, (g, dst) in enumerate(zip(grad.split(sizes), gx.split(sizes))):
+            torch.mm(g, w[e], out=dst)
+    return gx
+
+
+def _looped_wgrad(x, w, grad, sizes):
+    gw = torch.empty_like(w)
+    for e, (g, rows) in enumerate(zip(grad.split(sizes), x.split(sizes))):
+        torch.mm(g.t(), rows, out=gw[e])
+    return gw
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: Counts) -> torch.Tensor:
@@ -111,7 +128,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: Counts) 
             x, w = x.clone(), w.clone()
         counts = torch.as_tensor(tokens_per_expert, device=x.device)
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+        return grouped_mm(x, w, offs)
     sizes = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) \
         else list(tokens_per_expert)
     return LoopedGroupedLinear.apply(x, w, sizes)

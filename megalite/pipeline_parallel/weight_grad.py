@@ -1,24 +1,32 @@
 """Split a backward pass into B (input gradients) now and W (weight gradients) later.
 
 Zero-bubble schedules need B on the critical path (the previous stage waits for its
-gradient) and W in the bubbles.  This works on any autograd graph, so the model needs no
-special layers:
+gradient) and W in the bubbles, and B + W must cost what one backward costs -- otherwise
+the split spends more than the bubble it fills.  So W replays no graph: each parameter
+is sorted, by where it enters the stage's graph, into one of three kinds:
 
-* ``D`` is every graph node from which the stage input is reachable -- the activation
-  path that B must run anyway.
-* For each parameter, the first ``D`` nodes met walking from the parameter towards the
-  output are its *intermediates* (for ``y = x @ w.t()`` the ``MmBackward`` node).
-* B runs ``torch.autograd.grad`` w.r.t. the stage input only: autograd then skips every
-  edge into a weight branch, and pre-hooks on the intermediates record the gradient
-  arriving at them.
-* W replays each intermediate with its recorded gradient, asking only for its parameters
-  (``torch.autograd.backward(..., inputs=params)``): autograd computes just the weight
-  edges and accumulates into ``param.grad`` through the usual AccumulateGrad nodes, so
-  post-accumulate hooks (bf16 ``main_grad``) fire exactly as for a normal backward.
+* **Deferred** -- it is only the weight (or bias) of linears whose ``autograd.Function``
+  defers (``tensor_parallel.deferred_wgrad``: every linear of ``tensor_parallel.layers``).
+  B leaves it out of ``torch.autograd.grad``'s inputs; each such linear then computes dX
+  and stores (input, dY); W runs only the dW GEMMs.  Nothing is replayed, so nothing
+  checkpointed is recomputed a second time (a replay re-runs a checkpointed region per
+  engine call) and no input-gradient edge is walked twice.
+* **Below the input** -- on the first stage the "input" is the embedding output
+  (captured by the executor with a forward hook); the embedding table sits below it.  B
+  never runs those nodes, so W replays them from B's own input gradient.
+* **In B** -- every other parameter (norms' weights, a router, experts' grouped GEMMs,
+  one a deferring linear shares with another op) is one more input of B's
+  ``torch.autograd.grad``: its gradient is formed by the backward B runs anyway, held,
+  and accumulated in W.
 
-Parameters that no intermediate reaches (none in a well-formed stage) fall back to one
-more backward from the outputs in W.  On the first stage the "input" is the embedding
-output, captured by the executor with a forward hook.
+D below is every graph node from which a stage input is reachable (the activation
+path); a parameter's *entries* are the first D nodes met walking from it towards the
+outputs, which is what sorts it.  W accumulates into ``param.grad`` through the usual
+``AccumulateGrad`` nodes (held gradients as ``backward`` roots, deferred dW through the
+edge the weight came in on), so post-accumulate hooks (bf16 ``main_grad``) fire exactly
+as in a normal backward.  B runs with ``retain_graph=False``: what W needs it holds
+itself, so a stage's activations are freed after B as the zero-bubble memory model
+assumes.
 """
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge
+
+from megalite.tensor_parallel.deferred_wgrad import WgradStash, collecting
 
 
 def _node_of(t: torch.Tensor):
@@ -51,55 +61,78 @@ def _reverse_edges(roots) -> Dict[object, List[object]]:
     return rev
 
 
-def _closure(starts, rev, stop=frozenset()):
-    """Nodes reached from ``starts`` towards the outputs; ``stop`` nodes end a walk."""
-    out, hit = set(starts), set()
+def _closure(starts, rev):
+    """Nodes reached from ``starts`` towards the outputs."""
+    out = set(starts)
     queue = collections.deque(starts)
     while queue:
         for parent in rev.get(queue.popleft(), ()):
-            if parent in out:
-                continue
-            if parent in stop:
-                hit.add(parent)
-                continue
-            out.add(parent)
-            queue.append(parent)
-    return out, hit
+            if parent not in out:
+                out.add(parent)
+                queue.append(parent)
+    return out
+
+
+def _subgraph(starts):
+    """Nodes reachable from ``starts`` towards the leaves (what backward from them runs)."""
+    out, queue = set(starts), collections.deque(starts)
+    while queue:
+        for child, _ in queue.popleft().next_functions:
+            if child is not None and child not in out:
+                out.add(child)
+                queue.append(child)
+    return out
+
+
+def _entries(start, rev, d_nodes):
+    """(D node, the child it was entered from) for each first D node met from ``start``."""
+    seen, hit = {start}, set()
+    queue = collections.deque([start])
+    while queue:
+        child = queue.popleft()
+        for parent in rev.get(child, ()):
+            if parent in d_nodes:
+                hit.add((parent, child))
+            elif parent not in seen:
+                seen.add(parent)
+                queue.append(parent)
+    return hit
+
+
+def _deferred_entry(node, child) -> bool:
+    """Does ``child`` feed ``node`` only at slots whose gradient the node's Function
+    defers to W (``defers_wgrad``: its weight and bias)?"""
+    slots = getattr(getattr(node, "_forward_cls", None), "defers_wgrad", ())
+    used = [i for i, (c, _) in enumerate(node.next_functions) if c is child]
+    return bool(slots) and all(i in slots for i in used)
 
 
 class PendingWeightGrad:
-    """What B leaves for W: per parameter group, the intermediates and their gradients."""
+    """What B leaves for W: the deferred dW GEMMs, the gradients B formed for the
+    parameters it took, and the nodes below the stage input with their gradients."""
 
-    def __init__(self, groups, fallback, outputs, grad_outputs):
-        self.groups = groups          # list of {"params": [...], "nodes": [...], "grads": {}}
-        self.fallback = fallback      # params no intermediate reaches
+    def __init__(self, stash: Optional[WgradStash], held, below, fallback, outputs,
+                 grad_outputs):
+        self.stash = stash              # deferred linears' dW/db
+        self.held = held                # [(param, grad)] formed in B
+        self.below = below              # {"params": [...], "roots": [(node, nr)], "grads": [...]}
+        self.fallback = fallback        # nothing was split (no input): the whole backward
         self.outputs, self.grad_outputs = outputs, grad_outputs
 
     def run(self) -> None:
-        """W: accumulate every weight gradient of this micro-batch, then drop the graph."""
-        for group in self.groups:
-            roots, grads = [], []
-            for node in group["nodes"]:
-                for i, g in enumerate(group["grads"].get(node, ())):
-                    if g is not None:
-                        roots.append(GradientEdge(node, i))
-                        grads.append(g)
-            if not roots:
-                continue
-            handles = []
-            if len(group["nodes"]) > 1:  # one intermediate may feed another: pin recorded grads
-                for node in group["nodes"]:
-                    saved = group["grads"].get(node)
-                    if saved is not None:
-                        handles.append(node.register_prehook(lambda _g, s=saved: s))
-            try:
-                torch.autograd.backward(roots, grads, retain_graph=True, inputs=group["params"])
-            finally:
-                for h in handles:
-                    h.remove()
+        """W: accumulate every weight gradient of this micro-batch, then drop it all."""
+        if self.stash is not None:
+            self.stash.run()
+        held = [(p, g) for p, g in self.held if g is not None]
+        if held:
+            torch.autograd.backward([p for p, _ in held], [g for _, g in held])
+        if self.below and self.below["roots"]:
+            torch.autograd.backward([GradientEdge(n, i) for n, i in self.below["roots"]],
+                                    self.below["grads"], inputs=self.below["params"])
         if self.fallback:
             torch.autograd.backward(self.outputs, self.grad_outputs, inputs=self.fallback)
-        self.groups = self.fallback = self.outputs = self.grad_outputs = None
+        self.stash = self.held = self.below = self.fallback = None
+        self.outputs = self.grad_outputs = None
 
 
 def backward_input(outputs: Sequence, grad_outputs: Sequence[Optional[torch.Tensor]],
@@ -109,60 +142,40 @@ def backward_input(outputs: Sequence, grad_outputs: Sequence[Optional[torch.Tens
     outputs, grad_outputs = list(outputs), list(grad_outputs)
     params = [p for p in params if p.requires_grad]
     inputs = [t for t in inputs if t is not None and t.requires_grad]
+    if not inputs:   # nothing to send and nothing to split on: all of it is W
+        return [], PendingWeightGrad(None, [], None, params, outputs, grad_outputs)
     roots = [o.node if isinstance(o, GradientEdge) else o.grad_fn for o in outputs]
     roots = [r for r in roots if r is not None]
     rev = _reverse_edges(roots)
-    input_nodes = [_node_of(t) for t in inputs]
-    d_nodes, _ = _closure(input_nodes, rev)
-    param_node = {_node_of(p): p for p in params}
+    input_nodes = {_node_of(t): t for t in inputs}
+    d_nodes = _closure(list(input_nodes), rev)
 
-    # Group parameters that share an intermediate (union of overlapping sets).
-    groups: List[dict] = []
-    owner: Dict[object, dict] = {}
-    fallback = []
-    for node, p in param_node.items():
+    in_b, below = [], []
+    for p in params:
+        node = _node_of(p)
         if node not in rev:
             continue  # not used by this graph: no gradient, as in a normal backward
-        _, hit = _closure([node], rev, stop=d_nodes)
-        if node in d_nodes or not hit:
-            fallback.append(p)
-            continue
-        merged = {"params": [p], "nodes": set(hit), "grads": {}}
-        for other in {id(owner[h]): owner[h] for h in hit if h in owner}.values():
-            merged["params"] += other["params"]
-            merged["nodes"] |= other["nodes"]
-            groups = [g for g in groups if g is not other]
-        groups.append(merged)
-        for h in merged["nodes"]:
-            owner[h] = merged
-    for g in groups:
-        g["nodes"] = list(g["nodes"])
+        hits = _entries(node, rev, d_nodes) if node not in d_nodes else ()
+        if hits and all(n in input_nodes or _deferred_entry(n, c) for n, c in hits):
+            if any(n in input_nodes for n, _ in hits):
+                below.append(p)
+        else:   # formed by B's own backward (or reaching no D node at all)
+            in_b.append(p)
+    # B frees the nodes it runs; if it must run a node below the input for a parameter it
+    # takes, the below-input replay could not: then B takes those parameters too.
+    if below and in_b:
+        under = _subgraph([t.grad_fn for t in inputs if t.grad_fn is not None])
+        if under & _closure([_node_of(p) for p in in_b], rev):
+            in_b, below = in_b + below, []
 
-    # Non-leaf inputs are captured, not executed: their gradient is B's result itself.
-    input_edges = {t.grad_fn: t.output_nr for t in inputs if t.grad_fn is not None}
-    handles = []
-    for node, group in owner.items():
-        if node in input_edges:
-            continue
-
-        def hook(grad_outputs_, node=node, group=group):
-            group["grads"][node] = tuple(grad_outputs_)
-        handles.append(node.register_prehook(hook))
-    try:
-        if inputs:
-            grads = torch.autograd.grad(outputs, inputs, grad_outputs, retain_graph=True,
-                                        allow_unused=True)
-        else:  # nothing to send and nothing to split on: all of it is W
-            grads = ()
-            fallback = params
-            groups = []
-    finally:
-        for h in handles:
-            h.remove()
-    for t, g in zip(inputs, grads):
-        node = t.grad_fn
-        if node in input_edges and node in owner:
-            slots = [None] * (input_edges[node] + 1)
-            slots[input_edges[node]] = g
-            owner[node]["grads"][node] = tuple(slots)
-    return list(grads), PendingWeightGrad(groups, fallback, outputs, grad_outputs)
+    with collecting(roots) as stash:
+        grads = torch.autograd.grad(outputs, inputs + in_b, grad_outputs, allow_unused=True)
+    grads = list(grads)
+    input_grads, held = grads[:len(inputs)], list(zip(in_b, grads[len(inputs):]))
+    below_w = None
+    if below:
+        pairs = [(t.grad_fn, t.output_nr, g) for t, g in zip(inputs, input_grads)
+                 if t.grad_fn is not None and g is not None]
+        below_w = {"params": below, "roots": [(n, i) for n, i, _ in pairs],
+                   "grads": [g for _, _, g in pairs]}
+    return input_grads, PendingWeightGrad(stash, held, below_w, [], outputs, grad_outputs)

@@ -9,6 +9,9 @@ which dim, fused blocks, vocab padding, init rule, sequence-parallel flag) in th
 generator and slices it, which makes the initial weights independent of TP and PP.
 A replicated parameter that only sees this rank's sequence shard (``sequence_parallel``)
 has its grad summed over that group by ``allreduce_sequence_parallel_grads``.
+Every linear's matmul goes through ``deferred_wgrad`` (``linear`` or the SP column
+Function): the same forward and backward, except that zero bubble's B stores what dW needs
+and its W computes it.
 """
 from __future__ import annotations
 
@@ -21,27 +24,10 @@ from torch import nn
 from megalite import comm
 from megalite.param_spec import ParamSpec, make_param, named_specs
 from megalite.parallel_state import Group
+from megalite.tensor_parallel.deferred_wgrad import engine_wants, linear, stash_for, weight_edges
 from megalite.tensor_parallel.mappings import (copy_to_tp_region, gather_from_tp_region,
                                                reduce_from_tp_region, reduce_scatter_to_sp_region,
                                                scatter_to_tp_region)
-
-
-def _engine_wants(ctx, i: int) -> bool:
-    """Will the running backward use the gradient of ``forward``'s input ``i``?
-
-    A plain ``loss.backward()`` wants every input that requires grad; zero bubble's B
-    (``torch.autograd.grad`` w.r.t. the stage input) does not want the weights, and its W
-    (``backward(..., inputs=params)``) wants nothing but them.  Skipping what is not wanted
-    keeps B free of the weight-gradient all-gather and W free of the reduce-scatter."""
-    if not ctx.needs_input_grad[i]:
-        return False
-    node = ctx.next_functions[i][0]
-    if node is None:
-        return False
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # a leaf captured by torch.autograd.grad(..., inputs=[leaf])
-        return True
 
 
 class _SPColumnLinear(torch.autograd.Function):
@@ -59,9 +45,12 @@ class _SPColumnLinear(torch.autograd.Function):
     while the weight-gradient GEMM ``dW = dYᵀ X_full`` runs), ``db = Σ dY``.  So SP's
     backward makes one all-gather more per column-parallel linear than the conjugate
     mappings alone (two s·b·h all-gathers per linear per micro-batch, forward and
-    backward, instead of one), the price Megatron pays too.  Under zero bubble the gradients the engine does not want are
-    skipped (``_engine_wants``): B reduce-scatters dX only, W re-gathers for dW/db only.
+    backward, instead of one), the price Megatron pays too.  Under zero bubble's B
+    (``deferred_wgrad``) the shard and dY are stored and only dX is computed and
+    reduce-scattered; W re-gathers the shard for dW/db.
     """
+
+    defers_wgrad = (1, 2)
 
     @staticmethod
     def forward(ctx, x, weight, bias, group):
@@ -74,31 +63,41 @@ class _SPColumnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        group = ctx.group
-        want_x, want_w = _engine_wants(ctx, 0), _engine_wants(ctx, 1)
-        want_b = ctx.has_bias and _engine_wants(ctx, 2)
-        gather = None
-        if want_w or want_b:                    # re-gather the shard, overlapped with dX
-            full = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
-            gather = comm.all_gather_into_tensor(full, x, group, async_op=True)
-        grad_x = scatter = None
-        if want_x:
-            gi = grad.matmul(weight)                                   # [s, b, in]
-            grad_x = gi.new_empty((gi.shape[0] // group.size, *gi.shape[1:]))
-            if gather is not None:
-                gather.wait()   # one collective in flight per group: RS after AG completes
-            scatter = comm.reduce_scatter_tensor(grad_x, gi, group, async_op=True)
-        grad_w = grad_b = None
+        group, has_bias = ctx.group, ctx.has_bias
+        slots = (1, 2) if has_bias else (1,)
+        stash, later = stash_for(ctx, slots)
+        if stash is not None:           # zero bubble's B: dX now, dW/db in W
+            w_b = (later[0], has_bias and later[1])
+            stash.add(weight_edges(ctx, slots, later),
+                      lambda: _sp_column_grads(x, weight, grad, group, False, *w_b)[1:])
+        now = (engine_wants(ctx, 1), has_bias and engine_wants(ctx, 2))
+        return (*_sp_column_grads(x, weight, grad, group, engine_wants(ctx, 0), *now), None)
+
+
+def _sp_column_grads(x, weight, grad, group, want_x, want_w, want_b):
+    """(dX reduce-scattered, dW, db) of ``_SPColumnLinear``, each only if wanted."""
+    gather = None
+    if want_w or want_b:                    # re-gather the shard, overlapped with dX
+        full = x.new_empty((x.shape[0] * group.size, *x.shape[1:]))
+        gather = comm.all_gather_into_tensor(full, x, group, async_op=True)
+    grad_x = scatter = None
+    if want_x:
+        gi = grad.matmul(weight)                                       # [s, b, in]
+        grad_x = gi.new_empty((gi.shape[0] // group.size, *gi.shape[1:]))
         if gather is not None:
-            full = gather.wait()
-            g2 = grad.reshape(-1, grad.shape[-1])
-            if want_w:                                                 # overlapped with RS
-                grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
-            if want_b:
-                grad_b = g2.sum(0)
-        if scatter is not None:
-            grad_x = scatter.wait()
-        return grad_x, grad_w, grad_b, None
+            gather.wait()   # one collective in flight per group: RS after AG completes
+        scatter = comm.reduce_scatter_tensor(grad_x, gi, group, async_op=True)
+    grad_w = grad_b = None
+    if gather is not None:
+        full = gather.wait()
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if want_w:                                                     # overlapped with RS
+            grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        if want_b:
+            grad_b = g2.sum(0)
+    if scatter is not None:
+        grad_x = scatter.wait()
+    return grad_x, grad_w, grad_b
 
 
 def linear_with_sp_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -106,7 +105,7 @@ def linear_with_sp_gather(x: torch.Tensor, weight: torch.Tensor, bias: Optional[
     """``F.linear(gather_from_sp_region(x), weight, bias)`` that saves only the shard of
     ``x`` and re-gathers it in backward (``_SPColumnLinear``)."""
     if group.size == 1:
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _SPColumnLinear.apply(x, weight, bias, group)
 
 
@@ -157,7 +156,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:          # gather, matmul; saves only the sequence shard
             y = linear_with_sp_gather(x, w, self.bias, self.tp_group)
         else:
-            y = F.linear(copy_to_tp_region(x, self.tp_group), w, self.bias)
+            y = linear(copy_to_tp_region(x, self.tp_group), w, self.bias)
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -186,7 +185,7 @@ class DuplicatedLinear(nn.Module):
                                                sequence_parallel=sp), {}, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -217,10 +216,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size == 1:
-            return F.linear(x, self.weight, self.bias)  # fused bias, no collective
+            return linear(x, self.weight, self.bias)  # fused bias, no collective
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         if self.sequence_parallel:
             y = reduce_scatter_to_sp_region(y, self.tp_group)
         else:

@@ -204,11 +204,18 @@ def test_all_kept_pairs_permute_by_gathers_with_the_same_values_and_grads_as_sca
         torch.testing.assert_close(a, b)
 
 
-def test_zero_bubble_split_defers_expert_weight_grads_to_w():
-    """B (input gradient) leaves every expert and router weight gradient to W, through the
-    same mechanism as dense linears, and B + W equals one full backward."""
+@pytest.mark.parametrize("path", ["grouped_mm", "looped"])
+def test_zero_bubble_split_defers_expert_weight_grads_to_w(path, monkeypatch):
+    """B (input gradient) accumulates no weight gradient; the experts' grouped GEMMs leave
+    their dW to W as the dense linears do (stored input and dY), the router's is formed in
+    B and held; B + W equals one full backward."""
+    from megalite.moe import experts as experts_mod
     from megalite.pipeline_parallel.weight_grad import backward_input
 
+    if path == "looped":
+        monkeypatch.setattr(experts_mod, "grouped_mm_supported", lambda *a: False)
+    elif not experts_mod.grouped_mm_supported("cpu", torch.float32):
+        pytest.skip("torch._grouped_mm does not run here")
     cfg = mcfg(hidden_size=16, moe_ffn_hidden_size=16, num_attention_heads=2)
     torch.manual_seed(0)
     layer = initialized(MoELayer(cfg, groups(), submodules=_local_moe_submodules(),
@@ -218,7 +225,8 @@ def test_zero_bubble_split_defers_expert_weight_grads_to_w():
     full = torch.autograd.grad(layer(x).square().sum(), [x, *params])
     out = layer(x).square().sum()
     (gx,), pending = backward_input([out], [None], [x], params)
-    assert not pending.fallback                       # every weight has its own W replay
+    assert not pending.fallback
+    assert len(pending.stash) == 2                    # fc1 and fc2 expert GEMMs wait for W
     assert all(p.grad is None for p in params)        # B computed no weight gradient
     pending.run()
     torch.testing.assert_close(gx, full[0])
