@@ -3,11 +3,15 @@
 ``dist.run`` worker the state is built over the running world."""
 from __future__ import annotations
 
+import json
+
 import torch.distributed as torch_dist
 
 from megalite.cli.arguments import parse_args
 from megalite.parallel_state import ParallelState, RankGrid
+from megalite.planner.step_peak import predict_step_peak
 from megalite.training.loop import Trainer
+from megalite.training.metrics import TrainingLogger
 
 
 def build_cpu_trainer(argv, world: int) -> Trainer:
@@ -55,3 +59,19 @@ def train_cases(run, cases: dict, iters: int) -> dict:
                          cp_planned=predict_comm_volume(trainer.cfg, rank).get(
                              "cp/send", {}).get("bytes", 0))
     return out
+
+
+def metered_step_peak(argv, metrics_file) -> tuple:
+    """Train one process under the CPU tensor meter (started before the model is built, as
+    ``pretrain`` does) with ``argv`` (it gets ``--metrics-file``); (the run's measured peak
+    bytes, the planner's ``predict_step_peak`` of the same config)."""
+    cfg = parse_args(["--world-size", "1", *argv, "--metrics-file", str(metrics_file)])
+    trainer = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
+    trainer.memory_reporter.start()
+    trainer.setup()
+    logger = TrainingLogger(trainer.cfg, True, trainer.train_iters)
+    trainer.train(logger)
+    logger.close()
+    rows = [json.loads(line) for line in open(metrics_file).read().splitlines()]
+    measured = [r for r in rows if r.get("split") == "memory"][0]["measured_peak_bytes"]
+    return measured, predict_step_peak(trainer.cfg, 0)

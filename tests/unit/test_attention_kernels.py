@@ -1,7 +1,6 @@
 """--attention-backend: the unfused kernel equals SDPA (values and gradients, GQA, causal or
 not), the rule ``auto`` follows, the flag reaching the layer, and the planner's activation
 bytes for each kernel against the tensor meter's measured step peak."""
-import json
 
 import pytest
 import torch
@@ -13,11 +12,9 @@ from megalite.config import ConfigError
 from megalite.config.score_mods import SCORE_MODS
 from megalite.models.gpt import build_chunk
 from megalite.parallel_state import ParallelState, RankGrid
-from megalite.planner.step_peak import predict_step_peak
-from megalite.training.loop import Trainer
-from megalite.training.metrics import TrainingLogger
 from megalite.transformer import attention as attention_module
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
+from cpu_trainer import metered_step_peak  # noqa: E402  (tests/ is on sys.path)
 
 
 def _qkv(dtype, b=2, heads=8, groups=2, s=24, d=16):
@@ -113,28 +110,19 @@ def test_flag_reaches_the_layer_and_bad_values_are_refused(monkeypatch):
 def test_planner_activation_bytes_match_the_measured_peak(tmp_path, backend, dropout, recompute):
     """Eight heads at sequence 128 and hidden 32: the probabilities are most of the
     activations, so a wrong count for a kernel would miss the 10% band."""
-    cfg = parse_args(["--world-size", "1", "--num-layers", "2", "--hidden-size", "32",
-                      "--num-attention-heads", "8", "--seq-length", "128", "--vocab-size", "64",
-                      "--mock-data", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0",
-                      "--global-batch-size", "4", "--micro-batch-size", "4",
-                      "--hidden-dropout", "0", "--attention-dropout", dropout,
-                      "--attention-backend", backend, "--no-progress-bar",
-                      "--metrics-file", str(tmp_path / "m.jsonl"), *recompute])
-    trainer = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
-    trainer.memory_reporter.start()
-    trainer.setup()
-    logger = TrainingLogger(trainer.cfg, True, trainer.train_iters)
-    trainer.train(logger)
-    logger.close()
-    mem = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    mem = [r for r in mem if r.get("split") == "memory"][0]
-    want = predict_step_peak(trainer.cfg, 0)
+    measured, want = metered_step_peak(
+        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "8",
+         "--seq-length", "128", "--vocab-size", "64", "--mock-data", "--lr", "1e-3",
+         "--train-iters", "2", "--eval-iters", "0", "--global-batch-size", "4",
+         "--micro-batch-size", "4", "--hidden-dropout", "0", "--attention-dropout", dropout,
+         "--attention-backend", backend, "--no-progress-bar", *recompute],
+        tmp_path / "m.jsonl")
     probs = 2 * 4 * 8 * 128 * 128 * 4                  # layers x b x heads x s x s x fp32
     if backend == "flash" or recompute:
         assert want["activations"] < probs
     else:
         assert want["activations"] > probs
-    assert 0.9 <= mem["measured_peak_bytes"] / want["total"] <= 1.1, (mem, want)
+    assert 0.9 <= measured / want["total"] <= 1.1, (measured, want)
 
 
 # ---- Gemma 2's soft-caps (--attn-logit-softcapping, --final-logit-softcapping) ----------------

@@ -2,22 +2,17 @@
 bytes of a DeltaNet mixer against what megalite's chunked delta rule really saves for
 backward (``measure_saved``), and a hybrid run's predicted step peak against the tensor
 meter's measured peak, as the dense layers are checked (test_attention_kernels.py)."""
-import json
 
 import pytest
 import torch
 
-from megalite.cli.arguments import parse_args
 from megalite.config import MegaliteConfig, ModelConfig
 from megalite.models.gpt import build_model, single_rank_state
-from megalite.parallel_state import ParallelState, RankGrid
 from megalite.planner import linear_attention_cost as lac
 from megalite.planner import memory as mem
 from megalite.planner.layout import Layout
-from megalite.planner.step_peak import predict_step_peak
-from megalite.training.loop import Trainer
-from megalite.training.metrics import TrainingLogger
 from megalite.transformer.activation_memory import measure_saved
+from cpu_trainer import metered_step_peak  # noqa: E402  (tests/ is on sys.path)
 
 GDN = dict(experimental_attention_variant="gated_delta_net", linear_num_key_heads=2,
            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8)
@@ -64,26 +59,17 @@ def test_hybrid_step_peak_matches_the_tensor_meter(tmp_path, recompute):
     most of the activations (counting it as attention predicts 35% less: measured /
     predicted 1.5), so a wrong count misses the 10% band.  With full recomputation the
     peak is the re-made DeltaNet layer's (memory.recompute_working_bytes)."""
-    cfg = parse_args(["--world-size", "1", "--num-layers", "2", "--hidden-size", "32",
-                      "--num-attention-heads", "4", "--seq-length", "128", "--vocab-size", "64",
-                      "--experimental-attention-variant", "gated_delta_net",
-                      "--linear-attention-freq", "2", "--linear-num-key-heads", "2",
-                      "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
-                      "--linear-value-head-dim", "8", "--normalization", "RMSNorm",
-                      "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
-                      "--mock-data", "--lr", "1e-3", "--train-iters", "2", "--eval-iters", "0",
-                      "--global-batch-size", "2", "--micro-batch-size", "2",
-                      "--hidden-dropout", "0", "--attention-dropout", "0", "--no-progress-bar",
-                      "--metrics-file", str(tmp_path / "m.jsonl"), *recompute])
-    trainer = Trainer(cfg, ParallelState.build(RankGrid(1), 0, create_groups=False), "cpu")
-    trainer.memory_reporter.start()
-    trainer.setup()
-    logger = TrainingLogger(trainer.cfg, True, trainer.train_iters)
-    trainer.train(logger)
-    logger.close()
-    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    measured = [r for r in rows if r.get("split") == "memory"][0]["measured_peak_bytes"]
-    want = predict_step_peak(trainer.cfg, 0)
+    measured, want = metered_step_peak(
+        ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "128", "--vocab-size", "64",
+         "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+         "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+         "--linear-key-head-dim", "16", "--linear-value-head-dim", "8",
+         "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+         "--position-embedding-type", "rope", "--mock-data", "--lr", "1e-3",
+         "--train-iters", "2", "--eval-iters", "0", "--global-batch-size", "2",
+         "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--no-progress-bar", *recompute], tmp_path / "m.jsonl")
     print(f"predicted peak {want['total'] / 2**20:.2f} MiB, measured peak "
           f"{measured / 2**20:.2f} MiB (tensor meter): ratio {measured / want['total']:.3f}")
     assert 0.9 <= measured / want["total"] <= 1.1, (measured, want)
