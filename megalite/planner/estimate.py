@@ -62,6 +62,10 @@ class ModelOptions:
     recompute_modules: tuple = ("core_attn",)   # selective recompute (+ "every_other_mm")
     moe_routing: Routing = "uniform"       # moe_cost.routing_imbalance
     ep_overlap: bool = False               # EP all-to-all behind another micro-batch's compute
+    # Megatron's --delay-wgrad-compute beside the overlap (Bridge sets both; the first
+    # version, --combined-1f1b-recipe ep_a2a of May 2025, ran without): the experts' weight
+    # gradients wait behind the dispatch backward instead of delaying its start
+    ep_delay_wgrad: bool = True
     moe_dispatcher: str = "alltoall"       # moe_cost.DISPATCHERS: NCCL, DeepEP, HybridEP
     moe_pad_to_capacity: bool = False      # --moe-pad-expert-input-to-capacity
     # SMs a flex dispatcher's kernels hold (Megatron's moe_flex_dispatcher_num_sms, formerly
@@ -298,7 +302,7 @@ def ep_overlap_applies(L: Layout, opts: ModelOptions) -> bool:
     return opts.ep_overlap and (L.pp == 1 or L.vpp > 1)
 
 
-def paired_ep_exposed(ep: float, c: dict) -> tuple:
+def paired_ep_exposed(ep: float, c: dict, delay_wgrad: bool = True) -> tuple:
     """(exposed, overlapped) seconds of one micro-batch's EP all-to-alls ``ep`` when
     Megatron's EP A2A overlap pairs its layers with another micro-batch's, and ``c`` holds
     the MoE layers' compute (kernels.stage_compute: ``moe_f`` / ``moe_b`` their passes,
@@ -314,13 +318,16 @@ def paired_ep_exposed(ep: float, c: dict) -> tuple:
     all-to-alls move the same bytes (dispatch = combine, forward = backward): a quarter each.
     In the middle block the data decide the order: the expert forward needs the dispatch
     forward's tokens, the dispatch backward the experts' data gradients (``mlp_bd``; their
-    weight gradients are delayed behind it)."""
+    weight gradients are delayed behind it -- ``delay_wgrad``, Megatron's
+    --delay-wgrad-compute; without it the expert backward returns its input gradient only
+    after its weight gradients, so the dispatch backward waits for both)."""
     if ep <= 0:
         return 0.0, 0.0
     q = ep / 4
     attn_f, attn_b = c["moe_f"] - c["mlp_f"], c["moe_b"] - c["mlp_b"]
     dgrad, wgrad, fwd = c["mlp_bd"], c["mlp_b"] - c["mlp_bd"], c["mlp_f"]
-    middle = max(max(q, dgrad) + q, max(dgrad + wgrad, q) + fwd) - (dgrad + wgrad + fwd)
+    ready = dgrad if delay_wgrad else dgrad + wgrad        # the dispatch backward's input
+    middle = max(max(q, ready) + q, max(dgrad + wgrad, q) + fwd) - (dgrad + wgrad + fwd)
     exposed = max(0.0, q - attn_f) + middle + max(0.0, q - attn_b)
     return exposed, ep - exposed
 
@@ -373,7 +380,7 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             # PXN sends what is bound for rail j through NIC j.  Where the all-to-all keeps
             # that NIC busy, the p2p's bytes add to its time.
             nic_shared = pp
-        exposed, hidden_behind = paired_ep_exposed(ep + nic_shared, c)
+        exposed, hidden_behind = paired_ep_exposed(ep + nic_shared, c, opts.ep_delay_wgrad)
         stolen = 0.0
         if opts.moe_dispatcher != "alltoall":
             # DeepEP / HybridEP kernels move the tokens on SMs of their own (Megatron's

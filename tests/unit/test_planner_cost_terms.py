@@ -347,6 +347,13 @@ def test_each_ep_all_to_all_hides_only_behind_its_partner():
     # in the middle block, and still 2 s exposed
     late = dict(moe_f=8.0, moe_b=8.0, mlp_f=5.0, mlp_b=1.0, mlp_bd=0.5)
     assert est_mod.paired_ep_exposed(12.0, late) == pytest.approx((2.0, 10.0))
+    # without --delay-wgrad-compute the dispatch backward waits for the experts' weight
+    # gradients too: 2 s of dgrad + 2 s of wgrad, then a 2 s dispatch beside a 1 s expert
+    # forward -- 1 s exposed that the delayed weight gradients hide
+    short = dict(moe_f=4.0, moe_b=8.0, mlp_f=1.0, mlp_b=4.0, mlp_bd=2.0)
+    assert est_mod.paired_ep_exposed(8.0, short) == pytest.approx((0.0, 8.0))
+    assert est_mod.paired_ep_exposed(8.0, short, delay_wgrad=False) == \
+        pytest.approx((1.0, 7.0))
     from megalite.planner.published import compare
     c = compare("bridge26-dsv3-gb200", with_search=False)     # HybridEP, EP A2A overlap
     m, L, rack = c.model, c.as_run.layout, c.cluster

@@ -18,7 +18,9 @@ from megalite.planner.hardware import make_cluster
 from megalite.planner.layout import Layout
 from megalite.planner.published import (compare, compare_all, compare_run, constants,
                                         fit_constants, same_parallel_layout)
-from megalite.planner.published_runs import BY_NAME, RUNS
+from megalite.planner.published_runs import BY_NAME, OVERLAP_RUNS, RUNS
+
+OVERLAP_BY_NAME = {r.name: r for r in OVERLAP_RUNS}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CAL = set(calibration.calibration_row_names())
@@ -194,3 +196,32 @@ def test_benchmark_prints_every_row_and_both_error_groups():
     assert "| term | as modelled | hybridep -> alltoall | K-curve off |" in out.stdout
     assert "| compute | " in out.stdout and "| ep | " in out.stdout
     assert "| titan-70b-256gpu-2d | 71.9 GiB |" in out.stdout
+
+
+# Megatron-Core's EP-overlap pair (published_runs.OVERLAP_RUNS, outside RUNS): the
+# no-overlap step is the planner's (within 10%); with the overlap the planner hides ~74% of
+# its all-to-all where the measured run's saving is 37% of even the line-rate floor
+# (docs/planner.md, "The EP overlap against Megatron-Core's 245 -> 276").  strict: a fix shows.
+OVERLAP_MISSES = {
+    "zoo-qwen3-235b-deepep-overlap": "+26%: the overlap hides more than moe_dev f3e6c5 did "
+    "(no sourced mechanism for the difference)",
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(r.name, marks=pytest.mark.xfail(
+    strict=True, reason=OVERLAP_MISSES[r.name])) if r.name in OVERLAP_MISSES else r.name
+    for r in OVERLAP_RUNS])
+def test_ep_overlap_pair_within_10_percent(name):
+    c = compare_run(OVERLAP_BY_NAME[name], with_search=False)
+    assert abs(c.error) <= 0.10, f"{name}: predicted {c.predicted:.0f}, published " \
+                                 f"{c.run.value:g} ({100 * c.error:+.1f}%)"
+
+
+def test_overlap_benchmark_prints_the_published_layout_off_and_on():
+    out = subprocess.run([sys.executable, "benchmarks/moe_overlap_prediction.py"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "| published TFLOP/s | 245 | 276 | +12.7% |" in out.stdout
+    assert "| predicted TFLOP/s | " in out.stdout and "line rate" in out.stdout
+    for name in ("bridge-qwen3-235b-a22b", "bridge-deepseek-v3"):
+        assert f"| {name} |" in out.stdout
