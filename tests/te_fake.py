@@ -159,7 +159,8 @@ class DotProductAttention(_Base):
         model_cfg = types.SimpleNamespace(
             num_attention_heads=heads, attention_dropout=self.dropout,
             resolved_query_groups=lambda: groups or heads, resolved_kv_channels=lambda: d,
-            layer_window=lambda layer: None)   # TE's own window is refused with CP
+            layer_window=lambda layer: None,   # TE's own window and chunks are refused with CP
+            layer_chunk=lambda layer: None)
         comm_groups = types.SimpleNamespace(cp=group, tp=types.SimpleNamespace(size=k["tp_size"]))
         mask = AttnMaskType.causal if self.causal else AttnMaskType.no_mask
         return core_attention_class(comm_type)(model_cfg, comm_groups, attn_mask_type=mask)
