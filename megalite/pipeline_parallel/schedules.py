@@ -45,9 +45,11 @@ from megalite.pipeline_parallel.weight_grad import backward_input
 def forward_backward_no_pipelining(forward_step, batches, model_chunks, state, cfg,
                                    forward_only: bool = False, events=None):
     """Gradient accumulation: forward and backward each micro-batch in turn.  ``events``,
-    when a list, receives each F and BW with wall-clock times (the DP overlap timeline)."""
+    when a list, receives each F and BW with wall-clock times (the DP overlap timeline).
+    ``cfg`` None: a bare step (no run configuration, so no overlapped pairs)."""
     (model,) = model_chunks
-    if cfg.parallel.overlap_moe_expert_parallel_comm and not forward_only and len(batches) > 1:
+    paired = cfg is not None and cfg.parallel.overlap_moe_expert_parallel_comm
+    if paired and not forward_only and len(batches) > 1:
         return _no_pipelining_paired(forward_step, batches, model, events)
     reports = []
     for i, batch in enumerate(batches):
