@@ -36,8 +36,14 @@ def _worker(rank, world_size, port, sys_path, tasks, results, timeout_s):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:    # the test process was killed: do not linger
+                os._exit(0)
+            continue
         if task is None:
             break
         module, name, args, kwargs = task
@@ -103,12 +109,20 @@ class WorkerPool:
         return [out[r] for r in range(self.world_size)]
 
     def close(self):
+        self.stop()
+        self.reap(time.monotonic() + 5)
+
+    def stop(self):
+        """Ask every worker to leave (a broken pool's are killed by ``reap``)."""
         if not self.broken:
             for q in self.tasks:
                 q.put(None)
-            for p in self.procs:
-                p.join(timeout=5)
+
+    def reap(self, deadline: float):
+        """Wait for the workers until ``deadline`` (time.monotonic), then kill the rest."""
         for p in self.procs:
+            if not self.broken:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
 
@@ -128,8 +142,14 @@ class PoolManager:
         return pool.run(fn, *args, **kwargs)
 
     def close(self):
+        """Every pool's workers are asked to leave first, then waited for together (a
+        worker's ``destroy_process_group`` waits for its peers: pool by pool, the waits
+        added up to seconds)."""
         for pool in self.pools.values():
-            pool.close()
+            pool.stop()
+        deadline = time.monotonic() + 5
+        for pool in self.pools.values():
+            pool.reap(deadline)
         self.pools.clear()
 
 
