@@ -120,6 +120,14 @@ LONG_TESTS = (
     # default run keeps MoE at EP 2 x PP 2 and dense PP 4 on 4 ranks,
     # tests/distributed/test_dualpipe_dist.py::test_overlapped_f_and_b_matches_single_process)
     "tests/distributed/test_dualpipe_dist.py::test_overlapped_f_and_b_pp4_moe_ep2_on_8_ranks",
+    # Llama 3 8B FP8's twin (the default run keeps its FSDP twin, llama3_8b_fsdp_fp8, the
+    # same script with one more flag, and its dry run)
+    "tests/megatron_parity/test_megatron_scripts.py::test_cpu_twin_trains_a_few_iterations"
+    "[llama3_8b_fp8]",
+    # FSDP2 x TP2 x PP2 on 8 ranks (the default run keeps FSDP2 with each of them:
+    # test_fsdp2_composes[pipeline] and [cp_ep], the feature pairs fsdp2-tp2-overlap-full-fused,
+    # moe-fsdp2-cp2-a2a-pp2-uneven-etp2-allgather, hsdp-fsdp2-vpp2)
+    "tests/distributed/test_fsdp2_compose_dist.py::test_fsdp2_composes[tp_pp]",
 )
 
 
