@@ -7,7 +7,7 @@ Commands are taken from fenced blocks: ``bash``/``sh``/``shell`` blocks line by 
 starts with a program (``python``, ``torchrun``, ``megalite``, ...). Continuation lines are joined and
 comments dropped. Each document's commands run in order, in a fresh directory that links the
 repository's files (``data/`` is copied, so outputs never land in the checkout), with this
-interpreter first on ``PATH``. ``megalite`` runs as ``python -m megalite.cli`` (the same entry
+interpreter first on ``PATH``. Two documents run at a time (the file's wall time was a third idle core). ``megalite`` runs as ``python -m megalite.cli`` (the same entry
 point, without needing the console script installed).
 """
 from __future__ import annotations
@@ -217,14 +217,38 @@ def test_every_command_is_found_and_classified():
     assert len(runs) >= 15, [c.where for c in runs]
 
 
-@pytest.mark.parametrize("doc", [d for d, cmds in plan().items() if any(w is None for _, w in cmds)])
-def test_doc_commands_run(doc, tmp_path):
+RUN_DOCS = [d for d, cmds in plan().items() if any(w is None for _, w in cmds)]
+
+
+def _run_doc(doc: str, tmp_path) -> Optional[str]:
+    """``doc``'s commands in order, in a sandbox under ``tmp_path``: None, or the failure."""
     box = _sandbox(tmp_path)
     venv_bin = os.path.dirname(sys.executable)
     env = {**os.environ, "PYTHONPATH": box, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
            "MPLBACKEND": "Agg", "MEGALITE_VENV": _fake_venv(tmp_path),
            "DEMO_OUT": str(tmp_path / "demo")}
     env.pop("PYTHONSTARTUP", None)
-    for cmd, why in plan()[doc]:
-        if why is None:
-            _run(cmd, box, env)
+    try:
+        for cmd, why in plan()[doc]:
+            if why is None:
+                _run(cmd, box, env)
+    except (AssertionError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(scope="module")
+def doc_results(tmp_path_factory) -> Dict[str, Optional[str]]:
+    """Every document's commands, two documents at a time (each in its own sandbox): most
+    commands are one process, and the second core idled while one ran."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {doc: pool.submit(_run_doc, doc, tmp_path_factory.mktemp("doc"))
+                   for doc in RUN_DOCS}
+    return {doc: f.result() for doc, f in futures.items()}
+
+
+@pytest.mark.parametrize("doc", RUN_DOCS)
+def test_doc_commands_run(doc, doc_results):
+    assert doc_results[doc] is None, doc_results[doc]
