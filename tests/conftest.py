@@ -128,10 +128,6 @@ LONG_TESTS = (
     # test_fsdp2_composes[pipeline] and [cp_ep], the feature pairs fsdp2-tp2-overlap-full-fused,
     # moe-fsdp2-cp2-a2a-pp2-uneven-etp2-allgather, hsdp-fsdp2-vpp2)
     "tests/distributed/test_fsdp2_compose_dist.py::test_fsdp2_composes[tp_pp]",
-    # the stand-in TE trained beside the local backend, a checkpoint crossing them (the
-    # default run keeps tests/unit/test_te_backend.py's test_checkpoints_move_between_backends
-    # and test_te_spec_forward_and_grads_match_local, and the TE feature pairs)
-    "tests/unit/test_te_backend_training.py::test_training_and_checkpoints_across_backends",
 )
 
 
