@@ -32,7 +32,6 @@ import itertools
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
-from megalite.cli import compat_flags
 from megalite.cli.rule_kinds import (  # noqa: F401 -- the table's names, read as F.X too
     Excludes, Needs, QuotesEnvironment, Refuses, Relation, Rule, a2a_heads_split, any_of,
     cp_sequence_split, heads_split, hsdp_splits, schedule_fits)
@@ -40,9 +39,15 @@ from megalite.cli.feature_coverage import (COVERAGE, PAIRS_TEST,  # noqa: F401 -
                                            covering_tests)
 from megalite.config import all_fields, field_flag, find_field
 from megalite.config.domains import requirement_problem, requirements
-from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
+from megalite.config.pipeline_schedules import SCHEDULES, resolve_schedule
 from megalite.config.score_mods import SCORE_MODS, refusal_reason
 from megalite.config.attention_variants import VARIANTS
+from megalite.cli.feature_reasons import (  # noqa: F401 -- the rules' reasons, read as F.X too
+    CP_A2A_COMPILE, CP_DROPOUT, FP8_RECOMPUTE, MOE_COMPILE, MOE_FEATURES, SPLIT_BACKWARD,
+    TE_SPLIT_BACKWARD, VSHAPE, VSHAPE_MTP, VSHAPE_UNEVEN, a2a_reason, flags_environment,
+    fp8_without_te, heads_reason, hsdp_group_sizes, hsdp_reason, mla_extra,
+    mla_position_reason, moe, precision_conflict, precision_reason, recomputes_moe_layers,
+    schedule_misfit, schedule_reason, split_moe_recompute_reason, unwired_fp8, vpp)
 
 LAYOUT, STRATEGY, IMPLEMENTATION = "layout", "strategy", "implementation"
 
@@ -58,19 +63,13 @@ class Feature:
 
 
 # ---- the features ------------------------------------------------------------------------
-def _vpp(cfg) -> int:
-    return cfg.parallel.virtual_stages(cfg.model.num_layers)
-
 
 def _schedule_is(name: str) -> Callable:
     def on(cfg) -> bool:
         p = cfg.parallel
-        return p.pp > 1 and resolve_schedule(p.pipeline_schedule, _vpp(cfg)).name == name
+        return p.pp > 1 and resolve_schedule(p.pipeline_schedule, vpp(cfg)).name == name
     return on
 
-
-def _moe(cfg) -> bool:
-    return bool(cfg.model.num_experts)
 
 
 _SCHEDULE_FLAGS = {"1f1b": "--pipeline-model-parallel-size N (> 1)",
@@ -101,19 +100,19 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in (
     Feature("cp-a2a", "context parallelism, all-to-all (Ulysses) attention",
             "--context-parallel-size N (> 1) --cp-comm-type a2a",
             lambda c: c.parallel.cp > 1 and c.parallel.cp_comm_type == "a2a", group="cp"),
-    Feature("moe", "mixture-of-experts layers", "--num-experts E", _moe),
+    Feature("moe", "mixture-of-experts layers", "--num-experts E", moe),
     Feature("ep", "expert parallelism", "--expert-model-parallel-size N (> 1)",
             lambda c: c.parallel.ep > 1),
     Feature("expert-tp", "tensor parallelism inside the experts",
             "--expert-tensor-parallel-size N (> 1; default: TP)",
-            lambda c: _moe(c) and c.parallel.etp > 1),
+            lambda c: moe(c) and c.parallel.etp > 1),
     Feature("moe-alltoall", "MoE token dispatch by all-to-all",
             "--num-experts with --moe-token-dispatcher-type alltoall (the default)",
-            lambda c: _moe(c) and c.model.moe_token_dispatcher_type == "alltoall",
+            lambda c: moe(c) and c.model.moe_token_dispatcher_type == "alltoall",
             kind=IMPLEMENTATION, group="moe dispatcher"),
     Feature("moe-allgather", "MoE token dispatch by all-gather",
             "--moe-token-dispatcher-type allgather",
-            lambda c: _moe(c) and c.model.moe_token_dispatcher_type == "allgather",
+            lambda c: moe(c) and c.model.moe_token_dispatcher_type == "allgather",
             kind=IMPLEMENTATION, group="moe dispatcher"),
     Feature("distopt", "distributed optimizer (ZeRO-1; ZeRO-2 with --overlap-grad-reduce)",
             "--use-distributed-optimizer", lambda c: c.parallel.use_distributed_optimizer,
@@ -150,149 +149,6 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in (
 PIPELINE = tuple(n for n, f in FEATURES.items() if f.group == "pipeline schedule")
 
 
-# ---- the rules -------------------------------------------------------------------------------
-# A rule names features by property where one exists: a name list such as ``SPLIT_BACKWARD``
-# is "any of" these features, so a new schedule with ``split_backward=True`` inherits every
-# rule of zero bubble without an edit here.
-SPLIT_BACKWARD = tuple(f"pp-{n}" for n, s in SCHEDULES.items() if s.split_backward)
-MOE_FEATURES = ("moe", "ep", "expert-tp", "moe-alltoall", "moe-allgather")
-
-
-
-
-def hsdp_group_sizes(cfg) -> List[Tuple[int, str]]:
-    """The data-parallel groups that R distributed-optimizer instances split."""
-    p = cfg.parallel
-    sizes = [(cfg.data_parallel_size * p.cp, "data-parallel x context-parallel size")]
-    if _moe(cfg):
-        sizes.append((cfg.world_size // (p.etp * p.ep * p.pp),
-                      "expert data-parallel size (world / (expert-TP x EP x PP))"))
-    return sizes
-
-
-# ---- the reasons -----------------------------------------------------------------------------
-def flags_environment(cfg) -> str:
-    """The machine as the flags describe it (readers without a machine: the planner, docs)."""
-    return f"device={cfg.training.device}, --transformer-impl {cfg.model.transformer_impl}"
-
-
-def _fp8_without_te(cfg, environment: str) -> str:
-    return (f"--fp8-format {cfg.model.fp8_format}: FP8 training needs Transformer Engine on a "
-            f"CUDA GPU with FP8 support; this run has {environment}. Drop the --fp8-* flags")
-
-
-def _unwired_fp8(cfg) -> List[str]:
-    return [f for f, _, _ in getattr(cfg, "accepted_flags", ()) if f in compat_flags.FP8_UNWIRED]
-
-
-CP_DROPOUT = ("--context-parallel-size > 1 has no attention dropout (ring and all-to-all "
-              "attention draw none): set --attention-dropout 0")
-_SPLIT_FLAGS = " / ".join(f"--pipeline-schedule {n[3:]}" for n in SPLIT_BACKWARD)
-def _split_moe_recompute_reason(cfg) -> str:
-    """Names the schedule the run asked for (each split-backward schedule refuses it)."""
-    return (f"--pipeline-schedule {cfg.parallel.pipeline_schedule} with a recomputed MoE "
-            "layer (--recompute-granularity full, or selective with --recompute-modules mlp): "
-            "under the B/W split its recomputation saves other tensors than its forward "
-            "(torch.utils.checkpoint refuses); use 1f1b, or recompute core_attn only")
-
-
-TE_SPLIT_BACKWARD = (f"{_SPLIT_FLAGS} splits each linear's backward into B and W passes, which "
-                     "TE's fused linears do not; use 1f1b / interleaved or --transformer-impl "
-                     "local")
-
-
-def _recomputes_moe_layers(cfg) -> bool:
-    t = cfg.training
-    return _moe(cfg) and (t.recompute_granularity == "full" or (
-        t.recompute_granularity == "selective" and "mlp" in (t.recompute_modules or ())))
-
-
-MOE_COMPILE = ("--compile with --num-experts: the MoE layers' routing gives every step other "
-               "token counts (data-dependent shapes, host-side all-to-all splits), and a "
-               "compiled MoE run did not finish two tiny steps in 150 s on CPU; drop --compile")
-CP_A2A_COMPILE = ("--compile with --cp-comm-type a2a: a compiled all-to-all (Ulysses) "
-                  "attention run did not finish two tiny steps in 150 s on CPU; use "
-                  "--cp-comm-type p2p or drop --compile")
-VSHAPE = tuple(f"pp-{n}" for n, s in SCHEDULES.items() if s.vshape)
-_VSHAPE_FLAGS = " / ".join(f"--pipeline-schedule {n[3:]}" for n in VSHAPE)
-VSHAPE_MTP = (f"{_VSHAPE_FLAGS} with --mtp-num-layers: the V puts the output layer and the "
-              "MTP heads on pipeline rank 0's second chunk, whose embedding copy is not "
-              "wired; drop --mtp-num-layers or use another schedule")
-VSHAPE_UNEVEN = (f"{_VSHAPE_FLAGS} splits the layers into 2 x PP equal chunks: drop "
-                 "--decoder-first/last-pipeline-num-layers, balance rank 0 with "
-                 "--account-for-embedding/loss-in-pipeline-split")
-FP8_RECOMPUTE = ("--fp8-format with --recompute-granularity: a recomputed forward would run "
-                 "outside the FP8 autocast; drop one of them")
-
-
-def _heads_reason(cfg) -> str:
-    m, tp = cfg.model, cfg.parallel.tp
-    if m.num_attention_heads % tp:
-        return (f"--num-attention-heads ({m.num_attention_heads}) is not divisible by "
-                f"--tensor-model-parallel-size ({tp})")
-    return (f"--num-query-groups ({m.num_query_groups}) is not divisible by "
-            f"--tensor-model-parallel-size ({tp}); use a TP that divides it")
-
-
-def _a2a_reason(cfg) -> str:
-    p, m = cfg.parallel, cfg.model
-    return (f"--cp-comm-type a2a scatters heads over CP: --num-attention-heads "
-            f"({m.num_attention_heads}) and query groups ({m.resolved_query_groups()}) must be "
-            f"divisible by TP x CP ({p.tp * p.cp}); use --cp-comm-type p2p or another CP")
-
-
-def _schedule_reason(cfg) -> str:
-    flag = cfg.parallel.pipeline_schedule
-    fixed = SCHEDULES[flag].chunks_per_rank
-    if fixed:
-        return (f"--pipeline-schedule {flag} runs exactly {fixed} model chunks per rank; drop "
-                f"--num-virtual-stages-per-pipeline-rank (or give {fixed})")
-    if SCHEDULES[flag].virtual_stages:
-        return (f"--pipeline-schedule {flag} needs --num-virtual-stages-per-pipeline-rank > 1 "
-                "(or --num-layers-per-virtual-pipeline-stage)")
-    return (f"--pipeline-schedule {flag} does not combine with virtual stages; drop "
-            "--num-virtual-stages-per-pipeline-rank (or pick "
-            f"{' / '.join(n for n, x in SCHEDULES.items() if x.virtual_stages)})")
-
-
-def _schedule_misfit(cfg) -> bool:
-    flag = cfg.parallel.pipeline_schedule
-    return flag != AUTO and not schedule_fits(SCHEDULES[flag], _vpp(cfg))
-
-
-def _hsdp_reason(cfg) -> str:
-    r = cfg.parallel.num_distributed_optimizer_instances
-    size, what = next((s, w) for s, w in hsdp_group_sizes(cfg) if s % r)
-    return f"--num-distributed-optimizer-instances ({r}) must divide the {what} ({size})"
-
-
-def _mla_extra(cfg) -> Optional[str]:
-    m = cfg.model
-    return next((flag for given, flag in ((m.group_query_attention, "--group-query-attention"),
-                                           (m.add_qkv_bias, "--add-qkv-bias"),
-                                           (m.use_rope_scaling, "--use-rope-scaling"))
-                 if given), None) if m.multi_latent_attention else None
-
-
-def _mla_position_reason(cfg) -> str:
-    hint = " (YaRN: --rope-type yarn with the --rotary-scaling-factor/--yarn-* flags)" \
-        if cfg.model.position_embedding_type == "yarn" else ""
-    return ("--multi-latent-attention carries positions in its decoupled RoPE part: use "
-            f"--position-embedding-type rope{hint}")
-
-
-def _precision_conflict(cfg) -> Optional[str]:
-    o = cfg.optimizer
-    if o.precision and (o.fp16 or (o.bf16 and o.precision != "bf16")):
-        return "--fp16" if o.fp16 else "--bf16"
-    return None
-
-
-def _precision_reason(cfg) -> str:
-    o, other = cfg.optimizer, _precision_conflict(cfg)
-    return (f"--precision {o.precision} conflicts with {other}; give only one "
-            f"(--precision {o.precision} alone, or {other} alone)")
-
 
 def _score_mod_on(mod) -> Callable:
     def on(cfg) -> bool:
@@ -309,7 +165,7 @@ RULES: Tuple[Rule, ...] = (
     Needs("moe", "sp", "--num-experts with --tensor-model-parallel-size > 1 needs "
           "--sequence-parallel (each token must live on one rank for the expert dispatch, as "
           "in Megatron)", also="tp"),
-    Needs("fp8", "te", QuotesEnvironment(_fp8_without_te), dry_run=False),
+    Needs("fp8", "te", QuotesEnvironment(fp8_without_te), dry_run=False),
     Needs("hsdp", ("distopt", "fsdp2"), "--num-distributed-optimizer-instances > 1 splits the "
           "sharded data-parallel group: add --use-distributed-optimizer or --use-torch-fsdp2"),
     Excludes("pp-uneven", "pp-interleaved", "--decoder-first/last-pipeline-num-layers do not "
@@ -327,8 +183,8 @@ RULES: Tuple[Rule, ...] = (
     Excludes(MOE_FEATURES, "compile", MOE_COMPILE, dry_run=False),
     Excludes("cp-a2a", "compile", CP_A2A_COMPILE, dry_run=False),
     Excludes("fp8", ("recompute-full", "recompute-selective"), FP8_RECOMPUTE, dry_run=False),
-    Refuses(SPLIT_BACKWARD, "a recomputed MoE layer", _recomputes_moe_layers,
-            _split_moe_recompute_reason),
+    Refuses(SPLIT_BACKWARD, "a recomputed MoE layer", recomputes_moe_layers,
+            split_moe_recompute_reason),
     Excludes("pp-uneven", VSHAPE, VSHAPE_UNEVEN),
     Refuses(VSHAPE, "--mtp-num-layers", lambda c: bool(c.model.mtp_num_layers), VSHAPE_MTP),
     Refuses(("cp-p2p", "cp-a2a"), "--attention-dropout > 0",
@@ -337,15 +193,15 @@ RULES: Tuple[Rule, ...] = (
             "--optimizer muon with --num-distributed-optimizer-instances > 1: Muon gathers each "
             "matrix over one sharded group (optimizer/muon_layout.py), not across instances; "
             "use --num-distributed-optimizer-instances 1"),
-    Relation("Megatron FP8 flags megalite does not wire", _unwired_fp8, lambda c: (
-        f"{_unwired_fp8(c)[0]}: only --fp8-format, --fp8-amax-history-len and "
+    Relation("Megatron FP8 flags megalite does not wire", unwired_fp8, lambda c: (
+        f"{unwired_fp8(c)[0]}: only --fp8-format, --fp8-amax-history-len and "
         "--fp8-amax-compute-algo of Megatron's FP8 flags are wired (delayed scaling, Transformer "
         "Engine on a CUDA GPU); drop this flag"), dry_run=False),
     # layout sizes (the planner's search enumerates only layouts that keep them)
-    Relation("schedule matches virtual stages", _schedule_misfit, _schedule_reason, layout=True),
+    Relation("schedule matches virtual stages", schedule_misfit, schedule_reason, layout=True),
     Relation("heads split over TP", lambda c: not heads_split(
         c.model.num_attention_heads, c.model.resolved_query_groups(), c.parallel.tp),
-        _heads_reason, layout=True),
+        heads_reason, layout=True),
     Relation("sequence splits over 2 x CP", lambda c: not cp_sequence_split(
         c.model.seq_length, c.parallel.cp), lambda c: (
         f"--seq-length ({c.model.seq_length}) must be divisible by 2 x --context-parallel-size "
@@ -358,7 +214,7 @@ RULES: Tuple[Rule, ...] = (
     Relation("all-to-all CP splits heads over TP x CP", lambda c: (
         c.parallel.cp > 1 and c.parallel.cp_comm_type == "a2a" and not a2a_heads_split(
             c.model.num_attention_heads, c.model.resolved_query_groups(), c.parallel.tp,
-            c.parallel.cp)), _a2a_reason, layout=True),
+            c.parallel.cp)), a2a_reason, layout=True),
     Relation("multi-token prediction excludes CP", lambda c: (
         c.model.mtp_num_layers and c.parallel.cp > 1),
         "--mtp-num-layers with --context-parallel-size > 1: shifting the tokens across CP "
@@ -366,7 +222,7 @@ RULES: Tuple[Rule, ...] = (
     Relation("hsdp instances split the data-parallel groups", lambda c: (
         c.parallel.num_distributed_optimizer_instances > 1 and not hsdp_splits(
             c.parallel.num_distributed_optimizer_instances, hsdp_group_sizes(c))),
-        _hsdp_reason),
+        hsdp_reason),
     Relation("--check-collectives excludes --use-torch-fsdp2", lambda c: (
         c.training.check_collectives and c.parallel.use_torch_fsdp2),
         "--check-collectives does not cover --use-torch-fsdp2: the check runs each rank's step "
@@ -377,9 +233,9 @@ RULES: Tuple[Rule, ...] = (
     # the model
     Relation("multi-latent attention needs rope", lambda c: (
         c.model.multi_latent_attention and c.model.position_embedding_type != "rope"),
-        _mla_position_reason),
-    Relation("multi-latent attention excludes GQA, qkv bias and rope scaling", _mla_extra,
-             lambda c: f"{_mla_extra(c)} does not apply to --multi-latent-attention (one K/V "
+        mla_position_reason),
+    Relation("multi-latent attention excludes GQA, qkv bias and rope scaling", mla_extra,
+             lambda c: f"{mla_extra(c)} does not apply to --multi-latent-attention (one K/V "
              "head per query head, no fused qkv projection, YaRN or plain rope part); drop it"),
     Relation("--no-rope-freq needs rotary attention without MLA", lambda c: (
         c.model.no_rope_freq is not None and (not c.model.uses_rotary() or
@@ -392,7 +248,7 @@ RULES: Tuple[Rule, ...] = (
         "--qk-layernorm-scope projection is an RMSNorm over the whole q and k projections "
         "(OLMo 2): it needs --normalization RMSNorm and no --multi-latent-attention"),
     # precision
-    Relation("--precision excludes --fp16/--bf16", _precision_conflict, _precision_reason),
+    Relation("--precision excludes --fp16/--bf16", precision_conflict, precision_reason),
     Relation("--fp16 excludes --bf16", lambda c: c.optimizer.fp16 and c.optimizer.bf16,
              "give only one of --fp16 and --bf16"),
     # data
@@ -497,7 +353,7 @@ def _overlap_without_pairs(cfg) -> bool:
         return False
     if p.pp == 1:
         return p.ep == 1
-    return not resolve_schedule(p.pipeline_schedule, _vpp(cfg)).pairs_f_and_b
+    return not resolve_schedule(p.pipeline_schedule, vpp(cfg)).pairs_f_and_b
 
 
 PAIRED_SCHEDULES = " or ".join(n for n, s in SCHEDULES.items() if s.pairs_f_and_b)
@@ -515,7 +371,7 @@ RULES += (
              "gathered parameters (under PP it keeps them gathered); use PP > 1 or drop one"),
     Relation("--delay-wgrad-compute excludes a recomputed MoE layer", lambda c: (
         c.parallel.overlap_moe_expert_parallel_comm and c.parallel.delay_wgrad_compute and
-        _recomputes_moe_layers(c)),
+        recomputes_moe_layers(c)),
         "--delay-wgrad-compute splits the paired backwards into B and W, and a recomputed "
         "MoE layer (--recompute-granularity full, or selective with --recompute-modules mlp) "
         "saves other tensors in its recomputation under that split (torch.utils.checkpoint "

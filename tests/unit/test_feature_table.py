@@ -124,7 +124,7 @@ def test_rules_keyed_on_split_backward_cover_every_schedule_that_splits_it():
     assert any(isinstance(r, F.Excludes) and r.a == "te" and set(F.any_of(r.b)) == splits
                for r in F.RULES)
     assert any(isinstance(r, F.Refuses) and set(F.any_of(r.feature)) == splits and
-               r.when is F._recomputes_moe_layers for r in F.RULES)
+               r.when is F.recomputes_moe_layers for r in F.RULES)
 
 
 def _exclusion_pairs():
