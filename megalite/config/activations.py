@@ -97,7 +97,7 @@ ACTIVATIONS: Dict[str, Activation] = {a.name: a for a in (
                saved=(("fc1 output [gate; up] (silu and mul save views)", 2),
                       ("silu(gate)", 1), ("fc2 input silu(gate)*up", 1))),
     Activation("gelu", None, "GeLU (GPT-2)", gated=False, fn=_gelu,
-               hf_names=("gelu", "gelu_new"),
+               hf_names=("gelu",),   # erf; HF's gelu_new is the tanh form, not this
                saved=(("GeLU input (fc1 output)", 1), ("fc2 input (GeLU output)", 1))),
     Activation("squared-relu", "squared_relu", "squared ReLU: relu(x)^2, not gated "
                "(Primer; Nemotron's MLP)", gated=False, fn=_squared_relu, hf_names=("relu2",),
