@@ -195,8 +195,9 @@ def order_zbv(p: int, m: int, rank: int, forward_only: bool = False) -> List[Op]
 
     Warm-up: 2(p - r) - 1 F0, then r pairs F1 F0, then p - r steps F1 B1 W1; steady: F0 B0
     W0 F1 B1 W1 until every forward ran; cool-down: r pairs B0 B1, p - r steps B0 W0, then
-    the deferred W1's and W0's.  With F = B = W the bubble is (p - 1)(F + B - 2W) per rank
-    (zero) and a rank holds at most 2p chunk-micro-batches (forwarded, W not yet run).
+    the deferred W1's and W0's.  Simulated with F = B = W = 1 every rank idles p - 1 (not
+    the paper's ideal 0; with B or W dearer than F the blocking placement idles much more)
+    and holds at most 2p chunk-micro-batches (forwarded, W not yet run).
     """
     if m < 2 * p - 1:
         raise ValueError(f"zbv: micro-batches ({m}) must be at least 2 x pipeline size - 1 "
