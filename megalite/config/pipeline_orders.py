@@ -185,3 +185,56 @@ def _name_receives(program: List[List[Op]], p: int, v: int) -> List[List[Op]]:
         if taken.get(pair, 0) != len(stream):
             raise DeadlockError(f"messages {pair[0]}->{pair[1]} sent but never received")
     return named
+
+
+def order_zbv(p: int, m: int, rank: int, forward_only: bool = False) -> List[Op]:
+    """ZB-V (Qi et al. 2023, section 6; torch's ``ScheduleZBVZeroBubble``): DualPipeV's V
+    placement (chunk 0 down the ranks, chunk 1 back up) with 1F1B-like chunk order and B
+    split from W, W run right after its B in the steady state and deferred in the
+    cool-down.  Needs m >= 2p - 1 (the warm-up is 2(p - r) - 1 chunk-0 forwards).
+
+    Warm-up: 2(p - r) - 1 F0, then r pairs F1 F0, then p - r steps F1 B1 W1; steady: F0 B0
+    W0 F1 B1 W1 until every forward ran; cool-down: r pairs B0 B1, p - r steps B0 W0, then
+    the deferred W1's and W0's.  Simulated with F = B = W = 1 every rank idles p - 1 (not
+    the paper's ideal 0; with B or W dearer than F the blocking placement idles much more)
+    and holds at most 2p chunk-micro-batches (forwarded, W not yet run).
+    """
+    if m < 2 * p - 1:
+        raise ValueError(f"zbv: micro-batches ({m}) must be at least 2 x pipeline size - 1 "
+                         f"({2 * p - 1})")
+    if forward_only:
+        return [Op("F", mb, c) for mb in range(m) for c in (0, 1)]
+    n = {k: 0 for k in ("F0", "F1", "B0", "B1")}
+    ops: List[Op] = []
+
+    def emit(kind: str, chunk: int) -> int:
+        key = f"{kind}{chunk}"
+        mb, n[key] = n[key], n[key] + 1
+        ops.append(Op(kind, mb, chunk))
+        return mb
+
+    for _ in range(2 * (p - rank) - 1):
+        emit("F", 0)
+    for _ in range(rank):
+        emit("F", 1)
+        emit("F", 0)
+    for _ in range(p - rank):
+        emit("F", 1)
+        ops.append(Op("W", emit("B", 1), 1))
+    while n["F1"] < n["F0"] or n["F0"] < m:
+        if n["F0"] < m:
+            emit("F", 0)
+        ops.append(Op("W", emit("B", 0), 0))
+        emit("F", 1)
+        ops.append(Op("W", emit("B", 1), 1))
+    w0, w1 = n["B0"], n["B1"]
+    for _ in range(rank):
+        emit("B", 0)
+        emit("B", 1)
+    for _ in range(p - rank):
+        emit("B", 0)
+        ops.append(Op("W", w0, 0))
+        w0 += 1
+    ops += [Op("W", mb, 1) for mb in range(w1, n["B1"])]
+    ops += [Op("W", mb, 0) for mb in range(w0, n["B0"])]
+    return ops
