@@ -268,8 +268,8 @@ RULES: Tuple[Rule, ...] = (
         (c.data.reset_position_ids or c.data.reset_attention_mask) and not c.data.tokenizer_type),
         "--reset-position-ids / --reset-attention-mask find the documents by the tokenizer's "
         "end-of-document token: give --tokenizer-type (NullTokenizer's is vocab size - 1)"),
-    # the attention variants' own rules (config/attention_variants.py: sinks, chunks,
-    # windows and documents), each with the entry's reason
+    # the attention variants' own rules (config/attention_variants.py, one entry each),
+    # each with the entry's reason
     *(Refuses(r.refused_by, r.name, r.when, r.reason) if r.refused_by else
       Relation(r.name, r.when, r.reason)
       for variant in VARIANTS.values() for r in variant.rules),
