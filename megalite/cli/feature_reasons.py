@@ -14,20 +14,19 @@ from megalite.cli import compat_flags
 from megalite.cli.rule_kinds import schedule_fits
 from megalite.config.pipeline_schedules import AUTO, SCHEDULES
 
+
 def vpp(cfg) -> int:
     return cfg.parallel.virtual_stages(cfg.model.num_layers)
-
 
 
 def moe(cfg) -> bool:
     return bool(cfg.model.num_experts)
 
 
-
-# ---- the rules -------------------------------------------------------------------------------
+# ---- the feature-name lists ------------------------------------------------------------------
 # A rule names features by property where one exists: a name list such as ``SPLIT_BACKWARD``
 # is "any of" these features, so a new schedule with ``split_backward=True`` inherits every
-# rule of zero bubble without an edit here.
+# rule of zero bubble without an edit to the rules.
 SPLIT_BACKWARD = tuple(f"pp-{n}" for n, s in SCHEDULES.items() if s.split_backward)
 MOE_FEATURES = ("moe", "ep", "expert-tp", "moe-alltoall", "moe-allgather")
 
@@ -40,7 +39,6 @@ def hsdp_group_sizes(cfg) -> List[Tuple[int, str]]:
         sizes.append((cfg.world_size // (p.etp * p.ep * p.pp),
                       "expert data-parallel size (world / (expert-TP x EP x PP))"))
     return sizes
-
 
 
 # ---- the reasons -----------------------------------------------------------------------------
@@ -61,6 +59,8 @@ def unwired_fp8(cfg) -> List[str]:
 CP_DROPOUT = ("--context-parallel-size > 1 has no attention dropout (ring and all-to-all "
               "attention draw none): set --attention-dropout 0")
 SPLIT_FLAGS = " / ".join(f"--pipeline-schedule {n[3:]}" for n in SPLIT_BACKWARD)
+
+
 def split_moe_recompute_reason(cfg) -> str:
     """Names the schedule the run asked for (each split-backward schedule refuses it)."""
     return (f"--pipeline-schedule {cfg.parallel.pipeline_schedule} with a recomputed MoE "

@@ -71,7 +71,6 @@ def _schedule_is(name: str) -> Callable:
     return on
 
 
-
 _SCHEDULE_FLAGS = {"1f1b": "--pipeline-model-parallel-size N (> 1)",
                    "interleaved": "PP > 1 and --num-virtual-stages-per-pipeline-rank V (> 1) "
                                   "(or --num-layers-per-virtual-pipeline-stage)",
@@ -149,13 +148,13 @@ FEATURES: Dict[str, Feature] = {f.name: f for f in (
 PIPELINE = tuple(n for n, f in FEATURES.items() if f.group == "pipeline schedule")
 
 
-
 def _score_mod_on(mod) -> Callable:
     def on(cfg) -> bool:
         return getattr(cfg.model, mod.field) is not None
     return on
 
 
+# ---- the rules (their reasons' texts: megalite/cli/feature_reasons.py) -----------------------
 RULES: Tuple[Rule, ...] = (
     Needs("ep", "moe", "--expert-model-parallel-size > 1 needs --num-experts"),
     Needs("overlap-param-gather", "distopt", "--overlap-param-gather needs "
