@@ -146,8 +146,8 @@ def _zbv_bubble(p, v, work, hop, fwd):
 
 
 def _zbv_unpaired(p, m, v, rank):
-    """The 2(p - r) - 1 chunk-0 warm-up forwards and r pairs F1 F0 come before the first
-    backward: 2p - 1 on every rank; every later forward is followed by a backward."""
+    """The 2(p - r) - 1 chunk-0 warm-up forwards and the r pairs F1 F0 have no backward
+    after them: 2p - 1 on every rank; every later forward is followed by its chunk's B."""
     return min(2 * p - 1, 2 * m)
 
 
