@@ -21,7 +21,7 @@ from megalite.config import pipeline_program as P  # noqa: E402
 from megalite.config import pipeline_schedules as S  # noqa: E402
 
 UNIT = {k: Fraction(1) for k in "FBW"}
-ROWS = (("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("dualpipev", 2))
+ROWS = (("1f1b", 1), ("interleaved", 2), ("zero-bubble", 1), ("dualpipev", 2), ("zbv", 2))
 
 
 def _formula_bubble(name: str, p: int, m: int, v: int) -> Fraction:

@@ -143,6 +143,12 @@ COVERAGE: Dict[str, Sequence[str]] = {
                                                  "recompute-full", "compile"),
     f"{_DV}[cp2-pp2-full-tied]": ("pp-dualpipev", "cp-p2p", "recompute-full"),
 }
+# ZB-V runs DualPipeV's configurations with the schedule swapped (the same V placement and
+# B / W split; tests/distributed/test_zbv_dist.py derives its cases the same way)
+_ZBV = "tests/distributed/test_zbv_dist.py::test_zbv_matches_single_process"
+COVERAGE.update({_ZBV + test_id[len(_DV):]: tuple("pp-zbv" if f == "pp-dualpipev" else f
+                                                   for f in names)
+                 for test_id, names in list(COVERAGE.items()) if test_id.startswith(_DV + "[")})
 
 
 def covering_tests(a: str, b: str) -> List[str]:

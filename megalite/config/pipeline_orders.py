@@ -1,5 +1,5 @@
-"""Compute orders of the 1F1B family: 1F1B, interleaved 1F1B (and its lock-step program)
-and ZB-H1 zero bubble.
+"""Compute orders of the 1F1B family: 1F1B, interleaved 1F1B (and its lock-step program),
+ZB-H1 zero bubble and ZB-V (its V-shaped variant).
 
 One module for the schedules Megatron and the zero-bubble paper derive from 1F1B's warm-up /
 steady / cool-down shape; the registry (``pipeline_schedules``) names them, and the generic

@@ -3,7 +3,7 @@ the planner's bubble and in-flight formulas, and ``plan``, the program each rank
 
 Everything the rest of megalite asks about a schedule comes through here (the flag's
 choices, the executor, validation, the feature table, the planner, ``megalite viz``); the
-programs themselves are built by ``pipeline_orders`` (1F1B, interleaved, ZB-H1),
+programs themselves are built by ``pipeline_orders`` (1F1B, interleaved, ZB-H1, ZB-V),
 ``pipeline_dualpipev`` and ``pipeline_pairs`` (combined 1F1B and the F&B pair transforms)
 in the vocabulary of ``pipeline_program``, which also simulates them.
 """
@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional
 
 from megalite.config.pipeline_dualpipev import dualpipev_program
 from megalite.config.pipeline_orders import (interleaved_program, order_1f1b,
-                                             order_interleaved, orders_zero_bubble)
+                                             order_interleaved, order_zbv, orders_zero_bubble)
 from megalite.config.pipeline_pairs import delay_wgrad, order_combined_1f1b, pairs_adjacent
 from megalite.config.pipeline_program import (UNIT_COSTS, Costs, Op, build_program,
                                               check_fifo, simulate)
@@ -132,6 +132,25 @@ def _dualpipev_unpaired(p, m, v, rank):
     return min(3 * (p - rank - 1) + 2 * (rank + 1) + (rank == p - 1), 2 * m)
 
 
+def _orders_zbv(p, m, v, forward_only):
+    return [order_zbv(p, m, r, forward_only) for r in range(p)]
+
+
+def _zbv_bubble(p, v, work, hop, fwd):
+    """Idle per rank: (p - 1) chunk ops of the dearer of F and B (a chunk's F is half the
+    forward part, B and W each a quarter of the rest), plus one hop per warm-up step.  Exact
+    at unit costs on the blocking program and, for B = W >= F, on the dependency-only
+    timing the asynchronous p2p approaches; with F > B it idles more ((p - 2)(F - B) and
+    up), so it is a lower bound there."""
+    return (p - 1) * (max(fwd / 2, (work - fwd) / 4) + hop)
+
+
+def _zbv_unpaired(p, m, v, rank):
+    """The 2(p - r) - 1 chunk-0 warm-up forwards and the r pairs F1 F0 have no backward
+    after them: 2p - 1 on every rank; every later forward is followed by its chunk's B."""
+    return min(2 * p - 1, 2 * m)
+
+
 def _1f1b_unpaired(p, m, v, rank):
     """Megatron's p - r - 1 warm-up forwards."""
     return min(p - rank - 1, m)
@@ -172,6 +191,13 @@ SCHEDULES: Dict[str, Schedule] = {s.name: s for s in (
              in_flight=_dualpipev_in_flight, unpaired_forwards=_dualpipev_unpaired,
              searched=False, searched_for_moe=True, chunks_per_rank=2, vshape=True,
              min_micro_batches=lambda p: 2 * p, async_p2p=True, pairs_f_and_b=True),
+    Schedule("zbv", "ZB-V: DualPipeV's V (2 chunks per rank) in a 1F1B-like order, backward "
+             "split into B and W, W deferred into the cool-down; at most p micro-batches "
+             "held, as 1F1B's first stage",
+             virtual_stages=True, split_backward=True, orders=_orders_zbv,
+             bubble_time=_zbv_bubble, in_flight=lambda p, m, v, rank: float(p),
+             unpaired_forwards=_zbv_unpaired, searched=False, chunks_per_rank=2,
+             vshape=True, min_micro_batches=lambda p: 2 * p - 1, async_p2p=True),
 )}
 SCHEDULE_NAMES = tuple(SCHEDULES)
 AUTO = "auto"     # --pipeline-schedule auto: interleaved with virtual stages, else 1F1B

@@ -20,10 +20,10 @@ program (F / BW / B / W ops and blocking p2p batches) and ``PipelineExecutor`` w
 so the simulator's bubble and deadlock analysis is about exactly what runs.
 
 The schedules are ``pipeline_schedules.SCHEDULES`` (1F1B, interleaved 1F1B, zero bubble ZB-H1,
-DualPipeV); a registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it,
+DualPipeV, ZB-V); a registered schedule needs nothing here: ``PipelinedSchedule(name)`` runs it,
 splitting backward into B (input grads) and W (weight grads, ``weight_grad.py``) when the
 entry says ``split_backward``.  A message whose producer and consumer are chunks of this
-rank (the bottom of DualPipeV's V) is handed over without p2p.
+rank (the bottom of the V: DualPipeV, ZB-V) is handed over without p2p.
 """
 from __future__ import annotations
 

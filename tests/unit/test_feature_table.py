@@ -29,6 +29,7 @@ TURN_ON = {
     "pp-zero-bubble": ["--pp", "2", "--pipeline-schedule", "zero-bubble"],
     "pp-dualpipev": ["--pp", "2", "--pipeline-schedule", "dualpipev", "--global-batch-size",
                      "64"],
+    "pp-zbv": ["--pp", "2", "--pipeline-schedule", "zbv", "--global-batch-size", "64"],
     "pp-uneven": ["--pp", "2", "--decoder-first-pipeline-num-layers", "2"],
     "pp-account": ["--pp", "2", "--account-for-loss-in-pipeline-split",
                    "--account-for-embedding-in-pipeline-split"],
@@ -151,6 +152,7 @@ def test_validation_refuses_each_exclusion_with_its_reason(rule, a, b):
 # a case here fails test_every_rule_has_a_refusal_case.
 _ZB_MOE = ["--pp", "2", "--pipeline-schedule", "zero-bubble", "--num-experts", "4"]
 _DV = ["--pp", "2", "--pipeline-schedule", "dualpipev", "--global-batch-size", "64"]
+_ZBV = ["--pp", "2", "--pipeline-schedule", "zbv", "--global-batch-size", "64"]
 _MLA = ["--multi-latent-attention", "--position-embedding-type", "rope"]
 _TE = {"transformer_impl": "transformer_engine"}
 _DOCS = ["--reset-attention-mask", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"]
@@ -175,10 +177,13 @@ RULE_CASES = {
         [["--num-distributed-optimizer-instances", "2"]],
         [["--num-distributed-optimizer-instances", "2", "--use-distributed-optimizer"],
          ["--num-distributed-optimizer-instances", "2", "--use-torch-fsdp2"]]),
-    "pp-dualpipev refuses --mtp-num-layers": ([_DV + ["--mtp-num-layers", "1"]], [_DV]),
-    "pp-zero-bubble|pp-dualpipev refuses a recomputed MoE layer": (
+    "pp-dualpipev|pp-zbv refuses --mtp-num-layers": (
+        [_DV + ["--mtp-num-layers", "1"], _ZBV + ["--mtp-num-layers", "1"]], [_DV, _ZBV]),
+    "pp-zero-bubble|pp-dualpipev|pp-zbv refuses a recomputed MoE layer": (
         [_ZB_MOE + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
-         _ZB_MOE + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"]],
+         _ZB_MOE + ["--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+         _ZBV + ["--num-experts", "4", "--recompute-granularity", "full",
+                 "--recompute-method", "uniform"]],
         [_ZB_MOE + ["--recompute-granularity", "selective"],
          ["--pp", "2", "--num-experts", "4", "--recompute-granularity", "full",
           "--recompute-method", "uniform"]]),
