@@ -36,6 +36,7 @@ import argparse
 import contextlib
 import logging
 import os
+import re
 import shutil
 import socket
 import sys
@@ -244,7 +245,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as exc:     # e.g. no etcd member answers: one line, no restart
         print(f"megalite launch: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    notes = tempfile.mkdtemp(prefix="megalite-launch-")
+    notes = _notes_folder()
     pool = os.path.join(notes, "warm")
     os.makedirs(pool)
     _install_agent(ours.exit_barrier_timeout, timeline=not args.standalone,
@@ -254,6 +255,28 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _run(ours, args)
     finally:
         shutil.rmtree(notes, ignore_errors=True)
+
+
+NOTES_PREFIX = "megalite-launch-"
+
+
+def _notes_folder() -> str:
+    """This launcher's scratch folder (warm pool, hang note), named after its pid, after
+    removing those of launchers on this host that ended without their ``finally`` (SIGKILL,
+    the OOM killer): a folder whose pid is no longer a process is stale."""
+    tmp = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(tmp):
+            m = re.fullmatch(re.escape(NOTES_PREFIX) + r"(\d+)-\w+", name)
+            if m is None or int(m.group(1)) == os.getpid():
+                continue
+            try:
+                os.kill(int(m.group(1)), 0)
+            except ProcessLookupError:
+                shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+            except PermissionError:      # another user's live launcher
+                pass
+    return tempfile.mkdtemp(prefix=f"{NOTES_PREFIX}{os.getpid()}-")
 
 
 def _run(ours, args) -> int:

@@ -46,8 +46,19 @@ def test_exit_status_is_the_workers_and_user_errors_are_not_restarted(tmp_path):
     assert "Sending process" not in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert res[:1] == ["2"] and res[3] == "failed" and res[4:] == \
         ["rank", res[5], "exited", "with", "status", "2"], res
-    p, res = _launch(tmp_path, "ok", "--nproc-per-node", "2", ENTRY, env={"FAIL_CODE": "0"})
+    # a launcher killed with SIGKILL leaves its scratch folder; the next one on the host
+    # removes it (its pid is gone) and leaves a live launcher's alone
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    dead = subprocess.run([PY, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp / f"megalite-launch-{dead}-abc123" / "warm").mkdir(parents=True)
+    (tmp / f"megalite-launch-{os.getpid()}-def456").mkdir()
+    p, res = _launch(tmp_path, "ok", "--nproc-per-node", "2", ENTRY,
+                     env={"FAIL_CODE": "0", "TMPDIR": str(tmp)})
     assert p.returncode == 0 and res[0] == "0" and res[3] == "done", p.stderr[-3000:]
+    assert sorted(x.name for x in tmp.iterdir() if x.name.startswith("megalite-launch-")) \
+        == [f"megalite-launch-{os.getpid()}-def456"]
 
 
 def test_misfit_world_trains_on_the_largest_fitting_part_with_a_spare(tmp_path,
