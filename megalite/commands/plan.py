@@ -263,6 +263,7 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         attention_kernel=args.attention_kernel,
                         tp_comm_overlap=args.tp_comm_overlap,
                         ep_overlap=args.overlap_moe_expert_parallel_comm,
+                        ep_overlap_rule="megalite",        # it predicts a megalite run
                         ep_delay_wgrad=args.delay_wgrad_compute,
                         moe_routing=moe_routing(args.moe_routing),
                         recompute_modules=tuple(args.recompute_modules),
@@ -281,7 +282,7 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         raise ConfigError(f"{flag}: {warn}; drop the flag or pick a GPU that has them")
     res = search(m, seq, gbs, cluster, space, opts)
     if args.json:
-        print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32), file=out)
+        print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32, opts), file=out)
     else:
         print(report.header(m, seq, gbs, cluster, res), file=out)
         if not res.ranked:
@@ -293,9 +294,9 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                   file=out)
         best = res.ranked[0]
         print("\nbest layout as pretrain_gpt.py flags:", file=out)
-        print(shlex.join(report.winner_flags(best, m, seq, args.fp32)), file=out)
+        print(shlex.join(report.winner_flags(best, m, seq, args.fp32, opts)), file=out)
         if args.check_collectives:
-            check_best_layout(best, m, seq, args, out)
+            check_best_layout(best, m, seq, args, out, opts)
         if args.explain:
             print("\n" + report.explain(res, cluster, min(args.top, 5)), file=out)
     if args.plot:
@@ -340,7 +341,7 @@ def moe_routing(text: str):
         return text
 
 
-def check_best_layout(best, m, seq: int, args, out) -> None:
+def check_best_layout(best, m, seq: int, args, out, opts: ModelOptions) -> None:
     """``--check-collectives``: the best layout's flags through pretrain_gpt.py's parser,
     then the same check as its ``--dry-run --check-collectives``."""
     if best is None:
@@ -348,7 +349,7 @@ def check_best_layout(best, m, seq: int, args, out) -> None:
     # start-up time: a plan never imports torch; only --check-collectives traces the training step
     from megalite.training.dry_run import print_collective_check
 
-    flags = report.winner_flags(best, m, seq, args.fp32)
+    flags = report.winner_flags(best, m, seq, args.fp32, opts)
     cfg = parse_args([*flags, "--world-size", str(args.num_gpus), "--mock-data",
                       "--train-iters", "1", "--dry-run", "--check-collectives"])
     print("", file=out)
