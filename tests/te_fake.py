@@ -187,7 +187,8 @@ class DotProductAttention(_Base):
                 torch.zeros(h, dtype=q.dtype)
             with ctx:
                 out = unfused_attention(q, k, v, causal=self.causal, dropout_p=p,
-                                        scale=self.kwargs.get("softmax_scale"), sinks=sinks)
+                                        scale=self.kwargs.get("softmax_scale"),
+                                        denominator_logits=sinks)
             return out.permute(2, 0, 1, 3).reshape(s, b, h * v.shape[-1])
         with ctx:     # TE's softmax_scale (MLA's) and a v narrower than q/k (kv_channels (k, v))
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=self.causal,

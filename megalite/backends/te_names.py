@@ -28,7 +28,7 @@ LAYER_NAME_MAP = (
     ("self_attention.linear_qkv.layer_norm_bias", "input_layernorm.bias"),
     ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
     ("mlp.linear_fc1.layer_norm_bias", "pre_mlp_layernorm.bias"),
-    # --softmax-type learnable: TE's DotProductAttention holds the sinks itself
+    # learned softmax denominator logits: TE's DotProductAttention holds them itself
     ("self_attention.core_attention.attention.softmax_offset",
      "self_attention.core_attention.softmax_offset"),
 )

@@ -36,15 +36,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from megalite.config.attention_variants import learned_sinks, sinks_on
+from megalite.config.attention_variants import te_attention_kwargs
 from megalite.moe.shared_experts import shared_expert_spec
-from megalite.param_spec import ParamSpec, Split
+from megalite.param_spec import ParamSpec
 from megalite.transformer.attention import SelfAttention
 from megalite.transformer.layer import TransformerLayer
 from megalite.transformer.mlp import MLP
 from megalite.transformer.norms import (SEQUENCE_PARALLEL_GROUP, IdentityNorm, build_norm,
                                        build_qk_norm)
 from megalite.transformer.attention_masks import document_offsets
+from megalite.transformer.softmax_denominator import learned_logits_spec
 from megalite.transformer.spec import (AttnMaskType, LayerSpec, MLPSubmodules, ModuleSpec,
                                        SelfAttentionSubmodules, TransformerLayerSubmodules)
 from megalite.tensor_parallel.random import AttachedTracker, DrawsFromTracker
@@ -169,11 +170,8 @@ class TECoreAttention(DrawsFromTracker, nn.Module):
         te = te_pytorch()
         # Multi-Latent Attention: k/v head dims differ and the softmax scale is its own
         extra = {} if softmax_scale is None else {"softmax_scale": softmax_scale}
-        window = model_cfg.layer_window(layer_number)     # --window-size: TE's own window
-        if window is not None:
-            extra["window_size"] = (window, 0)
-        if sinks_on(model_cfg):     # --softmax-type: TE's own sinks (its softmax_offset)
-            extra["softmax_type"] = model_cfg.softmax_type
+        # the attention variants TE runs itself (its window, its softmax_offset)
+        extra.update(te_attention_kwargs(model_cfg, layer_number))
         kv_channels = model_cfg.resolved_kv_channels() if k_channels is None else \
             (k_channels, v_channels or k_channels)
         os.environ.update(TE_ATTENTION_ENV.get(getattr(model_cfg, "attention_backend", "auto"),
@@ -188,10 +186,9 @@ class TECoreAttention(DrawsFromTracker, nn.Module):
             tp_size=tp.size, tp_group=tp.handle if tp.size > 1 else None,
             get_rng_state_tracker=self.attached_tracker, layer_number=layer_number + 1,
             **extra)
-        if learned_sinks(model_cfg):   # split over TP with the heads; megalite's init fills it
-            _record(self.attention, {"softmax_offset": ParamSpec(
-                (model_cfg.num_attention_heads,), (Split(0, tp.name),),
-                init=("normal", model_cfg.init_method_std))})
+        spec = learned_logits_spec(model_cfg, tp)   # TE holds them; megalite's init
+        if spec is not None:                              # fills them
+            _record(self.attention, {"softmax_offset": spec})
         if cp.size > 1:
             self.attention.set_context_parallel_group(cp.handle, list(cp.ranks),
                                                       cp_stream(), cp_comm_type)

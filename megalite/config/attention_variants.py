@@ -4,12 +4,14 @@ to the parts of megalite that are not its kernel, one entry each.
 An entry (``AttentionVariant``) says when the variant is on, the rules it brings to the rule
 engine (``rules``: a refusal by an implementation that cannot run it, or a relation with
 another feature, each with its reason; megalite/cli/features.py walks them), the
-parameters it adds to an attention layer (``params``: the planner's count) and the work it
-keeps on a layer (``layer_keep``: (window, documents per sequence) of the planner's FLOPs).
-So a new variant of a kind that exists (a mask: attention_masks.keep; a softmax
-denominator term: attention_sinks) is its field in config/model.py, its entry here and its
-kernel in megalite/transformer/ (+ one test); the core attentions, the CP ring, the planner
-and the rule engine ask this table (docs/extending.md measured it).
+parameters it adds to an attention layer (``params``: the planner's count), the work it
+keeps on a layer (``layer_keep``: (window, documents per sequence) of the planner's FLOPs),
+the logit it adds to the softmax denominator (``denominator``) and what Transformer
+Engine's attention is told (``te_kwargs``).  So a new variant of a kind that exists (a
+mask: attention_masks.keep; a softmax denominator term: transformer/softmax_denominator.py)
+is its field in config/model.py and its entry here (+ one test); the core attentions, the
+CP ring and all-to-all, TE, the planner and the rule engine ask this table
+(docs/extending.md measured it).
 
 Attention sinks (``--softmax-type``, Megatron's field) are one of them: a logit per head
 that joins the softmax denominator and no value, so a query may attend "nowhere".
@@ -18,9 +20,11 @@ that joins the softmax denominator and no value, so a query may attend "nowhere"
     off-by-one  e^s_j / (1 + sum_k e^s_k)            (the sink logit is 0)
     learnable   e^s_j / (e^sink_h + sum_k e^s_k)     (gpt-oss: ``self_attn.sinks``)
 
-The sink is a key with score ``sink_h`` and value 0; what the attentions do with it is in
-``transformer/attention_sinks.py``.  SDPA's kernels have no such key, so the local core
-attention runs its unfused kernel with sinks, as with a score modification.
+The sink is a key with score ``sink_h`` and value 0: a denominator term, which the
+attentions fold in as ``transformer/softmax_denominator.py`` says.  SDPA's kernels have no
+such key, so the local core attention runs its unfused kernel with it, as with a score
+modification; TE's DotProductAttention has its own (``softmax_type``, its
+``softmax_offset``).
 
 Importing this module does not import torch (the rule engine and the planner read it).
 """
@@ -32,14 +36,11 @@ from typing import Callable, Dict, Optional, Tuple, Union
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
-def sinks_on(model_cfg) -> bool:
-    """Whether the softmax has a sink term (off-by-one or learnable)."""
-    return getattr(model_cfg, "softmax_type", "vanilla") != "vanilla"
-
-
-def learned_sinks(model_cfg) -> bool:
-    """Whether the sink is a parameter (``softmax_offset`` [heads], split over TP)."""
-    return getattr(model_cfg, "softmax_type", "vanilla") == "learnable"
+def _sink(m) -> Optional[str]:
+    """The sink as a denominator term: None (vanilla), "constant" (off-by-one: logit 0) or
+    "learned" (learnable: ``softmax_offset`` [heads], split over TP)."""
+    return {"off-by-one": "constant", "learnable": "learned"}.get(
+        getattr(m, "softmax_type", "vanilla"))
 
 
 def sinks_kernel_problem(value, cfg) -> Optional[str]:
@@ -74,6 +75,11 @@ class AttentionVariant:
     rules: Tuple[VariantRule, ...] = ()
     params: Callable = lambda m, tp: 0               # parameters added per attention layer
     layer_keep: Optional[Callable] = None            # (ModelConfig, layer, seq) -> dict
+    # (ModelConfig) -> a logit per head in the softmax denominator: None, "constant" (0)
+    # or "learned" (a parameter [heads], split over TP with the heads)
+    denominator: Callable = lambda m: None
+    # (ModelConfig, layer) -> TE DotProductAttention's keyword arguments for the variant
+    te_kwargs: Callable = lambda m, layer: {}
 
 
 def _cp(cfg) -> bool:
@@ -91,17 +97,26 @@ def _window(m, layer: int, seq: int) -> dict:
     return {"window": window} if window is not None else {}
 
 
+def _te_window(m, layer: int) -> dict:
+    """TE's own sliding window: (left, right) keys beside the query."""
+    window = m.layer_window(layer)
+    return {"window_size": (window, 0)} if window is not None else {}
+
+
+
 VARIANTS: Dict[str, AttentionVariant] = {
     "sinks": AttentionVariant(
         "softmax_type", "--softmax-type", "a per-head sink logit in the softmax denominator (gpt-oss)",
-        lambda c: sinks_on(c.model),
+        lambda c: _sink(c.model) is not None,
         rules=(VariantRule(
-            "--softmax-type with CP", lambda c: sinks_on(c.model) and _cp(c),
+            "--softmax-type with CP", lambda c: _sink(c.model) is not None and _cp(c),
             lambda c: f"--softmax-type {c.model.softmax_type} with Transformer Engine and "
             "--context-parallel-size > 1: TE's context-parallel attention is not given the "
             "sinks here; use --transformer-impl local (ring and all-to-all CP fold them in) "
             "or CP 1", refused_by="te"),),
-        params=lambda m, tp: m.num_attention_heads // tp if learned_sinks(m) else 0),
+        params=lambda m, tp: m.num_attention_heads // tp if _sink(m) == "learned" else 0,
+        denominator=_sink,
+        te_kwargs=lambda m, layer: {"softmax_type": m.softmax_type} if _sink(m) else {}),
     "chunked": AttentionVariant(
         "attention_chunk_size", "--attention-chunk-size", "chunked local attention on the rotating layers (Llama 4)",
         lambda c: c.model.attention_chunk_size is not None,
@@ -142,7 +157,7 @@ VARIANTS: Dict[str, AttentionVariant] = {
             "--qk-clip records each head's largest causal logit, not the one under a document "
             "mask or a sliding window (it would clip on pairs attention never sees): drop "
             "--qk-clip or the mask")),
-        layer_keep=_window),
+        layer_keep=_window, te_kwargs=_te_window),
 }
 
 
@@ -166,3 +181,19 @@ def layer_keep(m, layer: int, seq: int) -> dict:
 def attention_params(m, tp: int) -> int:
     """Parameters the variants add to one attention layer on a TP rank."""
     return sum(v.params(m, tp) for v in VARIANTS.values())
+
+
+def denominator_logit(m) -> Optional[str]:
+    """The softmax denominator term the variants on ``m`` add ("constant", "learned") or
+    None: what the core attentions build (``softmax_denominator.build_denominator_logits``)
+    and whether their kernel must be the unfused one (SDPA has no such term)."""
+    return next((kind for kind in (v.denominator(m) for v in VARIANTS.values()) if kind),
+                None)
+
+
+def te_attention_kwargs(m, layer: int) -> dict:
+    """TE DotProductAttention's keyword arguments of the variants on ``m`` at ``layer``."""
+    out: dict = {}
+    for v in VARIANTS.values():
+        out.update(v.te_kwargs(m, layer))
+    return out

@@ -297,7 +297,7 @@ class ModelConfig:
     softmax_type: str = opt(
         "vanilla", "Attention softmax: vanilla, off-by-one (1 added to the denominator) or "
         "learnable (a learned per-head logit in the denominator: gpt-oss's sinks, "
-        "transformer/attention_sinks.py).", choices=["vanilla", "off-by-one", "learnable"],
+        "transformer/softmax_denominator.py).", choices=["vanilla", "off-by-one", "learnable"],
         check=sinks_kernel_problem)
     quick_geglu: bool = opt(
         False, "Use quick-GeGLU in the MLP, x*sigmoid(1.702x) gating (gpt-oss): "

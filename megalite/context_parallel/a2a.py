@@ -12,8 +12,8 @@ Tokens arrive as the rank-ordered concatenation of the load-balanced chunks
 Needs the (TP-local) head and K/V-head counts divisible by CP (``validation.py``).
 Packed documents (``--reset-attention-mask``) and sliding windows (``--window-size``): the
 whole sequence is here, so the mask (``transformer/attention_masks.keep``) is one boolean
-SDPA mask, as without CP.  Attention sinks (``--softmax-type``): this rank's block of the
-heads takes its block of the sinks into the unfused kernel (SDPA has no sink term).
+SDPA mask, as without CP.  A softmax denominator term (``softmax_offset``): this rank's
+block of the heads takes its block of the logits into the unfused kernel (SDPA has none).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from megalite.context_parallel.max_logits import head_block
 from megalite.context_parallel.ring import check_cp_attention_args, work
 from megalite.transformer.attention_kernels import unfused_attention
 from megalite.transformer.attention_masks import LayerMask
-from megalite.transformer.attention_sinks import build_softmax_offset
+from megalite.transformer.softmax_denominator import build_denominator_logits
 from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
 
@@ -78,7 +78,7 @@ class UlyssesAttention(nn.Module):
         self.is_causal = attn_mask_type == AttnMaskType.causal
         self.mask = LayerMask(model_cfg, layer_number)       # --window-size on this layer
         self.score_mods = score_mods.active(model_cfg)   # whole sequence: any applies
-        build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
+        build_denominator_logits(self, model_cfg, comm_groups)   # softmax_offset or None
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self._order = None
@@ -128,14 +128,14 @@ class UlyssesAttention(nn.Module):
 
     def _attend(self, qf, kf, vf, mask, hq: int, hk: int) -> torch.Tensor:
         """Attention of this rank's heads over the whole sequence: SDPA, or the unfused
-        kernel with this rank's block of the sinks and the score mods
+        kernel with this rank's block of the denominator logits and the score mods
         (config/score_mods.py: Gemma 2's cap)."""
         if self.softmax_offset is not None or self.score_mods:
             r = self.group.rank
-            sinks = None if self.softmax_offset is None else \
+            extra = None if self.softmax_offset is None else \
                 self.softmax_offset[r * hq:(r + 1) * hq]
             return unfused_attention(qf, kf, vf, causal=self.is_causal and mask is None,
-                                     scale=self.scale, keep_mask=mask, sinks=sinks,
+                                     scale=self.scale, keep_mask=mask, denominator_logits=extra,
                                      score_mods=self.score_mods)
         if hq != hk and not SDPA_HAS_GQA:                         # torch < 2.5
             kf, vf = (t.repeat_interleave(hq // hk, dim=1) for t in (kf, vf))

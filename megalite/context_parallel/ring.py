@@ -24,9 +24,9 @@ them).  The
 chunk layout is unchanged, so the causal load balance holds as before; the work skipped
 depends on where the documents end.
 
-Attention sinks (``--softmax-type``): the sink joins the merged log-sum-exp once, after the
-last block (``transformer/attention_sinks.fold``); backward's block formulas then use that
-final LSE and output unchanged, and the sink's gradient comes from them alone.
+A softmax denominator term (``softmax_offset``): it joins the merged log-sum-exp once, after
+the last block (``transformer/softmax_denominator.fold``); backward's block formulas then use
+that final LSE and output unchanged, and the term's gradient comes from them alone.
 
 Score modifications (config/score_mods.py: Gemma 2's soft-cap) act on each block's scores
 (``block_attention``), forward and backward: they are elementwise, so blocks still merge.
@@ -50,7 +50,8 @@ from megalite.context_parallel.block_attention import (accum_dtype, block_backwa
 from megalite.context_parallel.load_balance import token_indices
 from megalite.context_parallel.max_logits import ring_keys
 from megalite.transformer.attention_masks import LayerMask
-from megalite.transformer.attention_sinks import build_softmax_offset, fold, sink_grad
+from megalite.transformer.softmax_denominator import (build_denominator_logits,
+                                                       denominator_grad, fold)
 from megalite.transformer.qk_logits import max_logit_per_head, record_max
 from megalite.transformer.spec import AttnMaskType
 
@@ -139,7 +140,7 @@ class RingAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale: float, causal: bool, docs, layer_mask,
-                sinks=None, mods=()):
+                extra=None, mods=()):
         cp, rank = group.size, group.rank
         nxt, prv = _ring_peers(group)
         c = q.shape[2] // 2
@@ -164,9 +165,9 @@ class RingAttentionFunction(torch.autograd.Function):
             if pending is not None:
                 pending.wait()
                 kv = incoming
-        out, lse = fold(out, lse, sinks)                             # the sinks, once
+        out, lse = fold(out, lse, extra)                 # the denominator term, once
         out = out.to(q.dtype)
-        ctx.sinks, ctx.mods = sinks, mods
+        ctx.extra, ctx.mods = extra, mods
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.causal, ctx.docs, ctx.layer_mask = group, scale, causal, docs, \
             layer_mask
@@ -219,9 +220,8 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = incoming
         dkv_pending.wait()                                          # our own K/V's grads
         dk, dv = _split_kv(dkv_in, dk_dim)
-        sinks = ctx.sinks
-        d_sinks = sink_grad(sinks, lse, delta) if ctx.needs_input_grad[8] else None
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_sinks, None
+        d_extra = denominator_grad(ctx.extra, lse, delta) if ctx.needs_input_grad[8] else None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, d_extra, None
 
 
 class RingAttention(nn.Module):
@@ -240,7 +240,7 @@ class RingAttention(nn.Module):
         self.scale = softmax_scale if softmax_scale is not None else \
             1.0 / math.sqrt(k_channels or model_cfg.resolved_kv_channels())
         self.mask = LayerMask(model_cfg, layer_number)       # --window-size on this layer
-        build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
+        build_denominator_logits(self, model_cfg, comm_groups)   # softmax_offset or None
         self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py, per block
         # --qk-clip: this step's largest logit per local head (context_parallel/max_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)

@@ -325,6 +325,14 @@ RUNS += [
     _bridge26("bridge26-qwen3-235b-gb200", "qwen3-235b-a22b", "gb200-nvl72", 256, 8192, 4096,
               dict(tp=1, pp=8, vpp=3, ep=32, etp=1, micro_batch=1, **EMB_LOSS), 1077,
               "MXFP8", 74, moe=True, source=BRIDGE26),
+    # 26.04.01 container (the archive's H100 row of Qwen3-235B; the later tables drop it)
+    _bridge26("bridge26-qwen3-235b-h100", "qwen3-235b-a22b", "h100-80gb", 256, 8192, 4096,
+              dict(tp=2, pp=8, vpp=4, ep=32, etp=1, micro_batch=1, **EMB_LOSS), 253, "FP8",
+              258, moe=True, opts=dict(moe_dispatcher="alltoall"),
+              assumed="the 26.04 config (commit 17a381f95, scripts/performance/configs/qwen/"
+              "qwen3_llm_pretrain.py lines 177-200: moe_token_dispatcher_type alltoall, no TP "
+              "comm overlap; qwen3_workload_base_configs.py lines 175-184 and 280-283, "
+              "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2: moe_a2a_overlap=True, GBS 8192)"),
 ]
 BY_NAME = {r.name: r for r in RUNS}
 

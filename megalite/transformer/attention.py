@@ -40,7 +40,7 @@ from megalite.config import score_mods
 from megalite.tensor_parallel.random import DrawsFromTracker
 from megalite.transformer.attention_kernels import core_attention_kernel, unfused_attention
 from megalite.transformer.attention_masks import LayerMask
-from megalite.transformer.attention_sinks import build_softmax_offset
+from megalite.transformer.softmax_denominator import build_denominator_logits
 from megalite.transformer.projection_norm import build_projection_qk_norms, norm_qkv_projection
 from megalite.transformer.rotary import apply_rotary
 from megalite.transformer.spec import AttnMaskType, build_module
@@ -94,7 +94,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
         self.backend = getattr(model_cfg, "attention_backend", "auto")
         self.score_mods = score_mods.active(model_cfg)   # config/score_mods.py
         self.mask = LayerMask(model_cfg, layer_number)       # --window-size on this layer
-        build_softmax_offset(self, model_cfg, comm_groups)   # --softmax-type: the sinks
+        build_denominator_logits(self, model_cfg, comm_groups)   # softmax_offset or None
         # --qk-clip: this step's largest logit per local head (transformer/qk_logits.py)
         self.record_max_logits = getattr(model_cfg, "qk_clip", False)
         self.max_logits: Optional[torch.Tensor] = None
@@ -116,9 +116,9 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
             self.max_logits = record_max(self.max_logits, max_logit_per_head(
                 q, k, self.softmax_scale, self.is_causal))
         fork = self.rng_tracker.fork() if p > 0 else contextlib.nullcontext()
-        sinks = self.softmax_offset      # the unfused kernel alone has a sink term
+        extra = self.softmax_offset      # the unfused kernel alone has a denominator term
         kernel = core_attention_kernel(self.backend, q.device.type, q.shape[2], q.dtype, p,
-                                       score_mods=bool(self.score_mods) or sinks is not None)
+                                       score_mods=bool(self.score_mods) or extra is not None)
         scale = self.softmax_scale
         sdpa = dict(dropout_p=p, is_causal=causal, scale=scale)
         if mask is not None:
@@ -127,7 +127,7 @@ class DotProductAttention(DrawsFromTracker, nn.Module):
             if kernel == "unfused":
                 return unfused_attention(q, k, v, causal=causal, dropout_p=p, scale=scale,
                                          score_mods=self.score_mods, keep_mask=mask,
-                                         sinks=sinks)
+                                         denominator_logits=extra)
             if v.shape[-1] != q.shape[-1]:
                 return self._padded_value(q, k, v, sdpa)
             if k.shape[1] == q.shape[1]:

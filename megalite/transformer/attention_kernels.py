@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config.score_mods import ScoreMod, apply_all
-from megalite.config.attention_variants import sinks_on
+from megalite.config.attention_variants import denominator_logit
 from megalite.transformer.attention_masks import additive
-from megalite.transformer.attention_sinks import sink_column
+from megalite.transformer.softmax_denominator import softmax_with_denominator
 
 # Longest sequence at which ``auto`` runs the unfused kernel on CPU, per dtype (above).
 UNFUSED_MAX_SEQ = {torch.bfloat16: 256, torch.float32: 128}
@@ -65,14 +65,14 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                       dropout_p: float = 0.0, scale: Optional[float] = None,
                       score_mods: Sequence[Tuple[ScoreMod, float]] = (),
                       keep_mask: Optional[torch.Tensor] = None,
-                      sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      denominator_logits: Optional[torch.Tensor] = None) -> torch.Tensor:
     """softmax(q k^T * scale) v on ``bhsd`` q [b, np, s, d] and k, v [b, ng, s, d]
     (``scale`` default 1/sqrt(d); v may have another head dim, MLA's).  ``score_mods``:
     (entry, value) pairs of config/score_mods.py applied to the scaled scores before the
     mask (Gemma 2's soft-cap: scores -> cap * tanh(scores / cap)).
     ``keep_mask`` [b|1, s, s_k] (boolean, every head; ``transformer/attention_masks.py``)
-    replaces the causal mask: a document mask, a sliding window.  ``sinks`` [np]: each
-    head's sink logit joins the softmax denominator (``transformer/attention_sinks.py``).
+    replaces the causal mask: a document mask, a sliding window.  ``denominator_logits``
+    [np]: each head's logit joins the softmax denominator (``softmax_denominator.py``).
 
     The query heads of one group are stacked along the sequence, so each group is one
     batched matmul against its shared k / v (no copies of k, v).  Scale and causal mask go
@@ -100,8 +100,8 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
         scores = torch.baddbmm(bias, q3, k3, alpha=alpha)      # [b*g, r*s, s_k]
     else:
         scores = torch.bmm(q3, k3).mul_(alpha)
-    probs = torch.softmax(scores, dim=-1) if sinks is None else \
-        sink_column(scores, sinks, b, groups, rows, s)
+    probs = torch.softmax(scores, dim=-1) if denominator_logits is None else \
+        softmax_with_denominator(scores, denominator_logits, b, groups, rows, s)
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p)
     out = torch.bmm(probs, v.reshape(b * groups, s_k, v.shape[-1]))   # [b*g, r*s, dv]
@@ -117,8 +117,9 @@ def attention_kernel_of(cfg, device: str) -> str:
     backend = cfg.model.attention_backend if local and cfg.parallel.cp == 1 else "flash"
     dtype = torch.bfloat16 if cfg.optimizer.bf16 else \
         torch.float16 if cfg.optimizer.fp16 else torch.float32
-    # sinks: the local and all-to-all attentions run the unfused kernel (ring: its tiles)
-    sinks = local and sinks_on(cfg.model) and (cfg.parallel.cp == 1 or
-                                               cfg.parallel.cp_comm_type == "a2a")
+    # a softmax denominator term: the local and all-to-all attentions run the unfused
+    # kernel (ring: its tiles)
+    unfused = local and denominator_logit(cfg.model) is not None and (
+        cfg.parallel.cp == 1 or cfg.parallel.cp_comm_type == "a2a")
     return core_attention_kernel(backend, device, cfg.model.seq_length, dtype,
-                                 cfg.model.attention_dropout, score_mods=sinks)
+                                 cfg.model.attention_dropout, score_mods=unfused)

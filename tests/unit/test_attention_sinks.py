@@ -149,3 +149,19 @@ def test_te_backend_passes_its_own_sinks_and_names_them_as_local(monkeypatch):
     for n, p in te.canonical_named_parameters():
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-6, msg=n)
     assert grads[name].abs().sum() > 0
+
+
+def test_sinks_are_named_only_by_their_field_entry_and_kind():
+    """The structure target (docs/extending.md, "The attention-variant table"): the sinks are
+    their field (config/model.py) and their variant entry (config/attention_variants.py);
+    the core attentions, the CP ring and all-to-all, the unfused kernel and TE reach them
+    through the softmax-denominator kind (transformer/softmax_denominator.py), which names
+    no variant.  The families that use sinks (HF adapter, presets) are not counted."""
+    import pathlib
+    import megalite
+    root = pathlib.Path(megalite.__file__).parent
+    skip = {"checkpointing/hf_adapters/gpt_oss.py", "cli/presets.py"}
+    naming = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                    if str(p.relative_to(root)) not in skip
+                    and "sink" in p.read_text().lower())
+    assert naming == ["config/attention_variants.py", "config/model.py"], naming

@@ -189,7 +189,7 @@ def test_benchmark_prints_every_row_and_both_error_groups():
         assert f"| {r.name} |" in out.stdout
     assert f"- calibration rows: {len(CAL)} rows" in out.stdout and \
         f"- held-out rows: {len(RUNS) - len(CAL)} rows" in out.stdout
-    assert "- held out, issue 40's 2026 rows (bridge25-/bridge26-): 19 rows" in out.stdout
+    assert "- held out, issue 40's 2026 rows (bridge25-/bridge26-): 20 rows" in out.stdout
     for group in ("hardware gb300-nvl72", "hardware b200", "dispatcher hybridep"):
         assert f"- held out, {group}:" in out.stdout
     # the DeepEP-style row's terms: only the EP term (and what waits on it) moves
