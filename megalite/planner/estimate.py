@@ -30,6 +30,9 @@ from megalite.planner.moe_cost import Routing, capacity_load, routing_imbalance
 # MODULES): Megatron's MLA up-projections, torchtitan's op-level SAC (every other matmul).
 PLANNER_ONLY_RECOMPUTE = ("mla_up_proj", "every_other_mm")
 
+# Whose rule places the EP overlap (ModelOptions.ep_overlap_rule, ep_overlap_applies).
+EP_OVERLAP_RULES = ("megatron", "megalite")
+
 # SMs the flex dispatchers' kernels hold while a dispatch / combine is in flight.
 FLEX_DISPATCH_SMS = 20
 
@@ -90,6 +93,11 @@ class ModelOptions:
     # Megatron's --cuda-graph-impl local | transformer_engine: a layer pass is one graph
     # launch, so the host's per-kernel launch time is no longer exposed (kernels.py)
     cuda_graphs: bool = False
+
+    def __post_init__(self):
+        if self.ep_overlap_rule not in EP_OVERLAP_RULES:
+            raise ValueError(f"ModelOptions.ep_overlap_rule: {self.ep_overlap_rule!r}; "
+                             f"choose from {EP_OVERLAP_RULES}")
 
     @property
     def precision(self) -> mem.Precision:
