@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from megalite.cli.arguments import parse_args
 from megalite.config.pipeline_schedules import plan
 from megalite.config.pipeline_program import simulate
 from megalite.planner import memory as mem
@@ -15,6 +16,7 @@ from megalite.planner import model_spec as ms
 from megalite.planner.estimate import ModelOptions, ep_overlap_applies, estimate, memory_of
 from megalite.planner.hardware import make_cluster
 from megalite.planner.layout import Layout
+from megalite.planner.report import planner_estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIXTRAL_16 = ("--recipe", "mixtral-8x7b", "--num-gpus", "16", "--global-batch-size", "64",
@@ -123,3 +125,21 @@ def test_plan_refuses_the_overlap_where_training_does():
     assert "training's rules" in line and "--overlap-moe-expert-parallel-comm" in line
     best = _best(_plan(*dense, "--pp", "2", "--json"))
     assert best["layout"]["schedule"] == "1f1b"
+
+
+def test_a_runs_dry_run_estimate_prices_its_combined_1f1b():
+    """pretrain_gpt.py --dry-run's planner estimate (report.planner_estimate) reads the run's
+    own flags: at PP 2 without virtual stages megalite runs the overlap as combined 1F1B,
+    so the all-to-alls hide and one more micro-batch is held."""
+    flags = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16",
+             "--seq-length", "2048", "--max-position-embeddings", "2048", "--vocab-size",
+             "32000", "--num-experts", "8", "--moe-router-topk", "2",
+             "--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "1",
+             "--mock-data", "--lr", "1e-4", "--bf16", "--world-size", "8", "--dry-run"]
+    off, _, _ = planner_estimate(parse_args(flags), "h100-80gb", 8)
+    on, _, opts = planner_estimate(parse_args(flags + ["--overlap-moe-expert-parallel-comm"]),
+                                   "h100-80gb", 8)
+    assert opts.ep_overlap and opts.ep_overlap_rule == "megalite"
+    assert on.times["ep"] < off.times["ep"]
+    assert on.memory["activations"] > off.memory["activations"]
