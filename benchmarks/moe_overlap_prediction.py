@@ -33,6 +33,13 @@ from megalite.planner.published import compare_run  # noqa: E402
 from megalite.planner.published_runs import BY_NAME, OVERLAP_RUNS  # noqa: E402
 
 ROWS = ("bridge-qwen3-235b-a22b", "bridge-deepseek-v3")
+# A second measured pair, on current Megatron: NVIDIA/skills, skills/nemo-mbridge-perf-expert-
+# parallel-overlap/SKILL.md ("Correctness-First alltoall Benchmark"): Qwen3-30B-A3B SFT on
+# 16 H100, EP16, NCCL all-to-all, BF16, GBS 1024, no CUDA graphs, moe_permute_fusion off,
+# steady mean over iterations 3-8: 41.25 s without the overlap, 31.31 s with it (1.317x).
+# Sequence length and micro-batch are not stated: 4096 and 1 assumed (the Bridge H100 row).
+SKILL_STEPS = (41.25, 31.31)
+SKILL_TEMPLATE = "bridge26-qwen3-30b-h100"
 MEGATRON_CLAIM = (245.0, 276.0)        # Qwen3-235B per H100, overlap off -> on
 MEASURED_STEP = (19.7, 17.6)           # the same rows' step times (s), ModelZoo readme
 ZOO_OFF, ZOO_ON, ZOO_2026 = OVERLAP_RUNS
@@ -60,6 +67,15 @@ def network_floor_seconds(c) -> float:
                   else 0.0) for e in evts if e.group == "ep")
         worst = max(worst, net / (cl.gpu.inter_node_gbps * 1e9))
     return worst
+
+
+def skill_pair():
+    """The planner's step for the skill's pair: the Bridge H100 Qwen3-30B row's model and
+    layout (EP16 over two nodes, mbs 1), as the skill ran it: BF16, NCCL all-to-all."""
+    base = BY_NAME[SKILL_TEMPLATE]
+    opts = dict(base.options, moe_dispatcher="alltoall", fp8=None, ep_delay_wgrad=False)
+    return tuple(compare_run(dataclasses.replace(base, options=dict(opts, ep_overlap=on)),
+                             with_search=False).as_run.step for on in (False, True))
 
 
 def main(argv=None) -> int:
@@ -110,6 +126,11 @@ def main(argv=None) -> int:
           f"predicted: the measured net saving is {100 * saved / floor:.0f}% of even the "
           f"line-rate floor; the model hides {100 * (ep[0] - ep[1]) / ep[0]:.0f}% of its "
           f"{ep[0]:.2f} s")
+    off_s, on_s = skill_pair()
+    a, b = SKILL_STEPS
+    print(f"- current Megatron, Qwen3-30B-A3B on 16 H100 (EP16, NCCL all-to-all, BF16; NVIDIA "
+          f"skills' measured pair): step {a:g} -> {b:g} s measured ({a / b:.3f}x), "
+          f"{off_s:.2f} -> {on_s:.2f} s predicted ({off_s / on_s:.3f}x)")
     print(f"- the same layout with the overlap in 2026 (run_h100_235b.sh, commit 1ed4179: "
           f"forced balance, CUDA graphs of router + preprocess): published "
           f"{ZOO_2026.value:g}, predicted {later.predicted:.0f} ({100 * later.error:+.1f}%)")

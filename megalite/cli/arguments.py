@@ -79,29 +79,36 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
                          help="GPUs per node for --dry-run (default: the recipe's, else 8).")
     groups = {name: parser.add_argument_group(title) for name, title in _SECTION_TITLES.items()}
     for section, f in all_fields():
-        meta = f.metadata
-        flags = [field_flag(f), *meta.get("aliases", ())]
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
-        kwargs = {"dest": f.name, "help": meta.get("help") or None, "default": default}
-        action = meta.get("action")
-        if action:
-            kwargs["action"] = action
-        else:
-            kwargs["type"] = meta.get("type") or _field_type(f)
-            if meta.get("choices"):
-                kwargs["choices"] = meta["choices"]
-            if meta.get("nargs"):
-                kwargs["nargs"] = meta["nargs"]
-        groups[section].add_argument(*flags, **kwargs)
-        if meta.get("negation"):     # Megatron's --no-X switch of a boolean field
-            groups[section].add_argument(meta["negation"], dest=f.name, action="store_false",
-                                         help=f"Turn {flags[0]} off.")
-        if meta.get("shorthand"):    # Megatron's switch for one value (--recompute-activations)
-            switch, value = meta["shorthand"]
-            groups[section].add_argument(switch, dest=f.name, action="store_const", const=value,
-                                         help=f"{flags[0]} {value}.")
+        add_field_argument(groups[section], f)
     compat_flags.register(parser)
     return parser
+
+
+def add_field_argument(group, f, aliases: Sequence[str] = ()) -> None:
+    """Field ``f``'s flag(s) as pretrain_gpt.py defines them (name, help, type, choices),
+    for any parser that takes a training flag (``megalite plan`` takes some); ``aliases``:
+    that parser's own extra names."""
+    meta = f.metadata
+    flags = [field_flag(f), *meta.get("aliases", ()), *aliases]
+    default = f.default_factory() if f.default_factory is not MISSING else f.default
+    kwargs = {"dest": f.name, "help": meta.get("help") or None, "default": default}
+    action = meta.get("action")
+    if action:
+        kwargs["action"] = action
+    else:
+        kwargs["type"] = meta.get("type") or _field_type(f)
+        if meta.get("choices"):
+            kwargs["choices"] = meta["choices"]
+        if meta.get("nargs"):
+            kwargs["nargs"] = meta["nargs"]
+    group.add_argument(*flags, **kwargs)
+    if meta.get("negation"):     # Megatron's --no-X switch of a boolean field
+        group.add_argument(meta["negation"], dest=f.name, action="store_false",
+                           help=f"Turn {flags[0]} off.")
+    if meta.get("shorthand"):    # Megatron's switch for one value (--recompute-activations)
+        switch, value = meta["shorthand"]
+        group.add_argument(switch, dest=f.name, action="store_const", const=value,
+                           help=f"{flags[0]} {value}.")
 
 
 def _field_type(f):

@@ -344,7 +344,8 @@ def _requirement_rule(section: str, f) -> Relation:
     return Relation(f"{field_flag(f)} needs {needs}", problem, problem)
 
 
-# the overlapped F&B execution (pipeline_parallel/schedules.py, comm/overlap.py)
+# the overlapped F&B execution (pipeline_parallel/schedules.py, comm/overlap.py); layout
+# rules: the planner's search, predicting a run with the overlap, applies them per layout
 def _overlap_without_pairs(cfg) -> bool:
     """PP = 1 pairs consecutive micro-batches, which only the EP all-to-all gains from."""
     p = cfg.parallel
@@ -361,20 +362,21 @@ RULES += (
              "--overlap-moe-expert-parallel-comm overlaps the paired forward and backward of "
              "two micro-batches: it needs --expert-model-parallel-size > 1 (PP 1), or "
              f"--pipeline-model-parallel-size > 1 with --pipeline-schedule {PAIRED_SCHEDULES} "
-             "(or auto without virtual stages)"),
+             "(or auto without virtual stages)", layout=True),
     Relation("--overlap-moe-expert-parallel-comm without PP excludes --use-torch-fsdp2",
              lambda c: (c.parallel.overlap_moe_expert_parallel_comm and c.parallel.pp == 1 and
                         c.parallel.use_torch_fsdp2),
              "--overlap-moe-expert-parallel-comm with --use-torch-fsdp2 and PP 1: FSDP2 "
              "reshards a layer after each backward while the paired forward may be using its "
-             "gathered parameters (under PP it keeps them gathered); use PP > 1 or drop one"),
+             "gathered parameters (under PP it keeps them gathered); use PP > 1 or drop one",
+             layout=True),
     Relation("--delay-wgrad-compute excludes a recomputed MoE layer", lambda c: (
         c.parallel.overlap_moe_expert_parallel_comm and c.parallel.delay_wgrad_compute and
         recomputes_moe_layers(c)),
         "--delay-wgrad-compute splits the paired backwards into B and W, and a recomputed "
         "MoE layer (--recompute-granularity full, or selective with --recompute-modules mlp) "
         "saves other tensors in its recomputation under that split (torch.utils.checkpoint "
-        "refuses); drop --delay-wgrad-compute or recompute core_attn only"),
+        "refuses); drop --delay-wgrad-compute or recompute core_attn only", layout=True),
 )
 
 

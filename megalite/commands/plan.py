@@ -10,9 +10,10 @@ import shlex
 import sys
 from typing import List, Optional
 
-from megalite.cli.arguments import OneLineErrorParser, parse_args
+from megalite.cli.arguments import OneLineErrorParser, add_field_argument, parse_args
 from megalite.cli.boundary import run_cli
-from megalite.config import RECOMPUTE_MODULES, ConfigError
+from megalite.config import RECOMPUTE_MODULES, ConfigError, MegaliteConfig, find_field
+from megalite.config.domains import requirement_problem
 from megalite.planner import model_spec as ms
 from megalite.planner import report
 from megalite.planner.estimate import PLANNER_ONLY_RECOMPUTE, ModelOptions
@@ -159,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--tp-comm-overlap", choices=["none", "all", "forward"], default="none",
                    help="TP collectives pipelined with their GEMMs: all (TE userbuffers), "
                    "forward (PyTorch async TP)")
-    o.add_argument("--ep-overlap", action="store_true",
-                   help="EP all-to-all behind another micro-batch's compute (Megatron's "
-                   "--overlap-moe-expert-parallel-comm; at PP > 1 only with VPP, as there)")
+    # training's own flags (pretrain_gpt.py's definition); --ep-overlap: the planner's old name
+    add_field_argument(o, find_field("parallel.overlap_moe_expert_parallel_comm")[1],
+                       aliases=("--ep-overlap",))
+    add_field_argument(o, find_field("parallel.delay_wgrad_compute")[1])
     o.add_argument("--moe-routing", default="uniform", metavar="uniform|balanced|FILE|X",
                    help="routing imbalance of the MoE layers: uniform routing (default), "
                    "balanced, a run's --metrics-file, or a max/mean factor")
@@ -242,6 +244,7 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         raise ConfigError(f"--zero-stages: unknown stage(s) {bad}; use 0-3")
     if not 0 < args.headroom <= 1:
         raise ConfigError("--headroom must be in (0, 1]")
+    overlap_flags_problem(args)
     if args.pipeline_model_parallel_layout:          # its letters and counts, before the search
         parse_layout(args.pipeline_model_parallel_layout, 1, m.num_layers, m.mtp_num_layers or 0)
     space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
@@ -258,7 +261,10 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         dp_exposed=args.dp_exposed_fraction, tp_overlap=args.tp_overlap,
                         local_layers=args.local_layers, fp8=args.fp8_recipe,
                         attention_kernel=args.attention_kernel,
-                        tp_comm_overlap=args.tp_comm_overlap, ep_overlap=args.ep_overlap,
+                        tp_comm_overlap=args.tp_comm_overlap,
+                        ep_overlap=args.overlap_moe_expert_parallel_comm,
+                        ep_overlap_rule="megalite",        # it predicts a megalite run
+                        ep_delay_wgrad=args.delay_wgrad_compute,
                         moe_routing=moe_routing(args.moe_routing),
                         recompute_modules=tuple(args.recompute_modules),
                         moe_dispatcher=args.moe_flex_dispatcher_backend
@@ -276,7 +282,7 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         raise ConfigError(f"{flag}: {warn}; drop the flag or pick a GPU that has them")
     res = search(m, seq, gbs, cluster, space, opts)
     if args.json:
-        print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32), file=out)
+        print(report.to_json(res, m, seq, gbs, cluster, args.top, args.fp32, opts), file=out)
     else:
         print(report.header(m, seq, gbs, cluster, res), file=out)
         if not res.ranked:
@@ -288,9 +294,9 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                   file=out)
         best = res.ranked[0]
         print("\nbest layout as pretrain_gpt.py flags:", file=out)
-        print(shlex.join(report.winner_flags(best, m, seq, args.fp32)), file=out)
+        print(shlex.join(report.winner_flags(best, m, seq, args.fp32, opts)), file=out)
         if args.check_collectives:
-            check_best_layout(best, m, seq, args, out)
+            check_best_layout(best, m, seq, args, out, opts)
         if args.explain:
             print("\n" + report.explain(res, cluster, min(args.top, 5)), file=out)
     if args.plot:
@@ -298,6 +304,18 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         if not args.json:
             print(f"\nwrote {args.plot}", file=out)
     return 0
+
+
+def overlap_flags_problem(args) -> None:
+    """The overlap flags' own rules as training declares them (``requires=`` beside the
+    field: --delay-wgrad-compute needs --overlap-moe-expert-parallel-comm); the rules that
+    need a layout (training's pairs) are the search's, per candidate."""
+    cfg = MegaliteConfig()
+    for name in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute"):
+        setattr(cfg.parallel, name, getattr(args, name))
+    problem = requirement_problem(cfg, "parallel", find_field("parallel.delay_wgrad_compute")[1])
+    if problem:
+        raise ConfigError(problem)
 
 
 def cpu_offload_layers(args) -> int:
@@ -323,7 +341,7 @@ def moe_routing(text: str):
         return text
 
 
-def check_best_layout(best, m, seq: int, args, out) -> None:
+def check_best_layout(best, m, seq: int, args, out, opts: ModelOptions) -> None:
     """``--check-collectives``: the best layout's flags through pretrain_gpt.py's parser,
     then the same check as its ``--dry-run --check-collectives``."""
     if best is None:
@@ -331,7 +349,7 @@ def check_best_layout(best, m, seq: int, args, out) -> None:
     # start-up time: a plan never imports torch; only --check-collectives traces the training step
     from megalite.training.dry_run import print_collective_check
 
-    flags = report.winner_flags(best, m, seq, args.fp32)
+    flags = report.winner_flags(best, m, seq, args.fp32, opts)
     cfg = parse_args([*flags, "--world-size", str(args.num_gpus), "--mock-data",
                       "--train-iters", "1", "--dry-run", "--check-collectives"])
     print("", file=out)

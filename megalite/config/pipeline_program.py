@@ -231,6 +231,26 @@ class SimResult:
         return (self.makespan * len(self.busy) - total) / total
 
 
+def peak_in_flight(ops: List[Op], v: int = 1) -> float:
+    """Most micro-batches whose activations a rank walking ``ops`` holds at once: a
+    forward keeps its chunk's, the op that ends its backward (BW, or the W of a split
+    backward) frees them; in micro-batches (chunks / ``v``).  What the planner's memory
+    model reads for a program no closed formula covers (combined 1F1B)."""
+    held = peak = 0
+    for op in ops:
+        if op.kind == "F":
+            held += 1
+            peak = max(peak, held)
+        elif op.kind in ("BW", "W"):
+            held -= 1
+    return peak / v
+
+
+def unpaired_forwards(ops: List[Op]) -> int:
+    """Forwards of ``ops`` with no backward beside them (warm-up)."""
+    return sum(op.kind == "F" and not op.paired for op in ops)
+
+
 def simulate(program: List[List[Op]], costs: Costs = UNIT_COSTS,
              comm_cost: float = 0.0) -> SimResult:
     """Replay a program with blocking batches: a batch ends when all its messages were

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from megalite.config.pipeline_dualpipev import dualpipev_program
 from megalite.config.pipeline_orders import (interleaved_program, order_1f1b,
                                              order_interleaved, order_zbv, orders_zero_bubble)
 from megalite.config.pipeline_pairs import delay_wgrad, order_combined_1f1b, pairs_adjacent
 from megalite.config.pipeline_program import (UNIT_COSTS, Costs, Op, build_program,
-                                              check_fifo, simulate)
+                                              check_fifo, peak_in_flight, simulate,
+                                              unpaired_forwards)
 
 
 def compute_orders(schedule: str, p: int, m: int, v: int = 1,
@@ -45,6 +46,18 @@ def plan(schedule: str, p: int, m: int, v: int = 1, forward_only: bool = False,
     else:
         program = build_program(spec.orders(p, m, v, forward_only), p, v, vshape=spec.vshape)
     return delay_wgrad(program) if overlap and delay else program
+
+
+@functools.lru_cache(maxsize=256)
+def paired_counts(schedule: str, p: int, m: int, v: int = 1) -> Tuple[Tuple[float, int], ...]:
+    """Per rank, (micro-batches in flight at the peak, unpaired chunk forwards) of what
+    ``--overlap-moe-expert-parallel-comm`` runs, read off the compute order ``plan(...,
+    overlap=True)`` places (the schedule's ``combined``): combined 1F1B's one more warm-up
+    forward holds one more micro-batch than 1F1B (tests/unit/test_planner_ep_overlap.py
+    checks it against ``simulate``)."""
+    spec = get_schedule(schedule)
+    orders = [spec.combined(p, m, r) for r in range(p)]
+    return tuple((peak_in_flight(ops, v), unpaired_forwards(ops)) for ops in orders)
 
 
 def bubble(schedule: str, p: int, m: int, v: int = 1, costs: Costs = UNIT_COSTS,

@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Dict, Optional
 
 from megalite.config import ModelConfig
-from megalite.config.pipeline_schedules import get_schedule
+from megalite.config.pipeline_schedules import get_schedule, paired_counts
 from megalite.planner import calibration
 from megalite.planner import comm_model as cm
 from megalite.planner import flops as fl
@@ -29,6 +29,9 @@ from megalite.planner.moe_cost import Routing, capacity_load, routing_imbalance
 # Selective-recompute modules the cost model knows beyond training's (config.RECOMPUTE_
 # MODULES): Megatron's MLA up-projections, torchtitan's op-level SAC (every other matmul).
 PLANNER_ONLY_RECOMPUTE = ("mla_up_proj", "every_other_mm")
+
+# Whose rule places the EP overlap (ModelOptions.ep_overlap_rule, ep_overlap_applies).
+EP_OVERLAP_RULES = ("megatron", "megalite")
 
 # SMs the flex dispatchers' kernels hold while a dispatch / combine is in flight.
 FLEX_DISPATCH_SMS = 20
@@ -62,6 +65,11 @@ class ModelOptions:
     recompute_modules: tuple = ("core_attn",)   # selective recompute (+ "every_other_mm")
     moe_routing: Routing = "uniform"       # moe_cost.routing_imbalance
     ep_overlap: bool = False               # EP all-to-all behind another micro-batch's compute
+    # whose rule says where it runs, and so what is priced: "megatron" (a published
+    # Megatron-Core run: PP 1 or virtual stages) or "megalite" (``megalite plan``'s
+    # prediction of a megalite run: PP 1 or a schedule that pairs F&B -- 1F1B as combined
+    # 1F1B, with its extra in-flight micro-batch, DualPipeV); ``ep_overlap_applies``
+    ep_overlap_rule: str = "megatron"
     # Megatron's --delay-wgrad-compute beside the overlap (Bridge sets both; the first
     # version, --combined-1f1b-recipe ep_a2a of May 2025, ran without): the experts' weight
     # gradients wait behind the dispatch backward instead of delaying its start
@@ -86,6 +94,11 @@ class ModelOptions:
     # launch, so the host's per-kernel launch time is no longer exposed (kernels.py)
     cuda_graphs: bool = False
 
+    def __post_init__(self):
+        if self.ep_overlap_rule not in EP_OVERLAP_RULES:
+            raise ValueError(f"ModelOptions.ep_overlap_rule: {self.ep_overlap_rule!r}; "
+                             f"choose from {EP_OVERLAP_RULES}")
+
     @property
     def precision(self) -> mem.Precision:
         prec = mem.Precision.fp32() if self.fp32 else mem.Precision.bf16(self.grad_bytes)
@@ -97,7 +110,8 @@ class ModelOptions:
                                      local_layers=self.local_layers,
                                      recompute_modules=tuple(
                                          x for x in self.recompute_modules
-                                         if x != "every_other_mm") or ("layernorm",))
+                                         if x != "every_other_mm") or ("layernorm",),
+                                     paired=self.ep_overlap and self.ep_overlap_rule == "megalite")
 
     @property
     def passes(self) -> float:
@@ -234,7 +248,7 @@ def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
         else:
             one += T * m.resolved_ffn_hidden_size() // t     # fc2 input
         per += n * one
-    return int(per * mem.in_flight(L, pp_rank))
+    return int(per * mem.in_flight(L, pp_rank, opts.activations.paired))
 
 
 def _stages(m: ModelConfig, L: Layout):
@@ -289,6 +303,8 @@ def _unpaired_share(L: Layout, r: int) -> float:
     p, v, m = L.pp, L.vpp, L.num_micro_batches
     if p == 1:
         return 1.0 / max(1, m)              # the first forward and the last backward
+    if get_schedule(L.schedule).combined is not None:   # megalite's combined 1F1B: p - r
+        return paired_counts(L.schedule, p, m, v)[r][1] / (m * v)
     return get_schedule(L.schedule).unpaired_forwards(p, m, v, r) / (m * v)
 
 
@@ -298,8 +314,33 @@ def ep_overlap_applies(L: Layout, opts: ModelOptions) -> bool:
     the interleaved schedule only: with PP > 1 it requires virtual stages (megatron/core/
     transformer/transformer_config.py, __post_init__: "If enabling EP A2A overlap,
     virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size
-    > 1").  On plain 1F1B the all-to-alls stay on the critical path."""
-    return opts.ep_overlap and (L.pp == 1 or L.vpp > 1)
+    > 1").  On plain 1F1B the all-to-alls stay on the critical path.  megalite's rule
+    (``ep_overlap_rule="megalite"``, training's "--overlap-moe-expert-parallel-comm needs
+    F&B pairs") is the other way round: a schedule that pairs F&B (``pairs_f_and_b``:
+    1F1B run as combined 1F1B, DualPipeV), not interleaving."""
+    if not opts.ep_overlap or L.pp == 1:
+        return opts.ep_overlap
+    if opts.ep_overlap_rule == "megalite":
+        return get_schedule(L.schedule).pairs_f_and_b
+    return L.vpp > 1
+
+
+def megalite_run_settings(opts: ModelOptions) -> Dict[str, bool]:
+    """The ``ParallelConfig`` fields a megalite run sets for what ``opts`` prices (empty
+    under Megatron's rule, a published run's): the search validates each candidate with
+    them and the printed flags carry them, so training's own rules (the overlap needs F&B
+    pairs, --delay-wgrad-compute excludes a recomputed MoE layer) pick the layouts."""
+    if not (opts.ep_overlap and opts.ep_overlap_rule == "megalite"):
+        return {}
+    return {"overlap_moe_expert_parallel_comm": True,
+            "delay_wgrad_compute": opts.ep_delay_wgrad}
+
+
+def with_run_settings(cfg, opts: ModelOptions):
+    """``cfg`` (a layout's ``MegaliteConfig``) with ``megalite_run_settings(opts)`` set."""
+    for name, value in megalite_run_settings(opts).items():
+        setattr(cfg.parallel, name, value)
+    return cfg
 
 
 def paired_ep_exposed(ep: float, c: dict, delay_wgrad: bool = True) -> tuple:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from megalite.config import MegaliteConfig, ModelConfig
-from megalite.config.pipeline_schedules import get_schedule
+from megalite.config.pipeline_schedules import get_schedule, paired_counts
 from megalite.planner import model_spec as ms
 from megalite.planner import linear_attention_cost as lac
 from megalite.planner import muon_cost
@@ -96,6 +96,10 @@ class ActivationOptions:
     # megalite's unfused core attention (``--attention-backend``): only the probabilities
     # (and with dropout the dropped copy and its mask) are kept, not SDPA math's scaled q, k
     unfused_attention: bool = False
+    # the run overlaps its F&B pairs as megalite runs them (--overlap-moe-expert-parallel-
+    # comm: 1F1B becomes combined 1F1B), so the schedule's paired program sets the
+    # in-flight count (``in_flight``)
+    paired: bool = False
 
 
 def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
@@ -198,18 +202,24 @@ def mtp_activation_bytes(m: ModelConfig, L: Layout, seq: int, opts: "ActivationO
     return m.mtp_num_layers * per_depth
 
 
-def in_flight(L: Layout, pp_rank: int) -> float:
+def in_flight(L: Layout, pp_rank: int, paired: bool = False) -> float:
     """Micro-batches whose activations rank ``pp_rank`` holds at its peak.
 
     1F1B: stage i holds min(p - i, m).  ZB-H1: min(p, m) on every stage -- deferred weight
     gradients keep their inputs, up to 1F1B's stage-0 bound (Qi et al.; measured in
     docs/pipeline.md).  Interleaved: Megatron's warm-up of 2(p - i - 1) + (v - 1)p + 1
-    chunks, i.e. p(1 + (p-1)/(pv)) layers-worth on stage 0.
+    chunks, i.e. p(1 + (p-1)/(pv)) layers-worth on stage 0.  ``paired``
+    (``ActivationOptions.paired``): a schedule with a combined variant runs it, and the
+    count is that program's peak (``paired_counts``: combined 1F1B min(p - i + 1, m),
+    PP 1 included -- its forward of the next micro-batch beside this one's backward).
     """
     p, m, v = L.pp, L.num_micro_batches, L.vpp
+    spec = get_schedule(L.schedule)
+    if paired and spec.combined is not None:
+        return paired_counts(L.schedule, p, m, v)[pp_rank][0]
     if p == 1:
         return 1.0
-    return get_schedule(L.schedule).in_flight(p, m, v, pp_rank)
+    return spec.in_flight(p, m, v, pp_rank)
 
 
 def recompute_working_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
@@ -235,13 +245,14 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
                        - layer_activation_bytes(m, L, moe, seq, opts))
     if pp_rank == L.output_rank:                    # the MTP modules (none: 0)
         per_mb += mtp_activation_bytes(m, L, seq, opts)
-    total = per_mb * in_flight(L, pp_rank) + recompute_working_bytes(m, L, seq, pp_rank, opts)
+    total = per_mb * in_flight(L, pp_rank, opts.paired) + \
+        recompute_working_bytes(m, L, seq, pp_rank, opts)
     if opts.local_layers:
         return int(total + local_stage_extra_bytes(m, L, seq, pp_rank, opts, kinds))
     T, h, t = (seq // L.cp) * L.micro_batch, m.hidden_size, L.tp
     sp = t if L.sp else 1
     if pp_rank == 0 and m.hidden_dropout > 0:     # embedding dropout mask
-        total += T * h // sp * in_flight(L, pp_rank)
+        total += T * h // sp * in_flight(L, pp_rank, opts.paired)
     if pp_rank == L.output_rank:                    # final norm in/out + fp32 logits for the loss
         norm_out = 2 * T * h // sp
         total += (2 * T * h // sp + norm_out) * opts.element_scale + \
@@ -425,11 +436,11 @@ def local_stage_extra_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
     rope = m.uses_rotary()
     out = 0
     if rope and e == 4 and sum(kinds):             # fp32 cos, sin of the micro-batch's positions
-        out += 8 * T * m.resolved_kv_channels() * in_flight(L, pp_rank)
+        out += 8 * T * m.resolved_kv_channels() * in_flight(L, pp_rank, opts.paired)
     if pp_rank == 0:
         first = 8 * T + (T if t > 1 else 0) + (0 if rope else 8 * T)
         first += e * Tn * h if m.hidden_dropout > 0 else 0
-        out += first * in_flight(L, pp_rank)
+        out += first * in_flight(L, pp_rank, opts.paired)
     if pp_rank == L.output_rank:
         out += local_head_bytes(m, L, seq, opts)
     return out
@@ -505,5 +516,6 @@ def predict_rank_memory(cfg: MegaliteConfig, rank: int, *, grad_bytes: int = 4,
     prec = dataclasses.replace(prec, muon=cfg.optimizer.optimizer == "muon")
     pp_rank = L.pp_rank_of(rank)
     opts = ActivationOptions(flash_attention, tuple(cfg.training.recompute_modules or ()),
-                             1 if half else 2, local_layers, attention_kernel == "unfused")
+                             1 if half else 2, local_layers, attention_kernel == "unfused",
+                             paired=cfg.parallel.overlap_moe_expert_parallel_comm)
     return rank_memory(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts)

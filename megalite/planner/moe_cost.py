@@ -4,8 +4,10 @@ A dropless MoE layer waits for its slowest EP rank -- the one whose experts got 
 token copies -- in the grouped GEMMs and in the all-to-all that returns them.  Three
 sources for that factor (``ModelOptions.moe_routing``):
 
-- ``"balanced"``: 1.0, routing forced to an even split (Megatron's
-  ``--moe-router-force-load-balancing``, used by NeMo's MoE benchmarks);
+- ``"balanced"``: 1.0, an exact even split (an upper bound: Megatron's
+  ``--moe-router-force-load-balancing``, which NeMo's and ModelZoo's MoE benchmarks use,
+  draws random router logits -- ``apply_random_logits`` in router.py -- so it is
+  ``"uniform"``);
 - ``"uniform"``: every copy picks an expert uniformly at random -- the expected maximum of
   the EP ranks' binomial loads (no router preference, only sampling noise), which is what
   a well-balanced trained router approaches;

@@ -382,9 +382,10 @@ MCORE_ZOO = ("NVIDIA/Megatron-MoE-ModelZoo examples/qwen3/readme.md and run_235b
              "(commits 8017e11, 31c5686; Megatron-LM moe_dev f3e6c5)")
 _ZOO_LAYOUT = dict(tp=2, pp=8, vpp=4, ep=32, etp=1, sp=True, zero=1, micro_batch=1,
                    recompute="selective", account_embedding=True, account_loss=True)
-_ZOO_OPTS = dict(MEGATRON_TE, moe_dispatcher="deepep", moe_routing="balanced",
+_ZOO_OPTS = dict(MEGATRON_TE, moe_dispatcher="deepep", moe_routing="uniform",
                  recompute_modules=("layernorm",))
-_ZOO_ASSUMED = ("forced balance (the script); moe_act recompute not counted (the planner "
+_ZOO_ASSUMED = ("forced balance (the script) = random router logits (Megatron's router.py), "
+                "i.e. uniform routing, as for the Bridge rows; moe_act recompute not counted (the planner "
                 "knows layernorm's); DeepEP's default 20 SMs; fp32 main grads")
 OVERLAP_RUNS = [
     PublishedRun("zoo-qwen3-235b-deepep", "qwen3-235b-a22b", MCORE_ZOO, "h100-80gb", 256,

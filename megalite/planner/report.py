@@ -9,9 +9,9 @@ import json
 import shlex
 from typing import List
 
-from megalite.config import MegaliteConfig, ModelConfig, field_flag
+from megalite.config import MegaliteConfig, ModelConfig, field_flag, find_field
 from megalite.planner import model_spec as ms
-from megalite.planner.estimate import Estimate, ModelOptions
+from megalite.planner.estimate import Estimate, ModelOptions, megalite_run_settings
 from megalite.planner.hardware import GiB, Cluster, make_cluster
 from megalite.planner.layout import ZERO_NAMES, layout_from_config
 from megalite.planner.search import SearchResult, evaluate
@@ -47,8 +47,11 @@ def model_flags(m: ModelConfig, seq: int) -> List[str]:
     return out + ["--seq-length", str(seq)]
 
 
-def winner_flags(e: Estimate, m: ModelConfig, seq: int, fp32: bool = False) -> List[str]:
-    flags = model_flags(m, seq) + e.layout.parallel_flags()
+def winner_flags(e: Estimate, m: ModelConfig, seq: int, fp32: bool = False,
+                 opts: ModelOptions = ModelOptions()) -> List[str]:
+    flags = model_flags(m, seq) + e.layout.parallel_flags() + [
+        field_flag(find_field(name, "parallel")[1])
+        for name, on in megalite_run_settings(opts).items() if on]
     return [f for f in flags if f != "--bf16"] if fp32 else flags
 
 
@@ -116,7 +119,15 @@ def explain(res: SearchResult, cluster: Cluster, top: int) -> str:
 
 
 def no_fit(res: SearchResult) -> str:
+    refused = [(why, n) for why, n in res.rejected.most_common()
+               if why not in ("out of memory", "dominated (less recomputation fits)")]
+    if refused and res.best_oom is None:        # all fit: training's rules refused them
+        why, n = refused[0]
+        return (f"no layout passes training's rules; most often refused ({n} layouts): "
+                f"{why} ...")
     msg = "no layout fits in memory"
+    if refused:
+        msg += f" and passes training's rules (most often refused: {refused[0][0]} ...)"
     if res.best_oom is not None:
         e = res.best_oom
         mm = e.memory
@@ -129,7 +140,7 @@ def no_fit(res: SearchResult) -> str:
 
 
 def to_json(res: SearchResult, m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
-            top: int, fp32: bool = False) -> str:
+            top: int, fp32: bool = False, opts: ModelOptions = ModelOptions()) -> str:
     return json.dumps({
         "model": {"params": ms.total_params(m), **dataclasses.asdict(m)},
         "seq_length": seq, "global_batch_size": global_batch,
@@ -139,7 +150,8 @@ def to_json(res: SearchResult, m: ModelConfig, seq: int, global_batch: int, clus
         "considered": res.considered, "search_seconds": res.seconds,
         "rejected": dict(res.rejected),
         "candidates": [dict(e.to_dict(cluster), command=shlex.join(
-            ["pretrain_gpt.py", *winner_flags(e, m, seq, fp32)])) for e in res.ranked[:top]],
+            ["pretrain_gpt.py", *winner_flags(e, m, seq, fp32, opts)]))
+            for e in res.ranked[:top]],
     }, indent=2)
 
 
@@ -151,7 +163,10 @@ def planner_estimate(cfg: MegaliteConfig, gpu: str, gpus_per_node: int):
                         local_layers=cfg.model.transformer_impl == "local",
                         fp8="delayed" if cfg.model.fp8_format else None,  # TE's DelayedScaling
                         muon_ns_steps=cfg.optimizer.muon_num_ns_steps
-                        if cfg.optimizer.optimizer == "muon" else 0)
+                        if cfg.optimizer.optimizer == "muon" else 0,
+                        ep_overlap=cfg.parallel.overlap_moe_expert_parallel_comm,
+                        ep_overlap_rule="megalite",
+                        ep_delay_wgrad=cfg.parallel.delay_wgrad_compute)
     return evaluate(cfg.model, cfg.model.seq_length, layout, cluster, opts), cluster, opts
 
 

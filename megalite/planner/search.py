@@ -16,7 +16,8 @@ from typing import Iterator, List, Optional, Sequence
 
 from megalite.config import ConfigError, ModelConfig, ParallelDims
 from megalite.config.pipeline_layout import parse_layout, virtual_stages_of
-from megalite.planner.estimate import Estimate, ModelOptions, estimate, memory_of
+from megalite.planner.estimate import (Estimate, ModelOptions, estimate, memory_of,
+                                       with_run_settings)
 from megalite.planner.hardware import Cluster
 from megalite.planner.layout import Layout
 from megalite.config.pipeline_schedules import AUTO, SCHEDULES, resolve_schedule
@@ -209,9 +210,10 @@ def _expert_options(m: ModelConfig, tp: int, pp: int, world: int, space: SearchS
                 yield ep, etp
 
 
-def _legal(L: Layout, m: ModelConfig, seq: int) -> Optional[str]:
+def _legal(L: Layout, m: ModelConfig, seq: int,
+           opts: ModelOptions = ModelOptions()) -> Optional[str]:
     try:
-        validate_layout(L.to_config(m, seq))
+        validate_layout(with_run_settings(L.to_config(m, seq), opts))
     except ConfigError as exc:
         return str(exc)
     return None
@@ -234,7 +236,7 @@ def search(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
             res.considered += len(group)
             _keep_oom(res, floor)
             continue
-        reason = _legal(probe, m, seq)      # the probe's batch and recompute are the group's
+        reason = _legal(probe, m, seq, opts)   # the probe's batch and recompute are the group's
         if reason and not any(w in reason for w in ("micro-batch", "global-batch",   # extremes
                                                     "--recompute")):
             res.rejected[_short(reason)] += len(group)
@@ -252,7 +254,7 @@ def search(m: ModelConfig, seq: int, global_batch: int, cluster: Cluster,
                 res.rejected["out of memory"] += 1
                 _keep_oom(res, est)
                 continue
-            reason = _legal(L, m, seq)
+            reason = _legal(L, m, seq, opts)
             if reason:
                 res.rejected[_short(reason)] += 1
                 continue
@@ -284,7 +286,7 @@ def rank_key(e: Estimate, cluster: Cluster, tolerance: float = 0.005):
 def evaluate(m: ModelConfig, seq: int, L: Layout, cluster: Cluster,
              opts: ModelOptions = ModelOptions()) -> Estimate:
     """Estimate one given layout (no search), e.g. a published one to compare against."""
-    reason = _legal(L, m, seq)
+    reason = _legal(L, m, seq, opts)
     if reason:
         raise ConfigError(reason)
     return estimate(m, L, seq, cluster, opts)

@@ -111,7 +111,7 @@ def step_peak(m: ModelConfig, L: Layout, seq: int, pp_rank: int, prec: Precision
         unit = largest_fsdp_unit(m, L, pp_rank)
         gathered, grads = params.total * prec.weight, params.total * 4
         sync = int(unit * 4 * (1 + (copy if d > 1 else 0) + 1 / d))
-        k = in_flight(L, pp_rank)
+        k = in_flight(L, pp_rank, opts.paired)
         if k >= L.num_micro_batches and not get_schedule(L.schedule).split_backward:
             # every forward runs before the first backward: at the activation peak no
             # gradient exists yet; after the first backward one micro-batch fewer is held
@@ -169,7 +169,8 @@ def predict_step_peak(cfg: MegaliteConfig, rank: int, *, gloo: Optional[bool] = 
     prec = Precision.bf16(grad_bytes) if cfg.optimizer.bf16 else Precision.fp32()
     pp_rank = L.pp_rank_of(rank)
     opts = ActivationOptions(kernel == "flash", tuple(cfg.training.recompute_modules or ()),
-                             1 if cfg.optimizer.bf16 else 2, local, kernel == "unfused")
+                             1 if cfg.optimizer.bf16 else 2, local, kernel == "unfused",
+                             paired=cfg.parallel.overlap_moe_expert_parallel_comm)
     return step_peak(cfg.model, L, cfg.model.seq_length, pp_rank, prec, opts, gloo,
                      cfg.parallel.overlap_grad_reduce,
                      ddp_bucket_elements(cfg, L.dp * L.cp))

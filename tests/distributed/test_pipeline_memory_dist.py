@@ -2,7 +2,8 @@
 
 1. The executor's stage i of 1F1B never holds more than p - i micro-batches: counted as
    stashed micro-batches AND as live bytes of autograd-saved storages (a micro-batch's
-   worth measured after the first forward).
+   worth measured after the first forward); combined 1F1B (--overlap-moe-expert-parallel-
+   comm) holds the one more the planner's memory model counts (``memory.in_flight``).
 2. TP=2 (with and without SP): per-layer saved bytes on each rank equal the exact
    expectation of ``activation_memory.layer_terms``; with SP they are exactly the
    single-process layer's / 2 (the column-parallel linears keep only sequence shards).
@@ -17,13 +18,20 @@ from megalite.parallel_state import ParallelState, RankGrid
 from megalite.config import pipeline_schedules
 from megalite.pipeline_parallel.schedules import PipelineExecutor
 from megalite.models.stages import build_model_chunks
+from megalite.planner import memory as planner_memory
+from megalite.planner.layout import Layout
 from megalite.transformer.activation_memory import layer_terms, measure_saved
 
 from pipeline_cases import global_batches, make_cfg, make_forward_step
 
 WORLD = 4
 SCHEDULES = [("1f1b", dict(pp=4, m=8)), ("zero-bubble", dict(pp=4, m=8)),
-             ("interleaved", dict(pp=2, vpp=2, m=4, layers=4))]
+             ("interleaved", dict(pp=2, vpp=2, m=4, layers=4)),
+             ("1f1b", dict(pp=4, m=8, overlap=True))]      # combined 1F1B
+
+
+def _key(name, case):
+    return name + ("+overlap" if case.get("overlap") else "")
 
 
 def _in_flight(schedule, case):
@@ -36,8 +44,9 @@ def _in_flight(schedule, case):
     m = cfg.num_micro_batches
     batches = global_batches(m * state.dp.size)[state.dp.rank * m:(state.dp.rank + 1) * m]
     denom = sum(b["loss_mask"].sum() for b in batches)
+    overlap = case.get("overlap", False)
     ex = PipelineExecutor(make_forward_step(denom), batches, chunks, state, cfg, False,
-                          split_backward=schedule == "zero-bubble")
+                          split_backward=schedule == "zero-bubble", overlap=overlap)
     params = {q.untyped_storage().data_ptr() for c in chunks for q in c.parameters()}
     live = {}
 
@@ -48,7 +57,10 @@ def _in_flight(schedule, case):
         return t.detach()   # returning t itself would tie saved outputs in a ref cycle
 
     per_mb, peak_bytes, peak_count = None, 0, 0
-    program = pipeline_schedules.plan(schedule, state.pp.size, m, len(chunks))[state.pp.rank]
+    # op by op, a pair's F before its BW: the pair's peak (run side by side it is reached
+    # mid-pair, which the executor's own max_in_flight, taken after each pair, misses)
+    program = pipeline_schedules.plan(schedule, state.pp.size, m, len(chunks),
+                                      overlap=overlap)[state.pp.rank]
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for op in program:
             getattr(ex, "_" + op.kind)(op)
@@ -57,7 +69,7 @@ def _in_flight(schedule, case):
                 per_mb = alive
             peak_bytes = max(peak_bytes, alive)
             peak_count = max(peak_count, len(ex.stash) + len(ex.pending_w))
-    return dict(pp=state.pp.rank, p=state.pp.size, count=peak_count,
+    return dict(pp=state.pp.rank, p=state.pp.size, m=m, count=peak_count,
                 mbs=peak_bytes / per_mb)
 
 
@@ -81,7 +93,7 @@ def _tp_layer_bytes(sp, tp=2):
 
 
 def _all():
-    out = {name: _in_flight(name, case) for name, case in SCHEDULES}
+    out = {_key(name, case): _in_flight(name, case) for name, case in SCHEDULES}
     out["tp-sp"] = _tp_layer_bytes(True)
     out["tp"] = _tp_layer_bytes(False)
     out["tp1"] = _tp_layer_bytes(False, tp=1)
@@ -121,3 +133,15 @@ def test_sp_divides_every_term_by_t(results):
     for r in results:
         assert r["tp-sp"][0] == r["tp-sp"][1]       # == layer_terms, exactly
         assert 2 * r["tp-sp"][0] == r["tp1"][0] == r["tp1"][1], (r["tp-sp"], r["tp1"])
+
+
+def test_combined_1f1b_holds_what_the_planner_counts(results):
+    """Combined 1F1B's one more warm-up forward: stage i holds min(p - i + 1, m), stashed
+    and in live saved bytes, as the planner prices a megalite run with the overlap."""
+    for r in results:
+        row = r["1f1b+overlap"]
+        want = planner_memory.in_flight(Layout(world=row["p"], pp=row["p"],
+                                               global_batch=row["m"]), row["pp"], paired=True)
+        assert want == min(row["p"] - row["pp"] + 1, row["m"]), row
+        assert row["count"] == want, row
+        assert abs(row["mbs"] - want) < 0.05, row
