@@ -117,6 +117,9 @@ def a2a_reason(cfg) -> str:
 def schedule_reason(cfg) -> str:
     flag = cfg.parallel.pipeline_schedule
     fixed = SCHEDULES[flag].chunks_per_rank
+    if cfg.parallel.pp == 1 and (fixed or SCHEDULES[flag].virtual_stages):
+        return (f"--pipeline-schedule {flag} runs model chunks on several pipeline ranks: it "
+                "needs --pipeline-model-parallel-size > 1 (or drop it at PP 1)")
     if fixed:
         return (f"--pipeline-schedule {flag} runs exactly {fixed} model chunks per rank; drop "
                 f"--num-virtual-stages-per-pipeline-rank (or give {fixed})")

@@ -90,3 +90,12 @@ def test_the_flag_implies_the_v_and_refuses_too_few_micro_batches_in_one_line():
     assert cfg.parallel.virtual_stages(8) == 2 and cfg.parallel.pipeline_vshape
     with pytest.raises(ConfigError, match="zbv needs at least 7 micro-batches.*--global-batch"):
         parse_args(_FLAGS + ["--global-batch-size", "6"])
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev", "interleaved"])
+def test_a_chunked_schedule_at_pp_1_asks_for_pipeline_ranks(schedule):
+    """Not "drop --num-virtual-stages-per-pipeline-rank", which the user did not give."""
+    flags = _FLAGS[:_FLAGS.index("--world-size")] + ["--pipeline-schedule", schedule]
+    with pytest.raises(ConfigError, match=f"--pipeline-schedule {schedule} runs model chunks on "
+                       "several pipeline ranks: it needs --pipeline-model-parallel-size > 1"):
+        parse_args(flags + ["--global-batch-size", "8"])
