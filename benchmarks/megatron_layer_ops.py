@@ -8,7 +8,9 @@ attention run unfused and count more than TE's fused kernels would; the MoE rout
 token permutation and the experts run the same Python on a GPU), built and run on CPU in one
 gloo process (EP 1, the all-to-all dispatcher).  Every ATen operator that is not a view or an
 allocation is one kernel on a GPU.  Forward operators are attributed to the submodule that
-issued them (attention, router, dispatcher + permutation, experts, the rest).
+issued them (attention, router, dispatcher + permutation, experts, the rest).  The host's
+time per operator is the layer's wall time at a size where the CPU's kernels cost next to
+nothing, divided by the count.
 
     python benchmarks/megatron_layer_ops.py [--local-experts 4 8 16]
 
@@ -35,6 +37,15 @@ NO_KERNEL = {"view", "_unsafe_view", "expand", "t", "transpose", "permute", "res
              "is_same_size", "_reshape_alias"}
 SCOPES = (("self_attention", "attention"), ("router", "router"),
           ("token_dispatcher", "dispatch"), ("experts", "experts"))
+
+
+def _cpu_name() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return "unknown CPU"
 
 
 class _Stream:
@@ -144,6 +155,31 @@ def count(local_experts: int, seq: int = 256) -> dict:
     return dict(forward=dict(mode.by_scope), backward=sum(backward.by_scope.values()))
 
 
+def host_seconds(local_experts: int, seq: int = 8, reps: int = 50) -> tuple:
+    """Median wall seconds of one layer's forward and backward at a size where the CPU's
+    kernels cost next to nothing (hidden 64, 8 tokens, one thread): the host's share of
+    each operator -- Megatron's Python, autograd and ATen dispatch -- which a GPU run pays
+    before each launch (the CUDA launch call itself comes on top)."""
+    import time
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    layer = _layer(local_experts)
+    x = torch.randn(seq, 1, 64, requires_grad=True)
+    mask = torch.triu(torch.ones(seq, seq), diagonal=1).bool()[None, None]
+    rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)(seq)
+    fwd, bwd = [], []
+    for i in range(reps + 10):                       # 10 to warm up
+        t0 = time.perf_counter()
+        out = layer(x, attention_mask=mask, rotary_pos_emb=rope)
+        out = out[0] if isinstance(out, tuple) else out
+        t1 = time.perf_counter()
+        out.sum().backward()
+        t2 = time.perf_counter()
+        if i >= 10:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return sorted(fwd)[len(fwd) // 2], sorted(bwd)[len(bwd) // 2]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--local-experts", type=int, nargs="+", default=[4, 8, 16])
@@ -162,14 +198,21 @@ def main(argv=None) -> int:
     parallel_state.initialize_model_parallel(1, 1)
     print(f"Megatron-Core {megatron.core.__version__}, local spec on CPU: kernels "
           "(non-view ATen operators) of one layer")
+    torch.set_num_threads(1)
     cols = ("attention", "router", "dispatch", "experts", "rest")
-    print("| layer | local experts | forward | " + " | ".join(cols) + " | backward |")
-    print("|---|---|---|" + "---|" * len(cols) + "---|")
+    print("| layer | local experts | forward | " + " | ".join(cols) + " | backward | "
+          "host ms fwd / bwd | us per kernel fwd / bwd |")
+    print("|---|---|---|" + "---|" * len(cols) + "---|---|---|")
     for e in [0] + a.local_experts:
         c = count(e)
         fwd = c["forward"]
-        print(f"| {'MoE' if e else 'dense'} | {e or '-'} | {sum(fwd.values())} | "
-              + " | ".join(str(fwd.get(k, 0)) for k in cols) + f" | {c['backward']} |")
+        n_f, n_b = sum(fwd.values()), c["backward"]
+        h_f, h_b = host_seconds(e)
+        print(f"| {'MoE' if e else 'dense'} | {e or '-'} | {n_f} | "
+              + " | ".join(str(fwd.get(k, 0)) for k in cols) + f" | {n_b} | "
+              f"{1e3 * h_f:.2f} / {1e3 * h_b:.2f} | {1e6 * h_f / n_f:.1f} / "
+              f"{1e6 * h_b / n_b:.1f} |")
+    print(f"(host times on this machine: {_cpu_name()}, one thread)")
     dist.destroy_process_group()
     return 0
 
