@@ -44,6 +44,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
+from torch.distributed.elastic.agent.server.api import WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed import run as torchrun
@@ -133,6 +134,12 @@ def _agent_class():
         def _monitor_workers(self, worker_group):
             with _held_torch_logs() as held:
                 result = super()._monitor_workers(worker_group)
+            if getattr(self, "_warm_args", None) is not None and \
+                    result.state == WorkerState.HEALTHY:
+                # a worker's client claims its spare after _start_workers returned (it is a
+                # process of its own), possibly one the top-up there still counted as idle:
+                # topping up on every check keeps warm_spares waiting
+                self._top_up_warm()
             user_error = result.is_failed() and \
                 exit_status(root_cause(result.failures)[1].exitcode) == EXIT_USER_ERROR
             if not user_error:   # a user error: the worker's one line says it all
