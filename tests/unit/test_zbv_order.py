@@ -12,6 +12,8 @@ from megalite.config import pipeline_program as P
 from megalite.config import pipeline_schedules as S
 from megalite.config.pipeline_orders import order_zbv
 
+import test_dualpipe_simulator as dualpipe_simulator
+
 UNIT = {k: Fraction(1) for k in "FBW"}
 CASES = [(p, m) for p in (2, 4, 8) for m in (2 * p - 1, 2 * p, 3 * p, 4 * p + 3)]
 
@@ -79,10 +81,8 @@ def test_bubble_formula_is_the_dependency_only_idle_when_b_and_w_cost_at_least_f
             assert idle == {spec.bubble_time(p, 2, 2 * (f + 2 * b), 0, 2 * f)}, (p, m, idle)
 
 
-_FLAGS = ["--num-layers", "8", "--hidden-size", "32", "--num-attention-heads", "4",
-          "--seq-length", "16", "--vocab-size", "64", "--mock-data", "--train-iters", "1",
-          "--lr", "1e-3", "--micro-batch-size", "1", "--world-size", "4", "--pp", "4",
-          "--pipeline-schedule", "zbv", "--untie-embeddings-and-output-weights"]
+# DualPipeV's flags (test_dualpipe_simulator.py) with the schedule swapped
+_FLAGS = ["zbv" if f == "dualpipev" else f for f in dualpipe_simulator._FLAGS]
 
 
 def test_the_flag_implies_the_v_and_refuses_too_few_micro_batches_in_one_line():
