@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.planner import calibration  # noqa: E402
+from megalite.planner import calibration, report  # noqa: E402
 from megalite.planner.published import compare_all  # noqa: E402
 
 UNIT = {"hw_tflops": "TFLOP/s (hw)", "model_tflops": "TFLOP/s", "tokens_per_gpu": "tok/s"}
@@ -68,8 +68,7 @@ def explain(c) -> str:
         cols.append(("K-curve off", as_run(c.run, c.model, c.cluster, c.opts).times))
     finally:
         kernels.INNER_K0_FP8 = saved
-    keys = ("compute", "imbalance", "tp", "cp", "ep", "pp", "offload", "bubble", "dp",
-            "optimizer", "fp8_cast", "step")
+    keys = report.TIME_TERMS + ("fp8_cast", "step")
     base = cols[0][1]
     lines = [f"{c.run.name}: step-time terms (s per step; moved = switched - modelled)",
              "| term | " + " | ".join(n for n, _ in cols) + " |",

@@ -36,6 +36,18 @@ EP_OVERLAP_RULES = ("megatron", "megalite")
 # SMs the flex dispatchers' kernels hold while a dispatch / combine is in flight.
 FLEX_DISPATCH_SMS = 20
 
+# DeepEP / HybridEP across nodes (RDMA) with the EP overlap on: the dispatch and combine
+# kernels take longer beside the compute, and far less of them hides than the pairing
+# allows.  Measured, not fitted: NVIDIA's Nsight comparison of Qwen3-30B-A3B on 16 H100
+# (BF16, EP16 over two nodes, HybridEP; Megatron-Bridge skills/nemo-mbridge-perf-moe-comm-
+# overlap/SKILL.md, "HybridEP production-shape validation", commit 067f987d): 9.079 ms of
+# communication ran beside compute with the overlap off (0.11% of it: 8.25 s in all) and
+# 3,958.997 ms with it on (36.55%: 10.83 s in all).  The rounded 0.11% leaves the stretch
+# within 1.26-1.37.
+FLEX_RDMA_COMM_SECONDS = (9.079e-3 / 0.0011, 3.958997 / 0.3655)     # overlap off, on
+FLEX_RDMA_OVERLAP_STRETCH = FLEX_RDMA_COMM_SECONDS[1] / FLEX_RDMA_COMM_SECONDS[0]
+FLEX_RDMA_OVERLAP_HIDDEN = 0.3655
+
 # Adam step traffic per owned parameter: read grad (4), master, m, v (12); write master, m, v
 # (12) and the bf16 weight (2).
 OPTIMIZER_BYTES_PER_PARAM = 30
@@ -403,6 +415,9 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     pp = comm.get("pp", 0.0) / mbs
     interleaved_p2p = L.vpp > 1 and opts.pp_overlap
     nic_shared = 0.0
+    # the dispatcher's host syncs idle the GPU unless another micro-batch's work runs beside
+    # them (the EP overlap's pairs) or the layer is one graph (kernels.MOE_SYNC_IDLE_SECONDS)
+    sync = 0.0 if opts.cuda_graphs else c["moe_layers"] * kernels.MOE_SYNC_IDLE_SECONDS
     if ep_overlap_applies(L, opts):
         # Megatron's EP A2A overlap pairs one micro-batch's forward with another's
         # backward, the all-to-alls of each behind the other's compute -- in the 1F1B
@@ -421,9 +436,17 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             # PXN sends what is bound for rail j through NIC j.  Where the all-to-all keeps
             # that NIC busy, the p2p's bytes add to its time.
             nic_shared = pp
-        exposed, hidden_behind = paired_ep_exposed(ep + nic_shared, c, opts.ep_delay_wgrad)
+        hops = ep + nic_shared
+        exposed, hidden_behind = paired_ep_exposed(hops, c, opts.ep_delay_wgrad)
         stolen = 0.0
-        if opts.moe_dispatcher != "alltoall":
+        if opts.moe_dispatcher != "alltoall" and cm.leaves_node(L, cluster, "ep"):
+            # measured as a whole (the SMs they hold included): stretched, and at most the
+            # measured share hidden
+            hops *= FLEX_RDMA_OVERLAP_STRETCH
+            exposed, hidden_behind = paired_ep_exposed(hops, c, opts.ep_delay_wgrad)
+            hidden_behind = min(hidden_behind, FLEX_RDMA_OVERLAP_HIDDEN * hops)
+            exposed = hops - hidden_behind
+        elif opts.moe_dispatcher != "alltoall":
             # DeepEP / HybridEP kernels move the tokens on SMs of their own (Megatron's
             # moe_flex_dispatcher_num_sms: "historical default 20", transformer_config.py),
             # so the compute beside them runs on the rest while they are in flight.
@@ -431,6 +454,7 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             s = min(sms, cluster.gpu.sms - 1) / cluster.gpu.sms
             stolen = (1 - alone) * hidden_behind * s / (1 - s)
         ep = alone * ep + (1 - alone) * exposed + stolen
+        sync *= alone
     # p2p: 1F1B's sends block in the steady state; interleaving overlaps them with the
     # next chunk (Megatron's --overlap-p2p-communication, 2023; ``pp_overlap``), leaving
     # what a message takes beyond a chunk (nothing more when it shares the NIC above).
@@ -442,8 +466,8 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp, offload=offload,
                cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden), ep=ep, pp=pp,
                pp_hop=comm.get("pp", 0.0) / mbs / max(1, L.vpp), dp=comm.get("dp", 0.0),
-               cast=c["cast"])
-    row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"] + offload
+               cast=c["cast"], moe_sync=sync)
+    row["slot"] = t_f + t_b + row["tp"] + row["cp"] + row["ep"] + row["pp"] + offload + sync
     return row
 
 
@@ -519,6 +543,7 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
                  "imbalance": mbs * (worst["t_f"] + worst["t_b"] - mean_compute),
                  "tp": mbs * worst["tp"], "cp": mbs * worst["cp"], "ep": mbs * worst["ep"],
                  "pp": mbs * worst["pp"], "offload": mbs * worst["offload"],
+                 "moe_sync": mbs * worst["moe_sync"],
                  "bubble": bubble, "dp": dp, "optimizer": optim,
                  "dp_total": max(r["dp"] for r in rows), "fp8_cast": mbs * worst["cast"]}
     est.moe_load = load

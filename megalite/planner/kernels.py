@@ -268,6 +268,16 @@ HOST_SECONDS_PER_KERNEL = 10e-6
 KERNELS_PER_LAYER = {False: 16, True: 30}          # dense, MoE forward
 BACKWARD_KERNELS_OVER_FORWARD = 2.0
 GRAPH_LAUNCHES_PER_LAYER = 1
+# GPU idle per MoE layer and micro-batch (forward and backward together) at the dispatcher's
+# device-to-host syncs: the token counts per expert reach the host before it can size the
+# permutation and launch the grouped GEMMs, so the GPU drains and waits for the launches
+# that follow.  Measured, not fitted: NVIDIA's Nsight comparison of Qwen3-30B-A3B on 16
+# H100 (BF16, EP16, HybridEP, no EP overlap; Megatron-Bridge skills/nemo-mbridge-perf-moe-
+# comm-overlap/SKILL.md, "HybridEP production-shape validation", commit 067f987d): step
+# 24.7138 s against a GPU-active union of 22.821 s, over 48 layers x 64 micro-batches.
+# With the EP overlap on, the other micro-batch's work fills the gap (union 21.221 s, step
+# 20.992 s); a graph of the whole layer has no sync inside.
+MOE_SYNC_IDLE_SECONDS = (24.7138 - 22.821) / (48 * 64)
 
 
 def exposed_launch_seconds(gpu_seconds: float, moe: bool, backward: bool,
@@ -287,7 +297,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     backward: outside the layers, so outside the EP overlap), ``moe_f`` / ``moe_b`` (the
     MoE layers' forward / backward) and ``mlp_f`` / ``mlp_b`` (their routed experts: what
     the EP overlap pairs the dispatches with, estimate.paired_ep_exposed; ``mlp_bd`` the
-    backward's data-gradient part)."""
+    backward's data-gradient part) and ``moe_layers`` (the MoE layers the stage runs)."""
     gpu, eff = cluster.gpu, cluster.eff
     sustain = eff.compute
     fp8 = FP8_RECIPES.get(opts.fp8) if opts.fp8 else None
@@ -418,7 +428,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             "cast": t["cast"], "hbm": t["hbm"], "head": head,
             "launch": t["launch_f"] + t["launch_b"],
             "mlp_f": t["mlp_f"], "mlp_b": t["mlp_bd"] + t["mlp_bw"], "mlp_bd": t["mlp_bd"],
-            "moe_f": t["moe_f"], "moe_b": t["moe_b"]}
+            "moe_f": t["moe_f"], "moe_b": t["moe_b"], "moe_layers": kinds[1]}
 
 
 def _quantized_elements(gs: List[Gemm]) -> float:

@@ -405,3 +405,19 @@ OVERLAP_RUNS = [
                  "A2A_OVERLAP=1); CUDA graphs of the router and the preprocessing priced "
                  "as graphed layers"),
 ]
+# The pair the HybridEP constants were measured on (kernels.MOE_SYNC_IDLE_SECONDS,
+# estimate.FLEX_RDMA_*): NVIDIA's Nsight comparison, Qwen3-30B-A3B on 16 H100, BF16, EP16
+# over two nodes, HybridEP, forced balance, delayed weight gradients off; its step times
+# 24.7138 s and 20.9920 s.  Not held out: the benchmark prints it as the constants' source.
+NSIGHT_SKILL = ("Megatron-Bridge skills/nemo-mbridge-perf-moe-comm-overlap/SKILL.md "
+                "(commit 067f987d)")
+_NSIGHT_ASSUMED = ("the config's TE CUDA graphs of moe_router + moe_preprocess not priced "
+                   "(the planner's switch graphs whole layers; the measured sync idle "
+                   "has them)")
+OVERLAP_RUNS += [
+    _bridge26(f"nsight-qwen3-30b-hybridep{tag}", "qwen3-235b-a22b", "h100-80gb", 16, 1024,
+              4096, dict(ep=16, etp=1, micro_batch=1), value, "BF16", line, moe=True,
+              source=NSIGHT_SKILL, overrides=QWEN3_30B,
+              opts=dict(ep_overlap=on, ep_delay_wgrad=False), assumed=_NSIGHT_ASSUMED)
+    for tag, on, value, line in (("", False, 244.039, 70), ("-overlap", True, 287.305, 72))
+]

@@ -16,11 +16,12 @@ from megalite.planner.hardware import GiB, Cluster, make_cluster
 from megalite.planner.layout import ZERO_NAMES, layout_from_config
 from megalite.planner.search import SearchResult, evaluate
 
-TIME_TERMS = ("compute", "imbalance", "bubble", "tp", "cp", "ep", "pp", "offload", "dp",
-              "optimizer")
+TIME_TERMS = ("compute", "imbalance", "bubble", "tp", "cp", "ep", "moe_sync", "pp", "offload",
+              "dp", "optimizer")
 TERM_NAMES = {"compute": "compute", "imbalance": "stage imbalance", "bubble": "pipeline bubble",
               "tp": "TP communication",
               "cp": "CP ring (not hidden)", "ep": "EP all-to-all", "pp": "PP p2p",
+              "moe_sync": "MoE dispatch host syncs (GPU idle)",
               "offload": "CPU offload (not hidden)",
               "dp": "DP reduction (exposed)", "optimizer": "optimizer step"}
 _SKIP_MODEL_FLAGS = {"transformer_impl", "seq_length"}

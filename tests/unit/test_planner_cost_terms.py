@@ -362,3 +362,65 @@ def test_each_ep_all_to_all_hides_only_behind_its_partner():
           for n in (16, 20, 32)}
     assert ep[16] < ep[20] < ep[32]
     assert est_mod._stage_row(m, L, 4096, 1, rack, opts)["ep"] == pytest.approx(ep[20])
+
+
+def test_moe_dispatch_syncs_idle_the_gpu_unless_paired_or_graphed():
+    """The dispatcher's device-to-host syncs leave the GPU idle once per MoE layer and
+    micro-batch (kernels.MOE_SYNC_IDLE_SECONDS, NVIDIA's Nsight step-vs-union gap); the EP
+    overlap's other micro-batch fills the gap in its pairs, a graphed layer has no sync,
+    a dense model no dispatcher."""
+    L = Layout(world=16, ep=16, micro_batch=1, global_batch=1024)
+    m = ms.recipe("qwen3-235b-a22b")
+    rack = make_cluster(16, 8, "h100-80gb")
+    eager = estimate(m, L, 4096, rack, ModelOptions(moe_dispatcher="hybridep"))
+    layers = m.num_layers                    # every Qwen3 layer is MoE
+    assert eager.times["moe_sync"] == pytest.approx(
+        L.num_micro_batches * layers * kernels.MOE_SYNC_IDLE_SECONDS)
+    assert kernels.MOE_SYNC_IDLE_SECONDS == pytest.approx(1.893e-3 / 3.072, rel=1e-3)
+    graphed = estimate(m, L, 4096, rack, ModelOptions(moe_dispatcher="hybridep",
+                                                      cuda_graphs=True))
+    assert graphed.times["moe_sync"] == 0.0
+    paired = estimate(m, L, 4096, rack, ModelOptions(moe_dispatcher="hybridep",
+                                                     ep_overlap=True))
+    alone = est_mod._unpaired_share(L, 0)
+    assert 0 < alone < 1
+    assert paired.times["moe_sync"] == pytest.approx(alone * eager.times["moe_sync"])
+    dense = step(LLAMA8, Layout(world=8, micro_batch=1, global_batch=64), 4096)
+    assert dense.times["moe_sync"] == 0.0
+
+
+def test_flex_dispatch_across_nodes_hides_the_measured_share_under_overlap():
+    """DeepEP / HybridEP over the NICs with the EP overlap: the all-to-alls stretch by the
+    measured 1.31x and at most 36.55% of them hide (estimate.FLEX_RDMA_*); inside one
+    NVLink domain, and for NCCL's all-to-all, the pairing alone decides."""
+    assert est_mod.FLEX_RDMA_OVERLAP_STRETCH == pytest.approx(1.3124, abs=1e-3)
+    m = ms.recipe("qwen3-235b-a22b")
+    L = Layout(world=16, ep=16, micro_batch=1, global_batch=1024)
+    rack = make_cluster(16, 8, "h100-80gb")
+
+    def ep_row(**kw):
+        opts = ModelOptions(**kw)
+        return est_mod._stage_row(m, L, 4096, 0, rack, opts)["ep"]
+
+    off = ep_row(moe_dispatcher="hybridep")
+    on = ep_row(moe_dispatcher="hybridep", ep_overlap=True)
+    alone = est_mod._unpaired_share(L, 0)
+    stretched = off * est_mod.FLEX_RDMA_OVERLAP_STRETCH
+    assert on == pytest.approx(alone * off + (1 - alone) * stretched *
+                               (1 - est_mod.FLEX_RDMA_OVERLAP_HIDDEN))
+    # NCCL's all-to-all over the same NICs: the pairing alone (it hides more)
+    nccl_off, nccl_on = ep_row(moe_dispatcher="alltoall"), ep_row(moe_dispatcher="alltoall",
+                                                                  ep_overlap=True)
+    assert nccl_on / nccl_off < on / off
+    # EP inside the node: no stretch, the pairing alone
+    L8 = Layout(world=8, ep=8, micro_batch=1, global_batch=512)
+    node = make_cluster(8, 8, "h100-80gb")
+    c = kernels.stage_compute(m, L8, 4096, 0, node, ModelOptions(moe_dispatcher="hybridep"))
+    row_off = est_mod._stage_row(m, L8, 4096, 0, node, ModelOptions(moe_dispatcher="hybridep"))
+    exposed, _ = est_mod.paired_ep_exposed(row_off["ep"], c)
+    row_on = est_mod._stage_row(m, L8, 4096, 0, node,
+                                ModelOptions(moe_dispatcher="hybridep", ep_overlap=True))
+    a8 = est_mod._unpaired_share(L8, 0)
+    assert row_on["ep"] >= a8 * row_off["ep"] + (1 - a8) * exposed - 1e-12
+    assert row_on["ep"] < a8 * row_off["ep"] + (1 - a8) * row_off["ep"] * (
+        est_mod.FLEX_RDMA_OVERLAP_STRETCH * (1 - est_mod.FLEX_RDMA_OVERLAP_HIDDEN))

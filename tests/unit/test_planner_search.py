@@ -173,13 +173,15 @@ def test_account_for_split_offered_with_interleaving_and_round_trips():
 
 def test_search_proposes_dualpipev_for_moe_and_its_v_places_the_output_on_rank_0():
     """DualPipeV is tried for MoE models (its paired F&B steps hide the expert all-to-all):
-    with the EP overlap on it is the best Qwen3-235B layout at TP2 PP16 EP8, without it
+    with the EP overlap on, priced as megalite runs it (``megalite plan``'s rule: F&B pairs,
+    not interleaving), it is the best Qwen3-235B layout at TP2 PP16 EP8, without it
     interleaving wins; a dense model never gets it, and --schedules given pins the list."""
     import dataclasses
     m = dataclasses.replace(ms.recipe("qwen3-235b-a22b"), seq_length=4096)
     c = make_cluster(256, 8, "h100-80gb")
     pin = SearchSpace(pp=(16,), tp=(2,), ep=(8,))
-    on = search(m, 4096, 2048, c, pin, ModelOptions(fp8="tensorwise", ep_overlap=True))
+    on = search(m, 4096, 2048, c, pin, ModelOptions(fp8="tensorwise", ep_overlap=True,
+                                                    ep_overlap_rule="megalite"))
     off = search(m, 4096, 2048, c, pin, ModelOptions(fp8="tensorwise"))
     best = on.ranked[0].layout
     assert best.schedule == "dualpipev" and best.vpp == 2 and best.output_rank == 0
