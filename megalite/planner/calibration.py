@@ -34,8 +34,8 @@ CALIBRATION_ROWS = {
     ("SUSTAINED_H100",): ("bridge-llama3-70b",),
     ("H100_500W_CLOCK",): ("titan-8b-8gpu-compile",),
     ("EAGER_PASSES",): ("titan-8b-8gpu-fsdp",),
-    # Blackwell: 1 of GB200's 8 rows (B200: none of its 2); Blackwell Ultra: 2 of GB300's 8
-    # (B300: none of its 2) -- the dense FP8 8B rows, then NVFP4's 405B.
+    # Blackwell: 1 of GB200's 9 rows (B200: none of its 2); Blackwell Ultra: 2 of GB300's 9
+    # (B300: none of its 3) -- the dense FP8 8B rows, then NVFP4's 405B.
     ("SUSTAINED_B200",): ("bridge25-8b-gb200",),
     ("SUSTAINED_B300",): ("bridge25-8b-gb300",),
     ("NVFP4_GEMM",): ("bridge26-405b-gb300-nvfp4",),

@@ -11,6 +11,7 @@ fitted on (at most a third); all others are held out.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -136,15 +137,16 @@ RUNS = [
                                   pipeline_layout="Et|(tt|)*30mL"),
                  "model_tflops", 338, "causal", "fp8 tensorwise",
                  dict(BRIDGE_FP8, moe_routing="uniform", ep_overlap=True,
-                      recompute_modules=("mla_up_proj", "mlp"), dp_exposed=1.0),
+                      moe_dispatcher="deepep", recompute_modules=("mla_up_proj", "mlp"),
+                      dp_exposed=1.0),
                  assumed="Bridge's layout 'Et|(tt|)*30mL': the embedding, the loss and the "
                  "MTP module each counted as a pipeline layer, 61 + 3 = 32 x 2 slots at VPP 4 "
                  "(--pipeline-model-parallel-layout); 'force-balanced' = uniform "
-                 "routing; DeepEP dispatch, EP A2A "
+                 "routing; DeepEP dispatch (its 20 SMs), EP A2A "
                  "overlap, selective recompute of mla_up_proj + mlp, no grad-reduce overlap "
-                 "(run_script.py); the all-to-all counted per token copy as NCCL sends it, "
-                 "not DeepEP's once-per-node (docs/planner.md: +23.5% with it, +35.6% before each "
-                 "all-to-all hid only behind its paired block); "
+                 "(run_script.py); priced as NCCL's per-copy all-to-all until DeepEP over "
+                 "the NICs hid only the measured share (docs/planner.md: -6.6% that way, "
+                 "+23.5% as DeepEP with the pairing alone); "
                  "338 is per-tensor current scaling (330 blockwise); 1297 tokens/s/GPU"),
     # ---- Megatron-Core MoE, Mixtral 8x7B, BF16 -----------------------------------------
     PublishedRun("mcore-mixtral-8x7b", "mixtral-8x7b", MCORE_MOE, "h100-80gb", 64, 4096, 256,
@@ -249,6 +251,14 @@ def _bridge26(name, model, gpu, gpus, gbs, seq, layout, value, precision, line, 
                         model_overrides=dict(overrides or {}), assumed=assumed)
 
 
+def _gptoss(name, gpu, layout, tps, line, source, opts, assumed):
+    """GPT-OSS 120B on 64 GPUs, MXFP8, mbs 4, TP/PP/CP 1: the table's tokens/s/GPU."""
+    r = _bridge26(name, "gpt-oss-120b", gpu, 64, 1280, 4096,
+                  dict(tp=1, pp=1, cp=1, etp=1, micro_batch=4, **layout), tps, "MXFP8", line,
+                  moe=True, source=source, opts=opts, assumed=assumed)
+    return dataclasses.replace(r, metric="tokens_per_gpu")
+
+
 _405 = dict(micro_batch=1, **EMB_LOSS)
 RUNS += [
     # 26.06 container: Llama 3.1 405B, 1536 x 8192 tokens
@@ -333,6 +343,25 @@ RUNS += [
               "qwen3_llm_pretrain.py lines 177-200: moe_token_dispatcher_type alltoall, no TP "
               "comm overlap; qwen3_workload_base_configs.py lines 175-184 and 280-283, "
               "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2: moe_a2a_overlap=True, GBS 8192)"),
+    # GPT-OSS 120B, 1280 x 4096 tokens, tokens/s/GPU (Bridge's FLOP count of the window and
+    # the sinks stays out); the configs: commit 8f341b04f, scripts/performance/configs/
+    # gpt_oss/gpt_oss_workload_base_configs.py (GOSS below) -- the 26.08 rows' EP matches
+]
+GOSS = "8f341b04f scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py"
+RUNS += [
+    _gptoss("bridge26-gptoss-120b-gb300", "gb300-nvl72", dict(ep=16), 33024, 59, BRIDGE26,
+            dict(), f"{GOSS} lines 201-210 (GB300_FP8_MX_V2): EP16 mbs 4, hybridep, "
+            "moe_a2a_overlap, full-iteration CUDA graph, cutedsl grouped MLP, FP8 attention "
+            "(not priced); the 26.08 perf_recipes not re-read"),
+    _gptoss("bridge26-gptoss-120b-gb200", "gb200-nvl72", dict(ep=64), 28672, 60, BRIDGE26,
+            dict(recompute_modules=()), f"{GOSS} lines 211-221 (GB200_FP8_MX_V2): EP64 mbs 4, "
+            "hybridep, moe_a2a_overlap, recompute_modules [], full-iteration CUDA graph, "
+            "FP8 attention (not priced); the 26.08 perf_recipes not re-read"),
+    _gptoss("bridge26-gptoss-120b-b300", "b300", dict(ep=8), 18534, 123, BRIDGE26_ARCHIVE,
+            dict(ep_overlap=False), f"{GOSS} lines 134-140, 181-186, 222 (B300_FP8_MX_V2 = "
+            "B300_BF16_V2): EP8 mbs 4, hybridep, TE CUDA graphs of attn/moe_router/"
+            "moe_preprocess (not priced); moe_a2a_overlap not set (WorkloadBaseConfig "
+            "default taken as off)"),
 ]
 BY_NAME = {r.name: r for r in RUNS}
 
