@@ -436,14 +436,13 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
             # PXN sends what is bound for rail j through NIC j.  Where the all-to-all keeps
             # that NIC busy, the p2p's bytes add to its time.
             nic_shared = pp
-        hops = ep + nic_shared
+        # DeepEP / HybridEP over the NICs, measured as a whole (the SMs they hold
+        # included): stretched, and at most the measured share hidden
+        rdma = opts.moe_dispatcher != "alltoall" and cm.leaves_node(L, cluster, "ep")
+        hops = (ep + nic_shared) * (FLEX_RDMA_OVERLAP_STRETCH if rdma else 1.0)
         exposed, hidden_behind = paired_ep_exposed(hops, c, opts.ep_delay_wgrad)
         stolen = 0.0
-        if opts.moe_dispatcher != "alltoall" and cm.leaves_node(L, cluster, "ep"):
-            # measured as a whole (the SMs they hold included): stretched, and at most the
-            # measured share hidden
-            hops *= FLEX_RDMA_OVERLAP_STRETCH
-            exposed, hidden_behind = paired_ep_exposed(hops, c, opts.ep_delay_wgrad)
+        if rdma:
             hidden_behind = min(hidden_behind, FLEX_RDMA_OVERLAP_HIDDEN * hops)
             exposed = hops - hidden_behind
         elif opts.moe_dispatcher != "alltoall":

@@ -45,6 +45,8 @@ def test_plan_takes_pretrain_gpts_overlap_flags():
     assert on["times_s"]["ep"] < off["times_s"]["ep"]
     assert on["times_s"]["step"] < off["times_s"]["step"]
     assert on["times_s"]["compute"] == off["times_s"]["compute"]
+    # the dispatch syncs idle the GPU only where no other micro-batch runs beside them
+    assert 0 < on["times_s"]["moe_sync"] < off["times_s"]["moe_sync"]
     assert on["memory_bytes"]["activations"] > off["memory_bytes"]["activations"]
     assert "--overlap-moe-expert-parallel-comm" in on["command"].split()
     assert "--overlap-moe-expert-parallel-comm" not in off["command"].split()

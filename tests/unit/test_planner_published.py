@@ -230,5 +230,9 @@ def test_overlap_benchmark_prints_the_published_layout_off_and_on():
     assert out.returncode == 0, out.stderr
     assert "| published TFLOP/s | 245 | 276 | +12.7% |" in out.stdout
     assert "| predicted TFLOP/s | " in out.stdout and "line rate" in out.stdout
+    # the pair the measured overlap constants come from, with its sync-idle term
+    assert "The constants' source (NVIDIA's Nsight comparison" in out.stdout
+    assert "| published TFLOP/s | 244.039 | 287.305 | +17.7% |" in out.stdout
+    assert "| predicted dispatch-sync idle (s) | " in out.stdout
     for name in ("bridge-qwen3-235b-a22b", "bridge-deepseek-v3"):
         assert f"| {name} |" in out.stdout
