@@ -343,11 +343,9 @@ RUNS += [
               "qwen3_llm_pretrain.py lines 177-200: moe_token_dispatcher_type alltoall, no TP "
               "comm overlap; qwen3_workload_base_configs.py lines 175-184 and 280-283, "
               "QWEN3_235B_A22B_PRETRAIN_CONFIG_H100_FP8_CS_V2: moe_a2a_overlap=True, GBS 8192)"),
-    # GPT-OSS 120B, 1280 x 4096 tokens, tokens/s/GPU (a unit with no FLOP convention; the
-    # planner's count is Bridge's within 0.3%); the configs: commit 8f341b04f, scripts/
-    # performance/configs/gpt_oss/gpt_oss_workload_base_configs.py (GOSS below) -- the
-    # 26.08 rows' EP matches
 ]
+# GPT-OSS 120B, 1280 x 4096 tokens, tokens/s/GPU (a unit with no FLOP convention; the
+# planner's count is Bridge's within 0.3%); the configs (GOSS): their EP is the 26.08 rows'.
 GOSS = "8f341b04f scripts/performance/configs/gpt_oss/gpt_oss_workload_base_configs.py"
 RUNS += [
     _gptoss("bridge26-gptoss-120b-gb300", "gb300-nvl72", dict(ep=16), 33024, 59, BRIDGE26,
