@@ -25,16 +25,23 @@ from megalite.planner.layout import Layout
 from megalite.config.activations import activation_of
 
 # Core attention, TFLOP/s on the FLOPs the kernel does (a causal mask halves the score
-# work and the count), head dim 128, bf16, H100 SXM5: Shah et al. 2024 (FlashAttention-3),
-# Fig. 5 (forward, causal) and Fig. 6 (backward), by sequence length.  "cudnn" is
-# Transformer Engine's fused attention (Megatron / NeMo on Hopper), "fa2" FlashAttention-2
-# (PyTorch SDPA's flash backend in 2024), "fa3" FlashAttention-3.  Other GPUs scale by
+# work and the count), bf16, H100 SXM5: Shah et al. 2024 (FlashAttention-3), Fig. 5
+# (forward, causal) and Fig. 6 (backward), by sequence length, at head dim 128 and 64
+# (the paper's backward figures stop at 128; a wider head is priced at 128's rate, which
+# the forward figure at 256 keeps within 7%).  "cudnn" is Transformer Engine's fused
+# attention (Megatron / NeMo on Hopper), "fa2" FlashAttention-2 (PyTorch SDPA's flash
+# backend in 2024), "fa3" FlashAttention-3.  A 64-wide head does half the MMA work per
+# score the softmax pays for, so it keeps 70-85% of 128's rate at 4K.  Other GPUs scale by
 # their matmul ceiling over H100's (an assumption: the same tensor cores do the work).
 ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_HEAD_DIMS = (64, 128)
 ATTENTION_TFLOPS = {
-    "fa2": ((191, 260, 298, 319, 333, 335), (214, 260, 291, 310, 318, 322)),
-    "cudnn": ((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516)),
-    "fa3": ((292, 423, 521, 579, 602, 616), (316, 424, 501, 542, 559, 561)),
+    "fa2": {128: ((191, 260, 298, 319, 333, 335), (214, 260, 291, 310, 318, 322)),
+            64: ((180, 229, 262, 284, 295, 299), (198, 238, 264, 279, 287, 291))},
+    "cudnn": {128: ((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516)),
+              64: ((225, 288, 334, 363, 379, 388), (266, 348, 395, 417, 432, 433))},
+    "fa3": {128: ((292, 423, 521, 579, 602, 616), (316, 424, 501, 542, 559, 561)),
+            64: ((197, 265, 371, 420, 460, 473), (272, 363, 422, 453, 472, 474))},
 }
 ATTENTION_KERNELS = tuple(ATTENTION_TFLOPS) + ("unfused",)
 # FlashAttention's backward recomputes the scores and makes dV, dP, dQ, dK: 5 matmuls to
@@ -110,22 +117,31 @@ FP4_RECIPES = tuple(k for k, r in FP8_RECIPES.items() if r.bits == 4)
 FP8_ONLY_RECIPES = tuple(k for k, r in FP8_RECIPES.items() if r.bits == 8)
 
 
-def attention_rate(cluster: Cluster, kernel: str, kv_len: int) -> Tuple[float, float]:
-    """(forward, backward) FLOP/s of core attention over ``kv_len`` keys, before the
-    sustained-fraction constant."""
+def _log_interpolate(points: tuple, values: tuple, x: float) -> float:
+    """``values`` at ``x``, log-linear between the table's ``points``, clamped at its ends."""
+    i = min(bisect_left(points, x), len(points) - 1)
+    if i == 0 or x >= points[i]:
+        return values[i]
+    lo, hi = points[i - 1], points[i]
+    w = math.log(x / lo) / math.log(hi / lo)
+    return values[i - 1] + w * (values[i] - values[i - 1])
+
+
+def attention_rate(cluster: Cluster, kernel: str, kv_len: int,
+                   head_dim: int = 128) -> Tuple[float, float]:
+    """(forward, backward) FLOP/s of core attention over ``kv_len`` keys with query/key
+    heads ``head_dim`` wide, before the sustained-fraction constant."""
     if kernel == "unfused":
         r = cluster.gpu.matmul_tflops * 1e12          # batched GEMMs; softmax is HBM work
         return r, r
-    fwd, bwd = ATTENTION_TFLOPS[kernel]
-    i = min(bisect_left(ATTENTION_SEQS, kv_len), len(ATTENTION_SEQS) - 1)
-    if i > 0 and kv_len < ATTENTION_SEQS[i]:          # log-linear between table points
-        lo, hi = ATTENTION_SEQS[i - 1], ATTENTION_SEQS[i]
-        w = math.log(kv_len / lo) / math.log(hi / lo)
-        f, b = (x[i - 1] + w * (x[i] - x[i - 1]) for x in (fwd, bwd))
-    else:
-        f, b = fwd[i], bwd[i]
+    by_dim = ATTENTION_TFLOPS[kernel]
+    rates = []
+    for d in ATTENTION_HEAD_DIMS:                      # (fwd, bwd) at each measured width
+        rates.append([_log_interpolate(ATTENTION_SEQS, x, kv_len) for x in by_dim[d]])
+    fb = [_log_interpolate(ATTENTION_HEAD_DIMS, tuple(r[j] for r in rates), head_dim)
+          for j in (0, 1)]
     scale = cluster.gpu.matmul_tflops / MAMF_BF16_TFLOPS["H100"]
-    return f * scale * 1e12, b * scale * 1e12
+    return fb[0] * scale * 1e12, fb[1] * scale * 1e12
 
 
 def gemm_efficiency(rows: int, n: int, groups: int, sms: int) -> float:
@@ -313,7 +329,7 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
     op_bytes = fp8.operand_bytes if fp8 else (4.0 if opts.fp32 else 2.0)
     kernel = opts.attention_kernel if opts.flash_attention else "unfused"
     kv = seq if L.cp_comm != "p2p" else seq // L.cp     # a ring step attends to one block
-    r_f, r_b = attention_rate(cluster, kernel, kv)
+    r_f, r_b = attention_rate(cluster, kernel, kv, ms.attention_head_dims(m)[2])
     r_f, r_b = r_f * sustain, r_b * sustain
     bwd_ratio = UNFUSED_BWD_OVER_FWD if kernel == "unfused" else FLASH_BWD_OVER_FWD
     # Flash kernels skip the masked half of a causal score matrix; unfused attention

@@ -83,6 +83,23 @@ def test_attention_rates_interpolate_the_measured_table():
     assert kernels.attention_rate(a100, "fa3", 8192)[0] == pytest.approx(602e12 * 271.2 / 794.5)
 
 
+def test_attention_rates_follow_the_head_width():
+    """A 64-wide head runs at its own measured rate; between 64 and 128 log-linear, and a
+    wider one (MLA's 192) at 128's: the paper's backward stops there."""
+    c = make_cluster(8)
+    assert kernels.attention_rate(c, "cudnn", 4096, 64) == (363e12, 417e12)
+    assert kernels.attention_rate(c, "cudnn", 4096, 192) == kernels.attention_rate(
+        c, "cudnn", 4096)
+    f, b = kernels.attention_rate(c, "fa3", 4096, 96)
+    assert 420e12 < f < 579e12 and 453e12 < b < 542e12
+    gptoss = ms.recipe("gpt-oss-120b")
+    L = Layout(world=8, micro_batch=1, global_batch=8)
+    narrow = kernels.stage_compute(gptoss, L, 4096, 0, c, ModelOptions())["core"]
+    wide = kernels.stage_compute(replace(gptoss, kv_channels=128), L, 4096, 0, c,
+                                 ModelOptions())["core"]
+    assert 1.15 < narrow / (wide / 2) < 1.5        # half the work, at 70-85% of the rate
+
+
 def test_causal_mask_halves_flash_work_only():
     L = Layout(world=8, micro_batch=1, global_batch=8)
     cl = make_cluster(8)
