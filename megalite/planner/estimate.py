@@ -100,6 +100,15 @@ class ModelOptions:
     tp_comm_overlap: str = "none"
     fsdp_reshard: bool = True              # ZeRO-3 frees gathered weights after forward
     fp8_param_gather: bool = False         # ZeRO-3 gathers FP8 weights (1 byte)
+    # Megatron's --fp8-param-gather / --fp4-param-gather under ZeRO-1: the quantized copy is
+    # the weight, no 16-bit one (memory.quantized_weight_bytes; the gathers' dtype is not
+    # changed: MXFP8's run through the bf16 gradient buffer)
+    quantized_weights: bool = False
+    moe_output_kept: bool = True           # memory.ActivationOptions.moe_output_kept
+    # Adam's moments' bytes each: 4 fp32; 2 with Megatron's --use-precision-aware-optimizer
+    # --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (optimizer state only; the step's
+    # traffic, OPTIMIZER_BYTES_PER_PARAM, is not changed)
+    moment_bytes: int = 4
     pp_overlap: bool = True                # interleaved p2p behind the next chunk's compute
     muon_ns_steps: int = 0                 # --optimizer muon's Newton-Schulz steps; 0: AdamW
     # Megatron's --cuda-graph-impl local | transformer_engine: a layer pass is one graph
@@ -114,6 +123,7 @@ class ModelOptions:
     @property
     def precision(self) -> mem.Precision:
         prec = mem.Precision.fp32() if self.fp32 else mem.Precision.bf16(self.grad_bytes)
+        prec = replace(prec, adam=2 * self.moment_bytes)
         return replace(prec, muon=True) if self.muon_ns_steps else prec
 
     @property
@@ -123,7 +133,8 @@ class ModelOptions:
                                      recompute_modules=tuple(
                                          x for x in self.recompute_modules
                                          if x != "every_other_mm") or ("layernorm",),
-                                     paired=self.ep_overlap and self.ep_overlap_rule == "megalite")
+                                     paired=self.ep_overlap and self.ep_overlap_rule == "megalite",
+                                     moe_output_kept=self.moe_output_kept)
 
     @property
     def passes(self) -> float:
@@ -190,10 +201,13 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         peak = dict(peak, activations=peak["activations"] - gone)
         peak["total"] -= gone
     if opts.fp8 and cluster.gpu.fp8_matmul_tflops:
-        # Transformer Engine keeps each weight's FP8 copy and its transpose between
-        # micro-batches (the cast once per step that kernels.weight_cast_seconds counts),
-        # and saves the GEMM inputs backward needs in FP8: half their bytes.
-        copies = 2 * (peak["params"] if L.zero < 3 else -(-peak["params"] // L.dense_shards))
+        # Transformer Engine keeps each weight's quantized copies between micro-batches
+        # (the cast once per step that kernels.weight_cast_seconds counts; with quantized
+        # primary weights instead of the 16-bit ones), and saves the GEMM inputs backward
+        # needs in FP8: half their bytes.
+        copies = mem.quantized_weight_bytes(m, L, peak["pp_rank"], opts.precision.weight,
+                                            kernels.FP8_RECIPES[opts.fp8].operand_bytes,
+                                            opts.quantized_weights)
         saved = fp8_activation_saving(m, L, seq, peak["pp_rank"], opts)
         peak = dict(peak, weights=peak["weights"] + copies,
                     activations=peak["activations"] - saved)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 from megalite.config import ModelConfig
@@ -394,8 +394,11 @@ def stage_compute(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         attn_rec = af if L.recompute == "full" or (
             L.recompute == "selective" and "core_attn" in opts.recompute_modules) else 0.0
         t["rec"] += n * (share * gf + attn_rec) * (rec_frac if L.recompute == "full" else 1.0)
-        # Memory-bound work: HBM passes over the layer's activations (fwd 1, bwd 2 shares).
-        act = mem.layer_activation_bytes(m, L, moe, seq, opts.activations, "none")
+        # Memory-bound work: HBM passes over the layer's activations (fwd 1, bwd 2 shares);
+        # the experts' output is written and read by the combine whether or not backward
+        # keeps it (memory.ActivationOptions.moe_output_kept)
+        act = mem.layer_activation_bytes(m, L, moe, seq, replace(opts.activations,
+                                                                  moe_output_kept=True), "none")
         t["hbm"] += n * opts.passes * act / hbm
         layer_hbm = opts.passes * act / hbm
         t["launch_f"] += n * exposed_launch_seconds(gf + af + layer_hbm / 3, moe, False,

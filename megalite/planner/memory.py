@@ -100,6 +100,14 @@ class ActivationOptions:
     # comm: 1F1B becomes combined 1F1B), so the schedule's paired program sets the
     # in-flight count (``in_flight``)
     paired: bool = False
+    # The routed experts' output [T*k, h] is kept for backward: where the router's
+    # probabilities multiply it at the unpermute (megalite's MoE, Megatron-Core before
+    # "Memory efficient token permutation", Megatron-LM commit 2659630721, 2025-04-09).
+    # Since then Megatron applies them in the experts' activation (experts.py,
+    # bias_act_func / TE ScaledSwiGLU) and the combine takes no probabilities
+    # (token_dispatcher.py, HybridEP's hybrid_ep_combine at commit d98e8a64dd), so nothing
+    # of the output is saved: False.
+    moe_output_kept: bool = True
 
 
 def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
@@ -154,7 +162,8 @@ def layer_activation_bytes(m: ModelConfig, L: Layout, moe: bool, seq: int,
         fe, k = ms.moe_ffn(m), m.moe_router_topk
         copies = T * k * L.etp // t                # token copies an expert rank processes
         mlp = 4 * (T // sp) * m.num_experts        # fp32 router probabilities
-        mlp += 2 * copies * h * 2                  # permuted expert inputs and outputs
+        mlp += (2 if opts.moe_output_kept else 1) * copies * h * 2   # permuted expert
+        #                                          inputs (and outputs, ``moe_output_kept``)
         if "mlp" not in modules:
             mlp += (2 * gate * copies * fe + 2 * copies * fe) // L.etp
     return (rep + attn + mlp) * opts.element_scale
@@ -258,6 +267,30 @@ def activation_bytes(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
         total += (2 * T * h // sp + norm_out) * opts.element_scale + \
             4 * T * m.padded_vocab_size(t) // t
     return int(total)
+
+
+def quantized_weight_bytes(m: ModelConfig, L: Layout, pp_rank: int, weight_bytes: int,
+                           operand_bytes: float, primary: bool) -> int:
+    """Bytes FP8 / FP4 GEMMs add to the weights of stage ``pp_rank`` (negative: save).
+
+    Transformer Engine keeps each weight's quantized rowwise and columnwise copies between
+    micro-batches (the transpose, or MXFP8 / NVFP4's second block direction), each
+    ``operand_bytes`` an element with its block scales (kernels.FP8_RECIPES: 1 tensorwise,
+    1 + 1/32 MXFP8, 0.5 + 1/16 NVFP4).  ``primary``: the quantized copy *is* the weight --
+    Megatron's --fp8-param-gather / --fp4-param-gather under the distributed optimizer
+    (TE's quantized model init; the fp32 shard is the master): the DDP parameter buffer
+    holds uint8 (megatron/core/distributed/param_and_grad_buffer.py, "param_dtype =
+    torch.uint8" for FP8 / NVFP4 parameters, commit d98e8a64dd), MXFP8's all-gather
+    borrows the gradient buffer (reuse_grad_buf_for_mxfp8_param_ag, same file), so the
+    transformer layers' 16-bit copy is gone; the embedding and output layer (not TE
+    linears) keep theirs.  ZeRO-3 holds shards of the copies."""
+    params = L.stage_params(m, pp_rank).total
+    copies = int(2 * operand_bytes * (params if L.zero < 3 else -(-params // L.dense_shards)))
+    if not primary or L.zero >= 3:
+        return copies
+    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
+    layers = sum(n * L.kind_params(m, moe).total for n, moe in zip(kinds, (False, True)) if n)
+    return copies - layers * weight_bytes
 
 
 # ---- megalite's local layers, buffer by buffer ------------------------------------------

@@ -223,8 +223,23 @@ BF_DENSE = dict(attention_kernel="cudnn", grad_bytes=2)
 # Every HybridEP run of these tables holds 32 SMs for its kernels: the benchmark scripts set
 # moe_hybridep_num_sms = 32 whenever the backend is hybridep (scripts/performance/utils/
 # overrides.py line 89 at commit 067f987d, line 75 at 8f341b04f, the 26.06 configs' commit).
+# Their Megatron-Core applies the router's probabilities in the experts' activation and
+# combines without them (memory.ActivationOptions.moe_output_kept): the experts' output is
+# not saved for backward.
 BF_MOE = dict(BF_DENSE, moe_routing="uniform", ep_overlap=True, moe_dispatcher="hybridep",
-              moe_dispatch_sms=32)
+              moe_dispatch_sms=32, moe_output_kept=False)
+# FP8 / MXFP8 / NVFP4 rows keep quantized primary weights (ModelOptions.quantized_weights):
+# the precision configs the benchmark scripts take (scripts/performance/utils/precision.py,
+# perf_recipes/_common.py _perf_precision) set fp8_param_gather = True for FP8 current
+# scaling and MXFP8, fp4_param_gather = True for NVFP4 (src/megatron/bridge/training/
+# mixed_precision.py lines 302, 264-265, 416 at commits 8f341b04f and 067f987d; line 289
+# at 5776a6d9, the 25.11 rows'); both set fp8_param with it (lines 81-87).
+# DeepSeek-V3's recipe runs the precision-aware optimizer with bf16 moments
+# (ModelOptions.moment_bytes 2): recipes/deepseek/deepseek_v3.py lines 205-209 at
+# 8f341b04f (the 26.06 configs); at 067f987d the perf recipes' deepseek_v3_pretrain_config
+# (perf_recipes/deepseek/common.py line 24) is recipes/deepseek/h100/deepseek_v3.py's
+# 1024-GPU config, lines 221-225.
+DSV3_OPT = dict(moment_bytes=2)
 # The embedding, the MTP depth and the loss each take a pipeline slot: 61 + 3 = 64 slots over
 # the stages, as --pipeline-model-parallel-layout strings (16 stages of 4; 8 stages of 8).
 DSV3_16 = dict(pipeline_layout="Ettt|(tttt|)*14,ttmL")
@@ -243,6 +258,7 @@ def _bridge26(name, model, gpu, gpus, gbs, seq, layout, value, precision, line, 
     o = dict(BF_MOE if moe else BF_DENSE, **(opts or {}))
     if precision != "BF16":
         o["fp8"] = _FP8[precision]
+        o.setdefault("quantized_weights", True)
     if not moe and layout.get("tp", 1) > 1:
         o.setdefault("tp_comm_overlap", "all")         # TE userbuffers (the recipes)
     return PublishedRun(name, model, f"{source}, line {line}", gpu, gpus, seq, gbs,
@@ -296,16 +312,17 @@ RUNS += [
     # MoE, 26.08 container (current page) on GB200 / GB300, 26.06 on B300 / H100
     _bridge26("bridge26-dsv3-gb300", "deepseek-v3", "gb300-nvl72", 256, 4096, 4096,
               dict(tp=1, pp=2, vpp=8, ep=32, etp=1, micro_batch=1, **DSV3_16), 1635,
-              "MXFP8", 45, moe=True, source=BRIDGE26, opts=dict(recompute_modules=()),
+              "MXFP8", 45, moe=True, source=BRIDGE26,
+              opts=dict(recompute_modules=(), **DSV3_OPT),
               assumed="recompute_modules [] (recipe)"),
     _bridge26("bridge26-dsv3-gb200", "deepseek-v3", "gb200-nvl72", 256, 4096, 4096,
               dict(tp=1, pp=4, vpp=4, ep=64, etp=1, micro_batch=1, recompute="selective",
                    **DSV3_16), 1276, "MXFP8", 46, moe=True, source=BRIDGE26,
-              opts=dict(recompute_modules=("mla_up_proj",))),
+              opts=dict(recompute_modules=("mla_up_proj",), **DSV3_OPT)),
     _bridge26("bridge26-dsv3-b300", "deepseek-v3", "b300", 256, 4096, 4096,
               dict(tp=1, pp=8, ep=8, etp=1, micro_batch=2, recompute="selective",
                    **DSV3_8), 920, "MXFP8", 115, moe=True,
-              opts=dict(recompute_modules=("mla_up_proj",)),
+              opts=dict(recompute_modules=("mla_up_proj",), **DSV3_OPT),
               assumed="the 26.06 config (commit 8f341b04f, scripts/performance/configs/"
               "deepseek/deepseek_workload_base_configs.py lines 224-233, DEEPSEEK_V3_"
               "PRETRAIN_CONFIG_B300_V2): PP8 without VPP, mbs 2, recompute mla_up_proj, "
