@@ -7,13 +7,26 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
+_POOLS = []            # the session's PoolManager, once a test asked for it
+_LAST_DIST_TEST = []   # the node id of the last collected test that uses ``dist``
+
+
 @pytest.fixture(scope="session")
 def dist():
     from megalite.testing import PoolManager
 
     manager = PoolManager()
+    _POOLS.append(manager)
     yield manager
     manager.close()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Close the gloo pools after the last test that uses them: idle workers keep their
+    gloo threads polling (about a fifth of a core for a 4-rank pool), which the e2e and
+    unit tests after them would pay for.  A later test asking again gets fresh pools."""
+    if _POOLS and _LAST_DIST_TEST and item.nodeid == _LAST_DIST_TEST[0]:
+        _POOLS[0].close()
 
 
 # The long tier: runs that repeat at another scale what a faster test of the default run
@@ -137,7 +150,9 @@ LONG_TESTS = (
 
 
 def pytest_collection_modifyitems(items):
-    """Skip the long tier unless asked for (LONG_TESTS)."""
+    """Skip the long tier unless asked for (LONG_TESTS); note the last test using ``dist``."""
+    users = [i.nodeid for i in items if "dist" in getattr(i, "fixturenames", ())]
+    _LAST_DIST_TEST[:] = users[-1:]
     if os.environ.get("MEGALITE_LONG_TESTS") == "1":
         return
     skip = pytest.mark.skip(reason="long tier: MEGALITE_LONG_TESTS=1 runs it (tests/conftest.py)")
