@@ -125,6 +125,7 @@ class WorkerPool:
                 p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
+                p.join(timeout=1.0)      # reaped: no zombie left for the rest of the session
 
 
 class PoolManager:
