@@ -23,6 +23,7 @@ from megalite.config.pipeline_schedules import SCHEDULE_NAMES
 from megalite.planner.kernels import (ATTENTION_KERNELS, FP4_RECIPES, FP8_ONLY_RECIPES,
                                       fp8_unavailable)
 from megalite.planner.moe_cost import DISPATCHERS
+from megalite.planner.optimizer_precision import MASTER_DTYPES, STATE_DTYPES, adam_state_bytes
 from megalite.planner.search import (MOE_SEARCHED_SCHEDULES, RECOMPUTE_ORDER, SEARCHED_SCHEDULES,
                                      SearchSpace, search)
 from megalite.planner.goodput import main as goodput
@@ -135,6 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--fp4-recipe", choices=list(FP4_RECIPES),
                    help="FP4 GEMMs (Megatron's --fp4-format e2m1 --fp4-recipe nvfp4; "
                    "Blackwell presets)")
+    o.add_argument("--fp8-param-gather", action="store_true",
+                   help="the weights are FP8 only (Megatron's flag, with --fp8-recipe and the "
+                   "distributed optimizer or FSDP): no 16-bit copy of the layers' weights")
+    o.add_argument("--fp4-param-gather", action="store_true",
+                   help="the weights are NVFP4 only (Megatron's flag, with --fp4-recipe)")
+    o.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Transformer Engine's FusedAdam holds the optimizer state (Megatron's "
+                   "flag): the dtypes below, and an fp32 master of a bf16 weight as its low "
+                   "16 bits")
+    o.add_argument("--exp-avg-dtype", choices=list(STATE_DTYPES), default="fp32",
+                   help="Adam's first moment (with --use-precision-aware-optimizer)")
+    o.add_argument("--exp-avg-sq-dtype", choices=list(STATE_DTYPES), default="fp32",
+                   help="Adam's second moment (with --use-precision-aware-optimizer)")
+    o.add_argument("--main-params-dtype", choices=list(MASTER_DTYPES), default="fp32",
+                   help="the master weights (with --use-precision-aware-optimizer)")
     o.add_argument("--recompute-modules", nargs="+", metavar="MODULE",
                    choices=list(RECOMPUTE_MODULES) + list(PLANNER_ONLY_RECOMPUTE),
                    default=["core_attn"],
@@ -242,6 +258,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
     bad = [z for z in args.zero_stages if z not in (0, 1, 2, 3)]
     if bad:
         raise ConfigError(f"--zero-stages: unknown stage(s) {bad}; use 0-3")
+    quantized = quantized_weights(args)
+    zero_stages = [z for z in args.zero_stages if z or not quantized]
     if not 0 < args.headroom <= 1:
         raise ConfigError("--headroom must be in (0, 1]")
     overlap_flags_problem(args)
@@ -250,7 +268,7 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
     space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
                         vpp=args.vpp,
                         micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
-                        zero=tuple(args.zero_stages), schedules=tuple(args.schedules or SEARCHED_SCHEDULES),
+                        zero=tuple(zero_stages), schedules=tuple(args.schedules or SEARCHED_SCHEDULES),
                         moe_schedules=() if args.schedules else MOE_SEARCHED_SCHEDULES,
                         cp_min_seq=args.cp_min_seq_length,
                         max_micro_batch=args.max_micro_batch_size,
@@ -271,11 +289,16 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         if args.moe_token_dispatcher_type == "flex" else "alltoall",
                         moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
                         cpu_offload_layers=cpu_offload_layers(args),
-                        cuda_graphs=args.cuda_graph_impl != "none")
+                        cuda_graphs=args.cuda_graph_impl != "none",
+                        quantized_weights=quantized, fp8_param_gather=args.fp8_param_gather)
     if args.fp4_recipe:
         if args.fp8_recipe:
             raise ConfigError("--fp4-recipe and --fp8-recipe: pick one low precision")
         opts = dataclasses.replace(opts, fp8=args.fp4_recipe)
+    moments, master = adam_state_bytes(args.use_precision_aware_optimizer, args.exp_avg_dtype,
+                                       args.exp_avg_sq_dtype, args.main_params_dtype,
+                                       opts.fp8, quantized, args.fp32)
+    opts = dataclasses.replace(opts, moment_bytes=moments, master_bytes=master)
     warn = fp8_unavailable(cluster, opts)
     if warn:
         flag = "--fp4-recipe" if args.fp4_recipe else "--fp8-recipe"
@@ -316,6 +339,22 @@ def overlap_flags_problem(args) -> None:
     problem = requirement_problem(cfg, "parallel", find_field("parallel.delay_wgrad_compute")[1])
     if problem:
         raise ConfigError(problem)
+
+
+def quantized_weights(args) -> bool:
+    """Megatron's --fp8-param-gather / --fp4-param-gather: the flag's low precision must run
+    (megatron/training/arguments.py), and the weights live sharded in the distributed
+    optimizer or FSDP, so ZeRO stage 0 leaves the search."""
+    for flag, recipe, need in (("--fp8-param-gather", args.fp8_recipe, "--fp8-recipe"),
+                               ("--fp4-param-gather", args.fp4_recipe, "--fp4-recipe")):
+        if getattr(args, flag[2:].replace("-", "_")) and not recipe:
+            raise ConfigError(f"{flag} needs {need} (the weights are quantized only when the "
+                              f"GEMMs are); add it")
+    quantized = args.fp8_param_gather or args.fp4_param_gather
+    if quantized and not any(args.zero_stages):
+        raise ConfigError("--fp8-param-gather / --fp4-param-gather need the distributed "
+                          "optimizer or FSDP: give --zero-stages 1, 2 or 3")
+    return quantized
 
 
 def cpu_offload_layers(args) -> int:

@@ -105,10 +105,13 @@ class ModelOptions:
     # changed: MXFP8's run through the bf16 gradient buffer)
     quantized_weights: bool = False
     moe_output_kept: bool = True           # memory.ActivationOptions.moe_output_kept
-    # Adam's moments' bytes each: 4 fp32; 2 with Megatron's --use-precision-aware-optimizer
-    # --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 (optimizer state only; the step's
-    # traffic, OPTIMIZER_BYTES_PER_PARAM, is not changed)
-    moment_bytes: int = 4
+    # Adam's state per parameter under Megatron's --use-precision-aware-optimizer
+    # (optimizer_precision.adam_state_bytes): the bytes of exp_avg and exp_avg_sq (4 fp32,
+    # 2 bf16 / fp16, 1 fp8) and of the master weight (4; 2 as fp16 or as the 16 low bits
+    # FusedAdam keeps of an fp32 master).  Memory only: the step's traffic,
+    # OPTIMIZER_BYTES_PER_PARAM, is not changed.
+    moment_bytes: tuple = (4, 4)
+    master_bytes: int = 4
     pp_overlap: bool = True                # interleaved p2p behind the next chunk's compute
     muon_ns_steps: int = 0                 # --optimizer muon's Newton-Schulz steps; 0: AdamW
     # Megatron's --cuda-graph-impl local | transformer_engine: a layer pass is one graph
@@ -123,7 +126,8 @@ class ModelOptions:
     @property
     def precision(self) -> mem.Precision:
         prec = mem.Precision.fp32() if self.fp32 else mem.Precision.bf16(self.grad_bytes)
-        prec = replace(prec, adam=2 * self.moment_bytes)
+        prec = replace(prec, adam=sum(self.moment_bytes),
+                       master=0 if self.fp32 else self.master_bytes)
         return replace(prec, muon=True) if self.muon_ns_steps else prec
 
     @property

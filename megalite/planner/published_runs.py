@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
+from megalite.planner.optimizer_precision import adam_state_bytes
+
 NARAYANAN = "Narayanan et al. 2021 (SC21), Table 1"
 LLAMA3 = "Dubey et al. 2024, The Llama 3 Herd of Models, Table 4"
 BRIDGE = ("Megatron-Bridge docs/performance-summary.md, 25.11 container, DGX-H100 "
@@ -235,11 +237,15 @@ BF_MOE = dict(BF_DENSE, moe_routing="uniform", ep_overlap=True, moe_dispatcher="
 # mixed_precision.py lines 302, 264-265, 416 at commits 8f341b04f and 067f987d; line 289
 # at 5776a6d9, the 25.11 rows'); both set fp8_param with it (lines 81-87).
 # DeepSeek-V3's recipe runs the precision-aware optimizer with bf16 moments
-# (ModelOptions.moment_bytes 2): recipes/deepseek/deepseek_v3.py lines 205-209 at
+# (ModelOptions.moment_bytes (2, 2)): recipes/deepseek/deepseek_v3.py lines 205-209 at
 # 8f341b04f (the 26.06 configs); at 067f987d the perf recipes' deepseek_v3_pretrain_config
 # (perf_recipes/deepseek/common.py line 24) is recipes/deepseek/h100/deepseek_v3.py's
 # 1024-GPU config, lines 221-225.
-DSV3_OPT = dict(moment_bytes=2)
+# Every DeepSeek-V3 row runs an FP8 recipe whose fp32 master Megatron-Core keeps (tensorwise
+# on H100, MXFP8 on Blackwell): bf16 moments, a 4-byte master.
+_DSV3_MOMENTS, _DSV3_MASTER = adam_state_bytes(True, "bf16", "bf16", "fp32", "mxfp8",
+                                               quantized_weights=True)
+DSV3_OPT = dict(moment_bytes=_DSV3_MOMENTS, master_bytes=_DSV3_MASTER)
 # The embedding, the MTP depth and the loss each take a pipeline slot: 61 + 3 = 64 slots over
 # the stages, as --pipeline-model-parallel-layout strings (16 stages of 4; 8 stages of 8).
 DSV3_16 = dict(pipeline_layout="Ettt|(tttt|)*14,ttmL")

@@ -220,3 +220,41 @@ def test_ep_overlap_needs_virtual_stages_under_pipeline_parallelism():
     inter = replace(plain, vpp=2, schedule="interleaved")
     assert estimate(m, inter, 4096, cl, on).times["ep"] < estimate(
         m, inter, 4096, cl, ModelOptions(moe_routing="balanced")).times["ep"]
+
+
+def test_plan_with_quantized_weights_and_the_precision_aware_optimizer():
+    """Megatron's --fp8-param-gather and --use-precision-aware-optimizer with 16- and 8-bit
+    moments, as a user runs `megalite plan`: at one layout the weights lose their bf16 copy
+    and the optimizer state shrinks from 12 bytes a parameter to 4 (fp32 master) + 2 + 1;
+    without the FP8 master, FusedAdam's remainder makes it 2 + 4 + 4.  Each misuse is one
+    line and exit status 2."""
+    import json
+    from megalite.planner.optimizer_precision import adam_state_bytes
+    base = ("--recipe", "llama3-8b", "--num-gpus", "8", "--gpu", "h100-80gb",
+            "--global-batch-size", "64", "--tp", "1", "--pp", "2", "--vpp", "1",
+            "--micro-batch-sizes", "1", "--zero-stages", "1", "--json")
+
+    def memory(*extra):
+        out = _plan(*base, *extra)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)["candidates"][0]["memory_bytes"]
+    fp8 = memory("--fp8-recipe", "tensorwise")
+    low = memory("--fp8-recipe", "tensorwise", "--fp8-param-gather",
+                 "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16",
+                 "--exp-avg-sq-dtype", "fp8")
+    assert low["weights"] < fp8["weights"] and low["grads"] == fp8["grads"]
+    assert low["optimizer"] * 12 == pytest.approx(fp8["optimizer"] * 7, rel=1e-6)
+    assert low["total"] < fp8["total"]
+    plain, remainder = memory(), memory("--use-precision-aware-optimizer")
+    assert remainder["optimizer"] * 12 == pytest.approx(plain["optimizer"] * 10, rel=1e-6)
+    assert adam_state_bytes(True, "bf16", "bf16", "fp32", "mxfp8", True) == ((2, 2), 4)
+    assert adam_state_bytes(True, main_params="fp16") == ((4, 4), 2)
+    assert adam_state_bytes(True, fp32_training=True) == ((4, 4), 4)
+    for extra, flag in ((("--exp-avg-dtype", "bf16"), "--exp-avg-dtype"),
+                        (("--fp8-param-gather",), "--fp8-param-gather"),
+                        (("--fp4-recipe", "nvfp4", "--fp4-param-gather", "--zero-stages", "0"),
+                         "--zero-stages")):
+        bad = _plan(*base[:-3], *extra)
+        assert bad.returncode == 2 and bad.stdout == "", (extra, bad.stderr)
+        line, = bad.stderr.strip().splitlines()
+        assert flag in line, line

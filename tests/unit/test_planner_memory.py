@@ -387,7 +387,7 @@ def test_pp_p2p_messages():
 
 
 # ---- FP8 / FP4 weights, MoE expert outputs, 16-bit Adam moments ------------------------
-# (memory.quantized_weight_bytes, ActivationOptions.moe_output_kept, ModelOptions.moment_bytes)
+# (memory.quantized_weight_bytes, ActivationOptions.moe_output_kept, ModelOptions.moment_bytes / master_bytes)
 
 def tiny_moe(**kw):
     return tiny_llama(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, **kw)
@@ -448,7 +448,20 @@ def test_bf16_moments_are_four_bytes_of_adam_state():
     m = tiny_llama()
     cl = make_cluster(2, 2, "b200")
     a = memory_of(m, L2, 32, cl, ModelOptions(grad_bytes=2)).memory
-    b = memory_of(m, L2, 32, cl, ModelOptions(grad_bytes=2, moment_bytes=2)).memory
-    assert ModelOptions(moment_bytes=2).precision.optimizer == 8
+    b = memory_of(m, L2, 32, cl, ModelOptions(grad_bytes=2, moment_bytes=(2, 2))).memory
+    assert ModelOptions(moment_bytes=(2, 2)).precision.optimizer == 8
     assert b["optimizer"] * 12 == a["optimizer"] * 8
     assert (a["weights"], a["grads"]) == (b["weights"], b["grads"])
+
+
+def test_master_remainder_and_mixed_moments_are_summed():
+    """FusedAdam's 16-bit remainder of an fp32 master (2 bytes) with an fp8 exp_avg and a
+    bf16 exp_avg_sq: 2 + 1 + 2 = 5 bytes of optimizer state; fp32 training has no master."""
+    m = tiny_llama()
+    cl = make_cluster(2, 2, "b200")
+    opts = ModelOptions(grad_bytes=2, moment_bytes=(1, 2), master_bytes=2)
+    assert opts.precision.optimizer == 5
+    a = memory_of(m, L2, 32, cl, ModelOptions(grad_bytes=2)).memory
+    b = memory_of(m, L2, 32, cl, opts).memory
+    assert b["optimizer"] * 12 == a["optimizer"] * 5
+    assert ModelOptions(fp32=True, master_bytes=2).precision.master == 0
