@@ -15,6 +15,7 @@ from megalite.cli.boundary import run_cli
 from megalite.config import RECOMPUTE_MODULES, ConfigError, MegaliteConfig, find_field
 from megalite.config.domains import requirement_problem
 from megalite.planner import model_spec as ms
+from megalite.planner import host_offload
 from megalite.planner import report
 from megalite.planner.estimate import PLANNER_ONLY_RECOMPUTE, ModelOptions
 from megalite.planner.hardware import GPU_PRESETS, make_cluster
@@ -95,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only this pipeline split, as pretrain_gpt.py takes it (e.g. "
                    "'Et|(tt|)*30mL'): PP is a divisor of its stage count, VPP the quotient")
     s.add_argument("--micro-batch-sizes", type=_ints, metavar="N[,N]")
-    s.add_argument("--recompute", type=_words(RECOMPUTE_ORDER), default=list(RECOMPUTE_ORDER))
+    s.add_argument("--recompute", type=_words(RECOMPUTE_ORDER), default=None,
+                   help=f"levels to try (default {','.join(RECOMPUTE_ORDER)})")
     s.add_argument("--zero-stages", type=_ints, default=[0, 1], metavar="S[,S]",
                    help="0 DDP, 1 --use-distributed-optimizer, 2 with --overlap-grad-reduce, "
                    "3 --use-torch-fsdp2 (with PP, CP, EP and TP alike; default 0,1)")
@@ -165,9 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "inside a host) or hybridep (also across an NVL72 rack)")
     o.add_argument("--cpu-offloading", action="store_true",
                    help="offload activations to host memory (Megatron's flag; with "
-                   "--cpu-offloading-num-layers)")
+                   "--cpu-offloading-num-layers; PP 1, no recomputation)")
     o.add_argument("--cpu-offloading-num-layers", type=int, default=0, metavar="N",
-                   help="layers per model chunk whose activations go to the host")
+                   help="layers per model chunk whose activations go to the host (N > 0 "
+                   "turns --cpu-offloading on, as in Megatron)")
+    o.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="Megatron's hybrid optimizer: a share of each rank's Adam state on "
+                   "the host, Adam run there (with --use-precision-aware-optimizer and the "
+                   "distributed optimizer)")
+    o.add_argument("--optimizer-offload-fraction", type=float, default=None, metavar="F",
+                   help="share of the optimizer state offloaded, in [0, 1] (default 1.0)")
+    o.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="the offloaded share's transfers beside the CPU's Adam")
     o.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="with --moe-expert-capacity-factor: every expert runs its capacity")
     o.add_argument("--attention-kernel", choices=list(ATTENTION_KERNELS), default="cudnn",
@@ -260,14 +271,24 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         raise ConfigError(f"--zero-stages: unknown stage(s) {bad}; use 0-3")
     quantized = quantized_weights(args)
     zero_stages = [z for z in args.zero_stages if z or not quantized]
+    offload_fraction, zero_stages = host_offload.check_optimizer_offload(
+        args.optimizer_cpu_offload, args.optimizer_offload_fraction,
+        args.overlap_cpu_optimizer_d2h_h2d, args.use_precision_aware_optimizer,
+        args.fp8_param_gather, args.fp8_recipe, zero_stages,
+        (("--exp-avg-dtype", args.exp_avg_dtype), ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype),
+         ("--main-params-dtype", args.main_params_dtype)))
+    offload_layers = cpu_offload_layers(args)
+    pp, recompute = host_offload.activation_offload_space(
+        offload_layers, m.num_layers, args.pp or [], args.recompute or RECOMPUTE_ORDER,
+        args.recompute is not None, args.cuda_graph_impl)
     if not 0 < args.headroom <= 1:
         raise ConfigError("--headroom must be in (0, 1]")
     overlap_flags_problem(args)
     if args.pipeline_model_parallel_layout:          # its letters and counts, before the search
         parse_layout(args.pipeline_model_parallel_layout, 1, m.num_layers, m.mtp_num_layers or 0)
-    space = SearchSpace(tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp,
+    space = SearchSpace(tp=args.tp, pp=pp or None, cp=args.cp, ep=args.ep, etp=args.etp,
                         vpp=args.vpp,
-                        micro_batch=args.micro_batch_sizes, recompute=tuple(args.recompute),
+                        micro_batch=args.micro_batch_sizes, recompute=tuple(recompute),
                         zero=tuple(zero_stages), schedules=tuple(args.schedules or SEARCHED_SCHEDULES),
                         moe_schedules=() if args.schedules else MOE_SEARCHED_SCHEDULES,
                         cp_min_seq=args.cp_min_seq_length,
@@ -288,7 +309,9 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                         moe_dispatcher=args.moe_flex_dispatcher_backend
                         if args.moe_token_dispatcher_type == "flex" else "alltoall",
                         moe_pad_to_capacity=args.moe_pad_expert_input_to_capacity,
-                        cpu_offload_layers=cpu_offload_layers(args),
+                        cpu_offload_layers=offload_layers,
+                        optimizer_offload=offload_fraction,
+                        optimizer_offload_overlap=args.overlap_cpu_optimizer_d2h_h2d,
                         cuda_graphs=args.cuda_graph_impl != "none",
                         quantized_weights=quantized, fp8_param_gather=args.fp8_param_gather)
     if args.fp4_recipe:
@@ -297,7 +320,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         opts = dataclasses.replace(opts, fp8=args.fp4_recipe)
     moments, master = adam_state_bytes(args.use_precision_aware_optimizer, args.exp_avg_dtype,
                                        args.exp_avg_sq_dtype, args.main_params_dtype,
-                                       opts.fp8, quantized, args.fp32)
+                                       opts.fp8, quantized, args.fp32,
+                                       cpu_offload=args.optimizer_cpu_offload)
     opts = dataclasses.replace(opts, moment_bytes=moments, master_bytes=master)
     warn = fp8_unavailable(cluster, opts)
     if warn:
@@ -358,12 +382,11 @@ def quantized_weights(args) -> bool:
 
 
 def cpu_offload_layers(args) -> int:
+    """Layers per chunk whose activations go to the host: N > 0 turns the offload on, as
+    Megatron's arguments.py does; the rest of its rules: host_offload.py."""
     n = args.cpu_offloading_num_layers
     if n < 0:
         raise ConfigError(f"--cpu-offloading-num-layers must be >= 0, got {n}")
-    if n and not args.cpu_offloading:
-        raise ConfigError("--cpu-offloading-num-layers needs --cpu-offloading (Megatron's "
-                          "pair); add it")
     if args.cpu_offloading and not n:
         raise ConfigError("--cpu-offloading: give --cpu-offloading-num-layers N (layers "
                           "per model chunk to offload)")

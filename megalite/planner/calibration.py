@@ -53,6 +53,14 @@ SUSTAINED_B300 = 0.8518
 # low_precision_rate says why not a share of the FP4 peak): no FP4 kernel measurement is
 # published, and the recipe's GEMMs are the two-level-scaled, Hadamard-transformed ones.
 NVFP4_GEMM = 1.739
+# Seconds of Adam on the host per offloaded parameter of one rank (Megatron's hybrid
+# optimizer, planner/host_offload.py): fitted on one measurement, Megatron-Bridge's
+# Qwen3-30B-A3B at 100% offload without overlap (published.fit_cpu_adam(); the other
+# fractions, the overlapped row and NeMo-RL's single-GPU runs are held out:
+# benchmarks/optimizer_offload_vs_published.py).  Per rank, not per host: the 8-ranks-a-host
+# fit predicts the one-rank host of NeMo-RL, so the host's memory bandwidth is not what
+# bounds it.
+CPU_ADAM_SECONDS_PER_PARAM = 1.522e-9
 _GENERATION = {"A100": "A100", "B200": "B200", "GB200": "B200", "B300": "B300",
                "GB300": "B300"}
 

@@ -18,6 +18,7 @@ from megalite.config.pipeline_schedules import get_schedule, paired_counts
 from megalite.planner import calibration
 from megalite.planner import comm_model as cm
 from megalite.planner import flops as fl
+from megalite.planner import host_offload
 from megalite.planner import kernels
 from megalite.planner import memory as mem
 from megalite.planner import model_spec as ms
@@ -112,6 +113,14 @@ class ModelOptions:
     # OPTIMIZER_BYTES_PER_PARAM, is not changed.
     moment_bytes: tuple = (4, 4)
     master_bytes: int = 4
+    # Megatron's --optimizer-cpu-offload --optimizer-offload-fraction F (host_offload.py):
+    # the share of each rank's optimizer shard on the host, Adam run there, transfers
+    # overlapped (--overlap-cpu-optimizer-d2h-h2d) or not; ``optimizer_offload_master``:
+    # the fp32 master leaves the GPU too (--use-precision-aware-optimizer, which
+    # Megatron-LM requires; Megatron-Bridge's runs without it keep the master on the GPU)
+    optimizer_offload: float = 0.0
+    optimizer_offload_overlap: bool = False
+    optimizer_offload_master: bool = True
     pp_overlap: bool = True                # interleaved p2p behind the next chunk's compute
     muon_ns_steps: int = 0                 # --optimizer muon's Newton-Schulz steps; 0: AdamW
     # Megatron's --cuda-graph-impl local | transformer_engine: a layer pass is one graph
@@ -122,6 +131,12 @@ class ModelOptions:
         if self.ep_overlap_rule not in EP_OVERLAP_RULES:
             raise ValueError(f"ModelOptions.ep_overlap_rule: {self.ep_overlap_rule!r}; "
                              f"choose from {EP_OVERLAP_RULES}")
+        if not 0.0 <= self.optimizer_offload <= 1.0:
+            raise ValueError(f"ModelOptions.optimizer_offload {self.optimizer_offload}: a "
+                             f"share in [0, 1]")
+        if self.optimizer_offload and self.muon_ns_steps:
+            raise ValueError("ModelOptions: Megatron's hybrid optimizer offloads Adam (or "
+                             "SGD), not Muon")
 
     @property
     def precision(self) -> mem.Precision:
@@ -200,7 +215,7 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         peak = dict(full, activations=int(act))
         peak["total"] = peak["weights"] + peak["grads"] + peak["optimizer"] + peak["activations"]
     if opts.cpu_offload_layers:
-        share = offloaded_share(m, L, peak["pp_rank"], opts.cpu_offload_layers)
+        share = host_offload.offloaded_share(m, L, peak["pp_rank"], opts.cpu_offload_layers)
         gone = int(share * peak["activations"])
         peak = dict(peak, activations=peak["activations"] - gone)
         peak["total"] -= gone
@@ -216,6 +231,12 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         peak = dict(peak, weights=peak["weights"] + copies,
                     activations=peak["activations"] - saved)
         peak["total"] += copies - saved
+    if opts.optimizer_offload:
+        left, host, moved = host_offload.optimizer_offload_bytes(
+            peak["optimizer"], opts.moment_bytes, opts.master_bytes, opts.optimizer_offload,
+            opts.optimizer_offload_master)
+        peak = dict(peak, optimizer=left, host=host, offloaded_params=moved,
+                    total=peak["total"] - (peak["optimizer"] - left))
     if L.zero >= 3 and not opts.fsdp_reshard and L.pp == 1:
         # ZeRO-3 without resharding after forward: the gathered bf16 weights stay until
         # backward (with PP memory.rank_memory counts them, and the unsharded gradients).
@@ -223,27 +244,6 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         peak = dict(peak, weights=peak["weights"] + unsharded)
         peak["total"] += unsharded
     return Estimate(L, peak, int(cluster.gpu.memory_bytes * opts.headroom))
-
-
-def offloaded_share(m: ModelConfig, L: Layout, pp_rank: int, layers: int) -> float:
-    """Share of a stage's layers whose activations CPU offloading moves to the host."""
-    kinds = ms.stage_layer_kinds(m, L.pp, pp_rank, L.vpp, *L.stage_split)
-    return min(1.0, layers * L.vpp / max(1, sum(kinds)))
-
-
-def offload_seconds(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
-                    opts: ModelOptions, t_f: float, t_b: float) -> float:
-    """Exposed host-transfer time of one micro-batch: the offloaded layers' activations go
-    out during forward and come back during backward, each hidden behind that pass's
-    compute as far as it reaches (Megatron's offload runs on its own stream)."""
-    if not opts.cpu_offload_layers:
-        return 0.0
-    kinds = ms.stage_layer_kinds(m, L.pp, r, L.vpp, *L.stage_split)
-    per = sum(n * mem.layer_activation_bytes(m, L, moe, seq, opts.activations, L.recompute)
-              for n, moe in zip(kinds, (False, True)) if n)
-    moved = offloaded_share(m, L, r, opts.cpu_offload_layers) * per
-    bw = cluster.gpu.host_gbps * 1e9 * cluster.eff.link
-    return max(0.0, moved / bw - t_f) + max(0.0, moved / bw - t_b)
 
 
 def fp8_activation_saving(m: ModelConfig, L: Layout, seq: int, pp_rank: int,
@@ -479,7 +479,9 @@ def _stage_row(m: ModelConfig, L: Layout, seq: int, r: int, cluster: Cluster,
         pp = 0.0
     elif interleaved_p2p:
         pp = max(0.0, pp - (t_f + t_b))
-    offload = offload_seconds(m, L, seq, r, cluster, opts, t_f, t_b)
+    offload = host_offload.activation_offload_seconds(m, L, seq, r, cluster,
+                                                      opts.cpu_offload_layers,
+                                                      opts.activations, t_f, t_b)
     row = dict(r=r, t_f=t_f, t_b=t_b, rec=c["rec"], tp=tp, offload=offload,
                cp=max(0.0, comm.get("cp", 0.0) / mbs - ring_hidden), ep=ep, pp=pp,
                pp_hop=comm.get("pp", 0.0) / mbs / max(1, L.vpp), dp=comm.get("dp", 0.0),
@@ -551,7 +553,12 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     bubble = _bubble(L, worst, mean(lambda r: r["slot"] - r["pp"]), mean(lambda r: r["pp_hop"]))
     dp = max(_dp_exposed(m, L, r, opts) for r in rows)
     local = est.memory["params"] / L.dense_shards if L.zero >= 1 else est.memory["params"]
-    optim = local * OPTIMIZER_BYTES_PER_PARAM / (cluster.gpu.hbm_gbps * 1e9 * cluster.eff.hbm)
+    optim = local * (1 - opts.optimizer_offload) * OPTIMIZER_BYTES_PER_PARAM / (
+        cluster.gpu.hbm_gbps * 1e9 * cluster.eff.hbm)
+    # the host's share: gradients out, Adam on the CPU, parameters back (host_offload.py)
+    host_optim = host_offload.optimizer_offload_seconds(
+        est.memory.get("offloaded_params", 0), cluster, opts.optimizer_offload_overlap)
+    optim += host_optim
     optim += kernels.weight_cast_seconds(est.memory["params"], cluster, opts)
     if opts.muon_ns_steps:      # Newton-Schulz GEMMs of the slowest stage (muon_cost.py)
         optim += max(muon_cost.stage_newton_schulz_flops(m, L, r["r"], opts.muon_ns_steps)
@@ -562,7 +569,8 @@ def estimate(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
                  "pp": mbs * worst["pp"], "offload": mbs * worst["offload"],
                  "moe_sync": mbs * worst["moe_sync"],
                  "bubble": bubble, "dp": dp, "optimizer": optim,
-                 "dp_total": max(r["dp"] for r in rows), "fp8_cast": mbs * worst["cast"]}
+                 "dp_total": max(r["dp"] for r in rows), "fp8_cast": mbs * worst["cast"],
+                 "optimizer_offload": host_optim}
     est.moe_load = load
     est.times["step"] = mbs * worst["slot"] + bubble + dp + optim
     est.flops = fl.iteration_flops(m, seq, L.global_batch, L.recompute)

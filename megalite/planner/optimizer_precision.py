@@ -28,9 +28,12 @@ MCORE_MASTER_RECIPES = ("tensorwise", "blockwise", "mxfp8")
 def adam_state_bytes(precision_aware: bool, exp_avg: str = "fp32", exp_avg_sq: str = "fp32",
                      main_params: str = "fp32", low_precision: Optional[str] = None,
                      quantized_weights: bool = False,
-                     fp32_training: bool = False) -> Tuple[Tuple[int, int], int]:
+                     fp32_training: bool = False,
+                     cpu_offload: bool = False) -> Tuple[Tuple[int, int], int]:
     """((exp_avg, exp_avg_sq) bytes, master bytes) per parameter; a one-line ConfigError
-    naming the flag when a dtype is set without ``--use-precision-aware-optimizer``."""
+    naming the flag when a dtype is set without ``--use-precision-aware-optimizer``.
+    ``cpu_offload`` (--optimizer-cpu-offload): Megatron's hybrid optimizer, torch's Adam on
+    both devices, fp32 state and a whole fp32 master (planner/host_offload.py)."""
     for flag, value, choices in (("--exp-avg-dtype", exp_avg, STATE_DTYPES),
                                  ("--exp-avg-sq-dtype", exp_avg_sq, STATE_DTYPES),
                                  ("--main-params-dtype", main_params, MASTER_DTYPES)):
@@ -43,7 +46,7 @@ def adam_state_bytes(precision_aware: bool, exp_avg: str = "fp32", exp_avg_sq: s
     moments = (DTYPE_BYTES[exp_avg], DTYPE_BYTES[exp_avg_sq])
     master = DTYPE_BYTES[main_params]
     te_owns_master = main_params != "fp32" or low_precision not in MCORE_MASTER_RECIPES
-    if (precision_aware and te_owns_master and main_params == "fp32" and not fp32_training
+    if (precision_aware and te_owns_master and not cpu_offload and main_params == "fp32" and not fp32_training
             and not quantized_weights):
         master = 2                                   # the fp32 master's low 16 bits
     return moments, master
