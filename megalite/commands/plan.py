@@ -18,7 +18,7 @@ from megalite.planner import model_spec as ms
 from megalite.planner import host_offload
 from megalite.planner import report
 from megalite.planner.estimate import PLANNER_ONLY_RECOMPUTE, ModelOptions
-from megalite.planner.hardware import GPU_PRESETS, make_cluster
+from megalite.planner.hardware import GPU_PRESETS, GiB, make_cluster
 from megalite.config.pipeline_layout import parse_layout
 from megalite.config.pipeline_schedules import SCHEDULE_NAMES
 from megalite.planner.kernels import (ATTENTION_KERNELS, FP4_RECIPES, FP8_ONLY_RECIPES,
@@ -340,6 +340,10 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
                   "megalite's local layers, what runs today, keep more: add --local-layers",
                   file=out)
         best = res.ranked[0]
+        if best.memory.get("host"):
+            print(f"host memory the best layout offloads: {best.memory['host'] / GiB:.1f} GiB "
+                  f"per GPU ({cluster.gpus_per_node * best.memory['host'] / GiB:.0f} GiB a "
+                  f"node of {cluster.gpus_per_node})", file=out)
         print("\nbest layout as pretrain_gpt.py flags:", file=out)
         print(shlex.join(report.winner_flags(best, m, seq, args.fp32, opts)), file=out)
         if args.check_collectives:

@@ -217,7 +217,7 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
     if opts.cpu_offload_layers:
         share = host_offload.offloaded_share(m, L, peak["pp_rank"], opts.cpu_offload_layers)
         gone = int(share * peak["activations"])
-        peak = dict(peak, activations=peak["activations"] - gone)
+        peak = dict(peak, activations=peak["activations"] - gone, host=gone)
         peak["total"] -= gone
     if opts.fp8 and cluster.gpu.fp8_matmul_tflops:
         # Transformer Engine keeps each weight's quantized copies between micro-batches
@@ -235,7 +235,8 @@ def memory_of(m: ModelConfig, L: Layout, seq: int, cluster: Cluster,
         left, host, moved = host_offload.optimizer_offload_bytes(
             peak["optimizer"], opts.moment_bytes, opts.master_bytes, opts.optimizer_offload,
             opts.optimizer_offload_master)
-        peak = dict(peak, optimizer=left, host=host, offloaded_params=moved,
+        peak = dict(peak, optimizer=left, host=peak.get("host", 0) + host,
+                    offloaded_params=moved,
                     total=peak["total"] - (peak["optimizer"] - left))
     if L.zero >= 3 and not opts.fsdp_reshard and L.pp == 1:
         # ZeRO-3 without resharding after forward: the gathered bf16 weights stay until

@@ -97,11 +97,14 @@ def test_activation_offload_searches_only_what_megatron_runs_it_with():
     cands = json.loads(got.stdout)["candidates"]
     assert cands and all(c["layout"]["pp"] == 1 and c["layout"]["recompute"] == "none"
                          for c in cands)
+    text = _plan("--cpu-offloading-num-layers", "8", "--top", "1")
+    assert text.returncode == 0 and "host memory the best layout offloads: " in text.stdout
     m, L = ms.recipe("llama3-8b"), Layout(world=8, tp=2, micro_batch=1, global_batch=64)
     base = estimate(m, L, 8192, make_cluster(8), ModelOptions())
     off = estimate(m, L, 8192, make_cluster(8), ModelOptions(cpu_offload_layers=8))
     assert off.memory["activations"] == pytest.approx(0.75 * base.memory["activations"],
                                                       rel=1e-6)
+    assert off.memory["host"] == base.memory["activations"] - off.memory["activations"]
 
 
 def test_offload_muon_and_a_bad_share_are_refused_in_the_api_too():
