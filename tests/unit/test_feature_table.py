@@ -516,6 +516,10 @@ USER_ERROR_PLACES = {
     "megalite/planner/hardware.py": "the planner's hardware files and names",
     "megalite/planner/model_spec.py": "the planner's model files and names",
     "megalite/planner/moe_cost.py": "the planner's MoE routing-statistics file",
+    "megalite/planner/optimizer_precision.py": "the planner's Megatron optimizer-precision "
+                                               "flags (--exp-avg-dtype ...)",
+    "megalite/planner/host_offload.py": "the planner's Megatron offload flags "
+                                        "(--cpu-offloading, --optimizer-cpu-offload)",
     "megalite/planner/search.py": "re-raises validation's reason for a layout asked for",
     "megalite/commands/validate_run.py": "the plan-validation command's own flags",
     "megalite/elastic/etcd_rdzv.py": "the etcd rendezvous' endpoints and client (found when "

@@ -127,7 +127,8 @@ def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
     p = run("plan", "--recipe", "gpt-1.7b", "--num-gpus", "16", "--gpu", "a100-80gb",
-            "--global-batch-size", "256", "--plot", str(out), "--top", "3")
+            "--global-batch-size", "256", "--plot", str(out), "--top", "3",
+            "--schedules", "1f1b")                 # the sweep searches 4x less
     assert p.returncode == 0, p.stderr
     assert out.stat().st_size > 10_000
 

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from megalite.commands.plan import main as plan_main
 from megalite.planner import calibration
 from megalite.planner.estimate import ModelOptions, estimate
 from megalite.planner.hardware import make_cluster
@@ -31,21 +32,37 @@ def _plan(*args):
                           cwd=ROOT, timeout=120)
 
 
-def _best(*args):
-    got = _plan(*PINNED, *args)
-    assert got.returncode == 0, got.stderr
-    return json.loads(got.stdout)["candidates"][0]
+def _in_process(capsys, *args):
+    """``megalite plan`` behind the same boundary, in this process (no start-up cost):
+    (exit status, stdout, stderr)."""
+    try:
+        status = plan_main([*BASE, *args])
+    except SystemExit as exc:
+        status = exc.code
+    got = capsys.readouterr()
+    return status, got.out, got.err
 
 
-def test_optimizer_offload_moves_the_state_to_the_host_and_prices_the_host_step():
+def _best(capsys, *args, outside=False):
+    if outside:
+        got = _plan(*PINNED, *args)
+        assert got.returncode == 0, got.stderr
+        out = got.stdout
+    else:
+        status, out, err = _in_process(capsys, *PINNED, *args)
+        assert status == 0, err
+    return json.loads(out)["candidates"][0]
+
+
+def test_optimizer_offload_moves_the_state_to_the_host_and_prices_the_host_step(capsys):
     """The flags docs/planner.md shows: half the shard's fp32 master and moments leave the
     GPU; the step grows by the offloaded parameters' transfers and CPU Adam, less with the
     transfers overlapped."""
     flags = ["--use-precision-aware-optimizer", "--optimizer-cpu-offload"]
-    none = _best(*flags, "--optimizer-offload-fraction", "0")
-    half = _best(*flags, "--optimizer-offload-fraction", "0.5")
-    full = _best(*flags)                                   # Megatron's default: 1.0
-    over = _best(*flags, "--overlap-cpu-optimizer-d2h-h2d")
+    half = _best(capsys, *flags, "--optimizer-offload-fraction", "0.5", outside=True)
+    none = _best(capsys, *flags, "--optimizer-offload-fraction", "0")
+    full = _best(capsys, *flags)                           # Megatron's default: 1.0
+    over = _best(capsys, *flags, "--overlap-cpu-optimizer-d2h-h2d")
     mem = {k: c["memory_bytes"] for k, c in (("0", none), ("half", half), ("1", full))}
     params = mem["0"]["optimizer"] // 12                   # fp32 master + two fp32 moments
     assert params == pytest.approx(8.03e9 / 8, rel=0.01)   # the TP2 x DP4 shard of 8B
@@ -81,20 +98,25 @@ def test_optimizer_offload_moves_the_state_to_the_host_and_prices_the_host_step(
     (["--cpu-offloading-num-layers", "4", "--cuda-graph-impl", "local"], "--cuda-graph-impl"),
     (["--cpu-offloading-num-layers", "32"], "at most 31"),
 ])
-def test_each_offload_mistake_is_one_line_naming_the_flag(args, flag):
-    bad = _plan(*args)
-    assert bad.returncode == 2 and bad.stdout == ""
-    line, = bad.stderr.strip().splitlines()
+def test_each_offload_mistake_is_one_line_naming_the_flag(args, flag, capsys):
+    """In process behind the command's boundary (the first also as a user runs it)."""
+    status, out, err = _in_process(capsys, *args)
+    assert status == 2 and out == ""
+    line, = err.strip().splitlines()
     assert flag in line, line
+    if args == ["--optimizer-cpu-offload"]:
+        bad = _plan(*args)
+        assert (bad.returncode, bad.stdout, bad.stderr) == (2, out, err)
 
 
-def test_activation_offload_searches_only_what_megatron_runs_it_with():
+def test_activation_offload_searches_only_what_megatron_runs_it_with(capsys):
     """--cpu-offloading-num-layers N alone turns the offload on (Megatron's arguments.py);
     the search keeps to PP 1 without recomputation, and the offloaded layers' activations
     leave the GPU."""
-    got = _plan("--cpu-offloading-num-layers", "8", "--top", "50", "--json")
-    assert got.returncode == 0, got.stderr
-    cands = json.loads(got.stdout)["candidates"]
+    status, out, err = _in_process(capsys, "--cpu-offloading-num-layers", "8", "--top", "50",
+                                   "--json")
+    assert status == 0, err
+    cands = json.loads(out)["candidates"]
     assert cands and all(c["layout"]["pp"] == 1 and c["layout"]["recompute"] == "none"
                          for c in cands)
     text = _plan("--cpu-offloading-num-layers", "8", "--top", "1")

@@ -41,9 +41,11 @@ def test_ranked_by_step_time(llama8b_64):
 def test_cp_only_for_long_sequences():
     m = ms.recipe("llama3-8b")
     c = make_cluster(64)
-    short = search(m, 8192, 64, c)
-    assert all(e.layout.cp == 1 for e in short.ranked)
-    long = search(m, 65536, 16, c)
+    # one schedule and micro-batch: CP's rule is the same, the search 8x smaller
+    space = SearchSpace(schedules=("1f1b",), micro_batch=[1])
+    short = search(m, 8192, 64, c, space)
+    assert short.ranked and all(e.layout.cp == 1 for e in short.ranked)
+    long = search(m, 65536, 16, c, space)
     assert any(e.layout.cp > 1 for e in long.ranked)
 
 
@@ -115,8 +117,10 @@ def test_fsdp2_with_pp_cp_ep_and_hsdp_layouts_are_searched_and_emitted():
     from megalite.cli import features
 
     m = ms.recipe("llama3-70b")
+    # one micro-batch size and recompute level: the same compositions, a search 10x smaller
     res = search(m, 8192, 512, make_cluster(256), SearchSpace(
-        zero=(3,), instances=(1, "node"), schedules=("1f1b", "interleaved", "zero-bubble")))
+        zero=(3,), instances=(1, "node"), schedules=("1f1b", "interleaved", "zero-bubble"),
+        micro_batch=[1], recompute=("full",)))
     got = {(e.layout.pp > 1, e.layout.instances > 1, e.layout.schedule) for e in res.ranked}
     assert (True, False, "1f1b") in got and (True, True, "interleaved") in got
     assert (True, False, "zero-bubble") in got and (True, True, "1f1b") in got
@@ -134,7 +138,8 @@ def test_fsdp2_with_pp_cp_ep_and_hsdp_layouts_are_searched_and_emitted():
     cp = search(m, 65536, 64, make_cluster(256), SearchSpace(zero=(3,), cp=[2], tp=[8]))
     assert cp.ranked and all(e.layout.cp == 2 for e in cp.ranked)
     moe = ms.recipe("mixtral-8x7b")
-    ep = search(moe, 4096, 256, make_cluster(64), SearchSpace(zero=(3,), ep=[2, 4]))
+    ep = search(moe, 4096, 256, make_cluster(64), SearchSpace(zero=(3,), ep=[2, 4],
+                                                              micro_batch=[1]))
     assert ep.ranked and any(e.layout.ep > 1 and e.layout.zero == 3 for e in ep.ranked)
 
 
