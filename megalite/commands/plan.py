@@ -277,7 +277,8 @@ def plan(argv: Optional[List[str]] = None, out=None) -> int:
         args.fp8_param_gather, args.fp8_recipe, zero_stages,
         (("--exp-avg-dtype", args.exp_avg_dtype), ("--exp-avg-sq-dtype", args.exp_avg_sq_dtype),
          ("--main-params-dtype", args.main_params_dtype)))
-    offload_layers = cpu_offload_layers(args)
+    offload_layers = host_offload.activation_offload_layers(args.cpu_offloading,
+                                                            args.cpu_offloading_num_layers)
     pp, recompute = host_offload.activation_offload_space(
         offload_layers, m.num_layers, args.pp or [], args.recompute or RECOMPUTE_ORDER,
         args.recompute is not None, args.cuda_graph_impl)
@@ -383,18 +384,6 @@ def quantized_weights(args) -> bool:
         raise ConfigError("--fp8-param-gather / --fp4-param-gather need the distributed "
                           "optimizer or FSDP: give --zero-stages 1, 2 or 3")
     return quantized
-
-
-def cpu_offload_layers(args) -> int:
-    """Layers per chunk whose activations go to the host: N > 0 turns the offload on, as
-    Megatron's arguments.py does; the rest of its rules: host_offload.py."""
-    n = args.cpu_offloading_num_layers
-    if n < 0:
-        raise ConfigError(f"--cpu-offloading-num-layers must be >= 0, got {n}")
-    if args.cpu_offloading and not n:
-        raise ConfigError("--cpu-offloading: give --cpu-offloading-num-layers N (layers "
-                          "per model chunk to offload)")
-    return n
 
 
 def moe_routing(text: str):

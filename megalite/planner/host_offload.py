@@ -69,6 +69,17 @@ def activation_offload_seconds(m: ModelConfig, L: Layout, seq: int, r: int, clus
     return max(0.0, moved / bw - t_f) + max(0.0, moved / bw - t_b)
 
 
+def activation_offload_layers(on: bool, layers: int) -> int:
+    """Layers per chunk whose activations go to the host: ``layers`` > 0 turns the offload
+    on, as Megatron's arguments.py does; ``--cpu-offloading`` alone names no layers."""
+    if layers < 0:
+        raise ConfigError(f"--cpu-offloading-num-layers must be >= 0, got {layers}")
+    if on and not layers:
+        raise ConfigError("--cpu-offloading: give --cpu-offloading-num-layers N (layers "
+                          "per model chunk to offload)")
+    return layers
+
+
 def activation_offload_space(layers: int, num_layers: int, pp: Sequence[int],
                              recompute: Sequence[str], recompute_given: bool,
                              cuda_graph_impl: str) -> Tuple[list, tuple]:

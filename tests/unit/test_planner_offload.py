@@ -97,6 +97,7 @@ def test_optimizer_offload_moves_the_state_to_the_host_and_prices_the_host_step(
     (["--cpu-offloading-num-layers", "4", "--recompute", "full"], "--recompute none"),
     (["--cpu-offloading-num-layers", "4", "--cuda-graph-impl", "local"], "--cuda-graph-impl"),
     (["--cpu-offloading-num-layers", "32"], "at most 31"),
+    (["--cpu-offloading-num-layers", "-1"], "--cpu-offloading-num-layers must be >= 0"),
 ])
 def test_each_offload_mistake_is_one_line_naming_the_flag(args, flag, capsys):
     """In process behind the command's boundary (the first also as a user runs it)."""
