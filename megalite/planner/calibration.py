@@ -55,7 +55,7 @@ SUSTAINED_B300 = 0.8518
 NVFP4_GEMM = 1.739
 # Seconds of Adam on the host per offloaded parameter of one rank (Megatron's hybrid
 # optimizer, planner/host_offload.py): fitted on one measurement, Megatron-Bridge's
-# Qwen3-30B-A3B at 100% offload without overlap (published.fit_cpu_adam(); the other
+# Qwen3-30B-A3B at 100% offload without overlap (published_offload.fit_cpu_adam(); the other
 # fractions, the overlapped row and NeMo-RL's single-GPU runs are held out:
 # benchmarks/optimizer_offload_vs_published.py).  Per rank, not per host: the 8-ranks-a-host
 # fit predicts the one-rank host of NeMo-RL, so the host's memory bandwidth is not what

@@ -10,7 +10,7 @@ every other row is held out (benchmarks/optimizer_offload_vs_published.py prints
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from megalite.planner import calibration
